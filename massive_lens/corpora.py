@@ -1,0 +1,158 @@
+"""Text sources and token batching.
+
+Massive activations are a statement about *typical* text, so analyses that average (a
+corpus scan, perplexity) need a stream of real prose. Three sources:
+
+- the package's own offline default: the prose of the Python reference manual that every
+  CPython ships (``pydoc_data.topics``), so nothing is downloaded and nothing outside the
+  package is read;
+- plain text files (read piece by piece, so a large file never sits in memory at once);
+- Hugging Face datasets by name (``"hf:wikitext:wikitext-2-raw-v1:test"``), streamed;
+  this needs network access and the ``datasets`` package.
+
+:func:`token_batches` turns any of them into ``[batch, seq_len]`` token tensors, each
+sequence starting with BOS when the model prepends one.
+
+>>> default_text()[:40]
+'...'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from massive_lens.errors import MassiveLensError
+
+_PIECE_CHARS = 1 << 20  # characters tokenized at once when streaming a file
+
+Corpus = str | os.PathLike | Iterable[str] | None
+
+
+def default_text() -> str:
+    """Offline English prose (about 1 MB): the topics of CPython's reference manual."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key].strip() for key in sorted(topics))
+
+
+def iter_texts(corpus: Corpus = None) -> Iterator[str]:
+    """Yield the text pieces of a corpus source (see the module docstring).
+
+    >>> next(iter_texts(["one text", "another"]))
+    'one text'
+    """
+    if corpus is None:
+        yield default_text()
+    elif isinstance(corpus, os.PathLike) or (isinstance(corpus, str) and _looks_like_path(corpus)):
+        yield from _read_file(Path(corpus))
+    elif isinstance(corpus, str) and corpus.startswith("hf:"):
+        yield from _hf_texts(corpus)
+    elif isinstance(corpus, str):
+        yield corpus
+    else:
+        for text in corpus:
+            if not isinstance(text, str):
+                raise MassiveLensError(f"corpus items must be strings, got {type(text).__name__}")
+            yield text
+
+
+def token_batches(
+    view: Any,
+    corpus: Corpus = None,
+    *,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    max_tokens: int | None = None,
+    prepend_bos: bool | None = None,
+) -> Iterator[Int[Tensor, "batch pos"]]:
+    """Cut a corpus into ``[batch_size, seq_len]`` token batches (the last may be smaller).
+
+    Every sequence starts with BOS when the model prepends one; ``max_tokens`` bounds the
+    total number of tokens yielded. ``view`` is a ``ModelView``.
+    """
+    if seq_len < 2 or batch_size < 1:
+        raise MassiveLensError(f"need seq_len >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
+    view._check_length(seq_len)
+    tok = view.tokenizer
+    if prepend_bos is None:
+        prepend_bos = bool(getattr(view.cfg, "default_prepend_bos", True))
+    bos = [tok.bos_token_id] if prepend_bos and tok.bos_token_id is not None else []
+    body = seq_len - len(bos)
+    max_seqs = None if max_tokens is None else max_tokens // seq_len
+    if max_seqs == 0:
+        raise MassiveLensError(f"max_tokens={max_tokens} is below one sequence of {seq_len} tokens")
+    buffer: list[int] = []
+    rows: list[list[int]] = []
+    n_seqs = 0
+    for text in iter_texts(corpus):
+        buffer.extend(tok(text, add_special_tokens=False)["input_ids"])
+        while len(buffer) >= body:
+            rows.append(bos + buffer[:body])
+            del buffer[:body]
+            n_seqs += 1
+            if len(rows) == batch_size or n_seqs == max_seqs:
+                yield torch.tensor(rows, dtype=torch.long)
+                rows = []
+            if n_seqs == max_seqs:
+                return
+    if rows:
+        yield torch.tensor(rows, dtype=torch.long)
+    if n_seqs == 0:
+        raise MassiveLensError(
+            f"the corpus has fewer than {body} tokens, not enough for one sequence of "
+            f"{seq_len}; lower seq_len or give more text"
+        )
+
+
+def _looks_like_path(text: str) -> bool:
+    if "\n" in text or len(text) > 4096:
+        return False
+    if Path(text).expanduser().exists():
+        return True
+    if " " not in text and (os.sep in text or Path(text).suffix in {".txt", ".md", ".json"}):
+        raise MassiveLensError(f"no such corpus file: {text}")
+    return False
+
+
+def _read_file(path: Path) -> Iterator[str]:
+    path = path.expanduser()
+    if not path.is_file():
+        raise MassiveLensError(f"no such corpus file: {path}")
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        carry = ""
+        while piece := handle.read(_PIECE_CHARS):
+            piece = carry + piece
+            cut = piece.rfind("\n") + 1 or len(piece)  # cut at a line end, not mid-word
+            carry = piece[cut:]
+            yield piece[:cut]
+        if carry:
+            yield carry
+
+
+def _hf_texts(spec: str) -> Iterator[str]:
+    parts = spec[3:].split(":")
+    name, config, split = parts[0], (parts[1] if len(parts) > 1 else None), (parts[2] if len(parts) > 2 else "train")
+    try:
+        import datasets
+    except ImportError as exc:
+        raise MassiveLensError(
+            f"{spec} needs the datasets package: pip install 'massive-lens[datasets]'"
+        ) from exc
+    try:
+        rows = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as exc:  # network, unknown name, unknown split
+        raise MassiveLensError(
+            f"could not open the Hugging Face dataset {name!r} (config {config}, split "
+            f"{split}): {exc}. Offline, use a text file or the default corpus (None)"
+        ) from exc
+    for row in rows:
+        text = row.get("text")
+        if text:
+            yield text
