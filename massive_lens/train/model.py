@@ -1,0 +1,362 @@
+"""MassiveLM: a small, readable decoder-only transformer with TransformerLens hook names.
+
+The whole model fits in this file, nanoGPT style, so you can see every place a massive
+activation could be born: the embedding, each attention layer (whose softmax variant is
+pluggable, see :mod:`massive_lens.train.attention`), and each MLP. It is built on
+TransformerLens's ``HookedRootModule``/``HookPoint``, so ``run_with_cache`` and
+``run_with_hooks`` work and every massive_lens analysis runs on it unchanged.
+
+Two styles: ``"llama"`` (default; RMSNorm pre-norm, rotary positions, SwiGLU MLP, no
+biases) and ``"gpt2"`` (LayerNorm, learned positions, GELU MLP, biases). Weights are
+stored in TransformerLens's layouts (``attn.W_Q`` is ``[n_heads, d_model, d_head]``,
+``mlp.W_out`` is ``[d_mlp, d_model]``), so weight edits such as zeroing a super weight
+work as they do on a TransformerLens model.
+
+>>> model = MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2, n_ctx=16))
+>>> logits, cache = model.run_with_cache("Hello. World")
+>>> tuple(cache["blocks.1.attn.hook_pattern"].shape), tuple(logits.shape)
+((1, 2, 13, 13), (1, 13, 259))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from massive_lens.errors import MassiveLensError
+from massive_lens.train.attention import VariantConfig, make_variant
+
+SINK_TOKEN = "<|sink|>"
+
+
+@dataclass
+class MassiveLMConfig:
+    """Shape and style of a :class:`MassiveLM` (field names follow TransformerLens's cfg).
+
+    ``None`` fields are derived: ``d_head = d_model // n_heads``; ``d_mlp`` is
+    ``4 d_model`` for GELU and about ``8/3 d_model`` (rounded to 16) for SwiGLU.
+    ``hook_points=False`` replaces every HookPoint by a plain identity (for benchmarks).
+    """
+
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    n_ctx: int = 128
+    d_vocab: int = 259
+    style: str = "llama"
+    attention: VariantConfig = field(default_factory=VariantConfig)
+    d_head: int | None = None
+    d_mlp: int | None = None
+    eps: float = 1e-5
+    rotary_base: float = 10000.0
+    init_range: float = 0.02
+    hook_points: bool = True
+    default_prepend_bos: bool = True
+    n_key_value_heads: int | None = None
+    model_name: str = "MassiveLM"
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attention, str):
+            self.attention = VariantConfig(self.attention)
+        elif isinstance(self.attention, dict):
+            self.attention = VariantConfig(**self.attention)
+        if self.style not in ("llama", "gpt2"):
+            raise MassiveLensError(f"MassiveLM style must be 'llama' or 'gpt2', got {self.style!r}")
+        if self.d_model % self.n_heads and self.d_head is None:
+            raise MassiveLensError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "change one or pass d_head"
+            )
+        self.d_head = self.d_head or self.d_model // self.n_heads
+        if self.d_mlp is None:
+            self.d_mlp = 4 * self.d_model if self.style == "gpt2" else 16 * -(-self.d_model * 8 // 48)
+
+    llama = property(lambda self: self.style == "llama")
+    act_fn = property(lambda self: "silu" if self.llama else "gelu")
+    normalization_type = property(lambda self: "RMS" if self.llama else "LN")
+    positional_embedding_type = property(lambda self: "rotary" if self.llama else "standard")
+    gated_mlp = property(lambda self: self.llama)
+    d_vocab_out = property(lambda self: self.d_vocab)
+    original_architecture = property(lambda self: "MassiveLM")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able fields (for checkpoints and logs)."""
+        out = asdict(self)
+        out["dtype"] = str(self.dtype).replace("torch.", "")
+        return out
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> MassiveLMConfig:
+        fields = dict(fields)
+        fields["dtype"] = getattr(torch, str(fields.get("dtype", "float32")))
+        return cls(**fields)
+
+
+def _hook(cfg: MassiveLMConfig) -> nn.Module:
+    return HookPoint() if cfg.hook_points else nn.Identity()
+
+
+class Norm(nn.Module):
+    """RMSNorm (llama) or LayerNorm (gpt2); ``hook_scale`` is the divisor ``[batch, pos, 1]``."""
+
+    def __init__(self, cfg: MassiveLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.w = nn.Parameter(torch.ones(cfg.d_model))
+        self.b = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_model))
+        self.hook_scale, self.hook_normalized = _hook(cfg), _hook(cfg)
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if self.b is not None:
+            x = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.cfg.eps).sqrt())
+        out = x / scale * self.w
+        return self.hook_normalized(out if self.b is None else out + self.b)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half convention, as in Hugging Face Llama)."""
+
+    def __init__(self, cfg: MassiveLMConfig):
+        super().__init__()
+        half = cfg.d_head // 2
+        freq = cfg.rotary_base ** (-torch.arange(half, dtype=torch.float32) / half)
+        angles = torch.arange(cfg.n_ctx + 1, dtype=torch.float32)[:, None] * freq[None]
+        self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)
+        self.register_buffer("sin", angles.sin().repeat(1, 2), persistent=False)
+
+    def forward(
+        self, x: Float[Tensor, "batch pos head_index d_head"]
+    ) -> Float[Tensor, "batch pos head_index d_head"]:
+        n = x.shape[1]
+        cos, sin = self.cos[:n, None].to(x.dtype), self.sin[:n, None].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    """Multi-head causal attention; the variant decides how scores become weights."""
+
+    def __init__(self, cfg: MassiveLMConfig):
+        super().__init__()
+        h, m, d = cfg.n_heads, cfg.d_model, cfg.d_head
+        self.W_Q, self.W_K, self.W_V = (nn.Parameter(torch.empty(h, m, d)) for _ in range(3))
+        self.W_O = nn.Parameter(torch.empty(h, d, m))
+        bias = not cfg.llama
+        self.b_Q, self.b_K, self.b_V = (
+            (nn.Parameter(torch.zeros(h, d)) if bias else None) for _ in range(3)
+        )
+        self.b_O = nn.Parameter(torch.zeros(m)) if bias else None
+        self.rotary = Rotary(cfg) if cfg.llama else None
+        self.variant = make_variant(cfg.attention, h, d, m)
+        for name in ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern", "slot_pattern"):
+            setattr(self, f"hook_{name}", _hook(cfg))
+
+    def _project(self, x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+        out = torch.einsum("bpm,hmd->bphd", x, W)
+        return out if b is None else out + b
+
+    def forward(
+        self, x: Float[Tensor, "batch pos d_model"], key_mask: Tensor | None = None
+    ) -> Float[Tensor, "batch pos d_model"]:
+        q = self.hook_q(self._project(x, self.W_Q, self.b_Q))
+        k = self.hook_k(self._project(x, self.W_K, self.b_K))
+        v = self.hook_v(self._project(x, self.W_V, self.b_V))
+        if self.rotary is not None:
+            q, k = self.hook_rot_q(self.rotary(q)), self.hook_rot_k(self.rotary(k))
+        z = self.variant(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x, self, key_mask)
+        out = torch.einsum("bphd,hdm->bpm", self.hook_z(z), self.W_O)
+        return out if self.b_O is None else out + self.b_O
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama: ``silu(x W_gate) * (x W_in)``) or GELU (gpt2) feed-forward layer."""
+
+    def __init__(self, cfg: MassiveLMConfig):
+        super().__init__()
+        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp)) if cfg.llama else None
+        self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
+        self.b_in = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_mlp))
+        self.b_out = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_model))
+        self.hook_pre, self.hook_pre_linear, self.hook_post = _hook(cfg), _hook(cfg), _hook(cfg)
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if self.W_gate is not None:
+            pre = self.hook_pre(x @ self.W_gate)
+            post = self.hook_post(F.silu(pre) * self.hook_pre_linear(x @ self.W_in))
+            return post @ self.W_out
+        post = self.hook_post(F.gelu(self.hook_pre(x @ self.W_in + self.b_in)))
+        return post @ self.W_out + self.b_out
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``."""
+
+    def __init__(self, cfg: MassiveLMConfig):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = Norm(cfg), Attention(cfg), Norm(cfg), MLP(cfg)
+        for name in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
+            setattr(self, f"hook_{name}", _hook(cfg))
+
+    def forward(
+        self, x: Float[Tensor, "batch pos d_model"], key_mask: Tensor | None = None
+    ) -> Float[Tensor, "batch pos d_model"]:
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln1(x), key_mask)))
+        return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(self.ln2(x))))
+
+
+class MassiveLM(HookedRootModule):
+    """A decoder-only LM with TransformerLens hook names and a pluggable attention variant.
+
+    ``tokenizer`` defaults to massive_lens's offline byte-level tokenizer.
+    """
+
+    def __init__(self, cfg: MassiveLMConfig | None = None, tokenizer: Any = None):
+        super().__init__()
+        self.cfg = cfg = cfg or MassiveLMConfig()
+        if tokenizer is None:
+            from massive_lens.models import byte_tokenizer
+
+            tokenizer = byte_tokenizer()
+        if len(tokenizer) > cfg.d_vocab:
+            raise MassiveLensError(
+                f"the tokenizer has {len(tokenizer)} tokens but d_vocab={cfg.d_vocab}; "
+                f"set MassiveLMConfig(d_vocab={len(tokenizer)})"
+            )
+        self.tokenizer = tokenizer
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        self.W_pos = None if cfg.llama else nn.Parameter(torch.empty(cfg.n_ctx + 1, cfg.d_model))
+        sink = cfg.attention.name == "sink_token"
+        self.sink_embed = nn.Parameter(torch.empty(cfg.d_model)) if sink else None
+        self.hook_embed, self.hook_pos_embed = _hook(cfg), _hook(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_final = Norm(cfg)
+        self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+        self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
+        self._init_weights()
+        self.setup()
+
+    def _init_weights(self) -> None:
+        std, out_std = self.cfg.init_range, self.cfg.init_range / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("W_O", "W_out")):
+                nn.init.normal_(p, std=out_std)
+            elif name.split(".")[-1] in ("W_E", "W_pos", "W_U", "W_Q", "W_K", "W_V", "W_in", "W_gate", "sink_embed"):
+                nn.init.normal_(p, std=std)
+
+    @property
+    def sink_id(self) -> int | None:
+        """Token id of the learnable sink (``d_vocab``, outside the vocabulary), if any."""
+        return self.cfg.d_vocab if self.sink_embed is not None else None
+
+    def with_sink(self, tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos_plus"]:
+        """Prepend the sink token when the model has one and ``tokens`` lack it."""
+        if self.sink_id is None or (tokens.shape[1] and bool((tokens[:, 0] == self.sink_id).all())):
+            return tokens
+        return torch.cat([tokens.new_full((tokens.shape[0], 1), self.sink_id), tokens], 1)
+
+    def forward(
+        self,
+        tokens: Int[Tensor, "batch pos"] | str | list[str],
+        return_type: str | None = "logits",
+        attention_mask: Tensor | None = None,
+        stop_at_layer: int | None = None,
+    ) -> Any:
+        """Logits ``[batch, pos, d_vocab]``, the mean next-token loss, both, or ``None``.
+
+        With ``stop_at_layer=l`` returns the residual stream entering block ``l``.
+        """
+        if return_type not in ("logits", "loss", "both", None):
+            raise MassiveLensError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        if isinstance(tokens, (str, list)):
+            tokens = self.to_tokens(tokens)
+        n_in = tokens.shape[1]
+        tokens = self.with_sink(tokens.to(self.W_E.device))
+        if attention_mask is not None and tokens.shape[1] > n_in:
+            attention_mask = F.pad(attention_mask, (1, 0), value=1)
+        if tokens.shape[1] > self.cfg.n_ctx + 1:
+            raise MassiveLensError(f"{tokens.shape[1]} tokens exceed n_ctx={self.cfg.n_ctx}; truncate the input")
+        x = self.W_E[tokens.clamp(max=self.cfg.d_vocab - 1)]
+        if self.sink_embed is not None:
+            x = torch.where((tokens == self.sink_id)[..., None], self.sink_embed.to(x.dtype), x)
+        x = self.hook_embed(x)
+        if self.W_pos is not None:
+            x = x + self.hook_pos_embed(self.W_pos[: tokens.shape[1]][None].expand_as(x))
+        for block in self.blocks[:stop_at_layer]:
+            x = block(x, attention_mask)
+        if stop_at_layer is not None:
+            return x
+        logits = self.ln_final(x) @ self.W_U + self.b_U
+        if return_type in ("logits", None):
+            return logits if return_type else None
+        loss = lm_loss(logits, tokens, attention_mask)
+        return loss if return_type == "loss" else (logits, loss)
+
+    # --- tokenization (TransformerLens-style) ---------------------------------------
+    def to_tokens(
+        self, text: str | list[str], prepend_bos: bool | None = None, truncate: bool = True
+    ) -> Int[Tensor, "batch pos"]:
+        """Tokenize (right-padded), prepending BOS by default and the sink token if any.
+
+        >>> MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2)).to_tokens("Hi").tolist()
+        [[256, 72, 105]]
+        """
+        texts = [text] if isinstance(text, str) else list(text)
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        if self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos:
+            ids = [[bos, *row] for row in ids]
+        if self.sink_id is not None:
+            ids = [[self.sink_id, *row] for row in ids]
+        if truncate:
+            ids = [row[: self.cfg.n_ctx] for row in ids]
+        width = max(len(row) for row in ids)
+        out = torch.tensor([row + [pad] * (width - len(row)) for row in ids], dtype=torch.long)
+        return out.to(self.W_E.device)
+
+    def to_str_tokens(
+        self, text: str | Tensor, prepend_bos: bool | None = None
+    ) -> list[str]:
+        """One string per token (the sink shows as ``<|sink|>``)."""
+        ids = self.to_tokens(text, prepend_bos)[0] if isinstance(text, str) else text
+        return [
+            SINK_TOKEN if i == self.sink_id else self.tokenizer.decode([i])
+            for i in ids.flatten().tolist()
+        ]
+
+    def to_string(self, tokens: Tensor) -> str:
+        return "".join(self.to_str_tokens(tokens))
+
+    def to(self, *args: Any, **kwargs: Any) -> MassiveLM:  # keep cfg.device/dtype current
+        out = super().to(*args, **kwargs)
+        self.cfg.device, self.cfg.dtype = str(self.W_E.device), self.W_E.dtype
+        return out
+
+
+def lm_loss(
+    logits: Float[Tensor, "batch pos d_vocab"],
+    tokens: Int[Tensor, "batch pos"],
+    attention_mask: Tensor | None = None,
+) -> Float[Tensor, ""]:
+    """Mean next-token cross-entropy (padding positions excluded)."""
+    flat = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none"
+    )
+    if attention_mask is None:
+        return flat.mean()
+    keep = attention_mask[:, 1:].flatten().to(flat.dtype)
+    return (flat * keep).sum() / keep.sum().clamp(min=1)
