@@ -1,8 +1,22 @@
-"""massive_lens: find, trace and test massive activations and attention sinks."""
+"""massive_lens: find, trace and test massive activations and attention sinks.
 
+>>> from massive_lens import tiny_model, find_massive
+>>> find_massive(tiny_model("llama"), "Hello.").layers
+[]
+"""
+
+from massive_lens.detect import Criterion, find_massive, layer_profile, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import load_model, tiny_model
 
 __version__ = "0.1.0"
 
-__all__ = ["MassiveLensError", "load_model", "tiny_model"]
+__all__ = [
+    "Criterion",
+    "MassiveLensError",
+    "find_massive",
+    "layer_profile",
+    "load_model",
+    "scan_corpus",
+    "tiny_model",
+]
