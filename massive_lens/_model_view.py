@@ -11,6 +11,7 @@ knows how to tokenize for them, run them with temporary hooks, and classify toke
 from __future__ import annotations
 
 import contextlib
+import math
 import string
 import warnings
 from collections.abc import Iterator, Sequence
@@ -111,6 +112,12 @@ class ModelView:
             if tokens.ndim != 2 or tokens.shape[-1] == 0:
                 raise MassiveLensError(f"token ids must be [batch, pos] with pos > 0, got {tuple(inputs.shape)}")
             self._check_length(tokens.shape[-1])
+            vocab = getattr(self.cfg, "d_vocab", None)
+            if int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab):
+                raise MassiveLensError(
+                    f"token ids must lie in [0, {vocab}) for {self.name}; got ids from "
+                    f"{int(tokens.min())} to {int(tokens.max())}"
+                )
             bos = self.tokenizer.bos_token_id if getattr(self.model, "tokenizer", None) else None
             has_bos = bos is not None and bool((tokens[:, 0] == bos).all())
             return Batch(tokens, torch.ones_like(tokens, dtype=torch.bool), has_bos)
@@ -213,7 +220,7 @@ class ModelView:
                 f"{self.name} in {dtype} overflowed ({where} reached {peak}); load it with "
                 "dtype=torch.float32 (or bfloat16, which has float32's range)"
             )
-        spacing = 2.0 ** (torch.floor(torch.log2(torch.tensor(max(peak, 1e-30)))) - info.nmant)
+        spacing = info.eps * 2.0 ** math.floor(math.log2(max(peak, 1e-30)))
         if peak > info.max / 4 or spacing >= 1.0:
             warnings.warn(
                 f"{self.name} runs in {dtype}: the largest activation ({where}) is {peak:,.1f}; "

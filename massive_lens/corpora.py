@@ -42,7 +42,7 @@ def default_text() -> str:
     return "\n\n".join(topics[key].strip() for key in sorted(topics))
 
 
-def iter_texts(corpus: Corpus = None) -> Iterator[str]:
+def iter_texts(corpus: Any = None) -> Iterator[str]:
     """Yield the text pieces of a corpus source (see the module docstring).
 
     >>> next(iter_texts(["one text", "another"]))
@@ -114,8 +114,11 @@ def token_batches(
 def _looks_like_path(text: str) -> bool:
     if "\n" in text or len(text) > 4096:
         return False
-    if Path(text).expanduser().exists():
-        return True
+    try:
+        if Path(text).expanduser().exists():
+            return True
+    except OSError:  # a long literal text is not a file name
+        return False
     if " " not in text and (os.sep in text or Path(text).suffix in {".txt", ".md", ".json"}):
         raise MassiveLensError(f"no such corpus file: {text}")
     return False

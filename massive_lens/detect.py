@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import pandas as pd
 import torch
@@ -57,9 +57,9 @@ class Criterion:
     100
     """
 
-    abs_threshold: float = 100.0
-    ratio_threshold: float = 1000.0
-    median_over: Literal["hidden_state", "token"] = "hidden_state"
+    abs_threshold: float | int = 100.0
+    ratio_threshold: float | int = 1000.0
+    median_over: str = "hidden_state"  # "hidden_state" or "token"
 
     def __post_init__(self) -> None:
         for name in ("abs_threshold", "ratio_threshold"):
@@ -317,7 +317,7 @@ def layer_profile(
 
     >>> from massive_lens import tiny_model
     >>> layer_profile(tiny_model("llama"), ["One text.", "Two texts."]).to_frame().shape
-    (4, 13)
+    (4, 11)
     """
     if k < 1:
         raise MassiveLensError(f"k must be >= 1, got {k}")
@@ -377,6 +377,7 @@ def scan_corpus(
     max_tokens: int | None = 16_384,
     criterion: Criterion | None = None,
     k: int = 3,
+    prepend_bos: bool | None = None,
     progress: bool = True,
 ) -> CorpusScan:
     """Stream a corpus (default: the offline default text) and measure massive activations.
@@ -401,7 +402,8 @@ def scan_corpus(
     any_hits = torch.zeros(n_kinds, view.d_model, dtype=torch.float64)  # any layer
     present = torch.zeros(n_kinds, dtype=torch.float64)
     counts = torch.zeros(2, dtype=torch.float64)  # sequences, tokens
-    batches = token_batches(view, corpus, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
+    batches = token_batches(view, corpus, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
+                            prepend_bos=prepend_bos)
     total = None if max_tokens is None else math.ceil(max_tokens // seq_len / batch_size)
     for i, tokens in enumerate(tqdm(batches, total=total, disable=not progress or rank != 0, desc="scan")):
         if i % world != rank:

@@ -53,3 +53,29 @@ def profile_axes(
     ax.set_title(title)
     ax.legend(frameon=False)
     return ax
+
+
+def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> Any:
+    """Waterfall of one (pos, dim) ledger: a bar per component from the residual before it to
+    the residual after it (blue writes up, red writes down), and the measured residual.
+
+    >>> frame = pd.DataFrame({"layer": [0, 0, 0], "component": ["embed", "attn", "mlp"],
+    ...                       "contribution": [1.0, -0.5, 800.0], "resid": [1.0, 0.5, 800.5]})
+    >>> waterfall_axes(frame).get_xlabel()
+    'layer (each layer: attention bar, then MLP bar)'
+    """
+    ax = _axes(ax, size=(9, 4))
+    after = ledger["resid"].to_numpy()
+    contrib = ledger["contribution"].to_numpy()
+    x = list(range(len(ledger)))
+    colors = ["tab:blue" if c >= 0 else "tab:red" for c in contrib]
+    ax.bar(x, contrib, bottom=after - contrib, color=colors, width=0.8)
+    ax.step(x, after, where="mid", color="black", lw=0.8, label="residual after component")
+    ticks = [i for i, (c, layer) in enumerate(zip(ledger["component"], ledger["layer"])) if c == "attn" and layer % 2 == 0]
+    ax.set_xticks(ticks, [str(ledger["layer"].iloc[i]) for i in ticks])
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("layer (each layer: attention bar, then MLP bar)")
+    ax.set_ylabel("value in the traced dim (residual units)")
+    ax.set_title(title)
+    ax.legend(frameon=False)
+    return ax

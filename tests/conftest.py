@@ -41,10 +41,13 @@ def default_model():
 
 
 def _hook_count(model) -> int:
-    return sum(
+    """Torch hooks on every submodule, minus TransformerBridge's own capture hooks (which it
+    wires lazily on a block's first forward pass and keeps for the model's lifetime)."""
+    total = sum(
         len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
         for m in model.modules()
     )
+    return total - sum(len(getattr(m, "_capture_hook_handles", ())) for m in model.modules())
 
 
 @contextlib.contextmanager

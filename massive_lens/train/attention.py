@@ -69,9 +69,9 @@ class VariantConfig:
     """
 
     name: str = "softmax"
-    n: float = 1.0
-    gamma: float = -0.03
-    zeta: float = 1.0
+    n: float | int = 1.0
+    gamma: float | int = -0.03
+    zeta: float | int = 1.0
 
     def __post_init__(self) -> None:
         if self.name not in VARIANTS:
@@ -259,9 +259,9 @@ def make_variant(cfg: VariantConfig, n_heads: int, d_head: int, d_model: int) ->
     return _CLASSES[cfg.name](cfg, n_heads, d_head, d_model)
 
 
-def _has_hooks(hook_point: nn.Module) -> bool:
+def _has_hooks(hook_point: object) -> bool:
     return bool(
         getattr(hook_point, "fwd_hooks", None)
         or getattr(hook_point, "bwd_hooks", None)
-        or hook_point._forward_hooks
+        or getattr(hook_point, "_forward_hooks", None)
     )

@@ -52,12 +52,12 @@ class MassiveLMConfig:
     n_ctx: int = 128
     d_vocab: int = 259
     style: str = "llama"
-    attention: VariantConfig = field(default_factory=VariantConfig)
+    attention: VariantConfig | str | dict = field(default_factory=VariantConfig)
     d_head: int | None = None
     d_mlp: int | None = None
-    eps: float = 1e-5
-    rotary_base: float = 10000.0
-    init_range: float = 0.02
+    eps: float | int = 1e-5
+    rotary_base: float | int = 10000.0
+    init_range: float | int = 0.02
     hook_points: bool = True
     default_prepend_bos: bool = True
     n_key_value_heads: int | None = None

@@ -1,0 +1,210 @@
+"""Neuron-level pieces of :func:`massive_lens.trace_origin`: per-neuron contributions,
+super weights, why-this-token attributions and the causal checks (``verify=True``)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from massive_lens._model_view import Batch, ModelView
+from massive_lens._origin_capture import Capture, norm_affine, post_norm_factor
+
+NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "neuron", "contribution", "share", "post", "pre", "up", "w_out"]
+SUPER_COLUMNS = ["pos", "dim", "layer", "neuron", "value", "zscore", "rank", "n_entries", "hf_param", "hf_row", "hf_col"]
+WHY_COLUMNS = ["pos", "dim", "layer", "neuron", "input", "source", "source_layer", "contribution", "share", "value"]
+VERIFY_COLUMNS = ["pos", "dim", "intervention", "scope", "layer", "neurons", "value", "ablated", "remaining",
+                  "last_layer", "value_last", "ablated_last", "remaining_last", "ppl", "ppl_ablated"]
+
+
+def w_out(view: ModelView, layer: int) -> Float[Tensor, "d_mlp d_model"]:
+    return view.model.blocks[layer].mlp.W_out
+
+
+def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int) -> list[dict[str, Any]]:
+    """Top ``top_k`` neurons (by |contribution|) of one MLP event at its (pos, dim)."""
+    layer, pos, dim = event["layer"], event["pos"], event["dim"]
+    i = cap.index(pos)
+    factor = post_norm_factor(cap, layer, i, dim) if cap.post_norm else 1.0
+    weights = w_out(view, layer)[:, dim].detach().float().cpu()
+    post = cap.layers["post"][layer, i]
+    contrib = post * weights * factor
+    total = float(event["contribution"])
+    rows = []
+    for n in contrib.abs().topk(min(top_k, len(contrib))).indices.tolist():
+        up = float(cap.layers["up"][layer, i, n]) if cap.gated else math.nan
+        rows.append(dict(pos=pos, dim=dim, layer=layer, kind=event["kind"], neuron=n,
+                         contribution=float(contrib[n]), share=float(contrib[n]) / total if total else math.nan,
+                         post=float(post[n]), pre=float(cap.layers["pre"][layer, i, n]), up=up,
+                         w_out=float(weights[n])))
+    return rows
+
+
+def named(neurons: pd.DataFrame, event: dict[str, Any]) -> list[int]:
+    """Neurons of an event that push the same way as the event (the ones its story names)."""
+    rows = neurons[(neurons.pos == event["pos"]) & (neurons.dim == event["dim"]) & (neurons.layer == event["layer"])]
+    same = rows[rows.contribution * event["contribution"] > 0]
+    return same.neuron.tolist()
+
+
+def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
+    """Name of the Hugging Face parameter behind ``W_out`` and whether it is stored transposed
+    (``down_proj.weight[dim, neuron]``), found by shared storage; TL naming otherwise."""
+    original = getattr(model, "original_model", None)
+    if original is not None:
+        for name, param in original.named_parameters():
+            if param.data_ptr() == weight.data_ptr() and param.numel() == weight.numel():
+                return name.replace("._original_component", ""), tuple(param.shape) != tuple(weight.shape)
+    return f"blocks.{layer}.mlp.W_out", False
+
+
+def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[int]) -> list[dict[str, Any]]:
+    weight = w_out(view, layer)
+    name, transposed = hf_param(view.model, layer, weight)
+    flat = weight.detach().float().flatten()
+    mean, std, mags = float(flat.mean()), float(flat.std()), flat.abs()
+    rows = []
+    for n in neurons:
+        value = float(weight[n, dim])
+        row, col = (dim, n) if transposed else (n, dim)
+        rows.append(dict(pos=pos, dim=dim, layer=layer, neuron=n, value=value, zscore=(value - mean) / std,
+                         rank=int((mags > abs(value)).sum()) + 1, n_entries=len(flat),
+                         hf_param=name, hf_row=row, hf_col=col))
+    return rows
+
+
+def _sources(cap: Capture, layer: int, i: int) -> list[tuple[str, int, Tensor]]:
+    """(label, layer, full vector at the position) of everything written before MLP ``layer``."""
+    out = [("embed", 0, cap.embed[i])]
+    if cap.pos_embed is not None:
+        out.append(("pos_embed", 0, cap.pos_embed[i]))
+    for j in range(layer + 1):
+        out.append(("attn", j, cap.layers["attn"][j, i]))
+        if j < layer:
+            out.append(("mlp", j, cap.layers["mlp"][j, i]))
+    return out
+
+
+def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequence[int]) -> list[dict[str, Any]]:
+    """Attribute each neuron's pre-activation(s) at the position to the upstream components,
+    through ``ln2`` at its measured scale (centred first for LayerNorm); the norm's bias and the
+    MLP's input bias form one more source, ``bias``."""
+    layer, pos, dim = event["layer"], event["pos"], event["dim"]
+    i = cap.index(pos)
+    mlp = view.model.blocks[layer].mlp
+    weight, bias, centred = norm_affine(view.model.blocks[layer].ln2, view.d_model, view.dtype)
+    scale = float(cap.layers["scale"][layer, i])
+    inputs = [("gate", mlp.W_gate, None, "pre"), ("up", mlp.W_in, None, "up")] if cap.gated else \
+        [("pre", mlp.W_in, getattr(mlp, "b_in", None), "pre")]
+    sources = _sources(cap, layer, i)
+    vectors = torch.stack([v - v.mean() if centred else v for _, _, v in sources]) * weight / scale
+    rows = []
+    for label, matrix, b_in, key in inputs:
+        cols = matrix.detach().float().cpu()[:, list(neurons)]  # [d_model, n]
+        parts = vectors @ cols  # [sources, n]
+        extra = bias @ cols + (b_in.detach().float().cpu()[list(neurons)] if b_in is not None else 0.0)
+        for k, n in enumerate(neurons):
+            value = float(cap.layers[key][layer, i, n])
+            named_parts = [(s, sl, float(parts[j, k])) for j, (s, sl, _) in enumerate(sources)]
+            named_parts.append(("bias", layer, float(extra[k])))
+            for source, source_layer, c in named_parts:
+                rows.append(dict(pos=pos, dim=dim, layer=layer, neuron=n, input=label, source=source,
+                                 source_layer=source_layer, contribution=c,
+                                 share=c / value if value else math.nan, value=value))
+    return rows
+
+
+# --------------------------------------------------------------------------- verification
+
+
+@contextlib.contextmanager
+def zeroed_weights(view: ModelView, entries: Sequence[tuple[int, int, int]]) -> Iterator[None]:
+    """Temporarily zero ``W_out[neuron, dim]`` of each (layer, neuron, dim); always restored."""
+    saved = []
+    try:
+        with torch.no_grad():
+            for layer, n, d in entries:
+                weight = w_out(view, layer)
+                saved.append((weight, n, d, weight[n, d].clone()))
+                weight[n, d] = 0.0
+        yield
+    finally:
+        with torch.no_grad():
+            for weight, n, d, value in reversed(saved):
+                weight[n, d] = value
+
+
+def _zero_neurons_hook(neurons: Sequence[int]):
+    def hook(post: Tensor, hook: Any) -> Tensor:
+        post[..., list(neurons)] = 0.0
+        return post
+
+    return hook
+
+
+def neuron_hooks(view: ModelView, by_layer: dict[int, list[int]]) -> list[tuple[str, Any]]:
+    return [(view.hook_name(layer, "mlp.hook_post"), _zero_neurons_hook(ns)) for layer, ns in by_layer.items()]
+
+
+def resid_at(view: ModelView, batch: Batch, pos: int, dim: int, hooks: list[tuple[str, Any]]) -> Float[Tensor, " layer"]:
+    """``resid_post[pos, dim]`` at every layer under ``hooks`` (stops before the unembedding)."""
+    values = torch.zeros(view.n_layers)
+
+    def grab(layer: int):
+        def hook(resid: Tensor, hook: Any) -> None:
+            values[layer] = float(resid[0, pos, dim])
+
+        return hook
+
+    names = [view.hook_name(layer, "resid_post") for layer in range(view.n_layers)]
+    view.forward(batch, list(hooks) + [(n, grab(layer)) for layer, n in enumerate(names)], stop_after=names[-1])
+    return values
+
+
+def ppl(model: Any, tokens: Tensor | None, hooks: list[tuple[str, Any]]) -> float:
+    if tokens is None:
+        return math.nan
+    from massive_lens.evaluate import perplexity
+
+    return perplexity(model, tokens, hooks=hooks, progress=False).perplexity
+
+
+def verification_rows(
+    view: ModelView, batch: Batch, base: Float[Tensor, " layer"], births: list[dict[str, Any]],
+    neurons: pd.DataFrame, peak_layer: int, tokens: Tensor | None, base_ppl: float,
+) -> list[dict[str, Any]]:
+    """Zero the named neurons (then, separately, their ``W_out[:, dim]`` weights) of each MLP
+    birth and of all births together; measure what is left of the value, and perplexity."""
+    scopes = [(f"MLP {b['layer']}", b["layer"], [b]) for b in births]
+    if len(births) > 1:
+        scopes.append(("all births", peak_layer, births))
+    rows = []
+    last = view.n_layers - 1
+    for scope, layer, events in scopes:
+        by_layer = {e["layer"]: named(neurons, e) for e in events}
+        by_layer = {k: v for k, v in by_layer.items() if v}
+        if not by_layer:
+            continue
+        pos, dim = events[0]["pos"], events[0]["dim"]
+        hooks = neuron_hooks(view, by_layer)
+        weights = [(k, n, dim) for k, ns in by_layer.items() for n in ns]
+        for intervention in ("zero_neurons", "zero_super_weights"):
+            active = hooks if intervention == "zero_neurons" else []
+            context = zeroed_weights(view, weights) if intervention == "zero_super_weights" else contextlib.nullcontext()
+            with context:
+                ablated = resid_at(view, batch, pos, dim, active)
+                after_ppl = ppl(view.model, tokens, active)
+            rows.append(dict(
+                pos=pos, dim=dim, intervention=intervention, scope=scope, layer=layer,
+                neurons=", ".join(f"{k}:{n}" for k, ns in by_layer.items() for n in ns),
+                value=float(base[layer]), ablated=float(ablated[layer]),
+                remaining=float(ablated[layer] / base[layer]), last_layer=last, value_last=float(base[last]),
+                ablated_last=float(ablated[last]), remaining_last=float(ablated[last] / base[last]),
+                ppl=base_ppl, ppl_ablated=after_ppl))
+    return rows

@@ -1,0 +1,312 @@
+"""Where a massive activation comes from: born, erased, reborn, down to neurons and weights.
+
+The residual stream is a sum. At position ``pos`` and dimension ``dim`` the value after
+layer ``L`` is exactly
+
+    embed[pos, dim] (+ pos_embed) + sum_{l <= L} (attn_out_l[pos, dim] + mlp_out_l[pos, dim])
+
+so a *ledger* of these terms says which components wrote a massive activation. On models
+with post-sublayer ("sandwich") norms, such as Gemma 2/3 and OLMo 2, a component's term is
+what it adds *after* its post-norm. The ledger need not tell a simple story: a dimension can
+be written by one MLP, cut back by a later one and written again (a *rebirth*), so
+:func:`trace_origin` names every large write (birth) and removal (erasure), not only the
+first spike.
+
+For each MLP event it goes one level down (Yu et al., 2024, *The Super Weight*): an MLP's
+output in ``dim`` is ``sum_n post[n] * W_out[n, dim]``, so the neurons with the largest terms
+are the ones responsible, and their ``W_out[n, dim]`` entries (Hugging Face
+``down_proj.weight[dim, n]``) are candidate *super weights*, ranked against the rest of the
+matrix. Why the neuron fires on *this* token: its pre-activation is linear in the normed
+residual, so it splits exactly into what the embedding and each earlier attention and MLP
+output contributed (through ``ln2`` at its measured scale).
+
+Stories are hypotheses; ``verify=True`` tests them causally: zero the named neurons (and,
+separately, only their weights) and measure how much of the massive value is left, and
+with a ``corpus`` how perplexity changes. Everything is read from one forward pass that
+slices each hook at the traced positions (no full cache).
+
+>>> from massive_lens import tiny_model
+>>> trace = trace_origin(tiny_model("llama"), "Hi.", dim=3, pos=0)
+>>> list(trace.ledger.columns[:6])
+['pos', 'dim', 'token', 'layer', 'component', 'contribution']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+
+from massive_lens import _origin_neurons as neu
+from massive_lens._model_view import Batch, ModelView
+from massive_lens._origin_capture import Capture, capture
+from massive_lens.corpora import Corpus
+from massive_lens.detect import Criterion, find_massive
+from massive_lens.errors import MassiveLensError
+
+LEDGER_COLUMNS = ["pos", "dim", "token", "layer", "component", "contribution", "resid"]
+EVENT_COLUMNS = ["pos", "dim", "layer", "component", "kind", "contribution", "before", "after"]
+EVENT_MIN_SHARE = 0.3  # an event changes the value by >= 30% of |before| or |after| ...
+EVENT_MIN_PEAK = 0.02  # ... and by >= 2% of the peak |value|
+_CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
+
+
+@dataclass(frozen=True)
+class OriginTrace:
+    """The traced story of one or more massive (pos, dim) entries of one text.
+
+    - ``targets``: ``pos``, ``dim``, ``token``, ``token_kind``, ``massive`` (met the criterion),
+      ``peak``, ``peak_layer``, ``final``;
+    - ``ledger`` (also ``to_frame()``): per component, in forward order, its ``contribution``
+      and the measured residual ``resid`` right after it (``layer`` is 0 for embeddings);
+    - ``events``: births, erasures and rebirths (``kind``) with the value ``before``/``after``;
+    - ``neurons``: top neurons of each MLP event (``contribution``, ``share`` of the MLP's term,
+      ``post`` activation, ``pre`` (gate) pre-activation, ``up`` value, ``w_out``);
+    - ``super_weights``: the ``W_out[neuron, dim]`` of each birth's named neurons with ``zscore``
+      and ``rank`` within that matrix and the Hugging Face ``hf_param[hf_row, hf_col]``;
+    - ``why``: each top birth neuron's pre-activation split over upstream ``source``s;
+    - ``verification``: zero-ablation results (empty unless ``verify=True``).
+    """
+
+    targets: pd.DataFrame
+    ledger: pd.DataFrame
+    events: pd.DataFrame
+    neurons: pd.DataFrame
+    super_weights: pd.DataFrame
+    why: pd.DataFrame
+    verification: pd.DataFrame
+    reconstruction_error: float
+    notes: tuple[str, ...]
+    model_name: str
+    n_tokens: int
+
+    @property
+    def births(self) -> pd.DataFrame:
+        return self.events[self.events.kind.isin(["birth", "rebirth"])].reset_index(drop=True)
+
+    @property
+    def erasures(self) -> pd.DataFrame:
+        return self.events[self.events.kind == "erasure"].reset_index(drop=True)
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.ledger.copy()
+
+    def summary(self) -> str:
+        from massive_lens._origin_story import story
+
+        head = (f"{self.model_name}: {len(self.targets)} traced entr{'y' if len(self.targets) == 1 else 'ies'} "
+                f"in {self.n_tokens} tokens; the ledger reconstructs the residual to "
+                f"{self.reconstruction_error:.1e} (relative)")
+        return "\n".join([head, *(story(self, t) for t in self.targets.itertuples()), *self.notes])
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{self.summary()}</pre>" + self.events.to_html(index=False, float_format="{:,.1f}".format)
+
+    def plot(self, ax: Any = None, target: int = 0) -> Any:
+        """Waterfall of the ledger of ``targets.iloc[target]`` across layers."""
+        from massive_lens.plots import waterfall_axes
+
+        t = self.targets.iloc[target]
+        rows = self.ledger[(self.ledger.pos == t.pos) & (self.ledger.dim == t.dim)]
+        return waterfall_axes(rows, ax=ax, title=f"{self.model_name}: dim {t.dim} at {t.token!r} (pos {t.pos})")
+
+
+def trace_origin(
+    model: Any,
+    text: str | torch.Tensor,
+    *,
+    dim: int | None = None,
+    pos: int | None = None,
+    criterion: Criterion | None = None,
+    top_neurons: int = 5,
+    verify: bool = False,
+    corpus: Corpus = None,
+    prepend_bos: bool | None = None,
+) -> OriginTrace:
+    """Trace where the massive activations of ``text`` are born, erased and reborn.
+
+    Without ``dim``/``pos`` every massive (pos, dim) that :func:`find_massive` finds under
+    ``criterion`` is traced; with both, that entry is traced even if it is not massive; with
+    one of them, the massive entries there (or the largest one if none is massive).
+    ``verify=True`` adds zero-ablation checks (and perplexity on ``corpus`` if given).
+
+    >>> from massive_lens import tiny_model
+    >>> trace = trace_origin(tiny_model("gpt2"), "Hi.", dim=0, pos=0)
+    >>> trace.targets[["pos", "dim", "massive"]].values.tolist()
+    [[0, 0, False]]
+    """
+    view = ModelView(model)
+    if top_neurons < 1:
+        raise MassiveLensError(f"top_neurons must be >= 1, got {top_neurons}")
+    if isinstance(text, torch.Tensor) and text.ndim == 2 and text.shape[0] != 1:
+        raise MassiveLensError(f"trace_origin traces one text; got a batch of {text.shape[0]} sequences")
+    if not isinstance(text, (str, torch.Tensor)):
+        raise MassiveLensError(f"text must be one string or a token tensor, got {type(text).__name__}")
+    batch = view.tokenize(text, prepend_bos)
+    seq = batch.tokens.shape[1]
+    dim, pos = _check_index(view, dim, pos, seq)
+    criterion = criterion or Criterion()
+    positions = _positions(view, batch, pos, dim, criterion)
+    cap = capture(view, batch, positions, None if dim is not None and pos is not None else criterion)
+    tokens = view.str_tokens(batch)[0]
+    targets = _targets(view, batch, cap, dim, pos, tokens, criterion)
+    ledger = pd.DataFrame([r for t in targets for r in _ledger_rows(cap, t["pos"], t["dim"], tokens)],
+                          columns=LEDGER_COLUMNS)
+    error = _reconstruction_error(ledger)
+    events = pd.DataFrame([e for t in targets for e in _events(ledger, t)], columns=EVENT_COLUMNS)
+    mlp_events = [e for e in events.to_dict("records") if e["component"] == "mlp"]
+    neurons = pd.DataFrame([r for e in mlp_events for r in neu.neuron_rows(view, cap, e, top_neurons)],
+                           columns=neu.NEURON_COLUMNS)
+    births = [e for e in mlp_events if e["kind"] != "erasure"]
+    supers, why = [], []
+    for e in births:
+        names = neu.named(neurons, e)
+        supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names)
+        why += neu.why_rows(view, cap, e, names[:3]) if names else []
+    verification = _verify(view, batch, cap, targets, births, neurons, corpus) if verify else []
+    notes = _notes(cap, error, verify, corpus)
+    return OriginTrace(pd.DataFrame(targets), ledger, events, neurons,
+                       pd.DataFrame(supers, columns=neu.SUPER_COLUMNS), pd.DataFrame(why, columns=neu.WHY_COLUMNS),
+                       pd.DataFrame(verification, columns=neu.VERIFY_COLUMNS), error, notes, view.name, seq)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _check_index(view: ModelView, dim: int | None, pos: int | None, seq: int) -> tuple[int | None, int | None]:
+    if dim is not None and not (isinstance(dim, int) and 0 <= dim < view.d_model):
+        raise MassiveLensError(f"dim={dim!r} is out of range: {view.name} has d_model={view.d_model}")
+    if pos is not None:
+        if not (isinstance(pos, int) and -seq <= pos < seq):
+            raise MassiveLensError(f"pos={pos!r} is out of range: the text has {seq} tokens (BOS included)")
+        pos %= seq
+    return dim, pos
+
+
+def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, criterion: Criterion) -> torch.Tensor:
+    """Positions to slice in the capture pass: ``pos``, else all (or, for a long text on a large
+    model, the massive positions from a first detection pass)."""
+    seq = batch.tokens.shape[1]
+    if pos is not None:
+        return torch.tensor([pos])
+    d_mlp = view.model.blocks[0].mlp.W_out.shape[0]
+    if seq * d_mlp * view.n_layers * 12 <= _CAPTURE_BUDGET:
+        return torch.arange(seq)
+    found = find_massive(view.model, batch.tokens, criterion).to_frame()
+    found = found[found.dim == dim] if dim is not None else found
+    if found.empty:
+        raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
+    return torch.tensor(sorted(found.pos.unique().tolist()))
+
+
+def _targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: int | None,
+             tokens: list[str], criterion: Criterion) -> list[dict[str, Any]]:
+    found: set[tuple[int, int]] = set()
+    if cap.reducer is not None:
+        for _, idx, _, _ in cap.reducer.entries:
+            found |= {(p, d) for _, p, d in idx.tolist()}
+    chosen = sorted((p, d) for p, d in found if (pos is None or p == pos) and (dim is None or d == dim))
+    if not chosen:
+        resid = cap.layers["resid_post"].abs()  # [layer, pos, d_model]
+        if dim is not None and pos is not None:
+            chosen = [(pos, dim)]
+        elif pos is not None:
+            chosen = [(pos, int(resid[:, 0].amax(0).argmax()))]
+        elif dim is not None:
+            chosen = [(int(cap.positions[int(resid[..., dim].amax(0).argmax())]), dim)]
+        else:
+            peak = float(resid.max())
+            raise MassiveLensError(
+                f"nothing in this {len(tokens)}-token text is massive on {view.name} under {criterion} "
+                f"(largest |activation| {peak:,.1f}); pass dim= and pos= to trace one entry anyway, "
+                "or lower the criterion, e.g. Criterion(abs_threshold=20, ratio_threshold=100)")
+    kinds = view.token_kinds(batch)[0]
+    from massive_lens._model_view import TOKEN_KINDS
+
+    out = []
+    for p, d in chosen:
+        values = cap.layers["resid_post"][:, cap.index(p), d]
+        peak_layer = int(values.abs().argmax())
+        out.append(dict(pos=p, dim=d, token=tokens[p], token_kind=TOKEN_KINDS[int(kinds[p])],
+                        massive=(p, d) in found, peak=float(values[peak_layer]), peak_layer=peak_layer,
+                        final=float(values[-1])))
+    return out
+
+
+# --------------------------------------------------------------------------- ledger and events
+
+
+def _ledger_rows(cap: Capture, pos: int, dim: int, tokens: list[str]) -> list[dict[str, Any]]:
+    i = cap.index(pos)
+    L = cap.layers
+    rows = [("embed", 0, cap.embed[i, dim], cap.embed[i, dim] if cap.pos_embed is not None else cap.resid_pre0[i, dim])]
+    if cap.pos_embed is not None:
+        rows.append(("pos_embed", 0, cap.pos_embed[i, dim], cap.resid_pre0[i, dim]))
+    for layer in range(L["attn"].shape[0]):
+        rows.append(("attn", layer, L["attn"][layer, i, dim], L["resid_mid"][layer, i, dim]))
+        rows.append(("mlp", layer, L["mlp"][layer, i, dim], L["resid_post"][layer, i, dim]))
+    return [dict(pos=pos, dim=dim, token=tokens[pos], layer=layer, component=c, contribution=float(v),
+                 resid=float(r)) for c, layer, v, r in rows]
+
+
+def _reconstruction_error(ledger: pd.DataFrame) -> float:
+    """max |cumulative sum of contributions - measured residual| / max |residual|, per target."""
+    worst = 0.0
+    for _, rows in ledger.groupby(["pos", "dim"]):
+        total = rows.contribution.astype("float64").cumsum()
+        scale = max(rows.resid.abs().max(), 1e-30)
+        worst = max(worst, float((total - rows.resid).abs().max() / scale))
+    return worst
+
+
+def _events(ledger: pd.DataFrame, target: dict[str, Any]) -> list[dict[str, Any]]:
+    """Births, erasures and rebirths: components that change the value by a large fraction of
+    both its current size and its peak."""
+    rows = ledger[(ledger.pos == target["pos"]) & (ledger.dim == target["dim"])]
+    peak = float(rows.resid.abs().max())
+    events, before, erased = [], 0.0, False
+    for r in rows.itertuples():
+        after, c = float(r.resid), float(r.contribution)
+        big = abs(c) >= EVENT_MIN_PEAK * peak and abs(c) >= EVENT_MIN_SHARE * max(abs(before), abs(after))
+        if big and peak > 0:
+            kind = "erasure" if abs(after) < abs(before) else ("rebirth" if erased else "birth")
+            erased |= kind == "erasure"
+            events.append(dict(pos=r.pos, dim=r.dim, layer=r.layer, component=r.component, kind=kind,
+                               contribution=c, before=before, after=after))
+        before = after
+    return events
+
+
+# --------------------------------------------------------------------------- verification and notes
+
+
+def _verify(view: ModelView, batch: Batch, cap: Capture, targets: list[dict[str, Any]],
+            births: list[dict[str, Any]], neurons: pd.DataFrame, corpus: Corpus) -> list[dict[str, Any]]:
+    tokens = None
+    if corpus is not None:
+        from massive_lens.evaluate import sequences
+
+        tokens = sequences(view.model, corpus, seq_len=128, n_seqs=4)
+    base_ppl = neu.ppl(view.model, tokens, [])
+    rows = []
+    for t in targets:
+        mine = [b for b in births if b["pos"] == t["pos"] and b["dim"] == t["dim"]]
+        base = cap.layers["resid_post"][:, cap.index(t["pos"]), t["dim"]]
+        rows += neu.verification_rows(view, batch, base, mine, neurons, t["peak_layer"], tokens, base_ppl)
+    return rows
+
+
+def _notes(cap: Capture, error: float, verify: bool, corpus: Corpus) -> tuple[str, ...]:
+    notes = []
+    if cap.post_norm:
+        notes.append("note: post-norm model; MLP terms are read after ln2_post, and neuron terms are "
+                     "linearised through ln2_post at its measured scale (they sum to the MLP's term)")
+    if error > 1e-4:
+        notes.append(f"warning: the ledger misses the residual by {error:.1e} (relative); "
+                     "the model may write the residual outside its attention and MLP hooks")
+    if verify and corpus is None:
+        notes.append("verification without a corpus: pass corpus= to also measure perplexity")
+    return tuple(notes)
+

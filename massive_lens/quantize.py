@@ -1,0 +1,323 @@
+"""What massive activations cost: outlier statistics and simulated W8A8 quantization.
+
+A residual stream with a few activations thousands of times the median is hard to
+quantize: an 8-bit grid stretched to cover the outlier leaves almost no levels for
+everything else. This module measures, on any TransformerLens-style model (a
+:class:`~massive_lens.train.model.MassiveLM` or a ``TransformerBridge``):
+
+* per layer, the **max inf-norm** of the block output (``hook_resid_post``), the
+  **top-1/median** magnitude ratio (per sequence, then averaged), and the **kurtosis**:
+  non-excess (a Gaussian gives 3), over the ``d_model`` entries of each token's block
+  output, averaged over tokens (Bondarenko et al. 2023 report it this way);
+* the **sink metric** (Gu et al. 2024): the share of (layer, head) pairs whose mean
+  attention to the first token, over the first ``min(64, pos)`` queries, exceeds 0.3;
+* the **first-token norm ratio**: ``||h_0|| / median_i ||h_i||`` (i > 0), largest over layers;
+* **W8A8 simulated quantization**: every linear layer's weight is fake-quantized to int8
+  (symmetric, per output channel or per tensor), and its input to int8 (asymmetric,
+  per tensor, min-max calibrated on held-out text that is disjoint from the evaluation
+  text). The unembedding is kept in full precision unless ``include_head=True``.
+
+The model is never left changed: hooks are removed and the original weight tensors put
+back on every exit path, exceptions included.
+
+>>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
+>>> report = measure_outliers(MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2)),
+...                           "One. Two. Three. " * 40, seq_len=32, n_seqs=2)
+>>> sorted(report.to_frame().columns)[:4]
+['first_token_norm_ratio', 'fp_loss', 'max_inf_norm', 'mean_kurtosis']
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from massive_lens.errors import MassiveLensError
+
+SINK_THRESHOLD = 0.3
+
+
+@dataclass(frozen=True)
+class OutlierReport:
+    """Outlier and quantization statistics of one model on one text.
+
+    ``layers`` has one row per layer: ``layer``, ``max_inf_norm``, ``top1``, ``median``,
+    ``ratio`` (top-1/median), ``kurtosis``, ``first_token_norm_ratio``, ``sink_share``.
+    """
+
+    model_name: str
+    layers: pd.DataFrame
+    sink_metric: float
+    fp_loss: float
+    w8a8_loss: float
+    per_channel: bool
+
+    @property
+    def gap(self) -> float:
+        """W8A8 loss minus full-precision loss."""
+        return self.w8a8_loss - self.fp_loss
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row: max_inf_norm, max_ratio, mean_kurtosis, sink_metric,
+        first_token_norm_ratio, fp_loss, w8a8_loss, gap."""
+        return pd.DataFrame([dict(
+            max_inf_norm=float(self.layers["max_inf_norm"].max()),
+            max_ratio=float(self.layers["ratio"].max()),
+            mean_kurtosis=float(self.layers["kurtosis"].mean()),
+            sink_metric=self.sink_metric,
+            first_token_norm_ratio=float(self.layers["first_token_norm_ratio"].max()),
+            fp_loss=self.fp_loss, w8a8_loss=self.w8a8_loss, gap=self.gap,
+        )])
+
+    def summary(self) -> str:
+        row = self.to_frame().iloc[0]
+        kind = "per-channel" if self.per_channel else "per-tensor"
+        return (
+            f"{self.model_name}: max |act| {row.max_inf_norm:.1f}, top-1/median up to "
+            f"{row.max_ratio:.0f}x, mean kurtosis {row.mean_kurtosis:.1f}, sink metric "
+            f"{row.sink_metric:.0%}; loss {self.fp_loss:.3f} -> W8A8 ({kind} weights) "
+            f"{self.w8a8_loss:.3f} (gap {self.gap:+.3f})"
+        )
+
+    def plot(self, ax: Any = None) -> Any:
+        """Max inf-norm and median magnitude per layer (log scale)."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5))
+        ax.semilogy(self.layers["layer"], self.layers["max_inf_norm"], "o-", label="max |act|")
+        ax.semilogy(self.layers["layer"], self.layers["median"], "s--", label="median |act|")
+        ax.set(xlabel="layer", ylabel="magnitude", title=f"{self.model_name}: block outputs")
+        ax.legend()
+        return ax
+
+
+def measure_outliers(
+    model: Any,
+    text: Any = None,
+    *,
+    seq_len: int = 128,
+    n_seqs: int = 8,
+    per_channel: bool = True,
+    include_head: bool = False,
+    calibration: Any = None,
+) -> OutlierReport:
+    """Outlier statistics and the W8A8 loss gap on ``text`` (a corpus; default: offline prose).
+
+    The first ``n_seqs`` sequences of ``seq_len`` tokens are evaluated; the next
+    ``n_seqs`` calibrate the activation ranges (or the first ``n_seqs`` of
+    ``calibration``). See the module docstring for the definitions.
+    """
+    tokens, calib = _eval_and_calibration(model, text, calibration, seq_len, n_seqs)
+    layers, sink = _activation_stats(model, tokens)
+    fp = _loss(model, tokens)
+    with fake_quantized(model, calib, per_channel=per_channel, include_head=include_head):
+        w8a8 = _loss(model, tokens)
+    name = getattr(model.cfg, "model_name", type(model).__name__)
+    return OutlierReport(str(name), layers, sink, fp, w8a8, per_channel)
+
+
+@contextlib.contextmanager
+def fake_quantized(
+    model: Any, calibration: Int[Tensor, "batch pos"], *, per_channel: bool = True,
+    include_head: bool = False,
+) -> Iterator[Any]:
+    """Inside the block, ``model`` computes in simulated W8A8 (see the module docstring).
+
+    >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
+    >>> m = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
+    >>> w = m.blocks[0].mlp.W_in.data
+    >>> with fake_quantized(m, m.to_tokens("Calibrate on this.")):
+    ...     m.blocks[0].mlp.W_in.data is w
+    False
+    >>> m.blocks[0].mlp.W_in.data is w
+    True
+    """
+    sites = _sites(model, include_head)
+    handles: list[Any] = []
+    saved: list[tuple[nn.Parameter, Tensor]] = []
+    try:
+        ranges: dict[int, list[float]] = {}
+        for i, (module, _, _) in enumerate(sites):
+            handles.append(module.register_forward_pre_hook(_observer(ranges, i), with_kwargs=True))
+        with torch.no_grad():
+            model(calibration.to(_device(model)))
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+        seen: set[int] = set()
+        for i, (module, weight, in_dims) in enumerate(sites):
+            if i in ranges:
+                handles.append(module.register_forward_pre_hook(_quantizer(*ranges[i]), with_kwargs=True))
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                saved.append((weight, weight.data))
+                weight.data = fake_quant_weight(weight.data, in_dims if per_channel else None)
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        for weight, data in saved:
+            weight.data = data
+
+
+def fake_quant_weight(w: Tensor, in_dims: tuple[int, ...] | None = None) -> Tensor:
+    """Symmetric int8: per tensor, or per output channel (max over the ``in_dims`` axes).
+
+    >>> fake_quant_weight(torch.tensor([1.0, -0.5, 0.001])).tolist()
+    [1.0, -0.5039370059967041, 0.0]
+    """
+    amax = w.abs().amax() if in_dims is None else w.abs().amax(dim=in_dims, keepdim=True)
+    scale = amax.clamp(min=1e-12) / 127
+    return (w / scale).round().clamp(-127, 127) * scale
+
+
+def fake_quant_activation(x: Tensor, low: float, high: float) -> Tensor:
+    """Asymmetric int8 on the calibrated range ``[low, high]`` (values outside are clipped).
+
+    >>> fake_quant_activation(torch.tensor([0.0, 0.5, 2.0]), 0.0, 1.0).tolist()
+    [0.0, 0.4980392158031464, 1.0]
+    """
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = max(high - low, 1e-12) / 255
+    zero = round(-low / scale) - 128
+    q = (x / scale).round() + zero
+    return (q.clamp(-128, 127) - zero) * scale
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _sites(model: Any, include_head: bool) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
+    """(module whose first input is the linear input, weight, input axes of the weight)."""
+    from massive_lens.train.model import MassiveLM
+
+    if isinstance(model, MassiveLM):
+        sites = []
+        for block in model.blocks:
+            attn, mlp = block.attn, block.mlp
+            sites += [(block.ln1.hook_normalized, w, (1,)) for w in (attn.W_Q, attn.W_K, attn.W_V)]
+            sites.append((attn.hook_z, attn.W_O, (0, 1)))
+            sites += [(block.ln2.hook_normalized, w, (0,)) for w in (mlp.W_in, mlp.W_gate) if w is not None]
+            sites.append((mlp.hook_post, mlp.W_out, (0,)))
+            if getattr(attn.variant, "W_G", None) is not None:
+                sites.append((block.ln1.hook_normalized, attn.variant.W_G, (0,)))
+        if include_head:
+            sites.append((model.ln_final.hook_normalized, model.W_U, (0,)))
+        if any(isinstance(m, nn.Identity) for m, _, _ in sites):
+            raise MassiveLensError("fake_quantized needs a MassiveLM built with hook_points=True")
+        return sites
+    hf = getattr(model, "original_model", model)
+    if not isinstance(hf, nn.Module):
+        raise MassiveLensError(
+            f"fake_quantized needs a MassiveLM, a TransformerBridge or an nn.Module; got "
+            f"{type(model).__name__}"
+        )
+    head = getattr(hf, "get_output_embeddings", lambda: None)()
+    head_ids = {id(m) for m in head.modules()} if head is not None and not include_head else set()
+    sites = [
+        (m, m.weight, (1,)) for m in hf.modules()
+        if isinstance(m, nn.Linear) and id(m) not in head_ids
+    ]
+    if not sites:
+        raise MassiveLensError(f"found no nn.Linear layers to quantize in {type(hf).__name__}")
+    return sites
+
+
+def _observer(ranges: dict[int, list[float]], i: int) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else next(iter(kwargs.values()))
+        low, high = float(x.min()), float(x.max())
+        old = ranges.get(i, [low, high])
+        ranges[i] = [min(old[0], low), max(old[1], high)]
+
+    return hook
+
+
+def _quantizer(low: float, high: float) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if args:
+            return (fake_quant_activation(args[0], low, high), *args[1:]), kwargs
+        key = next(iter(kwargs))
+        return args, {**kwargs, key: fake_quant_activation(kwargs[key], low, high)}
+
+    return hook
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _loss(model: Any, tokens: Int[Tensor, "batch pos"]) -> float:
+    with torch.no_grad():
+        return float(model(tokens.to(_device(model)), return_type="loss"))
+
+
+def _eval_and_calibration(
+    model: Any, text: Any, calibration: Any, seq_len: int, n_seqs: int
+) -> tuple[Tensor, Tensor]:
+    from massive_lens._model_view import ModelView
+    from massive_lens.corpora import token_batches
+
+    view = ModelView(model)
+    if isinstance(text, Tensor):
+        tokens = text
+    else:
+        tokens = torch.cat(list(token_batches(view, text, seq_len=seq_len, batch_size=n_seqs,
+                                              max_tokens=2 * n_seqs * seq_len)))
+    if calibration is None:
+        if len(tokens) < 2:
+            raise MassiveLensError(
+                "need at least two sequences (evaluation and calibration); give more text, "
+                "a smaller seq_len, or calibration="
+            )
+        half = min(n_seqs, len(tokens) // 2) if not isinstance(text, Tensor) else len(tokens) // 2
+        return tokens[:half], tokens[half : 2 * half]
+    calib = calibration if isinstance(calibration, Tensor) else next(
+        token_batches(view, calibration, seq_len=seq_len, batch_size=n_seqs)
+    )
+    return tokens[:n_seqs], calib
+
+
+def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float]:
+    rows: dict[int, dict[str, float]] = {}
+    sink_shares: dict[int, Tensor] = {}
+
+    def resid(x: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
+        layer = int(hook.name.split(".")[1])
+        a = x.detach().float().abs()
+        med = a.flatten(1).median(1).values.clamp(min=1e-12)
+        top = a.flatten(1).amax(1)
+        centered = x.detach().float() - x.detach().float().mean(-1, keepdim=True)
+        kurt = centered.pow(4).mean(-1) / centered.pow(2).mean(-1).pow(2).clamp(min=1e-24)
+        norms = x.detach().float().norm(dim=-1)
+        first = (norms[:, 0] / norms[:, 1:].median(1).values.clamp(min=1e-12)).mean()
+        rows[layer] = dict(
+            layer=layer, max_inf_norm=float(top.max()), top1=float(top.mean()),
+            median=float(med.mean()), ratio=float((top / med).mean()),
+            kurtosis=float(kurt.mean()), first_token_norm_ratio=float(first),
+        )
+
+    def pattern(p: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any) -> None:
+        n = min(64, p.shape[-2])
+        sink_shares[int(hook.name.split(".")[1])] = p[:, :, :n, 0].float().mean((0, 2))
+
+    hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
+             (lambda n: n.endswith("attn.hook_pattern"), pattern)]
+    with torch.no_grad():
+        model.run_with_hooks(tokens.to(_device(model)), return_type=None, fwd_hooks=hooks)
+    if not rows:
+        raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
+    frame = pd.DataFrame([rows[k] for k in sorted(rows)])
+    frame["sink_share"] = [float((sink_shares[k] > SINK_THRESHOLD).float().mean()) if k in sink_shares
+                           else float("nan") for k in frame["layer"]]
+    heads = torch.cat(list(sink_shares.values())) if sink_shares else torch.zeros(0)
+    sink = float((heads > SINK_THRESHOLD).float().mean()) if len(heads) else float("nan")
+    return frame, sink

@@ -1,0 +1,346 @@
+"""Pretraining a :class:`MassiveLM` from scratch, small enough to run anywhere.
+
+The loop is deliberately plain (nanoGPT style): AdamW with decoupled weight decay on
+matrices only, linear warmup then cosine decay to ``min_lr_ratio * lr``, gradient
+clipping, bf16 autocast on GPU, and data parallelism under ``torchrun`` (gloo on CPU,
+NCCL on GPU). Two properties matter for science:
+
+* **Identical data order.** Batch ``i`` is a pure function of ``(seed, i)``, so every
+  attention variant trained with the same seed sees exactly the same sequences, and a
+  resumed run sees what the uninterrupted one would have.
+* **Every run survives an interruption.** Checkpoints are written to a temporary file
+  and renamed into place; calling :func:`train_model` again with the same ``out_dir``
+  resumes from the last checkpoint and reaches the same loss.
+
+Each training sequence starts with BOS (as ``to_tokens`` does), so a first-token sink
+can form exactly where analyses look for it.
+
+>>> run = train_model("smoke", steps=3, progress=False, data="One. Two. Three. " * 200)
+>>> run.steps, len(run.history) > 0
+(3, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from jaxtyping import Int
+from torch import Tensor
+
+from massive_lens.errors import MassiveLensError
+from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.presets import TrainConfig, get_preset
+
+log = logging.getLogger(__name__)
+CKPT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """A finished (or stopped) run: the model, its logged history and where it lives."""
+
+    model: MassiveLM
+    config: TrainConfig
+    history: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+    out_dir: str | None = None
+
+    @property
+    def final_loss(self) -> float:
+        """Last logged training loss."""
+        return self.history[-1]["loss"] if self.history else float("nan")
+
+    @property
+    def val_loss(self) -> float:
+        """Last held-out loss (``nan`` if never evaluated)."""
+        vals = [row["val_loss"] for row in self.history if not math.isnan(row["val_loss"])]
+        return vals[-1] if vals else float("nan")
+
+    def to_frame(self) -> pd.DataFrame:
+        """Columns: step, tokens, loss, val_loss, lr, grad_norm, tokens_per_s, elapsed_s."""
+        return pd.DataFrame(self.history)
+
+    def summary(self) -> str:
+        attn = self.model.cfg.attention.name
+        return (
+            f"MassiveLM ({attn}, {self.model.cfg.n_layers} layers, d_model "
+            f"{self.model.cfg.d_model}) trained {self.steps} steps: train loss "
+            f"{self.final_loss:.3f}, held-out loss {self.val_loss:.3f}"
+        )
+
+
+def get_tokenizer(name: str) -> Any:
+    """``"byte"``: the offline byte-level tokenizer; ``"default"``: the default model's."""
+    from massive_lens.models import byte_tokenizer, load_model
+
+    return byte_tokenizer() if name == "byte" else load_model().tokenizer
+
+
+def token_stream(data: str, tokenizer: Any, max_chars: int | None = None) -> Int[Tensor, "n_tokens"]:
+    """Tokenize a data source (see :class:`TrainConfig`) into one long 1-D tensor.
+
+    >>> from massive_lens.models import byte_tokenizer
+    >>> token_stream("abc abc", byte_tokenizer()).shape
+    torch.Size([7])
+    """
+    from massive_lens.corpora import iter_texts
+
+    ids: list[int] = []
+    n_chars = 0
+    for text in iter_texts(None if data == "default" else data):
+        if max_chars is not None:
+            text = text[: max_chars - n_chars]
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        n_chars += len(text)
+        if max_chars is not None and n_chars >= max_chars:
+            break
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def sample_batch(
+    stream: Int[Tensor, "n_tokens"], n_seq: int, n_ctx: int, bos: int, seed: int, step: int
+) -> Int[Tensor, "batch pos"]:
+    """``n_seq`` sequences ``[BOS] + window``; a pure function of ``(seed, step)``."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(stream) - n_ctx + 1, (n_seq,), generator=gen)
+    windows = stream[starts[:, None] + torch.arange(n_ctx - 1)]
+    return torch.cat([torch.full((n_seq, 1), bos, dtype=torch.long), windows], 1)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not norms, biases, slots or sink logits)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def train_model(
+    preset: str | TrainConfig = "smoke",
+    *,
+    out_dir: str | os.PathLike | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    until_step: int | None = None,
+    device: str | None = None,
+    **overrides: Any,
+) -> TrainRun:
+    """Train a MassiveLM with a preset (plus ``TrainConfig`` field overrides).
+
+    ``out_dir`` holds ``checkpoint.pt``, ``log.csv`` and ``run.json``; with ``resume``
+    an existing checkpoint there is continued. ``until_step`` stops early (the schedule
+    still targets ``steps``), as an interruption would. Run under ``torchrun`` for DDP.
+
+    >>> train_model("smoke", steps=2, progress=False, data="a. b. " * 500).steps
+    2
+    """
+    cfg = get_preset(preset, **overrides)
+    rank, world, dev = _setup_distributed(device)
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    model = MassiveLM(_model_config(cfg, tokenizer, dev), tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model._init_weights()
+    model.to(dev)
+    optimizer = make_optimizer(model, cfg)
+    out = Path(out_dir) if out_dir is not None else None
+    start, history = 0, []
+    if out is not None and resume and (out / CKPT).is_file():
+        start, history = _load_checkpoint(out / CKPT, model, optimizer, cfg)
+    stream = token_stream(cfg.data, tokenizer, cfg.max_chars)
+    n_ctx = model.cfg.n_ctx
+    n_val = max(n_ctx, int(len(stream) * cfg.val_fraction))
+    if len(stream) < n_val + 2 * n_ctx:
+        raise MassiveLensError(
+            f"the data {cfg.data!r} has {len(stream)} tokens, too few for n_ctx={n_ctx}; "
+            "give more text or a smaller n_ctx"
+        )
+    train, val = stream[:-n_val], stream[-n_val:]
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    wrapped = _wrap_ddp(model, world, dev)
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if cfg.amp and dev.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    stop = min(cfg.steps, until_step if until_step is not None else cfg.steps)
+    micro = cfg.batch_size // cfg.grad_accum
+    if micro % world:
+        raise MassiveLensError(f"micro-batch {micro} is not divisible by {world} DDP ranks")
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
+    t0, tokens_seen = time.perf_counter(), 0
+    step = start
+    try:
+        for step in range(start, stop):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(cfg, step)
+            batch = sample_batch(train, cfg.batch_size, n_ctx, bos, cfg.seed, step)
+            loss_sum = torch.zeros((), device=dev)
+            for i in range(cfg.grad_accum):
+                rows = batch[i * micro : (i + 1) * micro][rank::world].to(dev)
+                last = i == cfg.grad_accum - 1
+                sync = contextlib.nullcontext() if last or world == 1 else wrapped.no_sync()
+                with sync, amp:
+                    loss = wrapped(rows, return_type="loss") / cfg.grad_accum
+                loss.backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens_seen += batch.numel()
+            bar.update(1)
+            done = step + 1
+            if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == stop:
+                val_loss = _evaluate(model, val, cfg, bos, amp) if _due(done, cfg, stop) else math.nan
+                elapsed = time.perf_counter() - t0
+                history.append(dict(
+                    step=done, tokens=done * batch.numel(), loss=_mean(loss_sum, world),
+                    val_loss=val_loss, lr=lr_at(cfg, step), grad_norm=float(grad_norm),
+                    tokens_per_s=tokens_seen / elapsed, elapsed_s=elapsed,
+                ))
+                bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
+            if out is not None and rank == 0 and (done % cfg.ckpt_every == 0 or done == stop):
+                _save(out, model, optimizer, cfg, done, history)
+    except KeyboardInterrupt:
+        if out is not None and rank == 0 and step > start:
+            log.warning("interrupted at step %d; saving a checkpoint in %s", step, out)
+            _save(out, model, optimizer, cfg, step, history)
+        raise
+    finally:
+        bar.close()
+    model.eval()
+    return TrainRun(model, cfg, history, max(stop, start), None if out is None else str(out))
+
+
+def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM:
+    """Rebuild the trained model from ``out_dir/checkpoint.pt``."""
+    path = Path(out_dir) / CKPT
+    if not path.is_file():
+        raise MassiveLensError(f"no checkpoint at {path}; train with train_model(out_dir=...) first")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    cfg = TrainConfig(**state["config"])
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    model = MassiveLM(MassiveLMConfig.from_dict(state["model_cfg"]), tokenizer)
+    model.load_state_dict(state["model"])
+    return model.to(device or "cpu").eval()
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _model_config(cfg: TrainConfig, tokenizer: Any, dev: torch.device) -> MassiveLMConfig:
+    fields = {"d_vocab": len(tokenizer), **cfg.model, "device": str(dev)}
+    return MassiveLMConfig(**fields)
+
+
+def _due(done: int, cfg: TrainConfig, stop: int) -> bool:
+    return done % cfg.eval_every == 0 or done == stop
+
+
+@torch.no_grad()
+def _evaluate(model: MassiveLM, val: Tensor, cfg: TrainConfig, bos: int, amp: Any) -> float:
+    model.eval()
+    n_ctx, dev = model.cfg.n_ctx, model.W_E.device
+    n_seq = max(1, min(cfg.batch_size, (len(val) - 1) // (n_ctx - 1)))
+    losses = []
+    for i in range(cfg.eval_batches):  # fixed windows: the same for every run and step
+        batch = sample_batch(val, n_seq, n_ctx, bos, seed=-1 - i, step=0).to(dev)
+        with amp:
+            losses.append(float(model(batch, return_type="loss")))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _mean(value: Tensor, world: int) -> float:
+    if world > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= world
+    return float(value)
+
+
+def _setup_distributed(device: str | None) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and device in (None, "cuda")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    if device is not None and device != "cuda":
+        return rank, world, torch.device(device)
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def _wrap_ddp(model: MassiveLM, world: int, dev: torch.device) -> Any:
+    if world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+
+
+def _save(out: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig, step: int, history: list) -> None:
+    """Write the checkpoint and logs to temporary files, then rename them into place."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = dict(
+        model=model.state_dict(), optimizer=optimizer.state_dict(), step=step,
+        config=cfg.to_dict(), model_cfg=model.cfg.to_dict(), history=history,
+    )
+    _atomic(out / CKPT, lambda p: torch.save(state, p))
+    _atomic(out / "log.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
+    summary = dict(config=cfg.to_dict(), step=step, last=history[-1] if history else None)
+    _atomic(out / "run.json", lambda p: Path(p).write_text(json.dumps(summary, indent=1)))
+
+
+def _atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig) -> tuple[int, list]:
+    state = torch.load(path, map_location=model.W_E.device, weights_only=False)
+    saved = {k: v for k, v in state["config"].items() if k != "steps"}
+    current = {k: v for k, v in cfg.to_dict().items() if k != "steps"}
+    if saved != current:
+        raise MassiveLensError(
+            f"the checkpoint in {path.parent} was made with another configuration; use a "
+            "new out_dir or resume=False"
+        )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    log.info("resuming from step %d (%s)", state["step"], path)
+    return int(state["step"]), list(state["history"])
+
+
+if __name__ == "__main__":  # torchrun -m massive_lens.train.trainer PRESET OUT_DIR [k=v ...]
+    import sys
+
+    args = dict(a.split("=", 1) for a in sys.argv[3:])
+    parsed = {k: json.loads(v) if v[:1] in "0123456789-[{tf" else v for k, v in args.items()}
+    train_model(sys.argv[1], out_dir=sys.argv[2], progress=False, **parsed)
