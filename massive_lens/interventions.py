@@ -23,7 +23,7 @@ massive dimensions are massive at the layer where they first appear (before any 
 Attention interventions apply to the layers after it, where sinks carry massive
 activations. A model with no massive activations falls back to the first token.
 
-Every intervention is an :class:`Intervention`: a context manager (``with fix_sink_term(m):``)
+Every intervention is an :class:`Intervention`: a context manager (``with fixsink_term(m):``)
 that is also a hook list (``model.hooks(fwd_hooks=iv.fwd_hooks)``, ``perplexity(hooks=iv)``).
 All are built by one generic builder, :func:`_hooks`, from small edit functions bound with
 ``functools.partial``, like TransformerLens's ``patching.py``.
@@ -51,6 +51,7 @@ from transformer_lens.patching import layer_pos_patch_setter
 
 from massive_lens._model_view import Batch, ModelView
 from massive_lens.corpora import Corpus
+from massive_lens.attention import sink_term
 from massive_lens.detect import Criterion, find_massive
 from massive_lens.errors import MassiveLensError
 
@@ -203,7 +204,7 @@ def calibrate(
     def on_z(z: Tensor, hook: Any, layer: int) -> None:
         sinks = state.mask(z.shape[0], z.shape[1], z.device)
         pattern, v, k = state.stash["pattern"], state.stash["v"], state.stash["k"]
-        sink_z = _sink_term(pattern, v, sinks)
+        sink_z = sink_term(pattern, v, sinks)
         queries = (~sinks).double()
         sums["z"][layer] += torch.einsum("bqhd,bq->hd", sink_z.double(), queries).cpu()
         sums["mass"][layer] += torch.einsum("bhqk,bk,bq->h", pattern.double(), sinks.double(), queries).cpu()
@@ -234,15 +235,6 @@ def calibrate(
 
 def _describe(corpus: Any) -> str:
     return "default text" if corpus is None else (str(corpus) if len(str(corpus)) < 60 else f"{type(corpus).__name__} corpus")
-
-
-def _sink_term(pattern: Float[Tensor, "batch head_index query_pos key_pos"],
-               v: Float[Tensor, "batch key_pos kv_head d_head"],
-               sinks: Bool[Tensor, "batch key_pos"]) -> Float[Tensor, "batch query_pos head_index d_head"]:
-    """``sum_{i in C} p_qi v_i`` per query head (a kv head serves ``n_heads // n_kv`` heads)."""
-    group = pattern.shape[1] // v.shape[2]
-    return torch.einsum("bhqk,bkhd->bqhd", pattern * sinks[:, None, None, :].to(pattern.dtype),
-                        v.repeat_interleave(group, dim=2))
 
 
 # --------------------------------------------------------------------------- hook functions
@@ -296,10 +288,10 @@ def _drop_sinks(pattern: Float[Tensor, "batch head_index query_pos key_pos"], ho
     return torch.where(total > 1e-9, kept / total.clamp(min=1e-9), pattern)  # a sink attending only to sinks keeps its row
 
 
-def _replace_sink_term(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: _State,
+def _replacesink_term(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: _State,
                        mean: Tensor | None) -> Tensor:
     sinks = state.mask(z.shape[0], z.shape[1], z.device)
-    sink_z = _sink_term(state.stash["pattern"], state.stash["v"], sinks)
+    sink_z = sink_term(state.stash["pattern"], state.stash["v"], sinks)
     target = torch.zeros_like(sink_z) if mean is None else mean.to(z).expand_as(sink_z)
     edited = z - sink_z + target
     return torch.where(sinks[:, :, None, None], z, edited)  # sink queries keep their own output
@@ -379,12 +371,12 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
     return Intervention(model, name, _hooks(model, calib, fill=fill, control=control))
 
 
-def fix_sink_term(model: Any, mode: str = "mean", *, calibration: Any = None) -> Intervention:
+def fixsink_term(model: Any, mode: str = "mean", *, calibration: Any = None) -> Intervention:
     """Replace every head's sink term by its calibration mean (``"mean"``) or zero, at all
     non-sink query positions of the layers after the massive activations appear.
 
     >>> from massive_lens import tiny_model
-    >>> len(fix_sink_term(tiny_model("gpt2"), calibration="Calibrate on this. " * 5)) > 0
+    >>> len(fixsink_term(tiny_model("gpt2"), calibration="Calibrate on this. " * 5)) > 0
     True
     """
     if mode not in ("mean", "zero"):
