@@ -16,7 +16,10 @@ from torch import Tensor
 from massive_lens._model_view import Batch, ModelView
 from massive_lens._origin_capture import Capture, norm_affine, post_norm_factor
 
-NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "neuron", "contribution", "share", "post", "pre", "up", "w_out"]
+NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "neuron", "contribution", "share", "named", "post", "pre", "up",
+                  "w_out"]
+NAMED_SHARE = 0.9  # name same-sign neurons, largest first, until they explain 90% of the MLP's term ...
+NAMED_MIN = 0.02  # ... skipping any below 2% of it
 SUPER_COLUMNS = ["pos", "dim", "layer", "neuron", "value", "zscore", "rank", "n_entries", "hf_param", "hf_row", "hf_col"]
 WHY_COLUMNS = ["pos", "dim", "layer", "neuron", "input", "source", "source_layer", "contribution", "share", "value"]
 VERIFY_COLUMNS = ["pos", "dim", "intervention", "scope", "layer", "neurons", "value", "ablated", "remaining",
@@ -36,21 +39,23 @@ def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int
     post = cap.layers["post"][layer, i]
     contrib = post * weights * factor
     total = float(event["contribution"])
-    rows = []
+    rows, explained = [], 0.0
     for n in contrib.abs().topk(min(top_k, len(contrib))).indices.tolist():
+        share = float(contrib[n]) / total if total else math.nan
+        is_named = explained < NAMED_SHARE and share >= NAMED_MIN
+        explained += share if is_named else 0.0
         up = float(cap.layers["up"][layer, i, n]) if cap.gated else math.nan
         rows.append(dict(pos=pos, dim=dim, layer=layer, kind=event["kind"], neuron=n,
-                         contribution=float(contrib[n]), share=float(contrib[n]) / total if total else math.nan,
-                         post=float(post[n]), pre=float(cap.layers["pre"][layer, i, n]), up=up,
-                         w_out=float(weights[n])))
+                         contribution=float(contrib[n]), share=share, named=is_named, post=float(post[n]),
+                         pre=float(cap.layers["pre"][layer, i, n]), up=up, w_out=float(weights[n])))
     return rows
 
 
 def named(neurons: pd.DataFrame, event: dict[str, Any]) -> list[int]:
-    """Neurons of an event that push the same way as the event (the ones its story names)."""
+    """The neurons an event's story names: same sign as the event, largest first, until they
+    explain 90% of the MLP's term (see ``NAMED_SHARE``)."""
     rows = neurons[(neurons.pos == event["pos"]) & (neurons.dim == event["dim"]) & (neurons.layer == event["layer"])]
-    same = rows[rows.contribution * event["contribution"] > 0]
-    return same.neuron.tolist()
+    return rows[rows.named].neuron.tolist()
 
 
 def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
@@ -71,7 +76,7 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
     mean, std, mags = float(flat.mean()), float(flat.std()), flat.abs()
     rows = []
     for n in neurons:
-        value = float(weight[n, dim])
+        value = float(weight[n, dim].detach())
         row, col = (dim, n) if transposed else (n, dim)
         rows.append(dict(pos=pos, dim=dim, layer=layer, neuron=n, value=value, zscore=(value - mean) / std,
                          rank=int((mags > abs(value)).sum()) + 1, n_entries=len(flat),

@@ -25,7 +25,7 @@ def _of(frame: pd.DataFrame, t: Any) -> pd.DataFrame:
 
 
 def _who(neurons: pd.DataFrame, e: Any) -> str:
-    rows = neurons[(neurons.layer == e.layer) & (neurons.contribution * e.contribution > 0)]
+    rows = neurons[(neurons.layer == e.layer) & neurons.named]
     if rows.empty:
         return ""
     shown = rows.head(3)

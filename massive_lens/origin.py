@@ -49,7 +49,7 @@ from massive_lens.errors import MassiveLensError
 LEDGER_COLUMNS = ["pos", "dim", "token", "layer", "component", "contribution", "resid"]
 EVENT_COLUMNS = ["pos", "dim", "layer", "component", "kind", "contribution", "before", "after"]
 EVENT_MIN_SHARE = 0.3  # an event changes the value by >= 30% of |before| or |after| ...
-EVENT_MIN_PEAK = 0.02  # ... and by >= 2% of the peak |value|
+EVENT_MIN_PEAK = 0.02  # ... and by >= 2% of the peak |value| (or the criterion's abs_threshold)
 _CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
 
 
@@ -155,7 +155,8 @@ def trace_origin(
     ledger = pd.DataFrame([r for t in targets for r in _ledger_rows(cap, t["pos"], t["dim"], tokens)],
                           columns=LEDGER_COLUMNS)
     error = _reconstruction_error(ledger)
-    events = pd.DataFrame([e for t in targets for e in _events(ledger, t)], columns=EVENT_COLUMNS)
+    events = pd.DataFrame([e for t in targets for e in _events(ledger, t, criterion.abs_threshold)],
+                          columns=EVENT_COLUMNS)
     mlp_events = [e for e in events.to_dict("records") if e["component"] == "mlp"]
     neurons = pd.DataFrame([r for e in mlp_events for r in neu.neuron_rows(view, cap, e, top_neurons)],
                            columns=neu.NEURON_COLUMNS)
@@ -261,15 +262,18 @@ def _reconstruction_error(ledger: pd.DataFrame) -> float:
     return worst
 
 
-def _events(ledger: pd.DataFrame, target: dict[str, Any]) -> list[dict[str, Any]]:
+def _events(ledger: pd.DataFrame, target: dict[str, Any], abs_threshold: float) -> list[dict[str, Any]]:
     """Births, erasures and rebirths: components that change the value by a large fraction of
-    both its current size and its peak."""
+    its current size, and by enough in absolute terms (2% of the peak, or the criterion's
+    absolute threshold if that is lower, so an early birth to ~800 still counts next to a
+    later rewrite to ~25,000)."""
     rows = ledger[(ledger.pos == target["pos"]) & (ledger.dim == target["dim"])]
     peak = float(rows.resid.abs().max())
+    floor = min(EVENT_MIN_PEAK * peak, abs_threshold)
     events, before, erased = [], 0.0, False
     for r in rows.itertuples():
         after, c = float(r.resid), float(r.contribution)
-        big = abs(c) >= EVENT_MIN_PEAK * peak and abs(c) >= EVENT_MIN_SHARE * max(abs(before), abs(after))
+        big = abs(c) >= floor and abs(c) >= EVENT_MIN_SHARE * max(abs(before), abs(after))
         if big and peak > 0:
             kind = "erasure" if abs(after) < abs(before) else ("rebirth" if erased else "birth")
             erased |= kind == "erasure"
