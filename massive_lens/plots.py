@@ -64,7 +64,7 @@ def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> 
     >>> waterfall_axes(frame).get_xlabel()
     'layer (each layer: attention bar, then MLP bar)'
     """
-    ax = _axes(ax, size=(9, 4))
+    ax = _axes(ax, size=(9.0, 4.0))
     after = ledger["resid"].to_numpy()
     contrib = ledger["contribution"].to_numpy()
     x = list(range(len(ledger)))
