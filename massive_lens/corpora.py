@@ -8,7 +8,8 @@ corpus scan, perplexity) need a stream of real prose. Three sources:
   package is read;
 - plain text files (read piece by piece, so a large file never sits in memory at once);
 - Hugging Face datasets by name (``"hf:wikitext:wikitext-2-raw-v1:test"``), streamed;
-  this needs network access and the ``datasets`` package.
+  this needs network access and the ``datasets`` package;
+- already tokenized sequences, a ``[n_seqs, seq_len]`` tensor.
 
 :func:`token_batches` turns any of them into ``[batch, seq_len]`` token tensors, each
 sequence starting with BOS when the model prepends one.
@@ -32,7 +33,7 @@ from massive_lens.errors import MassiveLensError
 
 _PIECE_CHARS = 1 << 20  # characters tokenized at once when streaming a file
 
-Corpus = str | os.PathLike | Iterable[str] | None
+Corpus = str | os.PathLike | Iterable[str] | Tensor | None
 
 
 def default_text() -> str:
@@ -80,6 +81,12 @@ def token_batches(
     if seq_len < 2 or batch_size < 1:
         raise MassiveLensError(f"need seq_len >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
     view._check_length(seq_len)
+    if isinstance(corpus, Tensor):  # already tokenized: [n_seqs, seq_len]
+        if corpus.ndim != 2 or corpus.shape[1] != seq_len:
+            raise MassiveLensError(f"token corpus must be [n_seqs, {seq_len}], got {tuple(corpus.shape)}")
+        stop = len(corpus) if max_tokens is None else max_tokens // seq_len
+        yield from corpus[:stop].long().split(batch_size)
+        return
     tok = view.tokenizer
     if prepend_bos is None:
         prepend_bos = bool(getattr(view.cfg, "default_prepend_bos", True))
