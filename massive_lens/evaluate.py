@@ -196,8 +196,8 @@ class InterventionTable:
                  f"(calibration: {self.calibration}, {int(self.frame['n_seqs'].iloc[0])} sequences)",
                  f"{'setting':<24}{'perplexity':>12}{'ratio':>10}{'95% interval':>22}{'accuracy':>10}"]
         for r in self.frame.itertuples():
-            lines.append(f"{r.setting:<24}{r.perplexity:>12.3f}{r.ratio:>10.3f}"
-                         f"{f'[{r.ratio_low:.3f}, {r.ratio_high:.3f}]':>22}{r.accuracy:>10.1%}")
+            interval = f"[{_num(r.ratio_low)}, {_num(r.ratio_high)}]"
+            lines.append(f"{r.setting:<24}{_num(r.perplexity):>12}{_num(r.ratio):>10}{interval:>22}{r.accuracy:>10.1%}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -263,6 +263,10 @@ def run_interventions(
                          ratio_low=math.exp(low), ratio_high=math.exp(high), accuracy=res.accuracy,
                          n_seqs=len(base), description=iv.DESCRIPTIONS[setting]))
     return InterventionTable(pd.DataFrame(rows), ModelView(model).name, _label(corpus), _label(calib))
+
+
+def _num(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 1e4 else f"{x:.3g}"
 
 
 def _label(source: Any) -> str:

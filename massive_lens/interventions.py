@@ -23,7 +23,7 @@ massive dimensions are massive at the layer where they first appear (before any 
 Attention interventions apply to the layers after it, where sinks carry massive
 activations. A model with no massive activations falls back to the first token.
 
-Every intervention is an :class:`Intervention`: a context manager (``with fixsink_term(m):``)
+Every intervention is an :class:`Intervention`: a context manager (``with fix_sink_term(m):``)
 that is also a hook list (``model.hooks(fwd_hooks=iv.fwd_hooks)``, ``perplexity(hooks=iv)``).
 All are built by one generic builder, :func:`_hooks`, from small edit functions bound with
 ``functools.partial``, like TransformerLens's ``patching.py``.
@@ -156,7 +156,7 @@ def _k_hook(view: ModelView, layer: int, kind: str) -> str:
 
 def calibrate(
     model: Any,
-    corpus: Corpus = None,
+    corpus: Corpus | Calibration = None,
     *,
     seq_len: int = 128,
     n_seqs: int = 16,
@@ -282,13 +282,13 @@ def _drop_sinks(pattern: Float[Tensor, "batch head_index query_pos key_pos"], ho
                 renormalize: bool) -> Tensor:
     sinks = state.mask(pattern.shape[0], pattern.shape[-1], pattern.device)
     kept = pattern * (~sinks)[:, None, None, :].to(pattern.dtype)
-    if not renormalize:
-        return kept
-    total = kept.sum(-1, keepdim=True)
-    return torch.where(total > 1e-9, kept / total.clamp(min=1e-9), pattern)  # a sink attending only to sinks keeps its row
+    if renormalize:
+        total = kept.sum(-1, keepdim=True)
+        kept = torch.where(total > 1e-9, kept / total.clamp(min=1e-9), pattern)
+    return torch.where(sinks[:, None, :, None], pattern, kept)  # sink queries keep their own row
 
 
-def _replacesink_term(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: _State,
+def _replace_sink_term(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: _State,
                        mean: Tensor | None) -> Tensor:
     sinks = state.mask(z.shape[0], z.shape[1], z.device)
     sink_z = sink_term(state.stash["pattern"], state.stash["v"], sinks)
@@ -371,12 +371,12 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
     return Intervention(model, name, _hooks(model, calib, fill=fill, control=control))
 
 
-def fixsink_term(model: Any, mode: str = "mean", *, calibration: Any = None) -> Intervention:
+def fix_sink_term(model: Any, mode: str = "mean", *, calibration: Any = None) -> Intervention:
     """Replace every head's sink term by its calibration mean (``"mean"``) or zero, at all
     non-sink query positions of the layers after the massive activations appear.
 
     >>> from massive_lens import tiny_model
-    >>> len(fixsink_term(tiny_model("gpt2"), calibration="Calibrate on this. " * 5)) > 0
+    >>> len(fix_sink_term(tiny_model("gpt2"), calibration="Calibrate on this. " * 5)) > 0
     True
     """
     if mode not in ("mean", "zero"):
