@@ -87,7 +87,7 @@ def sink_mass_axes(frame: pd.DataFrame, *, threshold: float = 0.3, ax: Any = Non
 
     >>> frame = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1],
     ...                       "sink_mass": [0.1, 0.3, 0.8, 0.9], "first_token_mass": [0.1, 0.3, 0.8, 0.9]})
-    >>> sink_mass_axes(frame).get_ylim()[1] >= 1
+    >>> bool(sink_mass_axes(frame).get_ylim()[1] >= 1)
     True
     """
     ax = _axes(ax)
@@ -157,3 +157,238 @@ def intervention_bars(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
     ax.tick_params(axis="x", rotation=30)
     ax.set_title(title)
     return ax
+
+
+# --------------------------------------------------------------------------- landscape, overlays, attention maps
+# The figures below are the ones a report or a notebook reaches for directly (not through a
+# result's ``.plot()``): they take a model and a text, or several results to overlay.
+
+
+def _tick(token: str, width: int = 12) -> str:
+    """A token string as a readable tick label (newlines and spaces made visible)."""
+    shown = token.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "\u2423") or "\u2205"
+    return shown if len(shown) <= width else shown[: width - 1] + "\u2026"
+
+
+def landscape_axes(
+    values: Any,
+    tokens: Sequence[str],
+    *,
+    label_dims: Sequence[int] = (),
+    label_tokens: Sequence[int] = (),
+    ax: Any = None,
+    title: str = "",
+) -> Any:
+    """3D landscape of ``|values|`` (``[pos, d_model]``) over tokens x dims, the paper's Figure 1:
+    one ridge per token with its spikes, the ``label_dims`` annotated at their peak token and
+    the ``label_tokens`` tick labels in red.
+
+    >>> import numpy as np
+    >>> vals = np.ones((3, 16)); vals[0, 5] = 900.0
+    >>> ax = landscape_axes(vals, ["<s>", "Hi", "."], label_dims=[5], label_tokens=[0])
+    >>> ax.get_zlabel(), [t.get_text() for t in ax.texts]
+    ('|activation| (residual units)', ['dim 5'])
+    """
+    import numpy as np
+
+    mag = np.abs(np.asarray(values, dtype=float))
+    if mag.ndim != 2 or mag.shape[0] != len(tokens):
+        from massive_lens.errors import MassiveLensError
+
+        raise MassiveLensError(f"values must be [pos, d_model] with pos = {len(tokens)} tokens, got {mag.shape}")
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(8.0, 5.5), layout="constrained")
+        ax = fig.add_subplot(projection="3d")
+    dims = np.arange(mag.shape[1])
+    cmap = __import__("matplotlib").colormaps["viridis"]
+    for pos in range(mag.shape[0]):
+        color = "tab:red" if pos in label_tokens else cmap(pos / max(1, mag.shape[0] - 1))
+        ax.plot(dims, np.full_like(dims, pos), mag[pos], color=color, lw=0.8)
+    for dim in label_dims:
+        pos = int(mag[:, dim].argmax())
+        ax.text(dim, pos, mag[pos, dim], f"dim {dim}", color="tab:red", fontsize=8)
+    step = max(1, len(tokens) // 20)
+    ticks = list(range(0, len(tokens), step))
+    ax.set_yticks(ticks, [_tick(tokens[i]) for i in ticks], fontsize=7)
+    for label, i in zip(ax.get_yticklabels(), ticks):
+        if i in label_tokens:
+            label.set_color("tab:red")
+    ax.set_xlabel("hidden dimension")
+    ax.set_ylabel("token")
+    ax.set_zlabel("|activation| (residual units)")
+    ax.view_init(elev=25, azim=-60)
+    ax.set_title(title)
+    return ax
+
+
+def _residual(model: Any, text: str | Any, layer: int, hook: str = "resid_post") -> tuple[Any, list[str]]:
+    """``[pos, d_model]`` residual of one text at ``layer`` and its token strings."""
+    from massive_lens._model_view import ModelView
+
+    view = ModelView(model)
+    batch = view.tokenize(text)
+    if batch.tokens.shape[0] != 1:
+        from massive_lens.errors import MassiveLensError
+
+        raise MassiveLensError(f"the landscape shows one text; got a batch of {batch.tokens.shape[0]}")
+    name = view.hook_name(layer, hook)
+    seen: dict[str, Any] = {}
+
+    def keep(x: Any, hook: Any) -> None:
+        seen["x"] = x[0].detach().float().cpu()
+
+    view.forward(batch, [(name, keep)], stop_after=name)
+    return seen["x"], view.str_tokens(batch)[0]
+
+
+def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax: Any = None,
+                         criterion: Any = None) -> Any:
+    """The activation landscape of ``text`` at ``layer`` (default: where the top-1 magnitude
+    over the median is largest), massive dims and tokens labelled (:func:`landscape_axes`).
+
+    >>> from massive_lens import tiny_model
+    >>> activation_landscape(tiny_model("llama"), "Hello. World", layer=1).get_xlabel()
+    'hidden dimension'
+    """
+    from massive_lens.detect import find_massive
+
+    found = find_massive(model, text, criterion)
+    if layer is None:
+        prof = found.profile
+        layer = int(prof.loc[(prof["top1"] / prof["median"]).idxmax(), "layer"])
+    values, tokens = _residual(model, text, layer)
+    at = found.entries[found.entries["layer"] == layer]
+    return landscape_axes(values.numpy(), tokens, label_dims=sorted(at["dim"].unique().tolist()),
+                          label_tokens=sorted(at["pos"].unique().tolist()), ax=ax,
+                          title=f"{found.model_name}: layer {layer} ({found.hook})")
+
+
+def _profile_columns(frame: pd.DataFrame) -> tuple[str, str]:
+    for top, median in (("top1_mean", "median_mean"), ("top1", "median"), ("max_inf_norm", "median")):
+        if top in frame and median in frame:
+            return top, median
+    from massive_lens.errors import MassiveLensError
+
+    raise MassiveLensError(f"a profile needs layer and top1/median columns; got {list(frame.columns)}")
+
+
+def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = None, title: str = "") -> Any:
+    """Several models' (or variants') layer profiles on one log-scale axis: top-1 solid, median
+    dashed, one colour per name. ``profiles`` maps a name to a result with ``.profile`` or
+    ``.frame`` (``LayerProfile``, ``CorpusScan``, ``MassiveActivations``) or a DataFrame;
+    a DataFrame with a ``variant`` column (``Comparison.profiles``) is split by it.
+    ``relative_depth`` puts models of different depths on a 0-1 axis.
+
+    >>> a = pd.DataFrame({"layer": [0, 1], "top1": [2.0, 900.0], "median": [0.5, 0.6]})
+    >>> ax = overlay_profiles({"A": a, "B": a.assign(top1=[3.0, 4.0])})
+    >>> [t.get_text() for t in ax.get_legend().get_texts()][:2]
+    ['A top-1', 'A median']
+    """
+    if isinstance(profiles, pd.DataFrame) and "variant" in profiles:
+        profiles = {str(k): g.groupby("layer", as_index=False).mean(numeric_only=True)
+                    for k, g in profiles.groupby("variant", sort=False)}
+    ax = _axes(ax)
+    for name, item in dict(profiles).items():
+        frame = getattr(item, "profile", item)
+        frame = getattr(frame, "frame", frame)
+        if "seq" in frame:  # MassiveActivations.profile: one row per (seq, layer)
+            frame = frame.groupby("layer", as_index=False)[["top1", "median"]].mean()
+        top, median = _profile_columns(frame)
+        x = frame["layer"] / max(1, frame["layer"].max()) if relative_depth else frame["layer"]
+        line = ax.plot(x, frame[top], marker="o", markersize=3, label=f"{name} top-1")[0]
+        ax.plot(x, frame[median], ls="--", color=line.get_color(), label=f"{name} median")
+    ax.set_yscale("log")
+    ax.set_xlabel("relative depth (layer / last layer)" if relative_depth else "layer")
+    ax.set_ylabel("|activation| (residual stream units)")
+    ax.set_title(title or "layer profiles: top-1 (solid) and median (dashed)")
+    ax.legend(frameon=False, fontsize=8)
+    return ax
+
+
+def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | None = None,
+                   sinks: Sequence[int] | None = None, max_heads: int = 12) -> Any:
+    """Per-head attention maps of one layer (query x key, token strings as ticks) with the sink
+    key columns outlined in red. ``sinks`` default to the positions with massive activations
+    (first token if none). Returns the Figure.
+
+    >>> from massive_lens import tiny_model
+    >>> fig = attention_maps(tiny_model("gpt2"), "Hi there.", layer=0, heads=[0, 1])
+    >>> [a.get_title() for a in fig.axes[:2]]
+    ['L0H0', 'L0H1']
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from massive_lens.detect import find_massive
+
+    pattern, tokens = _pattern(model, text, layer)
+    chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else list(heads)
+    if sinks is None:
+        sinks = find_massive(model, text).positions or [0]
+    cols = min(4, len(chosen))
+    rows = -(-len(chosen) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
+    labels = [_tick(t, 8) for t in tokens]
+    for ax, head in zip(axes.flat, chosen):
+        ax.imshow(pattern[head].numpy(), cmap="Blues", vmin=0, vmax=1)
+        for s in sinks:
+            ax.add_patch(Rectangle((s - 0.5, -0.5), 1, len(tokens), fill=False, ec="tab:red", lw=1.5))
+        ax.set_title(f"L{layer}H{head}")
+        if len(tokens) <= 24:
+            ax.set_xticks(range(len(tokens)), labels, rotation=90, fontsize=6)
+            ax.set_yticks(range(len(tokens)), labels, fontsize=6)
+    for ax in list(axes.flat)[len(chosen):]:
+        ax.axis("off")
+    fig.supxlabel("key token (attended to); red: sink columns")
+    fig.supylabel("query token")
+    return fig
+
+
+def _pattern(model: Any, text: str, layer: int) -> tuple[Any, list[str]]:
+    """``[head, query, key]`` attention pattern of one text at ``layer`` and its tokens."""
+    from massive_lens._model_view import ModelView
+
+    view = ModelView(model)
+    batch = view.tokenize(text)
+    name = view.hook_name(layer, "attn.hook_pattern")
+    seen: dict[str, Any] = {}
+
+    def keep(p: Any, hook: Any) -> None:
+        seen["p"] = p[0].detach().float().cpu()
+
+    view.forward(batch, [(name, keep)], stop_after=name)
+    return seen["p"], view.str_tokens(batch)[0]
+
+
+def save_figure(fig_or_ax: Any, path: Any, formats: Sequence[str] = ("png", "svg"), dpi: int = 150) -> list[Any]:
+    """Save a Figure (or the Figure of an Axes) as ``path`` with each suffix in ``formats``;
+    returns the written paths.
+
+    >>> import tempfile, pathlib
+    >>> ax = profile_axes(pd.DataFrame({"layer": [0, 1], "top1": [1.0, 9.0]}), ["top1"])
+    >>> paths = save_figure(ax, pathlib.Path(tempfile.mkdtemp()) / "profile")
+    >>> [p.suffix for p in paths], all(p.stat().st_size > 0 for p in paths)
+    (['.png', '.svg'], True)
+    """
+    from pathlib import Path
+
+    fig = _figure(fig_or_ax)
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    for fmt in formats:
+        target = base.with_suffix("." + fmt.lstrip("."))
+        fig.savefig(target, dpi=dpi, bbox_inches="tight")
+        out.append(target)
+    return out
+
+
+def _figure(fig_or_ax: Any) -> Any:
+    """The Figure behind a Figure, an Axes, or an array of Axes."""
+    if hasattr(fig_or_ax, "savefig"):
+        return fig_or_ax
+    if hasattr(fig_or_ax, "figure"):
+        return fig_or_ax.figure
+    return next(iter(getattr(fig_or_ax, "flat", fig_or_ax))).figure
