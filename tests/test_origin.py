@@ -1,0 +1,225 @@
+"""trace_origin: exact ledgers, planted birth/erasure/rebirth stories on every tiny family,
+relations on the real default model, agreement with plain transformers hooks, and an
+untouched model after every call, failing ones included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from origin_fixtures import BIRTH, DIM, ERASE, REBIRTH, plant_story
+
+import massive_lens._origin_neurons as neu
+from massive_lens import Criterion, MassiveLensError, tiny_model
+from massive_lens.origin import trace_origin
+
+TEXT = "Hi there. Bye."
+REAL_TEXT = "The capital of France is Paris. It is a large city with many museums."
+
+
+def _ledger_ok(trace) -> None:
+    for _, rows in trace.ledger.groupby(["pos", "dim"]):
+        total = rows.contribution.astype("float64").cumsum()
+        assert ((total - rows.resid).abs() / rows.resid.abs().max()).max() < 1e-4
+    assert trace.reconstruction_error < 1e-4
+
+
+@pytest.fixture
+def planted(family):
+    model = tiny_model(family)
+    plant_story(model)
+    return model
+
+
+@pytest.fixture
+def story(planted, untouched):
+    with untouched(planted):
+        return trace_origin(planted, TEXT, dim=DIM, pos=0, verify=True, prepend_bos=True)
+
+
+# --------------------------------------------------------------------------- tiny families
+
+
+def test_ledger_reconstructs_residual_on_random_models(tiny, untouched):
+    with untouched(tiny):
+        trace = trace_origin(tiny, TEXT, dim=7, pos=2)
+    _ledger_ok(trace)
+    assert list(trace.ledger.columns[:7]) == ["pos", "dim", "token", "layer", "component", "contribution", "resid"]
+    assert set(trace.ledger.component) >= {"embed", "attn", "mlp"}
+
+
+def test_planted_story_names_layers_and_kinds(story):
+    _ledger_ok(story)
+    events = story.events[story.events.component == "mlp"]
+    assert [(r.layer, r.kind) for r in events.itertuples()] == [
+        (BIRTH[0], "birth"), (ERASE[0], "erasure"), (REBIRTH[0], "rebirth")]
+    assert len(story.events) == 3  # nothing else writes DIM at BOS
+    assert story.births.layer.tolist() == [BIRTH[0], REBIRTH[0]]
+    assert story.erasures.layer.tolist() == [ERASE[0]]
+    assert story.events.contribution.tolist() == pytest.approx([1000.0, -880.0, 2000.0], rel=1e-3)
+
+
+def test_planted_story_names_neurons_and_super_weights(story, planted):
+    named = story.neurons[story.neurons.named]
+    assert [(r.layer, r.neuron) for r in named.itertuples()] == [BIRTH, ERASE, REBIRTH]
+    assert named.share.tolist() == pytest.approx([1.0, 1.0, 1.0], abs=1e-3)
+    if "W_gate" in dir(planted.blocks[0].mlp) and planted.blocks[0].mlp.W_gate is not None:
+        assert named.up.notna().all()
+    sw = story.super_weights
+    assert [(r.layer, r.neuron, r.dim) for r in sw.itertuples()] == [(*BIRTH, DIM), (*REBIRTH, DIM)]
+    assert (sw["rank"] == 1).all() and (sw.zscore.abs() > 10).all()
+    for r in sw.itertuples():  # the Hugging Face name points at the very weight
+        hf = dict(planted.original_model.named_parameters())[r.hf_param.replace(".weight", "._original_component.weight")
+                                                              .replace("mlp.", "mlp._original_component.")
+                                                              .replace(f"{r.layer}.", f"{r.layer}._original_component.", 1)]
+        assert float(hf[r.hf_row, r.hf_col].detach()) == pytest.approx(r.value)
+
+
+def test_planted_why_this_token(story):
+    why = story.why
+    for _, group in why.groupby(["layer", "neuron", "input"]):
+        assert group.contribution.sum() == pytest.approx(group.value.iloc[0], rel=1e-3, abs=1e-3)
+    birth = why[(why.layer == BIRTH[0]) & (why.neuron == BIRTH[1])]
+    for _, group in birth.groupby("input"):
+        assert group.loc[group.contribution.idxmax(), "source"] == "embed"  # fires because of the BOS embedding
+    reborn = why[(why.layer == REBIRTH[0]) & (why.neuron == REBIRTH[1])]
+    top = reborn.loc[reborn.contribution.abs().idxmax()]
+    assert (top.source, top.source_layer) == ("mlp", BIRTH[0])  # reads what the birth wrote
+
+
+def test_planted_verification_shows_the_drop(story, family):
+    v = story.verification.set_index(["scope", "intervention"])
+    assert set(v.index.get_level_values(0)) == {f"MLP {BIRTH[0]}", f"MLP {REBIRTH[0]}", "all births"}
+    for scope in (f"MLP {BIRTH[0]}", f"MLP {REBIRTH[0]}"):
+        for kind in ("zero_neurons", "zero_super_weights"):
+            assert abs(v.loc[(scope, kind), "remaining"]) < 0.1
+    # pre-norm: nothing comes back; post-norm renormalises the erasure neuron's small write
+    limit = 0.5 if family == "gemma3" else 0.05
+    assert abs(v.loc[("all births", "zero_neurons"), "remaining_last"]) < limit
+    assert "zeroing the named birth neurons" in story.summary()
+
+
+def test_planted_story_is_found_without_dim_and_pos(planted):
+    trace = trace_origin(planted, TEXT, prepend_bos=True)
+    assert (0, DIM) in set(zip(trace.targets.pos, trace.targets.dim))
+    assert trace.targets.massive.all()
+
+
+def test_summary_plot_html(story, family):
+    text = story.summary()
+    assert f"dim {DIM}" in text and f"born in MLP {BIRTH[0]} (neuron {BIRTH[1]}: 100%)" in text
+    assert f"cut to 12% by MLP {ERASE[0]}" in text and f"rewritten by MLP {REBIRTH[0]}" in text
+    assert ("post-norm" in text) == (family == "gemma3")
+    ax = story.plot()
+    assert ax.get_xlabel().startswith("layer") and ax.get_title()
+    assert "<pre>" in story._repr_html_()
+    assert story.to_frame().equals(story.ledger)
+
+
+def test_bad_input(untouched):
+    model = tiny_model("llama")
+    with untouched(model):
+        with pytest.raises(MassiveLensError, match="d_model=64"):
+            trace_origin(model, TEXT, dim=64, pos=0)
+        with pytest.raises(MassiveLensError, match="out of range"):
+            trace_origin(model, TEXT, dim=0, pos=99)
+        with pytest.raises(MassiveLensError, match="pass dim= and pos="):
+            trace_origin(model, TEXT)
+        with pytest.raises(MassiveLensError, match="top_neurons"):
+            trace_origin(model, TEXT, dim=0, pos=0, top_neurons=0)
+    assert trace_origin(model, TEXT, pos=-1).targets.pos.tolist() == [len(TEXT)]  # largest dim at the last token
+
+
+def test_restored_after_failures(monkeypatch, untouched):
+    model = tiny_model("qwen2")
+    plant_story(model)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # inside zero_super_weights, with the weights zeroed
+            raise RuntimeError("injected")
+        return original(*args, **kwargs)
+
+    original = neu.resid_at
+    monkeypatch.setattr(neu, "resid_at", failing)
+    with untouched(model), pytest.raises(RuntimeError, match="injected"):
+        trace_origin(model, TEXT, dim=DIM, pos=0, verify=True, prepend_bos=True)
+
+    def bad_hook(neurons):
+        def hook(post, hook):
+            raise RuntimeError("hook failed")
+
+        return hook
+
+    monkeypatch.setattr(neu, "_zero_neurons_hook", bad_hook)
+    with untouched(model), pytest.raises(RuntimeError, match="hook failed"):
+        trace_origin(model, TEXT, dim=DIM, pos=0, verify=True, prepend_bos=True)
+
+
+# --------------------------------------------------------------------------- the real default model
+
+
+@pytest.fixture(scope="module")
+def real(default_model):
+    return trace_origin(default_model, REAL_TEXT, verify=True)
+
+
+@pytest.mark.slow
+def test_real_ledger_and_births(real):
+    _ledger_ok(real)
+    assert real.targets.massive.all() and "bos" in set(real.targets.token_kind)
+    for t in real.targets.itertuples():
+        births = real.births[(real.births.pos == t.pos) & (real.births.dim == t.dim)]
+        assert not births.empty
+        # the births explain most of the peak value
+        assert math.copysign(1, t.peak) * births.contribution.sum() > 0.5 * abs(t.peak)
+
+
+@pytest.mark.slow
+def test_real_zeroing_named_neurons_removes_most(real):
+    v = real.verification[real.verification.intervention == "zero_neurons"]
+    for t in real.targets.itertuples():
+        rows = v[(v.pos == t.pos) & (v.dim == t.dim)]
+        best = rows[rows.layer == t.peak_layer]
+        assert not best.empty and best.remaining.abs().min() < 0.2
+    assert "leaves" in real.summary()
+
+
+@pytest.mark.slow
+def test_real_mlp_agrees_with_plain_transformers(real, default_model, untouched):
+    """The ledger's MLP term and one neuron's term, recomputed from the Hugging Face MLP module
+    with a plain torch forward hook (no TransformerLens hooks)."""
+    t = real.targets.iloc[0]
+    birth = real.births[(real.births.pos == t.pos) & (real.births.dim == t.dim) & (real.births.component == "mlp")]
+    layer = int(birth.loc[birth.contribution.abs().idxmax(), "layer"])
+    block = default_model.original_model.model.layers[layer]
+    mlp = getattr(block, "_original_component", block).mlp
+    mlp = getattr(mlp, "_original_component", mlp)
+    seen = {}
+    handle = mlp.register_forward_hook(lambda mod, inp, out: seen.update(x=inp[0].detach(), out=out.detach()))
+    tokens = default_model.to_tokens(REAL_TEXT)
+    try:
+        with untouched(default_model), torch.no_grad():
+            default_model.original_model(tokens)
+    finally:
+        handle.remove()
+    ledger = real.ledger[(real.ledger.pos == t.pos) & (real.ledger.dim == t.dim)]
+    term = ledger[(ledger.component == "mlp") & (ledger.layer == layer)].contribution.item()
+    assert float(seen["out"][0, t.pos, t.dim]) == pytest.approx(term, rel=1e-4)
+    top = real.neurons[(real.neurons.layer == layer) & (real.neurons.pos == t.pos) & (real.neurons.dim == t.dim)].iloc[0]
+    x = seen["x"][0, t.pos]
+    n = int(top.neuron)
+    with torch.no_grad():
+        post = mlp.act_fn(mlp.gate_proj.weight[n] @ x) * (mlp.up_proj.weight[n] @ x)
+        mine = float(post * mlp.down_proj.weight[t.dim, n])
+    assert mine == pytest.approx(top.contribution, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_real_given_entry_below_criterion(default_model, untouched):
+    with untouched(default_model):
+        trace = trace_origin(default_model, "Hello world", dim=3, pos=2, criterion=Criterion(1e9, 1e9))
+    assert not trace.targets.massive.any()
+    _ledger_ok(trace)
