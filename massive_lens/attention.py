@@ -253,7 +253,7 @@ def decompose_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor,
     >>> from massive_lens import tiny_model
     >>> d = decompose_attention(tiny_model("qwen2"), "Hi there.", layer=1, sinks=[0])
     >>> d.layers, tuple(d.sink.shape)
-    ((1,), (1, 1, 10, 64))
+    ((1,), (1, 1, 9, 64))
     """
     view = ModelView(model)
     layers = tuple(range(view.n_layers)) if layer is None else ((layer,) if isinstance(layer, int) else tuple(layer))

@@ -376,7 +376,7 @@ def fix_sink_term(model: Any, mode: str = "mean", *, calibration: Any = None) ->
     non-sink query positions of the layers after the massive activations appear.
 
     >>> from massive_lens import tiny_model
-    >>> len(fix_sink_term(tiny_model("gpt2"), calibration="Calibrate on this. " * 5)) > 0
+    >>> len(fix_sink_term(tiny_model("gpt2"), calibration="Calibrate on this. " * 10)) > 0
     True
     """
     if mode not in ("mean", "zero"):
@@ -396,7 +396,7 @@ def remove_sink_attention(model: Any, renormalize: bool = True, *, calibration: 
     """Drop the attention paid to sink positions (and renormalize each query's row).
 
     >>> from massive_lens import tiny_model
-    >>> remove_sink_attention(tiny_model("gemma3"), calibration="Text. " * 10).name
+    >>> remove_sink_attention(tiny_model("gemma3"), calibration="Text. " * 30).name
     'sink_attention_removed'
     """
     calib = _calibration(model, calibration)
@@ -414,7 +414,7 @@ def bias_surgery(model: Any, calibration: Any = None, *, suppress: bool = True) 
     activations. With ``suppress=False`` and a BOS sink, the slot reproduces the model.
 
     >>> from massive_lens import tiny_model
-    >>> bias_surgery(tiny_model("qwen2"), "Calibration text. " * 5).name
+    >>> bias_surgery(tiny_model("qwen2"), "Calibration text. " * 10).name
     'bias_surgery'
     """
     calib = _calibration(model, calibration)

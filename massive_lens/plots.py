@@ -223,16 +223,16 @@ def landscape_axes(
     return ax
 
 
-def _residual(model: Any, text: str | Any, layer: int, hook: str = "resid_post") -> tuple[Any, list[str]]:
-    """``[pos, d_model]`` residual of one text at ``layer`` and its token strings."""
+def _capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[Any, list[str]]:
+    """One text's activation at ``blocks.{layer}.{hook}`` (batch dim dropped, float32, CPU)
+    and its token strings; the forward pass stops right after that hook."""
     from massive_lens._model_view import ModelView
+    from massive_lens.errors import MassiveLensError
 
     view = ModelView(model)
     batch = view.tokenize(text)
     if batch.tokens.shape[0] != 1:
-        from massive_lens.errors import MassiveLensError
-
-        raise MassiveLensError(f"the landscape shows one text; got a batch of {batch.tokens.shape[0]}")
+        raise MassiveLensError(f"this figure shows one text; got a batch of {batch.tokens.shape[0]}")
     name = view.hook_name(layer, hook)
     seen: dict[str, Any] = {}
 
@@ -258,7 +258,7 @@ def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax:
     if layer is None:
         prof = found.profile
         layer = int(prof.loc[(prof["top1"] / prof["median"]).idxmax(), "layer"])
-    values, tokens = _residual(model, text, layer)
+    values, tokens = _capture_one(model, text, layer, "resid_post")
     at = found.entries[found.entries["layer"] == layer]
     return landscape_axes(values.numpy(), tokens, label_dims=sorted(at["dim"].unique().tolist()),
                           label_tokens=sorted(at["pos"].unique().tolist()), ax=ax,
@@ -323,7 +323,7 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
 
     from massive_lens.detect import find_massive
 
-    pattern, tokens = _pattern(model, text, layer)
+    pattern, tokens = _capture_one(model, text, layer, "attn.hook_pattern")
     chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else list(heads)
     if sinks is None:
         sinks = find_massive(model, text).positions or [0]
@@ -344,22 +344,6 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
     fig.supxlabel("key token (attended to); red: sink columns")
     fig.supylabel("query token")
     return fig
-
-
-def _pattern(model: Any, text: str, layer: int) -> tuple[Any, list[str]]:
-    """``[head, query, key]`` attention pattern of one text at ``layer`` and its tokens."""
-    from massive_lens._model_view import ModelView
-
-    view = ModelView(model)
-    batch = view.tokenize(text)
-    name = view.hook_name(layer, "attn.hook_pattern")
-    seen: dict[str, Any] = {}
-
-    def keep(p: Any, hook: Any) -> None:
-        seen["p"] = p[0].detach().float().cpu()
-
-    view.forward(batch, [(name, keep)], stop_after=name)
-    return seen["p"], view.str_tokens(batch)[0]
 
 
 def save_figure(fig_or_ax: Any, path: Any, formats: Sequence[str] = ("png", "svg"), dpi: int = 150) -> list[Any]:
