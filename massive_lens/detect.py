@@ -197,9 +197,10 @@ class MassiveActivations:
         head = f"{self.model_name}, {self.hook}, |x| > {self.criterion.abs_threshold:g} and > {self.criterion.ratio_threshold:g}x median"
         rows = self.by_dim()
         if rows.empty:
-            peak = self.profile.loc[(self.profile["top1"] / self.profile["median"]).idxmax()]
+            ratio = self.profile["top1"] / self.profile["median"]
+            peak = self.profile.loc[ratio.idxmax()]
             return (f"{head}: no massive activations in {len(self.tokens)} text(s); largest "
-                    f"top-1/median is {peak.top1 / peak.median:,.0f}x (|x| = {peak.top1:,.1f}) at layer {int(peak.layer)}")
+                    f"top-1/median is {ratio.max():,.0f}x (|x| = {peak['top1']:,.1f}) at layer {int(peak['layer'])}")
         lines = [f"{head}: {len(rows)} massive (position, dim) pairs in layers {self.layers[0]}-{self.layers[-1]}"]
         for r in rows.head(8).itertuples():
             lines.append(f"  dim {r.dim} at {r.token!r} ({r.token_kind}, seq {r.seq} pos {r.pos}): layers "

@@ -100,6 +100,7 @@ def test_bad_input(untouched):
 def test_model_unchanged_when_a_hook_raises(untouched, monkeypatch):
     """An error inside the forward pass still removes our hooks."""
     model = tiny_model("llama")
+    assert "no massive activations" in find_massive(model, "Hi.").summary()
     with untouched(model), pytest.raises(MassiveLensError, match="token ids"):
         find_massive(model, torch.tensor([[1, 2, 10**6]]))
 

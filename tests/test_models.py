@@ -48,6 +48,9 @@ def test_local_folder_and_hf_model_round_trip(tmp_path):
         expected = hf(tokens).logits
     again = load_model(str(tmp_path))
     assert torch.allclose(again(tokens), expected, atol=1e-5)
+    dispatched = load_model(str(tmp_path), device_map="auto")  # accelerate's dispatch path
+    assert torch.allclose(dispatched(tokens), expected, atol=1e-5)
+    assert next(load_model(str(tmp_path), dtype="bfloat16").parameters()).dtype == torch.bfloat16
     wrapped = load_model(hf, tokenizer=tok)
     assert torch.allclose(wrapped(tokens), expected, atol=1e-5)
 
