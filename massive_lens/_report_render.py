@@ -1,0 +1,160 @@
+"""Rendering for the report: one list of sections, two outputs.
+
+A :class:`Section` holds blocks (paragraphs, preformatted summaries, tables, matplotlib
+figures, circuitsvis views). :func:`to_html` turns them into one self-contained page
+(figures as base64 PNG data URIs, the circuitsvis bundle embedded once, no external
+resource); :func:`to_markdown` into ``report.md`` with the figures as PNG files beside it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+_CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; max-width: 1100px;
+       margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
+h1 { border-bottom: 2px solid #444; } h2 { margin-top: 2em; border-bottom: 1px solid #ccc; }
+pre { background: #f6f8fa; padding: .8em; overflow-x: auto; font-size: 12px; }
+table { border-collapse: collapse; font-size: 12px; margin: .5em 0 1em; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
+th { background: #f0f0f0; } img { max-width: 100%; height: auto; }
+figure { margin: 1em 0; } figcaption { font-size: 12px; color: #555; }
+.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: .4em .8em; }
+nav ol { columns: 2; } .view-title { font-size: 12px; color: #555; margin-bottom: 0; }
+"""
+
+
+@dataclass
+class Section:
+    """A report section; ``blocks`` are (kind, payload, caption) triples in order."""
+
+    title: str
+    blocks: list[tuple[str, Any, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def anchor(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.title.lower()).strip("-")
+
+    def text(self, value: str) -> None:
+        self.blocks.append(("text", value, ""))
+
+    def note(self, value: str) -> None:
+        self.blocks.append(("note", value, ""))
+
+    def pre(self, value: str) -> None:
+        self.blocks.append(("pre", value, ""))
+
+    def table(self, frame: pd.DataFrame, caption: str = "", max_rows: int = 30) -> None:
+        self.blocks.append(("table", frame.head(max_rows), caption))
+
+    def figure(self, fig_or_ax: Any, caption: str) -> None:
+        from massive_lens.plots import _figure
+
+        self.blocks.append(("figure", _figure(fig_or_ax), caption))
+
+    def view(self, view: Any) -> None:
+        self.blocks.append(("view", view, view.title))
+
+
+def _png(fig: Any) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value)
+
+
+def _md_table(frame: pd.DataFrame) -> str:
+    head = "| " + " | ".join(map(str, frame.columns)) + " |"
+    rule = "|" + "---|" * len(frame.columns)
+    rows = ["| " + " | ".join(_fmt(v).replace("|", "\\|").replace("\n", "\\n") for v in row) + " |"
+            for row in frame.itertuples(index=False)]
+    return "\n".join([head, rule, *rows])
+
+
+def render_figures(sections: list[Section], folder: Path) -> None:
+    """Replace each figure block's Figure by its PNG bytes, also written to ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for section in sections:
+        for i, (kind, payload, caption) in enumerate(section.blocks):
+            if kind == "figure":
+                n += 1
+                name = f"{n:02d}-{section.anchor}.png"
+                data = _png(payload)
+                (folder / name).write_bytes(data)
+                section.blocks[i] = ("png", (name, data), caption)
+
+
+def to_html(title: str, intro: str, sections: list[Section], footer: str) -> str:
+    from massive_lens.views import bundle_tag
+
+    has_views = any(kind == "view" for s in sections for kind, _, _ in s.blocks)
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+             f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>{html.escape(title)}</h1><p>{html.escape(intro)}</p>",
+             "<nav><ol>" + "".join(f"<li><a href='#{s.anchor}'>{html.escape(s.title)}</a></li>" for s in sections)
+             + "</ol></nav>"]
+    if has_views:
+        parts.append(bundle_tag())
+    for s in sections:
+        parts.append(f"<section id='{s.anchor}'><h2>{html.escape(s.title)}</h2>")
+        for kind, payload, caption in s.blocks:
+            if kind == "text":
+                parts.append(f"<p>{html.escape(payload)}</p>")
+            elif kind == "note":
+                parts.append(f"<p class='note'>{html.escape(payload)}</p>")
+            elif kind == "pre":
+                parts.append(f"<pre>{html.escape(payload)}</pre>")
+            elif kind == "table":
+                cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+                table = payload.to_html(index=False, float_format=_fmt, border=0)
+                parts.append(table.replace("<thead>", cap + "<thead>", 1))
+            elif kind == "png":
+                name, data = payload
+                uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+                parts.append(f"<figure><img src='{uri}' alt='{html.escape(caption, quote=True)}'>"
+                             f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+            elif kind == "view":
+                parts.append(payload.html(include_bundle=False))
+        parts.append("</section>")
+    parts.append(f"<hr><p><small>{html.escape(footer)}</small></p></body></html>")
+    return "\n".join(parts)
+
+
+def to_markdown(title: str, intro: str, sections: list[Section], footer: str, figures: str) -> str:
+    lines = [f"# {title}", "", intro, ""]
+    for s in sections:
+        lines += [f"## {s.title}", ""]
+        for kind, payload, caption in s.blocks:
+            if kind == "text":
+                lines += [payload, ""]
+            elif kind == "note":
+                lines += [f"> {payload}", ""]
+            elif kind == "pre":
+                lines += ["```", payload, "```", ""]
+            elif kind == "table":
+                lines += ([f"*{caption}*", ""] if caption else []) + [_md_table(payload), ""]
+            elif kind == "png":
+                lines += [f"![{caption}]({figures}/{payload[0]})", ""]
+            elif kind == "view":
+                lines += [f"*Interactive view in index.html: {payload.title}*", ""]
+    lines += ["---", footer, ""]
+    return "\n".join(lines)
