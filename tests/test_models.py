@@ -87,3 +87,11 @@ def test_default_model(default_model):
     assert not default_model.training
     assert next(default_model.parameters()).dtype == torch.float32
     assert load_model(default_model) is default_model
+
+
+def test_unsupported_architecture_lists_what_is_available():
+    from transformers import CTRLConfig, CTRLLMHeadModel
+
+    hf = CTRLLMHeadModel(CTRLConfig(vocab_size=259, n_embd=32, n_layer=1, n_head=2, dff=64))
+    with pytest.raises(MassiveLensError, match="could not wrap.*Supported architecture"):
+        load_model(hf, tokenizer=byte_tokenizer())
