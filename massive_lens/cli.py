@@ -1,7 +1,11 @@
 """The ``massive-lens`` command: the library's main analyses from a shell.
 
+    massive-lens report --out report       # the main job: everything, as an HTML report
     massive-lens scan                      # the offline default model on its offline text
     massive-lens scan --model gpt2 --corpus wiki.txt --max-tokens 65536
+    massive-lens trace --verify            # where the massive activations are born
+    massive-lens intervene --corpus test.txt --calibration valid.txt
+    massive-lens train-compare --variants softmax,softmax1 --preset smoke
 """
 
 from __future__ import annotations
@@ -55,8 +59,42 @@ def cmd_scan(args: argparse.Namespace) -> None:
         print(f"\nwrote {args.csv}")
 
 
+def cmd_trace(args: argparse.Namespace) -> None:
+    from massive_lens.origin import trace_origin
+
+    trace = trace_origin(_load(args), args.text, dim=args.dim, pos=args.pos, criterion=_criterion(args),
+                         top_neurons=args.top_neurons, verify=args.verify, corpus=args.corpus)
+    print(trace.summary())
+
+
+def cmd_intervene(args: argparse.Namespace) -> None:
+    from massive_lens.evaluate import run_interventions
+
+    table = run_interventions(_load(args), args.corpus, args.calibration, seq_len=args.seq_len,
+                              n_seqs=args.n_seqs, batch_size=args.batch_size)
+    print(table.summary())
+
+
+def cmd_train_compare(args: argparse.Namespace) -> None:
+    from massive_lens.train.compare import compare_main
+
+    print(compare_main(variants=args.variants, preset=args.preset, seeds=args.seeds, out_dir=args.out,
+                       until_step=args.until_step))
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from massive_lens.report import write_report
+
+    path = write_report(_load(args), text=args.text, corpus=args.corpus, out=args.out, quick=args.quick)
+    print(f"wrote {path}")
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
+    "report": (cmd_report, "run every analysis and write a self-contained HTML + Markdown report (the main job)"),
     "scan": (cmd_scan, "find massive activations in a text and measure how often they occur in a corpus"),
+    "trace": (cmd_trace, "trace where each massive activation is born, erased and reborn (ledger, neurons, super weights)"),
+    "intervene": (cmd_intervene, "the paper's Table 3: perplexity under zero/mean ablation and sink interventions"),
+    "train-compare": (cmd_train_compare, "train small models with softmax, softmax1 and other attention variants and compare"),
 }
 
 
@@ -68,16 +106,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    scan = sub.add_parser("scan", help=COMMANDS["scan"][1], description=COMMANDS["scan"][1])
-    _model_args(scan)
-    _criterion_args(scan)
-    scan.add_argument("--text", default=EXAMPLE_TEXT, help="text to inspect token by token")
-    scan.add_argument("--corpus", default=None,
-                      help="text file, 'hf:NAME[:CONFIG[:SPLIT]]', or omitted for the offline default text")
-    scan.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    scan.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default 4)")
-    scan.add_argument("--max-tokens", type=int, default=16_384, help="tokens to scan (default 16384)")
-    scan.add_argument("--csv", default=None, help="also write the frequency table to this CSV file")
+    cmd = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
+    corpus_help = "text file, 'hf:NAME[:CONFIG[:SPLIT]]', or omitted for the offline default text"
+    for name in ("report", "scan", "trace", "intervene"):
+        _model_args(cmd[name])
+        cmd[name].add_argument("--corpus", default=None, help=corpus_help)
+    for name in ("report", "scan", "trace"):
+        cmd[name].add_argument("--text", default=EXAMPLE_TEXT, help="text to inspect token by token")
+    for name in ("scan", "trace"):
+        _criterion_args(cmd[name])
+    for name, seq_len in (("scan", 256), ("intervene", 128)):
+        cmd[name].add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
+        cmd[name].add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default 4)")
+    cmd["report"].add_argument("--out", default="report", help="output folder (default ./report)")
+    cmd["report"].add_argument("--quick", action="store_true", help="small settings: seconds on a tiny model")
+    cmd["scan"].add_argument("--max-tokens", type=int, default=16_384, help="tokens to scan (default 16384)")
+    cmd["scan"].add_argument("--csv", default=None, help="also write the frequency table to this CSV file")
+    cmd["trace"].add_argument("--dim", type=int, default=None, help="trace this residual dimension")
+    cmd["trace"].add_argument("--pos", type=int, default=None, help="trace this token position")
+    cmd["trace"].add_argument("--top-neurons", type=int, default=5, help="neurons listed per birth (default 5)")
+    cmd["trace"].add_argument("--verify", action="store_true", help="zero the named neurons and super weights, measure")
+    cmd["intervene"].add_argument("--calibration", default=None,
+                                  help="text file (other text than --corpus) where means are measured")
+    cmd["intervene"].add_argument("--n-seqs", type=int, default=32, help="evaluation sequences (default 32)")
+    train = cmd["train-compare"]
+    train.add_argument("--variants", default="softmax,softmax1", help="comma-separated attention variants")
+    train.add_argument("--preset", default="smoke", help="smoke, cpu, gpu-small or gpu-gpt2 (default smoke)")
+    train.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    train.add_argument("--out", default="runs/train-compare", help="output folder for logs, CSVs and plots")
+    train.add_argument("--until-step", type=int, default=None, help="stop early at this step (resumable)")
     return parser
 
 

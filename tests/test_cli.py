@@ -1,0 +1,48 @@
+"""The massive-lens command on a small model saved to a local folder (offline)."""
+
+from __future__ import annotations
+
+import pytest
+
+from massive_lens.cli import build_parser, main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from massive_lens.models import byte_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny")
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=128, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for command in ("report", "scan", "trace", "intervene", "train-compare"):
+        assert command in out
+
+
+def test_scan(model_dir, tmp_path, capsys):
+    csv = tmp_path / "freq.csv"
+    code = main(["scan", "--model", model_dir, "--corpus", "Some text. " * 200, "--seq-len", "32",
+                 "--max-tokens", "128", "--ratio-threshold", "5", "--abs-threshold", "0", "--csv", str(csv)])
+    out = capsys.readouterr().out
+    assert code == 0 and "4 sequences, 128 tokens" in out and csv.exists()
+
+
+def test_trace(model_dir, capsys):
+    assert main(["trace", "--model", model_dir, "--text", "Hello there.", "--dim", "3", "--pos", "0"]) == 0
+    assert "dim 3" in capsys.readouterr().out
+
+
+def test_errors_are_reported_not_raised(capsys):
+    assert main(["scan", "--model", "/no/such/model.gguf"]) == 2
+    assert "no GGUF file" in capsys.readouterr().err
