@@ -52,7 +52,7 @@ class TrainRun:
 
     model: MassiveLM
     config: TrainConfig
-    history: list[dict[str, float]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
     out_dir: str | None = None
 
@@ -325,9 +325,11 @@ def _atomic(path: Path, write: Any) -> None:
 
 def _load_checkpoint(path: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig) -> tuple[int, list]:
     state = torch.load(path, map_location=model.W_E.device, weights_only=False)
-    saved = {k: v for k, v in state["config"].items() if k != "steps"}
-    current = {k: v for k, v in cfg.to_dict().items() if k != "steps"}
-    if saved != current:
+    def key(train: dict, model_cfg: dict) -> tuple:
+        rest = {k: v for k, v in train.items() if k not in ("steps", "model")}
+        return rest, {k: v for k, v in model_cfg.items() if k != "device"}
+
+    if key(state["config"], state["model_cfg"]) != key(cfg.to_dict(), model.cfg.to_dict()):
         raise MassiveLensError(
             f"the checkpoint in {path.parent} was made with another configuration; use a "
             "new out_dir or resume=False"
