@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from massive_lens._model_view import TOKEN_KINDS, ModelView
 from massive_lens import Criterion, MassiveLensError, find_massive, layer_profile, scan_corpus, tiny_model
+from massive_lens._model_view import TOKEN_KINDS, ModelView
 
 PRE_NORM = ("llama", "gpt2", "qwen2")
 

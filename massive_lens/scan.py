@@ -1,0 +1,163 @@
+"""Scanning a corpus for massive activations.
+
+One text can mislead; a corpus tells how often a (dimension, token kind) is massive: "dim d
+at bos: 100% of sequences; at the first delimiter: 97%". :func:`scan_corpus` streams
+sequences through the model, reduces every layer's residual stream inside its hook (top-k
+magnitudes, the median, which (kind, dim) pairs are massive), and keeps only running sums,
+so memory does not grow with the corpus. Under ``torchrun`` each rank scans every
+``world_size``-th batch and the sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from massive_lens._model_view import TOKEN_KINDS, Batch, ModelView
+from massive_lens.corpora import Corpus, token_batches
+from massive_lens.detect import Criterion, LayerProfile, _accumulate, _layers, _profile_frame, _run
+from massive_lens.errors import MassiveLensError
+
+
+@dataclass(frozen=True)
+class CorpusScan:
+    """Statistics of a corpus scan. ``profile`` is a :class:`LayerProfile`; ``frequency``
+    has one row per massive (``dim``, ``token_kind``): ``sequences`` (how many sequences
+    have a token of that kind), ``massive`` (in how many the dim is massive there at some
+    layer), ``frequency``, ``first_layer``, ``last_layer``. The kind ``first_delimiter`` is
+    the first delimiter of each sequence."""
+
+    profile: LayerProfile
+    frequency: pd.DataFrame
+    n_sequences: int
+    n_tokens: int
+    criterion: Criterion = field(default_factory=Criterion)
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frequency.copy()
+
+    def summary(self) -> str:
+        lines = [f"{self.profile.model_name}: {self.n_sequences} sequences, {self.n_tokens:,} tokens. "
+                 + self.profile.summary().split(": ", 1)[1]]
+        if self.frequency.empty:
+            lines.append("  no massive activations under the criterion")
+        for r in self.frequency.head(12).itertuples():
+            lines.append(f"  dim {r.dim} at {r.token_kind}: {r.frequency:.0%} of {r.sequences} sequences "
+                         f"(layers {r.first_layer}-{r.last_layer})")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{self.summary()}</pre>" + self.frequency.to_html(index=False)
+
+    def plot(self, ax: Any = None) -> Any:
+        return self.profile.plot(ax=ax)
+
+
+def scan_corpus(
+    model: Any,
+    corpus: Corpus = None,
+    *,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    max_tokens: int | None = 16_384,
+    criterion: Criterion | None = None,
+    k: int = 3,
+    prepend_bos: bool | None = None,
+    progress: bool = True,
+) -> CorpusScan:
+    """Stream a corpus (default: the offline default text) and measure massive activations.
+
+    Memory stays flat: each layer's activation is reduced inside its hook. Under
+    ``torchrun`` (an initialised ``torch.distributed`` group) each rank takes every
+    ``world_size``-th batch and the statistics are all-reduced, so every rank returns the
+    same result.
+
+    >>> from massive_lens import tiny_model
+    >>> scan = scan_corpus(tiny_model("llama"), seq_len=32, max_tokens=128, progress=False)
+    >>> scan.n_sequences, scan.n_tokens
+    (4, 128)
+    """
+    view = ModelView(model)
+    criterion = criterion or Criterion()
+    layers = _layers(view, None)
+    rank, world = _distributed()
+    n_kinds = len(TOKEN_KINDS) + 1
+    sums = {key: torch.zeros(len(layers), k + 2, dtype=torch.float64) for key in ("sum", "sq")}
+    hits = torch.zeros(len(layers), n_kinds, view.d_model, dtype=torch.float64)  # per layer
+    any_hits = torch.zeros(n_kinds, view.d_model, dtype=torch.float64)  # any layer
+    present = torch.zeros(n_kinds, dtype=torch.float64)
+    counts = torch.zeros(2, dtype=torch.float64)  # sequences, tokens
+    batches = token_batches(view, corpus, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
+                            prepend_bos=prepend_bos)
+    total = None if max_tokens is None else math.ceil(max_tokens // seq_len / batch_size)
+    for i, tokens in enumerate(tqdm(batches, total=total, disable=not progress or rank != 0, desc="scan")):
+        if i % world != rank:
+            continue
+        batch = Batch(tokens, torch.ones_like(tokens, dtype=torch.bool), _starts_with_bos(view, tokens))
+        kinds = view.token_kinds(batch)
+        reducer = _run(view, batch, criterion, "resid_post", layers, k=k, kinds=kinds)
+        _accumulate(reducer, layers, sums)
+        per_layer = torch.stack([reducer.kind_hits[layer] for layer in layers])  # [L b kinds d]
+        hits += per_layer.sum(1)
+        any_hits += per_layer.any(0).sum(0)
+        present += _kinds_present(kinds).sum(0)
+        counts += torch.tensor([len(tokens), tokens.numel()], dtype=torch.float64)
+    if world > 1:
+        sums["sum"], sums["sq"], hits, any_hits, present, counts = _all_reduce(
+            [sums["sum"], sums["sq"], hits, any_hits, present, counts])
+    n_seqs = int(counts[0])
+    if n_seqs == 0:
+        raise MassiveLensError("the corpus gave no sequences; lower seq_len or give more text")
+    profile = LayerProfile(_profile_frame(layers, k, sums, n_seqs), view.name, n_seqs)
+    return CorpusScan(profile, _frequency(hits, any_hits, present, layers), n_seqs, int(counts[1]), criterion)
+
+
+def _starts_with_bos(view: ModelView, tokens: Tensor) -> bool:
+    bos = view.tokenizer.bos_token_id
+    return bos is not None and bool((tokens[:, 0] == bos).all())
+
+
+def _kinds_present(kinds: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch n_kinds"]:
+    has = [(kinds == c).any(1) for c in range(len(TOKEN_KINDS))]
+    return torch.stack(has + [has[TOKEN_KINDS.index("delimiter")]], 1).double()
+
+
+def _frequency(hits: Tensor, any_hits: Tensor, present: Tensor, layers: list[int]) -> pd.DataFrame:
+    names = [*TOKEN_KINDS, "first_delimiter"]
+    rows = []
+    for c, d in any_hits.nonzero().tolist():
+        active = hits[:, c, d].nonzero().flatten()
+        rows.append((d, names[c], int(present[c]), int(any_hits[c, d]), float(any_hits[c, d] / present[c]),
+                     layers[int(active[0])], layers[int(active[-1])]))
+    frame = pd.DataFrame(rows, columns=["dim", "token_kind", "sequences", "massive", "frequency",
+                                        "first_layer", "last_layer"])
+    return frame.sort_values(["massive", "dim"], ascending=[False, True]).reset_index(drop=True)
+
+
+def _distributed() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(tensors: list[Tensor]) -> list[Tensor]:
+    import torch.distributed as dist
+
+    flat = torch.cat([t.flatten() for t in tensors])
+    if dist.get_backend() == "nccl":
+        flat = flat.cuda()
+    dist.all_reduce(flat)
+    flat, out, start = flat.cpu(), [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
