@@ -310,8 +310,9 @@ class MassiveLM(HookedRootModule):
     ) -> Int[Tensor, "batch pos"]:
         """Tokenize (right-padded), prepending BOS by default and the sink token if any.
 
-        >>> MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2)).to_tokens("Hi").tolist()
-        [[256, 72, 105]]
+        >>> model = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
+        >>> model.to_tokens(["Hi", "Hi."]).shape, model.to_str_tokens("Hi")
+        (torch.Size([2, 4]), ['<|bos|>', 'H', 'i'])
         """
         texts = [text] if isinstance(text, str) else list(text)
         tok = self.tokenizer
