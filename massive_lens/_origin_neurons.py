@@ -20,7 +20,8 @@ NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "neuron", "contribution", "shar
                   "w_out"]
 NAMED_SHARE = 0.9  # name same-sign neurons, largest first, until they explain 90% of the MLP's term ...
 NAMED_MIN = 0.02  # ... skipping any below 2% of it
-SUPER_COLUMNS = ["pos", "dim", "layer", "neuron", "value", "zscore", "rank", "n_entries", "hf_param", "hf_row", "hf_col"]
+SUPER_COLUMNS = ["pos", "dim", "layer", "neuron", "value", "zscore", "rank", "n_entries",
+                 "hf_param", "hf_row", "hf_col"]
 WHY_COLUMNS = ["pos", "dim", "layer", "neuron", "input", "source", "source_layer", "contribution", "share", "value"]
 VERIFY_COLUMNS = ["pos", "dim", "intervention", "scope", "layer", "neurons", "value", "ablated", "remaining",
                   "last_layer", "value_last", "ablated_last", "remaining_last", "ppl", "ppl_ablated"]
@@ -145,25 +146,37 @@ def zeroed_weights(view: ModelView, entries: Sequence[tuple[int, int, int]]) -> 
                 weight[n, d] = value
 
 
-def _zero_neurons_hook(neurons: Sequence[int]):
+def _mask_hook(mask: Float[Tensor, "batch d_mlp"]):
+    """Multiply each batch row's neuron activations by its row of ``mask`` (0 = zeroed)."""
+
     def hook(post: Tensor, hook: Any) -> Tensor:
-        post[..., list(neurons)] = 0.0
-        return post
+        return post * mask.to(post.device, post.dtype)[:, None, :]
 
     return hook
 
 
-def neuron_hooks(view: ModelView, by_layer: dict[int, list[int]]) -> list[tuple[str, Any]]:
-    return [(view.hook_name(layer, "mlp.hook_post"), _zero_neurons_hook(ns)) for layer, ns in by_layer.items()]
+def neuron_hooks(view: ModelView, masks: dict[int, Tensor]) -> list[tuple[str, Any]]:
+    return [(view.hook_name(layer, "mlp.hook_post"), _mask_hook(mask)) for layer, mask in masks.items()]
 
 
-def resid_at(view: ModelView, batch: Batch, pos: int, dim: int, hooks: list[tuple[str, Any]]) -> Float[Tensor, " layer"]:
-    """``resid_post[pos, dim]`` at every layer under ``hooks`` (stops before the unembedding)."""
-    values = torch.zeros(view.n_layers)
+def _masks(by_layers: Sequence[dict[int, list[int]]], d_mlp: int) -> dict[int, Tensor]:
+    """Per layer, a ``[len(by_layers), d_mlp]`` keep-mask: row ``i`` zeroes ``by_layers[i]``."""
+    masks: dict[int, Tensor] = {}
+    for row, by_layer in enumerate(by_layers):
+        for layer, ns in by_layer.items():
+            masks.setdefault(layer, torch.ones(len(by_layers), d_mlp))[row, ns] = 0.0
+    return masks
+
+
+def resid_at(
+    view: ModelView, batch: Batch, pos: int, dim: int, hooks: list[tuple[str, Any]]
+) -> Float[Tensor, "batch layer"]:
+    """``resid_post[:, pos, dim]`` at every layer under ``hooks`` (stops before the unembedding)."""
+    values = torch.zeros(batch.tokens.shape[0], view.n_layers)
 
     def grab(layer: int):
         def hook(resid: Tensor, hook: Any) -> None:
-            values[layer] = float(resid[0, pos, dim])
+            values[:, layer] = resid[:, pos, dim].detach().float().cpu()
 
         return hook
 
@@ -184,32 +197,43 @@ def verification_rows(
     view: ModelView, batch: Batch, base: Float[Tensor, " layer"], births: list[dict[str, Any]],
     neurons: pd.DataFrame, peak_layer: int, tokens: Tensor | None, base_ppl: float,
 ) -> list[dict[str, Any]]:
-    """Zero the named neurons (then, separately, their ``W_out[:, dim]`` weights) of each MLP
-    birth and of all births together; measure what is left of the value, and perplexity."""
+    """Zero the named neurons (then, separately, only their ``W_out[n, dim]`` weights) of each
+    MLP birth and of all births together; measure what is left of the value, and perplexity.
+
+    Neuron ablations of all scopes run as one batched pass (row ``i`` zeroes scope ``i``);
+    weight ablations edit the weights, so each scope has its own pass (weights restored)."""
     scopes = [(f"MLP {b['layer']}", b["layer"], [b]) for b in births]
     if len(births) > 1:
         scopes.append(("all births", peak_layer, births))
-    rows = []
-    last = view.n_layers - 1
+    chosen = []
     for scope, layer, events in scopes:
         by_layer = {e["layer"]: named(neurons, e) for e in events}
         by_layer = {k: v for k, v in by_layer.items() if v}
-        if not by_layer:
-            continue
-        pos, dim = events[0]["pos"], events[0]["dim"]
-        hooks = neuron_hooks(view, by_layer)
-        weights = [(k, n, dim) for k, ns in by_layer.items() for n in ns]
-        for intervention in ("zero_neurons", "zero_super_weights"):
-            active = hooks if intervention == "zero_neurons" else []
-            context = zeroed_weights(view, weights) if intervention == "zero_super_weights" else contextlib.nullcontext()
-            with context:
-                ablated = resid_at(view, batch, pos, dim, active)
-                after_ppl = ppl(view.model, tokens, active)
-            rows.append(dict(
-                pos=pos, dim=dim, intervention=intervention, scope=scope, layer=layer,
-                neurons=", ".join(f"{k}:{n}" for k, ns in by_layer.items() for n in ns),
-                value=float(base[layer]), ablated=float(ablated[layer]),
-                remaining=float(ablated[layer] / base[layer]), last_layer=last, value_last=float(base[last]),
-                ablated_last=float(ablated[last]), remaining_last=float(ablated[last] / base[last]),
-                ppl=base_ppl, ppl_ablated=after_ppl))
+        if by_layer:
+            chosen.append((scope, layer, by_layer))
+    if not chosen:
+        return []
+    pos, dim = births[0]["pos"], births[0]["dim"]
+    d_mlp = w_out(view, births[0]["layer"]).shape[0]
+    rep = Batch(batch.tokens.repeat(len(chosen), 1), batch.mask.repeat(len(chosen), 1), batch.has_bos)
+    by_neurons = resid_at(view, rep, pos, dim, neuron_hooks(view, _masks([c[2] for c in chosen], d_mlp)))
+    rows = []
+    for i, (scope, layer, by_layer) in enumerate(chosen):
+        hooks = neuron_hooks(view, _masks([by_layer], d_mlp))
+        with zeroed_weights(view, [(k, n, dim) for k, ns in by_layer.items() for n in ns]):
+            by_weights = resid_at(view, batch, pos, dim, [])[0]
+            weights_ppl = ppl(view.model, tokens, [])
+        for intervention, ablated, after_ppl in (("zero_neurons", by_neurons[i], ppl(view.model, tokens, hooks)),
+                                                 ("zero_super_weights", by_weights, weights_ppl)):
+            rows.append(_row(pos, dim, intervention, scope, layer, by_layer, base, ablated, base_ppl, after_ppl))
     return rows
+
+
+def _row(pos: int, dim: int, intervention: str, scope: str, layer: int, by_layer: dict[int, list[int]],
+         base: Tensor, ablated: Tensor, base_ppl: float, after_ppl: float) -> dict[str, Any]:
+    last = len(base) - 1
+    return dict(pos=pos, dim=dim, intervention=intervention, scope=scope, layer=layer,
+                neurons=", ".join(f"{k}:{n}" for k, ns in by_layer.items() for n in ns),
+                value=float(base[layer]), ablated=float(ablated[layer]), remaining=float(ablated[layer] / base[layer]),
+                last_layer=last, value_last=float(base[last]), ablated_last=float(ablated[last]),
+                remaining_last=float(ablated[last] / base[last]), ppl=base_ppl, ppl_ablated=after_ppl)

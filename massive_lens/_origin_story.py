@@ -64,7 +64,8 @@ def story(trace: Any, t: Any) -> str:
     if not supers.empty:
         s = supers.loc[supers.zscore.abs().idxmax()]
         lines.append(f"  largest weight: {s.hf_param}[{s.hf_row}, {s.hf_col}] = {s.value:.3g} "
-                     f"(z = {s.zscore:,.1f}, rank {s['rank']:,} of {s.n_entries:,}; layer {s.layer}, neuron {s.neuron})")
+                     f"(z = {s.zscore:,.1f}, rank {s['rank']:,} of {s.n_entries:,}; "
+                     f"layer {s.layer}, neuron {s.neuron})")
     return "\n".join(lines)
 
 
@@ -74,7 +75,8 @@ def _verification(rows: pd.DataFrame) -> list[str]:
     scope = "all births" if (rows.scope == "all births").any() else rows.scope.iloc[0]
     chosen = rows[rows.scope == scope].set_index("intervention")
     lines = []
-    for kind, what in (("zero_neurons", "the named birth neurons"), ("zero_super_weights", "only their W_out[:, dim] weights")):
+    kinds = (("zero_neurons", "the named birth neurons"), ("zero_super_weights", "only their W_out[:, dim] weights"))
+    for kind, what in kinds:
         if kind not in chosen.index:
             continue
         r = chosen.loc[kind]

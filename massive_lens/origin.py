@@ -149,7 +149,7 @@ def trace_origin(
     dim, pos = _check_index(view, dim, pos, seq)
     criterion = criterion or Criterion()
     positions = _positions(view, batch, pos, dim, criterion)
-    cap = capture(view, batch, positions, None if dim is not None and pos is not None else criterion)
+    cap = capture(view, batch, positions, criterion)
     tokens = view.str_tokens(batch)[0]
     targets = _targets(view, batch, cap, dim, pos, tokens, criterion)
     ledger = pd.DataFrame([r for t in targets for r in _ledger_rows(cap, t["pos"], t["dim"], tokens)],
