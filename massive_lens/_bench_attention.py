@@ -28,7 +28,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 def _ratio(work: Callable[[], Any], base: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
     work(), base()  # warm-up
     pairs = [(_timed(work), _timed(base)) for _ in range(repeats)]
-    return statistics.median(w / b for w, b in pairs), statistics.median(w for w, _ in pairs), statistics.median(b for _, b in pairs)
+    median = statistics.median
+    return median(w / b for w, b in pairs), median(w for w, _ in pairs), median(b for _, b in pairs)
 
 
 def bench_attention(model: Any = None, corpus: Corpus = None, calibration: Corpus = None, *,

@@ -126,7 +126,8 @@ class SinkAttention:
         """Sink mass per layer: mean over heads, with the min-max range of heads."""
         from massive_lens.plots import sink_mass_axes
 
-        return sink_mass_axes(self.frame, threshold=self.threshold, ax=ax, title=f"{self.model_name}: attention to sinks")
+        return sink_mass_axes(self.frame, threshold=self.threshold, ax=ax,
+                              title=f"{self.model_name}: attention to sinks")
 
 
 def sink_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor, sinks: Sinks = None,
@@ -278,7 +279,7 @@ def decompose_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor,
         for keys in (stash_keys, ~stash_keys):
             z = sink_term(stash["pattern"], stash["v"], keys)
             terms.append(torch.einsum("bqhd,hdm->bqhm", z, W_O.to(z)))
-        bias = b_O.to(attn_out) if b_O is not None else torch.zeros(attn_out.shape[-1], dtype=attn_out.dtype, device=device)
+        bias = torch.zeros_like(attn_out[0, 0]) if b_O is None else b_O.to(attn_out)
         sink, content = terms[0].sum(2), terms[1].sum(2)
         valid = batch.mask.to(device)[..., None]
         err = ((sink + content + bias - attn_out) * valid).norm() / (attn_out * valid).norm().clamp(min=1e-12)

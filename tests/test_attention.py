@@ -36,7 +36,8 @@ def test_sink_term_matches_model_z_under_gqa(family):
 
 def test_constancy_columns_and_ranges(tiny):
     frame = decompose_attention(tiny, TEXTS, layer=[0, 2], sinks=[0]).to_frame()
-    assert list(frame.columns) == ["layer", "head", "term", "norm", "rel_std_pos", "cos_pos", "rel_std_text", "cos_text"]
+    assert list(frame.columns) == ["layer", "head", "term", "norm", "rel_std_pos", "cos_pos",
+                                   "rel_std_text", "cos_text"]
     assert set(frame["layer"]) == {0, 2} and set(frame["term"]) == {"sink", "content"}
     assert frame["cos_pos"].between(-1.0001, 1.0001).all() and (frame["norm"] >= 0).all()
 
