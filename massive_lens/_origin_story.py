@@ -59,7 +59,7 @@ def story(trace: Any, t: Any) -> str:
              + ("; ".join(parts) or "no single component writes a large share")
              + f"; peak {fmt(t.peak)} at layer {t.peak_layer}, {fmt(t.final)} at layer {last}"]
     lines += _verification(_of(trace.verification, t))
-    lines += _why(_of(trace.why, t))
+    lines += _why(_of(trace.why, t), _of(trace.births, t))
     supers = _of(trace.super_weights, t)
     if not supers.empty:
         s = supers.loc[supers.zscore.abs().idxmax()]
@@ -86,14 +86,19 @@ def _verification(rows: pd.DataFrame) -> list[str]:
     return lines
 
 
-def _why(rows: pd.DataFrame) -> list[str]:
+def _why(rows: pd.DataFrame, births: pd.DataFrame) -> list[str]:
+    """The first neuron of the three largest births: what drives its gate (or pre-activation)."""
     lines = []
-    for (layer, neuron, inp), group in rows.groupby(["layer", "neuron", "input"], sort=False):
+    for layer in births.reindex(births.contribution.abs().sort_values(ascending=False).index).layer.head(3):
+        mine = rows[(rows.layer == layer) & rows.input.isin(["gate", "pre"])]
+        if mine.empty:
+            continue
+        group = mine[mine.neuron == mine.neuron.iloc[0]]
         top = group.reindex(group.contribution.abs().sort_values(ascending=False).index).head(3)
         names = ", ".join(f"{_src(r)} ({_pct(r.share)})" for r in top.itertuples())
-        lines.append(f"  why: neuron {neuron} of MLP {layer}, {inp} = {fmt(group.value.iloc[0])}: {names}")
-        if len(lines) >= 4:
-            break
+        r = group.iloc[0]
+        lines.append(f"  why: neuron {r.neuron} of MLP {layer} fires here ({r.input} = {fmt(r.value)}) "
+                     f"because of {names}")
     return lines
 
 

@@ -50,6 +50,7 @@ LEDGER_COLUMNS = ["pos", "dim", "token", "layer", "component", "contribution", "
 EVENT_COLUMNS = ["pos", "dim", "layer", "component", "kind", "contribution", "before", "after"]
 EVENT_MIN_SHARE = 0.3  # an event changes the value by >= 30% of |before| or |after| ...
 EVENT_MIN_PEAK = 0.02  # ... and by >= 2% of the peak |value| (or the criterion's abs_threshold)
+_MAX_STORIES = 4  # entries told in summary(), largest peak first
 _CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
 
 
@@ -58,7 +59,7 @@ class OriginTrace:
     """The traced story of one or more massive (pos, dim) entries of one text.
 
     - ``targets``: ``pos``, ``dim``, ``token``, ``token_kind``, ``massive`` (met the criterion),
-      ``peak``, ``peak_layer``, ``final``;
+      ``peak``, ``peak_layer``, ``final``; largest ``|peak|`` first;
     - ``ledger`` (also ``to_frame()``): per component, in forward order, its ``contribution``
       and the measured residual ``resid`` right after it (``layer`` is 0 for embeddings);
     - ``events``: births, erasures and rebirths (``kind``) with the value ``before``/``after``;
@@ -99,7 +100,10 @@ class OriginTrace:
         head = (f"{self.model_name}: {len(self.targets)} traced entr{'y' if len(self.targets) == 1 else 'ies'} "
                 f"in {self.n_tokens} tokens; the ledger reconstructs the residual to "
                 f"{self.reconstruction_error:.1e} (relative)")
-        return "\n".join([head, *(story(self, t) for t in self.targets.itertuples()), *self.notes])
+        stories = [story(self, t) for t in self.targets.head(_MAX_STORIES).itertuples()]
+        if len(self.targets) > _MAX_STORIES:
+            stories.append(f"... and {len(self.targets) - _MAX_STORIES} smaller entries (see .targets, .events)")
+        return "\n".join([head, *stories, *self.notes])
 
     def _repr_html_(self) -> str:
         return f"<pre>{self.summary()}</pre>" + self.events.to_html(index=False, float_format="{:,.1f}".format)
@@ -233,7 +237,7 @@ def _targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: 
         out.append(dict(pos=p, dim=d, token=tokens[p], token_kind=TOKEN_KINDS[int(kinds[p])],
                         massive=(p, d) in found, peak=float(values[peak_layer]), peak_layer=peak_layer,
                         final=float(values[-1])))
-    return out
+    return sorted(out, key=lambda t: -abs(t["peak"]))
 
 
 # --------------------------------------------------------------------------- ledger and events

@@ -71,7 +71,8 @@ def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> 
     colors = ["tab:blue" if c >= 0 else "tab:red" for c in contrib]
     ax.bar(x, contrib, bottom=after - contrib, color=colors, width=0.8)
     ax.step(x, after, where="mid", color="black", lw=0.8, label="residual after component")
-    ticks = [i for i, (c, layer) in enumerate(zip(ledger["component"], ledger["layer"])) if c == "attn" and layer % 2 == 0]
+    pairs = zip(ledger["component"], ledger["layer"], strict=True)
+    ticks = [i for i, (c, layer) in enumerate(pairs) if c == "attn" and layer % 2 == 0]
     ax.set_xticks(ticks, [str(ledger["layer"].iloc[i]) for i in ticks])
     ax.axhline(0, color="grey", lw=0.5)
     peak = float(abs(after).max()) if len(after) else 0.0
