@@ -23,8 +23,8 @@ back on every exit path, exceptions included.
 >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
 >>> report = measure_outliers(MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2)),
 ...                           "One. Two. Three. " * 40, seq_len=32, n_seqs=2)
->>> sorted(report.to_frame().columns)[:4]
-['first_token_norm_ratio', 'fp_loss', 'max_inf_norm', 'mean_kurtosis']
+>>> sorted(report.to_frame().columns)[:3]
+['first_token_norm_ratio', 'fp_loss', 'gap']
 """
 
 from __future__ import annotations
@@ -133,11 +133,11 @@ def fake_quantized(
 
     >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
     >>> m = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
-    >>> w = m.blocks[0].mlp.W_in.data
+    >>> original = m.blocks[0].mlp.W_in.data_ptr()
     >>> with fake_quantized(m, m.to_tokens("Calibrate on this.")):
-    ...     m.blocks[0].mlp.W_in.data is w
+    ...     m.blocks[0].mlp.W_in.data_ptr() == original
     False
-    >>> m.blocks[0].mlp.W_in.data is w
+    >>> m.blocks[0].mlp.W_in.data_ptr() == original  # the very same tensor is back
     True
     """
     sites = _sites(model, include_head)
@@ -182,8 +182,8 @@ def fake_quant_weight(w: Tensor, in_dims: tuple[int, ...] | None = None) -> Tens
 def fake_quant_activation(x: Tensor, low: float, high: float) -> Tensor:
     """Asymmetric int8 on the calibrated range ``[low, high]`` (values outside are clipped).
 
-    >>> fake_quant_activation(torch.tensor([0.0, 0.5, 2.0]), 0.0, 1.0).tolist()
-    [0.0, 0.4980392158031464, 1.0]
+    >>> [round(v, 4) for v in fake_quant_activation(torch.tensor([0.0, 0.5, 2.0]), 0.0, 1.0).tolist()]
+    [0.0, 0.498, 1.0]
     """
     low, high = min(low, 0.0), max(high, 0.0)
     scale = max(high - low, 1e-12) / 255

@@ -11,7 +11,8 @@ criterion: a magnitude above ``100`` and above ``1000`` times the median), and t
 summary says so in words.
 
 >>> result = compare_variants(["softmax", "softmax1"], "smoke", seeds=[0], progress=False,
-...                           steps=4, data="One. Two, three.\\n" * 300)
+...                           steps=2, data="One. Two, three.\\n" * 100, measure_seqs=1,
+...                           model=dict(n_layers=1, d_model=16, n_ctx=16))
 >>> sorted(result.to_frame().index)
 ['softmax', 'softmax1']
 """

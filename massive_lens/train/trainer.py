@@ -143,17 +143,21 @@ def train_model(
     progress: bool = True,
     until_step: int | None = None,
     device: str | None = None,
+    attention: Any = None,
     **overrides: Any,
 ) -> TrainRun:
     """Train a MassiveLM with a preset (plus ``TrainConfig`` field overrides).
 
     ``out_dir`` holds ``checkpoint.pt``, ``log.csv`` and ``run.json``; with ``resume``
     an existing checkpoint there is continued. ``until_step`` stops early (the schedule
-    still targets ``steps``), as an interruption would. Run under ``torchrun`` for DDP.
+    still targets ``steps``), as an interruption would. ``attention`` picks the variant
+    (a name or VariantConfig). Run under ``torchrun`` for DDP.
 
     >>> train_model("smoke", steps=2, progress=False, data="a. b. " * 500).steps
     2
     """
+    if attention is not None:
+        overrides["model"] = {**overrides.get("model", {}), "attention": attention}
     cfg = get_preset(preset, **overrides)
     rank, world, dev = _setup_distributed(device)
     tokenizer = get_tokenizer(cfg.tokenizer)
