@@ -1,0 +1,20 @@
+"""Small-scale pretraining with attention variants (softmax, softmax1, biases, gates...).
+
+Train :class:`MassiveLM` models under identical budgets and compare their massive
+activations, attention sinks and int8 cost. See ``docs/training.md``.
+
+>>> sorted(PRESETS)
+['cpu', 'gpu-gpt2', 'gpu-small', 'smoke']
+"""
+
+from massive_lens.train.attention import VARIANTS, VariantConfig
+from massive_lens.train.compare import Comparison, compare_main, compare_variants
+from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.presets import PRESETS, TrainConfig, get_preset
+from massive_lens.train.trainer import TrainRun, load_run, train_model
+
+__all__ = [
+    "VARIANTS", "VariantConfig", "MassiveLM", "MassiveLMConfig", "TrainConfig", "PRESETS",
+    "get_preset", "train_model", "load_run", "TrainRun", "compare_variants", "compare_main",
+    "Comparison",
+]

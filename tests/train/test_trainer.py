@@ -45,7 +45,7 @@ def test_a_resumed_run_reaches_the_same_loss_as_an_uninterrupted_one(tmp_path):
     resumed = train_model("smoke", out_dir=tmp_path / "b", progress=False, **cfg)
     assert resumed.steps == 6 and len(resumed.history) == len(straight.history)
     assert resumed.final_loss == pytest.approx(straight.final_loss, abs=1e-6)
-    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
 
 
