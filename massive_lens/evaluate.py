@@ -147,7 +147,8 @@ def perplexity(
         raise MassiveLensError(f"token tensor must be [seq, pos] with pos >= 2, got {tuple(tokens.shape)}")
     if batch_size < 1:
         raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
-    has_bos = bool((tokens[:, 0] == getattr(view.tokenizer, "bos_token_id", None)).all())
+    bos = getattr(getattr(model, "tokenizer", None), "bos_token_id", None)
+    has_bos = bos is not None and bool((tokens[:, 0] == bos).all())
     losses, accs = [], []
     for start in tqdm(range(0, len(tokens), batch_size), desc="perplexity", disable=not progress, leave=False):
         chunk = tokens[start:start + batch_size]
