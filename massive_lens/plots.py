@@ -216,7 +216,7 @@ def landscape_axes(
     step = max(1, len(tokens) // 20)
     ticks = list(range(0, len(tokens), step))
     ax.set_yticks(ticks, [_tick(tokens[i]) for i in ticks], fontsize=7)
-    for label, i in zip(ax.get_yticklabels(), ticks):
+    for label, i in zip(ax.get_yticklabels(), ticks, strict=True):
         if i in label_tokens:
             label.set_color("tab:red")
     ax.set_xlabel("hidden dimension")
@@ -335,7 +335,7 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
     rows = -(-len(chosen) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
     labels = [_tick(t, 8) for t in tokens]
-    for ax, head in zip(axes.flat, chosen):
+    for ax, head in zip(axes.flat, chosen, strict=False):
         ax.imshow(pattern[head].numpy(), cmap="Blues", vmin=0, vmax=1)
         for s in sinks:
             ax.add_patch(Rectangle((s - 0.5, -0.5), 1, len(tokens), fill=False, ec="tab:red", lw=1.5))

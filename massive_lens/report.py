@@ -23,7 +23,7 @@ says why; nothing is faked.
 >>> from massive_lens import tiny_model
 >>> import re, tempfile
 >>> path = write_report(tiny_model("llama"), out=tempfile.mkdtemp(), quick=True, progress=False)
->>> path.name, re.findall(r"(?:src|href)=['\"]?https?:", path.read_text())
+>>> path.name, re.findall("(?:src|href)=.?https?:", path.read_text())
 ('index.html', [])
 """
 
@@ -46,8 +46,7 @@ DEFAULT_TEXT = "Summer is warm. Winter is cold.\nThe cat sat on the mat, and the
 class Settings:
     """Sizes of every analysis (tokens per sequence, sequences, ...)."""
 
-    scan_seq_len: int = 128
-    scan_tokens: int = 1024
+    scan_seqs: int = 8
     eval_seq_len: int = 128
     eval_seqs: int = 8
     calib_seqs: int = 4
@@ -55,7 +54,7 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(scan_seq_len=32, scan_tokens=128, eval_seq_len=32, eval_seqs=2, calib_seqs=2, verify=False)
+QUICK = Settings(scan_seqs=4, eval_seq_len=32, eval_seqs=2, calib_seqs=2, verify=False)
 
 
 class _Context:
@@ -68,12 +67,14 @@ class _Context:
 
     @property
     def tokens(self) -> Any:
-        """Evaluation sequences followed by calibration sequences (disjoint text)."""
+        """Evaluation sequences followed by calibration sequences (disjoint text); the corpus
+        scan reads the first ``scan_seqs`` of them (the corpus is tokenized once)."""
         if self._tokens is None:
             from massive_lens.evaluate import sequences
 
             s = self.settings
-            self._tokens = sequences(self.model, self.corpus, s.eval_seq_len, s.eval_seqs + s.calib_seqs)
+            n = max(s.scan_seqs, s.eval_seqs + s.calib_seqs)
+            self._tokens = sequences(self.model, self.corpus, s.eval_seq_len, n)
         return self._tokens
 
     @property
@@ -115,9 +116,8 @@ def _massive_section(ctx: _Context, s: Section) -> None:
     s.table(ctx.found.by_dim(), "massive (position, dim) pairs in the text, largest first")
     s.figure(activation_landscape(ctx.model, ctx.text, ctx.massive_layer),
              f"activation landscape at layer {ctx.massive_layer}: |value| per token and hidden dimension")
-    st = ctx.settings
-    scan = scan_corpus(ctx.model, ctx.corpus, seq_len=st.scan_seq_len, batch_size=4,
-                       max_tokens=st.scan_tokens, progress=False)
+    scan = scan_corpus(ctx.model, ctx.tokens[: ctx.settings.scan_seqs], seq_len=ctx.settings.eval_seq_len,
+                       batch_size=4, max_tokens=None, progress=False)
     s.pre(scan.summary())
     s.figure(scan.plot(), "layer profile over the corpus: top-1/2/3 and median |activation| (mean ± std)")
     if not scan.frequency.empty:

@@ -131,7 +131,7 @@ NOTEBOOKS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
         [
             ("code", "from massive_lens.plots import overlay_profiles\n"
                      "from massive_lens.train.compare import compare_variants\n\n"
-                     "variants = ['softmax', 'softmax1'] if SMALL else ['softmax', 'softmax1', 'learned_sink', 'gated']\n"
+                     "variants = ['softmax', 'softmax1'] + ([] if SMALL else ['learned_sink', 'gated'])\n"
                      "result = compare_variants(variants, 'smoke', seeds=[0], steps=10 if SMALL else 300)\n"
                      "print(result.summary())\nresult.to_frame()"),
             ("code", "result.plot();"),

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from browser_cdp import INSTALL, Browser, find_chromium
+
 from massive_lens import tiny_model
 from massive_lens.report import write_report
 

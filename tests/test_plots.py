@@ -9,8 +9,14 @@ matplotlib.use("Agg")
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from massive_lens import MassiveLensError, find_massive, layer_profile, scan_corpus, tiny_model  # noqa: E402
-from massive_lens import plots  # noqa: E402
+from massive_lens import (  # noqa: E402
+    MassiveLensError,
+    find_massive,
+    layer_profile,
+    plots,  # noqa: E402
+    scan_corpus,
+    tiny_model,
+)
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly."
 

@@ -7,8 +7,7 @@ import re
 
 import pytest
 
-from massive_lens import MassiveLensError, tiny_model
-from massive_lens import views
+from massive_lens import MassiveLensError, tiny_model, views
 
 
 def _no_network(html: str) -> None:
