@@ -78,6 +78,8 @@ def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> 
     peak = float(abs(after).max()) if len(after) else 0.0
     if peak > 0:  # symlog: an early birth to ~1e2 stays visible next to a rewrite to ~1e4
         ax.set_yscale("symlog", linthresh=peak / 100)
+        low, high = min(float(after.min()), float((after - contrib).min()), 0.0), max(float(after.max()), 0.0)
+        ax.set_ylim(low * 2, high * 2)
     ax.set_xlabel("layer (each layer: attention bar, then MLP bar)")
     ax.set_ylabel("value in the traced dim (symlog)")
     ax.set_title(title)
