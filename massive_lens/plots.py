@@ -250,9 +250,10 @@ def _capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[An
 
 
 def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax: Any = None,
-                         criterion: Any = None) -> Any:
+                         criterion: Any = None, found: Any = None) -> Any:
     """The activation landscape of ``text`` at ``layer`` (default: where the top-1 magnitude
     over the median is largest), massive dims and tokens labelled (:func:`landscape_axes`).
+    ``found``: the text's ``find_massive`` result, if already computed.
 
     >>> from massive_lens import tiny_model
     >>> activation_landscape(tiny_model("llama"), "Hello. World", layer=1).get_xlabel()
@@ -260,7 +261,7 @@ def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax:
     """
     from massive_lens.detect import find_massive
 
-    found = find_massive(model, text, criterion)
+    found = found if found is not None else find_massive(model, text, criterion)
     if layer is None:
         prof = found.profile
         layer = int(prof.loc[(prof["top1"] / prof["median"]).idxmax(), "layer"])

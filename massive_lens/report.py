@@ -86,6 +86,11 @@ class _Context:
         return self.tokens[self.settings.eval_seqs:]
 
     @property
+    def sinks(self) -> list[int] | None:
+        """Positions with massive activations (first token if none; None: not yet known)."""
+        return None if self.found is None else (self.found.positions or [0])
+
+    @property
     def massive_layer(self) -> int:
         """First layer with a massive activation, else the layer of the largest top-1/median."""
         if self.found is None:
@@ -114,7 +119,7 @@ def _massive_section(ctx: _Context, s: Section) -> None:
     ctx.found = find_massive(ctx.model, ctx.text)
     s.pre(ctx.found.summary())
     s.table(ctx.found.by_dim(), "massive (position, dim) pairs in the text, largest first")
-    s.figure(activation_landscape(ctx.model, ctx.text, ctx.massive_layer),
+    s.figure(activation_landscape(ctx.model, ctx.text, ctx.massive_layer, found=ctx.found),
              f"activation landscape at layer {ctx.massive_layer}: |value| per token and hidden dimension")
     scan = scan_corpus(ctx.model, ctx.tokens[: ctx.settings.scan_seqs], seq_len=ctx.settings.eval_seq_len,
                        batch_size=4, max_tokens=None, progress=False)
@@ -156,7 +161,7 @@ def _attention_section(ctx: _Context, s: Section) -> None:
     s.pre(sinks.summary())
     s.figure(sinks.plot(), "attention mass on the sink tokens per layer")
     layer = min(ctx.massive_layer + 1, ctx.model.cfg.n_layers - 1)
-    s.figure(attention_maps(ctx.model, ctx.text, layer, max_heads=8),
+    s.figure(attention_maps(ctx.model, ctx.text, layer, max_heads=8, sinks=ctx.sinks),
              f"attention patterns of layer {layer}; sink columns outlined in red")
     s.view(attention_view(ctx.model, ctx.text, layer))
     s.view(magnitude_view(ctx.model, ctx.text, ctx.massive_layer))
