@@ -99,13 +99,13 @@ PRESETS: dict[str, TrainConfig] = {
         eval_every=250, eval_batches=8, log_every=25, ckpt_every=250,
     ),
     "gpu-small": TrainConfig(
-        model=dict(n_layers=6, d_model=384, n_heads=6, n_ctx=512, d_vocab=49152),
+        model=dict(n_layers=6, d_model=384, n_heads=6, n_ctx=512),
         data="hf:HuggingFaceFW/fineweb-edu:sample-10BT", tokenizer="default",
         max_chars=2_000_000_000, steps=20_000, batch_size=64, lr=1e-3, warmup_steps=500,
         eval_every=1000, eval_batches=16, log_every=50, ckpt_every=1000,
     ),
     "gpu-gpt2": TrainConfig(
-        model=dict(style="gpt2", n_layers=12, d_model=768, n_heads=12, n_ctx=1024, d_vocab=49152),
+        model=dict(style="gpt2", n_layers=12, d_model=768, n_heads=12, n_ctx=1024),
         data="hf:HuggingFaceFW/fineweb-edu:sample-10BT", tokenizer="default",
         max_chars=25_000_000_000, steps=20_000, batch_size=480, grad_accum=8, lr=6e-4,
         warmup_steps=700, eval_every=1000, eval_batches=16, log_every=50, ckpt_every=1000,

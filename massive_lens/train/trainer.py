@@ -87,7 +87,7 @@ def get_tokenizer(name: str) -> Any:
     return byte_tokenizer() if name == "byte" else load_model().tokenizer
 
 
-def token_stream(data: str, tokenizer: Any, max_chars: int | None = None) -> Int[Tensor, "n_tokens"]:
+def token_stream(data: str, tokenizer: Any, max_chars: int | None = None) -> Int[Tensor, " n_tokens"]:
     """Tokenize a data source (see :class:`TrainConfig`) into one long 1-D tensor.
 
     >>> from massive_lens.models import byte_tokenizer
@@ -96,25 +96,26 @@ def token_stream(data: str, tokenizer: Any, max_chars: int | None = None) -> Int
     """
     from massive_lens.corpora import iter_texts
 
-    ids: list[int] = []
+    pieces: list[Tensor] = []  # int32 pieces: 4 bytes a token, even for big corpora
     n_chars = 0
     for text in iter_texts(None if data == "default" else data):
         if max_chars is not None:
             text = text[: max_chars - n_chars]
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces.append(torch.tensor(ids, dtype=torch.int32))
         n_chars += len(text)
         if max_chars is not None and n_chars >= max_chars:
             break
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
 
 
 def sample_batch(
-    stream: Int[Tensor, "n_tokens"], n_seq: int, n_ctx: int, bos: int, seed: int, step: int
+    stream: Int[Tensor, " n_tokens"], n_seq: int, n_ctx: int, bos: int, seed: int, step: int
 ) -> Int[Tensor, "batch pos"]:
     """``n_seq`` sequences ``[BOS] + window``; a pure function of ``(seed, step)``."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(stream) - n_ctx + 1, (n_seq,), generator=gen)
-    windows = stream[starts[:, None] + torch.arange(n_ctx - 1)]
+    windows = stream[starts[:, None] + torch.arange(n_ctx - 1)].long()
     return torch.cat([torch.full((n_seq, 1), bos, dtype=torch.long), windows], 1)
 
 
