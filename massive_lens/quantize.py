@@ -113,7 +113,9 @@ def measure_outliers(
 
     The first ``n_seqs`` sequences of ``seq_len`` tokens are evaluated; the next
     ``n_seqs`` calibrate the activation ranges (or the first ``n_seqs`` of
-    ``calibration``). See the module docstring for the definitions.
+    ``calibration``). ``text`` may also be a ``[batch, pos]`` token tensor: its first
+    half is evaluated and its second half calibrates. See the module docstring for the
+    definitions.
     """
     tokens, calib = _eval_and_calibration(model, text, calibration, seq_len, n_seqs)
     layers, sink = _activation_stats(model, tokens)

@@ -102,6 +102,7 @@ class Comparison:
             mean = prof.groupby("layer")["max_inf_norm"].mean()
             axes[1].semilogy(mean.index, mean.values, "o-", label=variant)
         axes[1].set(xlabel="layer", ylabel="max |activation| (block output)")
+        axes[1].xaxis.get_major_locator().set_params(integer=True)
         axes[1].legend(fontsize=8)
         return axes[0].figure
 

@@ -286,7 +286,7 @@ class MassiveLM(HookedRootModule):
         tokens = self.with_sink(tokens.to(self.W_E.device))
         if attention_mask is not None and tokens.shape[1] > n_in:
             attention_mask = F.pad(attention_mask, (1, 0), value=1)
-        if tokens.shape[1] > self.cfg.n_ctx + 1:
+        if tokens.shape[1] > self.cfg.n_ctx + (self.sink_id is not None):
             raise MassiveLensError(f"{tokens.shape[1]} tokens exceed n_ctx={self.cfg.n_ctx}; truncate the input")
         x = self.W_E[tokens.clamp(max=self.cfg.d_vocab - 1)]
         if self.sink_embed is not None:
