@@ -159,7 +159,8 @@ class Attention(nn.Module):
         self.b_O = nn.Parameter(torch.zeros(m)) if bias else None
         self.rotary = Rotary(cfg) if cfg.llama else None
         self.variant = make_variant(cfg.attention, h, d, m)
-        for name in ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern", "slot_pattern"):
+        names = ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern", "slot_pattern", "out")
+        for name in names:  # hook_out: the layer output, as TransformerBridge names it
             setattr(self, f"hook_{name}", _hook(cfg))
 
     def _project(self, x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
@@ -176,7 +177,7 @@ class Attention(nn.Module):
             q, k = self.hook_rot_q(self.rotary(q)), self.hook_rot_k(self.rotary(k))
         z = self.variant(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x, self, key_mask)
         out = torch.einsum("bphd,hdm->bpm", self.hook_z(z), self.W_O)
-        return out if self.b_O is None else out + self.b_O
+        return self.hook_out(out if self.b_O is None else out + self.b_O)
 
 
 class MLP(nn.Module):
@@ -190,14 +191,15 @@ class MLP(nn.Module):
         self.b_in = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_mlp))
         self.b_out = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_model))
         self.hook_pre, self.hook_pre_linear, self.hook_post = _hook(cfg), _hook(cfg), _hook(cfg)
+        self.hook_out = _hook(cfg)  # the layer output, as TransformerBridge names it
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.W_gate is not None:
             pre = self.hook_pre(x @ self.W_gate)
             post = self.hook_post(F.silu(pre) * self.hook_pre_linear(x @ self.W_in))
-            return post @ self.W_out
+            return self.hook_out(post @ self.W_out)
         post = self.hook_post(F.gelu(self.hook_pre(x @ self.W_in + self.b_in)))
-        return post @ self.W_out + self.b_out
+        return self.hook_out(post @ self.W_out + self.b_out)
 
 
 class Block(nn.Module):

@@ -91,3 +91,17 @@ def test_bad_inputs_raise():
         model(torch.zeros(1, 100, dtype=torch.long))
     with pytest.raises(MassiveLensError, match="return_type"):
         model(torch.zeros(1, 3, dtype=torch.long), return_type="probs")
+
+
+def test_trace_origin_and_decompose_attention_run_on_massive_lm():
+    from massive_lens.attention import decompose_attention
+    from massive_lens.origin import trace_origin
+
+    model = tiny_lm()
+    with torch.no_grad():
+        model.W_E[model.tokenizer.bos_token_id, 5] = 500.0
+    trace = trace_origin(model, "The cat sat. The dog ran.", dim=5, pos=0)
+    assert len(trace.to_frame()) > 0
+    for style in ("llama", "gpt2"):
+        parts = decompose_attention(tiny_lm(style=style), "The cat sat. The dog ran.")
+        assert len(parts.to_frame()) > 0
