@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/massive-lens scan
+	$(BIN)/massive-lens report --out report
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
