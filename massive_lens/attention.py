@@ -217,17 +217,26 @@ class AttentionDecomposition:
 
 
 def _constancy(x: Float[Tensor, "batch pos head_index d_model"], keep: Bool[Tensor, "batch pos"]) -> Tensor:
-    """[head, 5]: norm, rel_std_pos, cos_pos, rel_std_text, cos_text (see the result class)."""
+    """[head, 5]: norm, rel_std_pos, cos_pos, rel_std_text, cos_text (see the result class).
+
+    Uses E||x - mean||^2 = E||x||^2 - ||mean||^2 and, for unit vectors u, mean pairwise
+    cosine = (||sum u||^2 - n) / (n (n - 1)), so each text costs a few passes over x.
+    """
     stats, means = [], []
     for b in range(x.shape[0]):
-        rows = x[b, keep[b]].double()  # [n head d_model]
-        if len(rows) == 0:
+        rows = x[b, keep[b]]  # [n head d_model]
+        n = rows.shape[0]
+        if n == 0:
             continue
         mean = rows.mean(0)
-        means.append(mean)
-        norms = rows.norm(dim=-1)
-        spread = ((rows - mean).pow(2).sum(-1).mean(0).sqrt() / mean.norm(dim=-1).clamp(min=1e-12))
-        stats.append(torch.stack([norms.mean(0), spread, _mean_cosine(rows)], 1))
+        sq = rows.pow(2).sum(-1)  # [n head]
+        norms = sq.sqrt()
+        mean_sq = mean.pow(2).sum(-1)
+        spread = (sq.mean(0) - mean_sq).clamp(min=0).sqrt() / mean_sq.sqrt().clamp(min=1e-12)
+        unit_sum = torch.einsum("nh,nhm->hm", 1 / norms.clamp(min=1e-12), rows)
+        cos = (unit_sum.pow(2).sum(-1) - n) / (n * (n - 1)) if n > 1 else torch.full_like(spread, float("nan"))
+        means.append(mean.double())
+        stats.append(torch.stack([norms.mean(0), spread, cos], 1))
     if not stats:
         return torch.full((x.shape[2], 5), float("nan"))
     text_means = torch.stack(means)
@@ -235,7 +244,7 @@ def _constancy(x: Float[Tensor, "batch pos head_index d_model"], keep: Bool[Tens
     spread = (text_means - grand).pow(2).sum(-1).mean(0).sqrt() / grand.norm(dim=-1).clamp(min=1e-12)
     across = torch.stack([spread if len(means) > 1 else torch.full_like(spread, float("nan")),
                           _mean_cosine(text_means)], 1)
-    return torch.cat([torch.stack(stats).nanmean(0), across], 1).float()
+    return torch.cat([torch.stack(stats).nanmean(0).double(), across], 1).float()
 
 
 def _mean_cosine(rows: Float[Tensor, "n head d_model"]) -> Float[Tensor, " head"]:
