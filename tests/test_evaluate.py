@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import WIKITEXT_TEST, WIKITEXT_VALID
+
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.evaluate import perplexity, run_interventions, sequences
 
