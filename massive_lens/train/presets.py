@@ -9,7 +9,8 @@ Run times (see ``docs/training.md``; "measured" ones were timed here, the GPU on
 estimates from FLOP counts):
 
 * ``smoke``: a few seconds on a laptop CPU (measured), for CI.
-* ``cpu``: about 20 minutes on 2 CPU cores (measured), byte-level Tiny Shakespeare.
+* ``cpu``: byte-level Tiny Shakespeare, 10M tokens; ~23 minutes on one CPU thread
+  (measured at 7,400 tokens/s), less on two idle cores.
 * ``gpu-small``: a 6-layer, 384-wide Llama-style model, ~1 h on one modern GPU (estimate).
 * ``gpu-gpt2``: GPT-2 124M shape on FineWeb text, the massive-activations paper's setting;
   ~1 day on one H100 (estimate), less with ``torchrun`` over several GPUs.
