@@ -43,6 +43,20 @@ def default_text() -> str:
     return "\n\n".join(topics[key].strip() for key in sorted(topics))
 
 
+def data_file(relative: str) -> str:
+    """A file of the project's shared data folder (WikiText-2, Tiny Shakespeare), used by tests,
+    benchmarks and training presets, never by the offline default text. Looked up in
+    ``$MASSIVE_LENS_DATA``, then ``shared/data`` beside the checkout, then ``/work/shared/data``.
+
+    >>> data_file("tinyshakespeare/input.txt").endswith("input.txt")
+    True
+    """
+    roots = [os.environ.get("MASSIVE_LENS_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data",
+             Path.cwd().parent / "shared" / "data", "/work/shared/data"]
+    candidates = [Path(root) / relative for root in roots if root]
+    return str(next((c for c in candidates if c.is_file()), candidates[0]))
+
+
 def iter_texts(corpus: Any = None) -> Iterator[str]:
     """Yield the text pieces of a corpus source (see the module docstring).
 

@@ -4,24 +4,27 @@ model (loaded once per session), and a check that a call leaves a model as it fo
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 
 import pytest
 import torch
 
 from massive_lens import load_model, tiny_model
+from massive_lens.corpora import data_file
 from massive_lens.models import FAMILIES
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
-WIKITEXT_TEST = os.environ.get("MASSIVE_LENS_WIKITEXT_TEST", os.path.join(DATA, "wikitext-2", "test.txt"))
-WIKITEXT_VALID = os.environ.get("MASSIVE_LENS_WIKITEXT_VALID", os.path.join(DATA, "wikitext-2", "valid.txt"))
+WIKITEXT_TEST = data_file("wikitext-2/test.txt")  # evaluation text
+WIKITEXT_VALID = data_file("wikitext-2/valid.txt")  # calibration text, never the same as evaluation
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)
     torch.manual_seed(0)
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
 
 
 @pytest.fixture(params=FAMILIES)

@@ -24,12 +24,10 @@ estimates from FLOP counts):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
+from massive_lens.corpora import data_file
 from massive_lens.errors import MassiveLensError
-
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ class TrainConfig:
 
 
 _TINY = dict(n_layers=2, d_model=32, n_heads=2, n_ctx=32)
-_SHAKESPEARE = str(SHARED_DATA / "tinyshakespeare" / "input.txt")
+_SHAKESPEARE = data_file("tinyshakespeare/input.txt")
 
 PRESETS: dict[str, TrainConfig] = {
     "smoke": TrainConfig(
