@@ -155,7 +155,7 @@ class ModelView:
         tok = self.tokenizer
         return [
             [tok.decode([t]) for t in row[: int(n)].tolist()]
-            for row, n in zip(batch.tokens, batch.lengths)
+            for row, n in zip(batch.tokens, batch.lengths, strict=True)
         ]
 
     @property

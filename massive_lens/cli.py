@@ -92,9 +92,11 @@ def cmd_report(args: argparse.Namespace) -> None:
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "report": (cmd_report, "run every analysis and write a self-contained HTML + Markdown report (the main job)"),
     "scan": (cmd_scan, "find massive activations in a text and measure how often they occur in a corpus"),
-    "trace": (cmd_trace, "trace where each massive activation is born, erased and reborn (ledger, neurons, super weights)"),
+    "trace": (cmd_trace,
+              "trace where each massive activation is born, erased and reborn (ledger, neurons, super weights)"),
     "intervene": (cmd_intervene, "the paper's Table 3: perplexity under zero/mean ablation and sink interventions"),
-    "train-compare": (cmd_train_compare, "train small models with softmax, softmax1 and other attention variants and compare"),
+    "train-compare": (cmd_train_compare,
+                      "train small models with softmax, softmax1 and other attention variants and compare"),
 }
 
 

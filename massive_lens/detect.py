@@ -133,7 +133,8 @@ def _run(view: ModelView, batch: Batch, criterion: Criterion, hook: str, layers:
         raise MassiveLensError(f"hook must be one of {RESIDUAL_HOOKS}, got {hook!r}")
     reducer = _Reducer(batch, criterion, k, entries, kinds)
     names = [view.hook_name(layer, hook) for layer in layers]
-    view.forward(batch, [(n, reducer.hook(layer)) for n, layer in zip(names, layers)], stop_after=names[-1])
+    hooks = [(name, reducer.hook(layer)) for name, layer in zip(names, layers, strict=True)]
+    view.forward(batch, hooks, stop_after=names[-1])
     view.check_precision(reducer.peak, f"max |{hook}|")
     return reducer
 
@@ -191,7 +192,8 @@ class MassiveActivations:
         return out.sort_values("value", key=abs, ascending=False).reset_index(drop=True)
 
     def summary(self) -> str:
-        head = f"{self.model_name}, {self.hook}, |x| > {self.criterion.abs_threshold:g} and > {self.criterion.ratio_threshold:g}x median"
+        c = self.criterion
+        head = f"{self.model_name}, {self.hook}, |x| > {c.abs_threshold:g} and > {c.ratio_threshold:g}x median"
         rows = self.by_dim()
         if rows.empty:
             ratio = self.profile["top1"] / self.profile["median"]
@@ -242,7 +244,7 @@ def find_massive(
     kinds = view.token_kinds(batch)
     rows = []
     for layer, idx, values, ratios in reducer.entries:
-        for (b, p, d), value, ratio in zip(idx.tolist(), values.tolist(), ratios.tolist()):
+        for (b, p, d), value, ratio in zip(idx.tolist(), values.tolist(), ratios.tolist(), strict=True):
             rows.append((b, layer, p, tokens[b][p], TOKEN_KINDS[int(kinds[b, p])], d, value, ratio))
     entries = pd.DataFrame(rows, columns=["seq", "layer", "pos", "token", "token_kind", "dim", "value", "ratio"])
     profile = pd.DataFrame(

@@ -71,7 +71,7 @@ def test_token_kinds():
     kinds = [TOKEN_KINDS[k] for k in view.token_kinds(batch)[0].tolist()]
     tokens = view.str_tokens(batch)[0]
     assert kinds[:2] == ["bos", "first"]
-    for token, kind in zip(tokens[2:], kinds[2:]):
+    for token, kind in zip(tokens[2:], kinds[2:], strict=True):
         assert (kind == "delimiter") == (token in {".", ",", "\n"}), token
     no_bos = view.tokenize("Hi.", prepend_bos=False)
     assert TOKEN_KINDS[int(view.token_kinds(no_bos)[0, 0])] == "first"

@@ -97,8 +97,7 @@ def test_ddp_with_two_cpu_processes_matches_one_process(tmp_path):
             "model={\"n_layers\": 1, \"d_model\": 16, \"n_heads\": 2, \"n_ctx\": 16}"]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29500 + os.getpid() % 1000),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "massive_lens.train.trainer", "smoke", str(tmp_path / "ddp"), f"data={corpus}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
