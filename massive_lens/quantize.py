@@ -118,8 +118,7 @@ def measure_outliers(
     definitions.
     """
     tokens, calib = _eval_and_calibration(model, text, calibration, seq_len, n_seqs)
-    layers, sink = _activation_stats(model, tokens)
-    fp = _loss(model, tokens)
+    layers, sink, fp = _activation_stats(model, tokens)  # one pass: statistics and FP loss
     with fake_quantized(model, calib, per_channel=per_channel, include_head=include_head):
         w8a8 = _loss(model, tokens)
     name = getattr(model.cfg, "model_name", type(model).__name__)
@@ -288,7 +287,8 @@ def _eval_and_calibration(
     return tokens[:n_seqs], calib
 
 
-def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float]:
+def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float, float]:
+    """Per-layer outlier statistics, the sink metric and the loss, from one forward pass."""
     rows: dict[int, dict[str, float]] = {}
     sink_shares: dict[int, Tensor] = {}
 
@@ -314,7 +314,7 @@ def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.
     hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
              (lambda n: n.endswith("attn.hook_pattern"), pattern)]
     with torch.no_grad():
-        model.run_with_hooks(tokens.to(_device(model)), return_type=None, fwd_hooks=hooks)
+        loss = model.run_with_hooks(tokens.to(_device(model)), return_type="loss", fwd_hooks=hooks)
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
     frame = pd.DataFrame([rows[k] for k in sorted(rows)])
@@ -322,4 +322,4 @@ def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.
                            else float("nan") for k in frame["layer"]]
     heads = torch.cat(list(sink_shares.values())) if sink_shares else torch.zeros(0)
     sink = float((heads > SINK_THRESHOLD).float().mean()) if len(heads) else float("nan")
-    return frame, sink
+    return frame, sink, float(loss)

@@ -81,6 +81,10 @@ def test_measure_outliers_restores_the_model(kind, bridge):
     assert len(report.layers) == model.cfg.n_layers
     assert row.max_inf_norm > 0 and row.max_ratio > 1 and 0 <= row.sink_metric <= 1
     assert row.w8a8_loss != row.fp_loss  # quantization did something
+    tokens = torch.randint(0, 200, (4, 32))  # FP loss (read off the statistics pass) = a plain loss
+    with torch.no_grad():
+        plain = float(model(tokens[:2], return_type="loss"))
+    assert measure_outliers(model, tokens).fp_loss == pytest.approx(plain, rel=1e-5)
     assert abs(row.gap) < 0.5  # but an untrained tiny model has no outliers to hurt it
     assert "W8A8" in report.summary()
 
