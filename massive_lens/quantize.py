@@ -264,15 +264,9 @@ def _loss(model: Any, tokens: Int[Tensor, "batch pos"]) -> float:
 def _eval_and_calibration(
     model: Any, text: Any, calibration: Any, seq_len: int, n_seqs: int
 ) -> tuple[Tensor, Tensor]:
-    from massive_lens._model_view import ModelView
-    from massive_lens.corpora import token_batches
+    from massive_lens.evaluate import sequences
 
-    view = ModelView(model)
-    if isinstance(text, Tensor):
-        tokens = text
-    else:
-        tokens = torch.cat(list(token_batches(view, text, seq_len=seq_len, batch_size=n_seqs,
-                                              max_tokens=2 * n_seqs * seq_len)))
+    tokens = text if isinstance(text, Tensor) else sequences(model, text, seq_len, 2 * n_seqs)
     if calibration is None:
         if len(tokens) < 2:
             raise MassiveLensError(
@@ -281,9 +275,7 @@ def _eval_and_calibration(
             )
         half = min(n_seqs, len(tokens) // 2) if not isinstance(text, Tensor) else len(tokens) // 2
         return tokens[:half], tokens[half : 2 * half]
-    calib = calibration if isinstance(calibration, Tensor) else next(
-        token_batches(view, calibration, seq_len=seq_len, batch_size=n_seqs)
-    )
+    calib = calibration if isinstance(calibration, Tensor) else sequences(model, calibration, seq_len, n_seqs)
     return tokens[:n_seqs], calib
 
 

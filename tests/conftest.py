@@ -73,6 +73,17 @@ def untouched():
     return _untouched
 
 
+def wire_neuron(mlp, neuron: int, read_dim: int, gain: float = 3.0) -> None:
+    """Make MLP ``neuron`` read only residual dim ``read_dim`` (gate and up alike), no bias."""
+    for name in ("W_in", "W_gate"):
+        weight = getattr(mlp, name, None)
+        if weight is not None:
+            weight[:, neuron] = 0.0
+            weight[read_dim, neuron] = gain
+    if getattr(mlp, "b_in", None) is not None:
+        mlp.b_in[neuron] = 0.0
+
+
 def plant_massive(model, layer: int, neuron: int, dim: int, value: float, trigger: int, trigger_dim: int):
     """Edit a pre-norm tiny model so MLP ``neuron`` of ``layer`` writes ``value`` into ``dim``
     at every occurrence of token ``trigger`` and (nearly) nothing elsewhere.
@@ -86,13 +97,7 @@ def plant_massive(model, layer: int, neuron: int, dim: int, value: float, trigge
     with torch.no_grad():
         model.W_E[trigger].zero_()
         model.W_E[trigger, trigger_dim] = 1.0
-        for name in ("W_in", "W_gate"):
-            weight = getattr(mlp, name, None)
-            if weight is not None:
-                weight[:, neuron] = 0.0
-                weight[trigger_dim, neuron] = 3.0
-        if getattr(mlp, "b_in", None) is not None:
-            mlp.b_in[neuron] = 0.0
+        wire_neuron(mlp, neuron, trigger_dim)
         mlp.W_out[neuron] = 0.0
         mlp.W_out[neuron, dim] = 1.0
     seen = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from conftest import wire_neuron
 
 DIM, TRIGGER_DIM = 5, 11
 BIRTH, ERASE, REBIRTH = (0, 17), (2, 42), (3, 88)  # (layer, neuron)
@@ -45,13 +46,7 @@ def _measure(model, tokens, names):
 def _wire(model, layer, neuron, read_dim, sign, post_norm):
     mlp = model.blocks[layer].mlp
     with torch.no_grad():
-        for name in ("W_in", "W_gate"):
-            weight = getattr(mlp, name, None)
-            if weight is not None:
-                weight[:, neuron] = 0.0
-                weight[read_dim, neuron] = 3.0
-        if getattr(mlp, "b_in", None) is not None:
-            mlp.b_in[neuron] = 0.0
+        wire_neuron(mlp, neuron, read_dim)
         if post_norm:
             mlp.W_out[:, DIM] = 0.0
         mlp.W_out[neuron] = 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import _hook_count
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import tiny_model
@@ -32,24 +33,6 @@ def bridge():
     return model
 
 
-def snapshot(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def all_hooks(model) -> int:
-    return sum(
-        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(getattr(m, "fwd_hooks", []))
-        for m in model.modules()
-    )
-
-
-def assert_unchanged(model, before, n_hooks):
-    after = dict(model.named_parameters())
-    for name, value in before.items():
-        assert torch.equal(after[name].detach(), value), name  # bit-identical
-    assert all_hooks(model) == n_hooks
-
-
 def test_weight_quantization_is_int8_symmetric():
     w = torch.randn(8, 16)
     q = fake_quant_weight(w)
@@ -72,11 +55,10 @@ def test_activation_quantization_clips_to_the_calibrated_range():
 
 
 @pytest.mark.parametrize("kind", ["massive_lm", "bridge"])
-def test_measure_outliers_restores_the_model(kind, bridge):
+def test_measure_outliers_restores_the_model(kind, bridge, untouched):
     model = tiny_lm() if kind == "massive_lm" else bridge
-    before, n_hooks = snapshot(model), all_hooks(model)
-    report = measure_outliers(model, TEXT, seq_len=32, n_seqs=2)
-    assert_unchanged(model, before, n_hooks)
+    with untouched(model):  # no hooks left, weights bit-identical
+        report = measure_outliers(model, TEXT, seq_len=32, n_seqs=2)
     row = report.to_frame().iloc[0]
     assert len(report.layers) == model.cfg.n_layers
     assert row.max_inf_norm > 0 and row.max_ratio > 1 and 0 <= row.sink_metric <= 1
@@ -90,25 +72,22 @@ def test_measure_outliers_restores_the_model(kind, bridge):
 
 
 @pytest.mark.parametrize("kind", ["massive_lm", "bridge"])
-def test_fake_quantized_restores_weights_and_hooks_after_an_exception(kind, bridge):
+def test_fake_quantized_restores_weights_and_hooks_after_an_exception(kind, bridge, untouched):
     model = tiny_lm(attention="gated") if kind == "massive_lm" else bridge
     tokens = model.to_tokens(["Calibration text.", "More of it."])
-    before, n_hooks = snapshot(model), all_hooks(model)
-    with pytest.raises(RuntimeError, match="boom"):
+    before, n_hooks = {n: p.detach().clone() for n, p in model.named_parameters()}, _hook_count(model)
+    with untouched(model), pytest.raises(RuntimeError, match="boom"):
         with fake_quantized(model, tokens, per_channel=False, include_head=True):
             assert not all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-            assert all_hooks(model) > n_hooks
+            assert _hook_count(model) > n_hooks
             raise RuntimeError("boom")
-    assert_unchanged(model, before, n_hooks)
 
 
-def test_a_failing_calibration_also_restores(bridge):
-    before, n_hooks = snapshot(bridge), all_hooks(bridge)
+def test_a_failing_calibration_also_restores(bridge, untouched):
     bad = torch.full((1, 4), 10**6)  # token ids out of range: the calibration pass raises
-    with pytest.raises((IndexError, RuntimeError)):
+    with untouched(bridge), pytest.raises((IndexError, RuntimeError)):
         with fake_quantized(bridge, bad):
             pass
-    assert_unchanged(bridge, before, n_hooks)
 
 
 def test_planted_outlier_widens_the_w8a8_gap():
