@@ -350,4 +350,8 @@ if __name__ == "__main__":  # torchrun -m massive_lens.train.trainer PRESET OUT_
 
     args = dict(a.split("=", 1) for a in sys.argv[3:])
     parsed = {k: json.loads(v) if v[:1] in "0123456789-[{tf" else v for k, v in args.items()}
-    train_model(sys.argv[1], out_dir=sys.argv[2], progress=False, **parsed)
+    try:
+        train_model(sys.argv[1], out_dir=sys.argv[2], progress=False, **parsed)
+    finally:  # shut gloo/nccl down cleanly: exiting with live process-group threads can abort
+        if dist.is_initialized():
+            dist.destroy_process_group()
