@@ -82,6 +82,13 @@ def cmd_train_compare(args: argparse.Namespace) -> None:
                        until_step=args.until_step))
 
 
+def cmd_tokenize(args: argparse.Namespace) -> None:
+    from massive_lens.train.data import write_token_file
+
+    path = write_token_file(args.data, args.tokenizer, args.out, max_chars=args.max_chars)
+    print(f"wrote {path} ({path.stat().st_size:,} bytes); train on it with data={str(path)!r}")
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from massive_lens.report import write_report
 
@@ -97,6 +104,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "intervene": (cmd_intervene, "the paper's Table 3: perplexity under zero/mean ablation and sink interventions"),
     "train-compare": (cmd_train_compare,
                       "train small models with softmax, softmax1 and other attention variants and compare"),
+    "tokenize": (cmd_tokenize, "tokenize a corpus once into a .bin token file that training reads by memmap"),
 }
 
 
@@ -137,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     train.add_argument("--out", default="runs/train-compare", help="output folder for logs, CSVs and plots")
     train.add_argument("--until-step", type=int, default=None, help="stop early at this step (resumable)")
+    tok = cmd["tokenize"]
+    tok.add_argument("data", help=corpus_help.replace(", or omitted", ", or 'default'"))
+    tok.add_argument("out", help="output .bin file (a .json description is written beside it)")
+    tok.add_argument("--tokenizer", default="default", help="'default' (the default model's) or 'byte'")
+    tok.add_argument("--max-chars", type=int, default=None, help="stop after this many characters")
     return parser
 
 

@@ -26,7 +26,7 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    for command in ("report", "scan", "trace", "intervene", "train-compare"):
+    for command in ("report", "scan", "trace", "intervene", "train-compare", "tokenize"):
         assert command in out
 
 
@@ -36,6 +36,18 @@ def test_scan(model_dir, tmp_path, capsys):
                  "--max-tokens", "128", "--ratio-threshold", "5", "--abs-threshold", "0", "--csv", str(csv)])
     out = capsys.readouterr().out
     assert code == 0 and "4 sequences, 128 tokens" in out and csv.exists()
+
+
+def test_tokenize_writes_a_token_file_training_can_read(tmp_path, capsys):
+    from massive_lens.models import byte_tokenizer
+    from massive_lens.train.data import token_stream
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be. " * 20)
+    out = tmp_path / "tokens.bin"
+    assert main(["tokenize", str(corpus), str(out), "--tokenizer", "byte", "--max-chars", "100"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert len(token_stream(str(out), byte_tokenizer())) == 100
 
 
 def test_trace(model_dir, capsys):

@@ -125,8 +125,9 @@ def compare_variants(
     :class:`~massive_lens.train.presets.TrainConfig` fields applied to every run.
     """
     from massive_lens.quantize import measure_outliers
+    from massive_lens.train.data import get_tokenizer, sample_batch, start_token, token_stream
     from massive_lens.train.presets import get_preset
-    from massive_lens.train.trainer import get_tokenizer, sample_batch, token_stream, train_model
+    from massive_lens.train.trainer import train_model
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
@@ -135,7 +136,7 @@ def compare_variants(
     tokenizer = get_tokenizer(base.tokenizer)
     stream = token_stream(base.data, tokenizer, base.max_chars)
     held_out = stream[-max(base.model.get("n_ctx", 128), int(len(stream) * base.val_fraction)):]
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    bos = start_token(tokenizer, base.prepend_bos)
     runs, curves, profiles = [], [], []
     for variant in variants:
         for seed in seeds:

@@ -43,6 +43,8 @@ class MassiveLMConfig:
 
     ``None`` fields are derived: ``d_head = d_model // n_heads``; ``d_mlp`` is
     ``4 d_model`` for GELU and about ``8/3 d_model`` (rounded to 16) for SwiGLU.
+    ``n_key_value_heads`` (default ``n_heads``) below ``n_heads`` gives grouped-query attention:
+    ``W_K``/``W_V`` and ``hook_k``/``hook_v`` have that many heads, as in TransformerLens.
     ``hook_points=False`` replaces every HookPoint by a plain identity (for benchmarks).
     """
 
@@ -78,6 +80,14 @@ class MassiveLMConfig:
                 "change one or pass d_head"
             )
         self.d_head = self.d_head or self.d_model // self.n_heads
+        if self.n_key_value_heads is not None and (
+            self.n_key_value_heads < 1 or self.n_heads % self.n_key_value_heads
+        ):
+            raise MassiveLensError(
+                f"n_key_value_heads={self.n_key_value_heads} must be a positive divisor of "
+                f"n_heads={self.n_heads} (grouped-query attention shares each kv head between "
+                "n_heads // n_key_value_heads query heads)"
+            )
         if self.d_mlp is None:
             self.d_mlp = 4 * self.d_model if self.style == "gpt2" else 16 * -(-self.d_model * 8 // 48)
 
@@ -150,11 +160,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: MassiveLMConfig):
         super().__init__()
         h, m, d = cfg.n_heads, cfg.d_model, cfg.d_head
-        self.W_Q, self.W_K, self.W_V = (nn.Parameter(torch.empty(h, m, d)) for _ in range(3))
+        kv = cfg.n_key_value_heads or h  # grouped-query attention: a kv head serves h // kv query heads
+        self.group = h // kv
+        self.W_Q = nn.Parameter(torch.empty(h, m, d))
+        self.W_K, self.W_V = (nn.Parameter(torch.empty(kv, m, d)) for _ in range(2))
         self.W_O = nn.Parameter(torch.empty(h, d, m))
         bias = not cfg.llama
         self.b_Q, self.b_K, self.b_V = (
-            (nn.Parameter(torch.zeros(h, d)) if bias else None) for _ in range(3)
+            (nn.Parameter(torch.zeros(n, d)) if bias else None) for n in (h, kv, kv)
         )
         self.b_O = nn.Parameter(torch.zeros(m)) if bias else None
         self.rotary = Rotary(cfg) if cfg.llama else None
@@ -175,6 +188,8 @@ class Attention(nn.Module):
         v = self.hook_v(self._project(x, self.W_V, self.b_V))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q)), self.hook_rot_k(self.rotary(k))
+        if self.group > 1:  # hooks see the kv heads, as in TransformerLens; attention sees them shared
+            k, v = k.repeat_interleave(self.group, dim=2), v.repeat_interleave(self.group, dim=2)
         z = self.variant(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x, self, key_mask)
         out = torch.einsum("bphd,hdm->bpm", self.hook_z(z), self.W_O)
         return self.hook_out(out if self.b_O is None else out + self.b_O)

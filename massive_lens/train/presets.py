@@ -12,8 +12,12 @@ estimates from FLOP counts):
 * ``cpu``: byte-level Tiny Shakespeare, 10M tokens; ~23 minutes on one CPU thread
   (measured at 7,400 tokens/s), less on two idle cores.
 * ``gpu-small``: a 6-layer, 384-wide Llama-style model, ~1 h on one modern GPU (estimate).
-* ``gpu-gpt2``: GPT-2 124M shape on FineWeb text, the massive-activations paper's setting;
-  ~1 day on one H100 (estimate), less with ``torchrun`` over several GPUs.
+* ``gpu-gpt2``: GPT-2 124M shape on FineWeb text, the massive-activations paper's setting
+  (nanoGPT-style bare windows, no BOS prepended); ~1 day on one H100 (estimate), less with
+  ``torchrun`` over several GPUs.
+
+Both GPU presets read the token file ``FINEWEB_TOKENS`` (written once with ``massive-lens
+tokenize``, see below), memory-mapped, so start-up costs neither RAM nor tokenizing time.
 
 >>> get_preset("smoke", steps=5).steps
 5
@@ -34,8 +38,10 @@ from massive_lens.errors import MassiveLensError
 class TrainConfig:
     """Everything that defines a training run (JSON-able, stored in checkpoints).
 
-    ``data`` is ``"default"`` (massive_lens's offline prose), a path to a text file, or
-    ``"hf:<dataset>[:<config>]"`` (needs the ``datasets`` package and network).
+    ``data`` is ``"default"`` (massive_lens's offline prose), a path to a text file,
+    ``"hf:<dataset>[:<config>]"`` (needs the ``datasets`` package and network), or a token
+    file ``*.bin`` (see :mod:`massive_lens.train.data`). ``prepend_bos`` starts every
+    sequence with BOS (else sequences are bare windows and the first token is arbitrary).
     ``tokenizer`` is ``"byte"`` (offline, 259 tokens) or ``"default"`` (the default model's
     tokenizer). ``batch_size`` is the global number of sequences per optimizer step,
     split over ``grad_accum`` micro-batches and over DDP ranks.
@@ -45,6 +51,7 @@ class TrainConfig:
     data: str = "default"
     tokenizer: str = "byte"
     max_chars: int | None = None
+    prepend_bos: bool = True
     val_fraction: float = 0.05
     steps: int = 100
     batch_size: int = 16
@@ -84,6 +91,10 @@ class TrainConfig:
         return replace(self, model={**self.model, "attention": variant})
 
 
+# The GPU presets read a token file (memmap), written once with
+#   massive-lens tokenize hf:HuggingFaceFW/fineweb-edu:sample-10BT fineweb-edu-10BT.bin
+# (~10B SmolLM2 tokens, 20 GB as uint16); pass data=... to put it elsewhere.
+FINEWEB_TOKENS = "fineweb-edu-10BT.bin"
 _TINY = dict(n_layers=2, d_model=32, n_heads=2, n_ctx=32)
 _SHAKESPEARE = data_file("tinyshakespeare/input.txt")
 
@@ -99,14 +110,13 @@ PRESETS: dict[str, TrainConfig] = {
     ),
     "gpu-small": TrainConfig(
         model=dict(n_layers=6, d_model=384, n_heads=6, n_ctx=512),
-        data="hf:HuggingFaceFW/fineweb-edu:sample-10BT", tokenizer="default",
-        max_chars=2_000_000_000, steps=20_000, batch_size=64, lr=1e-3, warmup_steps=500,
+        data=FINEWEB_TOKENS, tokenizer="default", steps=20_000, batch_size=64, lr=1e-3, warmup_steps=500,
         eval_every=1000, eval_batches=16, log_every=50, ckpt_every=1000,
     ),
     "gpu-gpt2": TrainConfig(
         model=dict(style="gpt2", n_layers=12, d_model=768, n_heads=12, n_ctx=1024),
-        data="hf:HuggingFaceFW/fineweb-edu:sample-10BT", tokenizer="default",
-        max_chars=25_000_000_000, steps=20_000, batch_size=480, grad_accum=8, lr=6e-4,
+        data=FINEWEB_TOKENS, tokenizer="default", prepend_bos=False, steps=20_000, batch_size=480,
+        grad_accum=8, lr=6e-4,
         warmup_steps=700, eval_every=1000, eval_batches=16, log_every=50, ckpt_every=1000,
     ),
 }

@@ -13,7 +13,8 @@ NCCL on GPU). Two properties matter for science:
   resumes from the last checkpoint and reaches the same loss.
 
 Each training sequence starts with BOS (as ``to_tokens`` does), so a first-token sink
-can form exactly where analyses look for it.
+can form exactly where analyses look for it; ``prepend_bos=False`` trains on bare windows
+(as nanoGPT does), so the first token is arbitrary.
 
 >>> run = train_model("smoke", steps=3, progress=False, data="One. Two. Three. " * 200)
 >>> run.steps, len(run.history) > 0
@@ -35,10 +36,10 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.distributed as dist
-from jaxtyping import Int
 from torch import Tensor
 
 from massive_lens.errors import MassiveLensError
+from massive_lens.train.data import Stream, get_tokenizer, sample_batch, start_token, token_stream
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
 from massive_lens.train.presets import TrainConfig, get_preset
 
@@ -78,45 +79,6 @@ class TrainRun:
             f"{self.model.cfg.d_model}) trained {self.steps} steps: train loss "
             f"{self.final_loss:.3f}, held-out loss {self.val_loss:.3f}"
         )
-
-
-def get_tokenizer(name: str) -> Any:
-    """``"byte"``: the offline byte-level tokenizer; ``"default"``: the default model's."""
-    from massive_lens.models import byte_tokenizer, load_model
-
-    return byte_tokenizer() if name == "byte" else load_model().tokenizer
-
-
-def token_stream(data: str, tokenizer: Any, max_chars: int | None = None) -> Int[Tensor, " n_tokens"]:
-    """Tokenize a data source (see :class:`TrainConfig`) into one long 1-D tensor.
-
-    >>> from massive_lens.models import byte_tokenizer
-    >>> token_stream("abc abc", byte_tokenizer()).shape
-    torch.Size([7])
-    """
-    from massive_lens.corpora import iter_texts
-
-    pieces: list[Tensor] = []  # int32 pieces: 4 bytes a token, even for big corpora
-    n_chars = 0
-    for text in iter_texts(None if data == "default" else data):
-        if max_chars is not None:
-            text = text[: max_chars - n_chars]
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        pieces.append(torch.tensor(ids, dtype=torch.int32))
-        n_chars += len(text)
-        if max_chars is not None and n_chars >= max_chars:
-            break
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
-
-
-def sample_batch(
-    stream: Int[Tensor, " n_tokens"], n_seq: int, n_ctx: int, bos: int, seed: int, step: int
-) -> Int[Tensor, "batch pos"]:
-    """``n_seq`` sequences ``[BOS] + window``; a pure function of ``(seed, step)``."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(stream) - n_ctx + 1, (n_seq,), generator=gen)
-    windows = stream[starts[:, None] + torch.arange(n_ctx - 1)].long()
-    return torch.cat([torch.full((n_seq, 1), bos, dtype=torch.long), windows], 1)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -162,6 +124,7 @@ def train_model(
     cfg = get_preset(preset, **overrides)
     rank, world, dev = _setup_distributed(device)
     tokenizer = get_tokenizer(cfg.tokenizer)
+    stream = token_stream(cfg.data, tokenizer, cfg.max_chars)  # before the model: bad data fails fast
     model = MassiveLM(_model_config(cfg, tokenizer, dev), tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -172,7 +135,6 @@ def train_model(
     start, history = 0, []
     if out is not None and resume and (out / CKPT).is_file():
         start, history = _load_checkpoint(out / CKPT, model, optimizer, cfg)
-    stream = token_stream(cfg.data, tokenizer, cfg.max_chars)
     n_ctx = model.cfg.n_ctx
     n_val = max(n_ctx, int(len(stream) * cfg.val_fraction))
     if len(stream) < n_val + 2 * n_ctx:
@@ -181,7 +143,7 @@ def train_model(
             "give more text or a smaller n_ctx"
         )
     train, val = stream[:-n_val], stream[-n_val:]
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    bos = start_token(tokenizer, cfg.prepend_bos)
     wrapped = _wrap_ddp(model, world, dev)
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -256,7 +218,7 @@ def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM
 
 
 def _model_config(cfg: TrainConfig, tokenizer: Any, dev: torch.device) -> MassiveLMConfig:
-    fields = {"d_vocab": len(tokenizer), **cfg.model, "device": str(dev)}
+    fields = {"d_vocab": len(tokenizer), "default_prepend_bos": cfg.prepend_bos, **cfg.model, "device": str(dev)}
     return MassiveLMConfig(**fields)
 
 
@@ -265,7 +227,7 @@ def _due(done: int, cfg: TrainConfig, stop: int) -> bool:
 
 
 @torch.no_grad()
-def _evaluate(model: MassiveLM, val: Tensor, cfg: TrainConfig, bos: int, amp: Any) -> float:
+def _evaluate(model: MassiveLM, val: Stream, cfg: TrainConfig, bos: int | None, amp: Any) -> float:
     model.eval()
     n_ctx, dev = model.cfg.n_ctx, model.W_E.device
     n_seq = max(1, min(cfg.batch_size, (len(val) - 1) // (n_ctx - 1)))

@@ -16,9 +16,8 @@ TEXT = "The cat sat. The dog ran, and the bird flew.\nA new line. " * 60
 def tiny_lm(attention: str = "softmax", style: str = "llama", seed: int = 0, **fields) -> MassiveLM:
     """A 2-layer, 32-wide MassiveLM with seeded random weights."""
     torch.manual_seed(seed)
-    cfg = MassiveLMConfig(
-        n_layers=2, d_model=32, n_heads=2, n_ctx=32, style=style, attention=attention, **fields
-    )
+    shape = dict(n_layers=2, d_model=32, n_heads=2, n_ctx=32)
+    cfg = MassiveLMConfig(**{**shape, **fields}, style=style, attention=attention)
     return MassiveLM(cfg).eval()
 
 

@@ -105,3 +105,36 @@ def test_trace_origin_and_decompose_attention_run_on_massive_lm():
     for style in ("llama", "gpt2"):
         parts = decompose_attention(tiny_lm(style=style), "The cat sat. The dog ran.")
         assert len(parts.to_frame()) > 0
+
+
+@pytest.mark.parametrize("attention", ["softmax", "kv_bias", "gated"])
+def test_grouped_query_attention_equals_mha_with_shared_kv_heads(attention):
+    """A GQA model is exactly the MHA model whose K/V heads are copied to their query groups."""
+    gqa = tiny_lm(attention=attention, n_heads=4, n_key_value_heads=2)
+    mha = tiny_lm(attention=attention, n_heads=4)
+    state = gqa.state_dict()
+    for key, value in state.items():
+        if key.split(".")[-1] in ("W_K", "W_V", "b_K", "b_V"):
+            value = value.repeat_interleave(2, dim=0)
+        state[key] = value
+    mha.load_state_dict(state)
+    tokens = gqa.to_tokens(["The cat sat. The dog ran.", "Hi"])
+    _, cache = gqa.run_with_cache(tokens)
+    assert gqa.blocks[0].attn.W_K.shape == (2, 32, 8)
+    assert cache["blocks.0.attn.hook_k"].shape[2] == cache["blocks.0.attn.hook_v"].shape[2] == 2
+    assert cache["blocks.0.attn.hook_pattern"].shape[1] == cache["blocks.0.attn.hook_z"].shape[2] == 4
+    torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_decompose_attention_reconstructs_on_a_gqa_massive_lm():
+    from massive_lens.attention import decompose_attention
+
+    for style in ("llama", "gpt2"):  # gpt2 style has value biases on the kv heads
+        model = tiny_lm(style=style, n_heads=4, n_key_value_heads=1)
+        parts = decompose_attention(model, "The cat sat. The dog ran.", sinks=[0])
+        assert parts.reconstruction_error < 1e-5
+
+
+def test_bad_kv_head_count_raises():
+    with pytest.raises(MassiveLensError, match="n_key_value_heads"):
+        MassiveLMConfig(n_heads=4, n_key_value_heads=3)
