@@ -296,7 +296,8 @@ def _load_checkpoint(path: Path, model: MassiveLM, optimizer: Any, cfg: TrainCon
         rest = {k: v for k, v in train.items() if k not in ("steps", "model")}
         return rest, {k: v for k, v in model_cfg.items() if k != "device"}
 
-    if key(state["config"], state["model_cfg"]) != key(cfg.to_dict(), model.cfg.to_dict()):
+    saved = {**TrainConfig().to_dict(), **state["config"]}  # fields added since get their defaults
+    if key(saved, state["model_cfg"]) != key(cfg.to_dict(), model.cfg.to_dict()):
         raise MassiveLensError(
             f"the checkpoint in {path.parent} was made with another configuration; use a "
             "new out_dir or resume=False"

@@ -80,3 +80,14 @@ def test_gpu_presets_read_a_token_file_and_say_how_to_write_it(tmp_path):
     assert get_preset("gpu-gpt2").data.endswith(".bin") and not get_preset("gpu-gpt2").prepend_bos
     with pytest.raises(MassiveLensError, match="massive-lens tokenize"):  # fails before building the model
         train_model("gpu-gpt2", progress=False, tokenizer="byte", data=str(tmp_path / "absent.bin"))
+
+
+def test_a_checkpoint_from_before_prepend_bos_existed_still_resumes(tmp_path):
+    cfg = {**TINY, "data": TEXT}
+    train_model("smoke", out_dir=tmp_path, progress=False, until_step=2, **cfg)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    del state["config"]["prepend_bos"]
+    torch.save(state, tmp_path / "checkpoint.pt")
+    assert train_model("smoke", out_dir=tmp_path, progress=False, **cfg).steps == 4
+    with pytest.raises(MassiveLensError, match="another configuration"):  # a real change is still refused
+        train_model("smoke", out_dir=tmp_path, progress=False, **{**cfg, "prepend_bos": False})
