@@ -21,7 +21,7 @@ TEXT = "The cat sat on the mat. The dog ran, and the bird flew.\n" * 40
 
 def tiny_lm(**fields) -> MassiveLM:
     torch.manual_seed(0)
-    return MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2, n_ctx=64, **fields)).eval()
+    return MassiveLM(MassiveLMConfig(**{"n_layers": 2, "d_model": 32, "n_heads": 2, "n_ctx": 64, **fields})).eval()
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,10 @@ def test_activation_quantization_clips_to_the_calibrated_range():
     assert (q[inside] - x[inside]).abs().max() <= 3 / 255
 
 
-@pytest.mark.parametrize("kind", ["massive_lm", "bridge"])
+@pytest.mark.parametrize("kind", ["massive_lm", "gqa_massive_lm", "bridge"])
 def test_measure_outliers_restores_the_model(kind, bridge, untouched):
-    model = tiny_lm() if kind == "massive_lm" else bridge
+    model = {"massive_lm": tiny_lm, "bridge": lambda: bridge,
+             "gqa_massive_lm": lambda: tiny_lm(n_heads=4, n_key_value_heads=2)}[kind]()
     with untouched(model):  # no hooks left, weights bit-identical
         report = measure_outliers(model, TEXT, seq_len=32, n_seqs=2)
     row = report.to_frame().iloc[0]
