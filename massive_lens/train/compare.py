@@ -125,7 +125,8 @@ def compare_variants(
     :class:`~massive_lens.train.presets.TrainConfig` fields applied to every run.
     """
     from massive_lens.quantize import measure_outliers
-    from massive_lens.train.data import get_tokenizer, sample_batch, start_token, token_stream
+    from massive_lens.train.data import get_tokenizer, sample_batch, split_held_out, start_token, token_stream
+    from massive_lens.train.model import MassiveLMConfig
     from massive_lens.train.presets import get_preset
     from massive_lens.train.trainer import train_model
 
@@ -135,7 +136,7 @@ def compare_variants(
     base = get_preset(preset, **overrides)
     tokenizer = get_tokenizer(base.tokenizer)
     stream = token_stream(base.data, tokenizer, base.max_chars)
-    held_out = stream[-max(base.model.get("n_ctx", 128), int(len(stream) * base.val_fraction)):]
+    _, held_out = split_held_out(stream, base.model.get("n_ctx", MassiveLMConfig.n_ctx), base.val_fraction)
     bos = start_token(tokenizer, base.prepend_bos)
     runs, curves, profiles = [], [], []
     for variant in variants:

@@ -75,11 +75,15 @@ def write_token_file(data: str, tokenizer: str, path: str | os.PathLike, max_cha
     from tqdm.auto import tqdm
 
     n_tokens = 0
-    with open(tmp, "wb") as f, tqdm(unit="tok", unit_scale=True, disable=not progress, desc="tokenize") as bar:
-        for piece in _token_pieces(data, tok, max_chars):
-            f.write(piece.numpy().astype(dtype).tobytes())
-            n_tokens += len(piece)
-            bar.update(len(piece))
+    try:
+        with open(tmp, "wb") as f, tqdm(unit="tok", unit_scale=True, disable=not progress, desc="tokenize") as bar:
+            for piece in _token_pieces(data, tok, max_chars):
+                f.write(piece.numpy().astype(dtype).tobytes())
+                n_tokens += len(piece)
+                bar.update(len(piece))
+    except BaseException:  # an interrupted or failed run leaves no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
     meta = dict(tokenizer=tokenizer, vocab_size=len(tok), dtype=np.dtype(dtype).name, n_tokens=n_tokens,
                 source=str(data), max_chars=max_chars)
     _meta_path(path).write_text(json.dumps(meta, indent=1))
@@ -103,6 +107,16 @@ def read_token_file(path: str | os.PathLike, tokenizer: Any) -> np.ndarray:
         raise MassiveLensError(f"{path} holds {len(stream)} tokens, its description says {meta['n_tokens']}: "
                                "the file is incomplete; write it again")
     return stream
+
+
+def split_held_out(stream: Stream, n_ctx: int, val_fraction: float) -> tuple[Stream, Stream]:
+    """``(train, held_out)``: the last ``val_fraction`` of the stream (at least ``n_ctx`` tokens).
+
+    >>> [len(part) for part in split_held_out(torch.arange(1000), 16, 0.05)]
+    [950, 50]
+    """
+    n_val = max(n_ctx, int(len(stream) * val_fraction))
+    return stream[:-n_val], stream[-n_val:]
 
 
 def start_token(tokenizer: Any, prepend_bos: bool = True) -> int | None:

@@ -39,7 +39,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.data import Stream, get_tokenizer, sample_batch, start_token, token_stream
+from massive_lens.train.data import (
+    Stream,
+    get_tokenizer,
+    sample_batch,
+    split_held_out,
+    start_token,
+    token_stream,
+)
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
 from massive_lens.train.presets import TrainConfig, get_preset
 
@@ -136,13 +143,12 @@ def train_model(
     if out is not None and resume and (out / CKPT).is_file():
         start, history = _load_checkpoint(out / CKPT, model, optimizer, cfg)
     n_ctx = model.cfg.n_ctx
-    n_val = max(n_ctx, int(len(stream) * cfg.val_fraction))
-    if len(stream) < n_val + 2 * n_ctx:
+    train, val = split_held_out(stream, n_ctx, cfg.val_fraction)
+    if len(train) < 2 * n_ctx:
         raise MassiveLensError(
             f"the data {cfg.data!r} has {len(stream)} tokens, too few for n_ctx={n_ctx}; "
             "give more text or a smaller n_ctx"
         )
-    train, val = stream[:-n_val], stream[-n_val:]
     bos = start_token(tokenizer, cfg.prepend_bos)
     wrapped = _wrap_ddp(model, world, dev)
     amp = (

@@ -91,3 +91,16 @@ def test_a_checkpoint_from_before_prepend_bos_existed_still_resumes(tmp_path):
     assert train_model("smoke", out_dir=tmp_path, progress=False, **cfg).steps == 4
     with pytest.raises(MassiveLensError, match="another configuration"):  # a real change is still refused
         train_model("smoke", out_dir=tmp_path, progress=False, **{**cfg, "prepend_bos": False})
+
+
+def test_a_failed_tokenize_leaves_no_partial_file(tmp_path, monkeypatch):
+    import massive_lens.train.data as data
+
+    def broken(*args):
+        yield torch.arange(10, dtype=torch.int32)
+        raise RuntimeError("network dropped")
+
+    monkeypatch.setattr(data, "_token_pieces", broken)
+    with pytest.raises(RuntimeError, match="network"):
+        write_token_file("abc", "byte", tmp_path / "t.bin", progress=False)
+    assert list(tmp_path.iterdir()) == []
