@@ -321,6 +321,13 @@ if __name__ == "__main__":  # torchrun -m massive_lens.train.trainer PRESET OUT_
     parsed = {k: json.loads(v) if v[:1] in "0123456789-[{tf" else v for k, v in args.items()}
     try:
         train_model(sys.argv[1], out_dir=sys.argv[2], progress=False, **parsed)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears down while another still saves or evaluates
     finally:  # shut gloo/nccl down cleanly: exiting with live process-group threads can abort
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Everything is written (checkpoints are renamed into place). Skip interpreter teardown:
+    # gloo's threads can still abort it ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
