@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(BIN)/massive-lens report --out report
 
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
@@ -31,7 +32,7 @@ docs: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check massive_lens tests
+	$(BIN)/ruff check massive_lens tests notebooks
 
 clean:
 	rm -rf $(VENV) site .pytest_cache

@@ -7,20 +7,32 @@ The public API, one line per task (every result has ``.to_frame()``, ``.summary(
 - find: :class:`Criterion`, :func:`find_massive`, :func:`layer_profile`, :func:`scan_corpus`
 - trace: :func:`trace_origin`
 - attention: :func:`sink_attention`, :func:`decompose_attention`
-- intervene and evaluate: :func:`perplexity`, :func:`run_interventions` (the interventions
-  themselves live in ``massive_lens.interventions``)
-- train and quantize: :func:`compare_variants`, :func:`train_model`, :func:`measure_outliers`
-- show: :func:`write_report`
+- intervene and evaluate: :func:`perplexity`, :func:`run_interventions`, :func:`calibrate`
+  (the interventions themselves live in :mod:`massive_lens.interventions`)
+- quantize and train: :func:`measure_outliers`, :func:`train_model`, :func:`compare_variants`
+  (more in :mod:`massive_lens.train`)
+- show: :func:`write_report` (figures and views in :mod:`massive_lens.viz`)
 
+A tiny random model with a planted massive activation (the BOS token's embedding carries
+3,000 in dimension 5, so its residual stream does too):
+
+>>> import torch
 >>> from massive_lens import tiny_model, find_massive
->>> find_massive(tiny_model("llama"), "Hello.").layers
-[]
+>>> model = tiny_model("llama")
+>>> with torch.no_grad():
+...     model.W_E[model.tokenizer.bos_token_id, 5] = 3000.0
+>>> found = find_massive(model, "Hello, world.")
+>>> found.dims, found.positions, found.layers
+((5,), (0,), (0, 1, 2, 3))
 """
 
 from massive_lens.attention import decompose_attention, sink_attention
-from massive_lens.detect import Criterion, find_massive, layer_profile, scan_corpus
+from massive_lens.core.corpora import default_text
+from massive_lens.core.criterion import Criterion
+from massive_lens.detect import find_massive, layer_profile, scan_corpus
 from massive_lens.errors import MassiveLensError
-from massive_lens.evaluate import perplexity, run_interventions
+from massive_lens.interventions import calibrate, run_interventions
+from massive_lens.metrics import perplexity
 from massive_lens.models import load_model, tiny_model
 from massive_lens.origin import trace_origin
 from massive_lens.quantize import measure_outliers
@@ -32,8 +44,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Criterion",
     "MassiveLensError",
+    "calibrate",
     "compare_variants",
     "decompose_attention",
+    "default_text",
     "find_massive",
     "layer_profile",
     "load_model",

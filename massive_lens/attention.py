@@ -13,7 +13,7 @@ input: an implicit attention bias. This module measures both halves:
 
 - :func:`sink_attention`: per layer and head, the attention mass queries put on the sink
   positions, and the sink metric of Gu et al. (2024): the share of heads whose mean
-  attention to the first token exceeds a threshold (0.3);
+  attention to the first token (over the first 64 queries) exceeds a threshold (0.3);
 - :func:`decompose_attention`: the two terms per layer, head and query position, mapped
   through ``W_O`` into the residual stream (``b_O`` kept separate), so that
   sink + content + b_O reconstructs the attention output exactly; and how constant each
@@ -44,7 +44,10 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from massive_lens._model_view import Batch, ModelView
+from massive_lens.core.criterion import SINK_THRESHOLD, first_token_mass, sink_metric
+from massive_lens.core.model_view import Batch, ModelView
+from massive_lens.core.render import sink_content_axes, sink_mass_axes
+from massive_lens.core.results import Result
 from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
 
@@ -92,9 +95,9 @@ def _sink_mask(model: Any, batch: Batch, inputs: Any, sinks: Sinks) -> tuple[Boo
 
 
 @dataclass(frozen=True)
-class SinkAttention:
+class SinkAttention(Result):
     """Per layer and head: ``sink_mass`` (mean attention of non-sink queries to the sinks)
-    and ``first_token_mass`` (mean attention of all queries to the first token, Gu et al.).
+    and ``first_token_mass`` (mean attention of the first 64 queries to the first token, Gu et al.).
     ``to_frame()`` columns: ``layer``, ``head``, ``sink_mass``, ``first_token_mass``."""
 
     frame: pd.DataFrame
@@ -106,7 +109,7 @@ class SinkAttention:
     @property
     def sink_metric(self) -> float:
         """Share of heads whose mean attention to the first token exceeds ``threshold``."""
-        return float((self.frame["first_token_mass"] > self.threshold).mean())
+        return sink_metric(torch.tensor(self.frame["first_token_mass"].to_numpy()), self.threshold)
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
@@ -119,20 +122,25 @@ class SinkAttention:
                 f"first token; mean sink mass over all heads {self.frame['sink_mass'].mean():.2f}; "
                 "highest layers " + ", ".join(f"{int(k)} ({v:.2f})" for k, v in top.items()))
 
-    def _repr_html_(self) -> str:
-        return f"<pre>{self.summary()}</pre>"
-
     def plot(self, ax: Any = None) -> Any:
         """Sink mass per layer: mean over heads, with the min-max range of heads."""
-        from massive_lens.plots import sink_mass_axes
-
         return sink_mass_axes(self.frame, threshold=self.threshold, ax=ax,
                               title=f"{self.model_name}: attention to sinks")
 
 
-def sink_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor, sinks: Sinks = None,
-                   threshold: float = 0.3) -> SinkAttention:
+def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = None,
+                   threshold: float = SINK_THRESHOLD) -> SinkAttention:
     """Attention mass on the sink positions per layer and head, and the sink metric.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: a string, a list of strings or a token tensor.
+        sinks: sink positions (a list, or a bool ``[batch, pos]`` mask); default: the
+            positions with massive activations, else the first token.
+        threshold: the sink metric's attention share (Gu et al.: 0.3).
+
+    Returns:
+        A :class:`SinkAttention` (one row per layer and head).
 
     >>> from massive_lens import tiny_model
     >>> result = sink_attention(tiny_model("gpt2"), "Hello world.", sinks=[0])
@@ -142,8 +150,8 @@ def sink_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor, sink
     if not 0 < threshold < 1:
         raise MassiveLensError(f"threshold is an attention share in (0, 1), got {threshold}")
     view = ModelView(model)
-    batch = view.tokenize(text_or_texts)
-    mask, source = _sink_mask(model, batch, text_or_texts, sinks)
+    batch = view.tokenize(text)
+    mask, source = _sink_mask(model, batch, text, sinks)
     valid = batch.mask.float()
     queries = valid * (~mask).float()
     rows: list[Tensor] = []
@@ -151,7 +159,7 @@ def sink_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor, sink
     def reduce(pattern: Tensor, hook: Any, layer: int) -> None:
         p = pattern.float().cpu()
         sink = torch.einsum("bhqk,bk,bq->h", p, mask.float(), queries) / queries.sum().clamp(min=1)
-        first = torch.einsum("bhq,bq->h", p[..., 0], valid) / valid.sum()
+        first = first_token_mass(p, batch.mask)
         rows.append(torch.stack([torch.full_like(sink, layer), torch.arange(len(sink)).float(), sink, first], 1))
 
     names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]
@@ -165,7 +173,7 @@ def sink_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor, sink
 
 
 @dataclass(frozen=True)
-class AttentionDecomposition:
+class AttentionDecomposition(Result):
     """Sink and content terms of the attention output, in the residual stream.
 
     ``sink``/``content``: ``[layer, batch, pos, d_model]`` (summed over heads), ``bias``:
@@ -206,13 +214,8 @@ class AttentionDecomposition:
                          f"{r.rel_std_text:>14.3f} {r.cos_text:>11.3f}")
         return "\n".join(lines)
 
-    def _repr_html_(self) -> str:
-        return f"<pre>{self.summary()}</pre>"
-
     def plot(self, ax: Any = None) -> Any:
         """Per layer: mean norm of the sink and content terms, and the sink term's cosine."""
-        from massive_lens.plots import sink_content_axes
-
         return sink_content_axes(self.frame, ax=ax, title=f"{self.model_name}: sink vs content term")
 
 
@@ -256,21 +259,34 @@ def _mean_cosine(rows: Float[Tensor, "n head d_model"]) -> Float[Tensor, " head"
     return (unit.sum(0).pow(2).sum(-1) - n) / (n * (n - 1))
 
 
-def decompose_attention(model: Any, text_or_texts: str | Sequence[str] | Tensor,
-                        layer: int | Sequence[int] | None = None, sinks: Sinks = None) -> AttentionDecomposition:
+def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
+                        layers: int | Sequence[int] | None = None, sinks: Sinks = None) -> AttentionDecomposition:
     """Split each attention output into sink term + content term + b_O (see module docstring).
 
+    Args:
+        model: a TransformerLens-style model.
+        text: a string, a list of strings or a token tensor.
+        layers: a layer or layers to decompose (default: all).
+        sinks: sink positions (a list, or a bool ``[batch, pos]`` mask); default: the
+            positions with massive activations, else the first token.
+
+    Returns:
+        An :class:`AttentionDecomposition`: the terms, their constancy per head, and the
+        reconstruction error.
+
     >>> from massive_lens import tiny_model
-    >>> d = decompose_attention(tiny_model("qwen2"), "Hi there.", layer=1, sinks=[0])
+    >>> d = decompose_attention(tiny_model("qwen2"), "Hi there.", layers=1, sinks=[0])
     >>> d.layers, tuple(d.sink.shape)
     ((1,), (1, 1, 9, 64))
     """
     view = ModelView(model)
-    layers = tuple(range(view.n_layers)) if layer is None else ((layer,) if isinstance(layer, int) else tuple(layer))
+    if layers is None:
+        layers = tuple(range(view.n_layers))
+    layers = (layers,) if isinstance(layers, int) else tuple(layers)
     if not layers:
-        raise MassiveLensError("layer is an empty list; pass None for all layers")
-    batch = view.tokenize(text_or_texts)
-    mask, source = _sink_mask(model, batch, text_or_texts, sinks)
+        raise MassiveLensError("layers is an empty list; pass None for all layers")
+    batch = view.tokenize(text)
+    mask, source = _sink_mask(model, batch, text, sinks)
     keep = batch.mask & ~mask
     weights = {}
     for i in layers:

@@ -5,19 +5,30 @@
     massive-lens scan --model gpt2 --corpus wiki.txt --max-tokens 65536
     massive-lens trace --verify            # where the massive activations are born
     massive-lens intervene --corpus test.txt --calibration valid.txt
+    massive-lens train smoke runs/smoke steps=50 lr=3e-4     # one run (also under torchrun)
     massive-lens train-compare --variants softmax,softmax1 --preset smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from massive_lens.core.criterion import Criterion
+from massive_lens.detect import find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
-
-EXAMPLE_TEXT = "Summer is warm. Winter is cold.\nThe cat sat on the mat, and the dog slept."
+from massive_lens.interventions import run_interventions
+from massive_lens.models import load_model
+from massive_lens.origin import trace_origin
+from massive_lens.report import write_report
+from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
+from massive_lens.train.compare import compare_main
+from massive_lens.train.data import TOKENIZERS, write_token_file
+from massive_lens.train.trainer import run_and_exit
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -34,22 +45,16 @@ def _criterion_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from massive_lens.models import load_model
-
     return load_model(args.model, device=args.device, dtype=args.dtype)
 
 
 def _criterion(args: argparse.Namespace):
-    from massive_lens.detect import Criterion
-
     return Criterion(args.abs_threshold, args.ratio_threshold)
 
 
 def cmd_scan(args: argparse.Namespace) -> None:
-    from massive_lens.detect import find_massive, scan_corpus
-
     model = _load(args)
-    found = find_massive(model, args.text, _criterion(args))
+    found = find_massive(model, args.text, criterion=_criterion(args))
     print(found.summary(), end="\n\n")
     scan = scan_corpus(model, args.corpus, seq_len=args.seq_len, batch_size=args.batch_size,
                        max_tokens=args.max_tokens, criterion=_criterion(args))
@@ -60,40 +65,53 @@ def cmd_scan(args: argparse.Namespace) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> None:
-    from massive_lens.origin import trace_origin
-
     trace = trace_origin(_load(args), args.text, dim=args.dim, pos=args.pos, criterion=_criterion(args),
                          top_neurons=args.top_neurons, verify=args.verify, corpus=args.corpus)
     print(trace.summary())
 
 
 def cmd_intervene(args: argparse.Namespace) -> None:
-    from massive_lens.evaluate import run_interventions
-
-    table = run_interventions(_load(args), args.corpus, args.calibration, seq_len=args.seq_len,
+    table = run_interventions(_load(args), args.corpus, calibration=args.calibration, seq_len=args.seq_len,
                               n_seqs=args.n_seqs, batch_size=args.batch_size)
     print(table.summary())
 
 
 def cmd_train_compare(args: argparse.Namespace) -> None:
-    from massive_lens.train.compare import compare_main
-
-    print(compare_main(variants=args.variants, preset=args.preset, seeds=args.seeds, out_dir=args.out,
+    print(compare_main(variants=args.variants, preset=args.preset, seeds=args.seeds, out_dir=args.out_dir,
                        until_step=args.until_step))
 
 
 def cmd_tokenize(args: argparse.Namespace) -> None:
-    from massive_lens.train.data import write_token_file
-
     path = write_token_file(args.data, args.tokenizer, args.out, max_chars=args.max_chars)
     print(f"wrote {path} ({path.stat().st_size:,} bytes); train on it with data={str(path)!r}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from massive_lens.report import write_report
-
-    path = write_report(_load(args), text=args.text, corpus=args.corpus, out=args.out, quick=args.quick)
+    path = write_report(_load(args), text=args.text, corpus=args.corpus, out_dir=args.out_dir, quick=args.quick)
     print(f"wrote {path}")
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` pairs to a dict; a value is a Python literal when it parses as one
+    (``3``, ``3e-4``, ``True``, ``[1, 2]``, ``{"a": 1}``), else the string itself.
+
+    >>> parse_overrides(["steps=3", "data=fineweb-edu-10BT.bin", "lr=3e-4", "compile=False"])
+    {'steps': 3, 'data': 'fineweb-edu-10BT.bin', 'lr': 0.0003, 'compile': False}
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise MassiveLensError(f"expected key=value, got {pair!r} (e.g. steps=100 data=input.txt)")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    run_and_exit(args.preset, args.out_dir, parse_overrides(args.overrides))
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
@@ -102,6 +120,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "trace": (cmd_trace,
               "trace where each massive activation is born, erased and reborn (ledger, neurons, super weights)"),
     "intervene": (cmd_intervene, "the paper's Table 3: perplexity under zero/mean ablation and sink interventions"),
+    "train": (cmd_train, "train one MassiveLM from a preset (data parallel under torchrun)"),
     "train-compare": (cmd_train_compare,
                       "train small models with softmax, softmax1 and other attention variants and compare"),
     "tokenize": (cmd_tokenize, "tokenize a corpus once into a .bin token file that training reads by memmap"),
@@ -128,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, seq_len in (("scan", 256), ("intervene", 128)):
         cmd[name].add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
         cmd[name].add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default 4)")
-    cmd["report"].add_argument("--out", default="report", help="output folder (default ./report)")
+    cmd["report"].add_argument("--out-dir", "--out", dest="out_dir", default="report",
+                               help="output folder (default ./report)")
     cmd["report"].add_argument("--quick", action="store_true", help="small settings: seconds on a tiny model")
     cmd["scan"].add_argument("--max-tokens", type=int, default=16_384, help="tokens to scan (default 16384)")
     cmd["scan"].add_argument("--csv", default=None, help="also write the frequency table to this CSV file")
@@ -143,12 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--variants", default="softmax,softmax1", help="comma-separated attention variants")
     train.add_argument("--preset", default="smoke", help="smoke, cpu, gpu-small or gpu-gpt2 (default smoke)")
     train.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    train.add_argument("--out", default="runs/train-compare", help="output folder for logs, CSVs and plots")
+    train.add_argument("--out-dir", "--out", dest="out_dir", default="runs/train-compare",
+                       help="output folder for logs, CSVs and plots")
     train.add_argument("--until-step", type=int, default=None, help="stop early at this step (resumable)")
     tok = cmd["tokenize"]
     tok.add_argument("data", help=corpus_help.replace(", or omitted", ", or 'default'"))
     tok.add_argument("out", help="output .bin file (a .json description is written beside it)")
-    tok.add_argument("--tokenizer", default="default", help="'default' (the default model's) or 'byte'")
+    tok.add_argument("--tokenizer", default="default", choices=TOKENIZERS,
+                     help="'default' (the default model's) or 'byte'")
+    one = cmd["train"]
+    one.add_argument("preset", help="smoke, cpu, gpu-small or gpu-gpt2")
+    one.add_argument("out_dir", help="run folder (checkpoints, log.csv, run.json); an existing run resumes")
+    one.add_argument("overrides", nargs="*", help="TrainConfig fields as key=value (Python literals or strings)")
     tok.add_argument("--max-chars", type=int, default=None, help="stop after this many characters")
     return parser
 

@@ -32,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformer_lens.model_bridge import TransformerBridge
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from massive_lens.errors import MassiveLensError
 
@@ -83,10 +87,6 @@ def load_model(
         return _finish(_default_model(), device, dtype, device_map)
     if _is_hooked(name_or_model):
         return name_or_model
-    try:
-        from transformers import PreTrainedModel
-    except ImportError as exc:  # pragma: no cover - transformers is a core dependency
-        raise MassiveLensError("transformers is missing: pip install transformers") from exc
     if isinstance(name_or_model, PreTrainedModel):
         return wrap_hf_model(name_or_model, tokenizer)
     if not isinstance(name_or_model, (str, os.PathLike)):
@@ -112,8 +112,6 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     >>> wrap_hf_model(hf, byte_tokenizer()).cfg.n_layers
     1
     """
-    from transformer_lens.model_bridge import TransformerBridge
-
     config = hf_model.config
     if not getattr(config, "architectures", None):
         config.architectures = [type(hf_model).__name__]
@@ -140,8 +138,6 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
     >>> tiny_model("qwen2", num_hidden_layers=3).cfg.n_layers
     3
     """
-    import transformers as tf
-
     tok = byte_tokenizer()
     ids = dict(
         vocab_size=len(tok),
@@ -190,9 +186,6 @@ def byte_tokenizer() -> Any:
     >>> tok.convert_ids_to_tokens(tok("Hi.").input_ids)
     ['H', 'i', '.']
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -210,8 +203,6 @@ def byte_tokenizer() -> Any:
 
 def _default_model() -> Any:
     """The offline default, from the verified cache or converted from the GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = cache_dir() / f"{DEFAULT_MODEL.lower()}-v{_CACHE_VERSION}"
     if not _cache_is_valid(folder):
         hf, tok = _load_gguf(_gguf_path())
@@ -239,8 +230,6 @@ def _gguf_path() -> Path:
 
 
 def _load_gguf(path: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if importlib.util.find_spec("gguf") is None:
         raise MassiveLensError("loading a .gguf file needs the gguf package: pip install gguf")
     log.info("dequantizing %s (first load only; about 20 s on 2 cores)", path.name)
@@ -306,8 +295,6 @@ def _write_cache(folder: Path, hf: Any, tok: Any) -> None:
 
 
 def _boot(name: str, local: bool, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
-    from transformer_lens.model_bridge import TransformerBridge
-
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device_map is not None:
         if importlib.util.find_spec("accelerate") is None:
@@ -370,8 +357,6 @@ def _unsupported(name: str, architecture: str | None, exc: Exception) -> Massive
 
 
 def _local_tokenizer(name: str) -> Any:
-    from transformers import AutoTokenizer
-
     try:
         with _hub_offline():
             return AutoTokenizer.from_pretrained(name, local_files_only=True)

@@ -9,8 +9,9 @@ everything else. This module measures, on any TransformerLens-style model (a
   **top-1/median** magnitude ratio (per sequence, then averaged), and the **kurtosis**:
   non-excess (a Gaussian gives 3), over the ``d_model`` entries of each token's block
   output, averaged over tokens (Bondarenko et al. 2023 report it this way);
-* the **sink metric** (Gu et al. 2024): the share of (layer, head) pairs whose mean
-  attention to the first token, over the first ``min(64, pos)`` queries, exceeds 0.3;
+* the **sink metric** (Gu et al. 2024, :func:`~massive_lens.core.criterion.sink_metric`): the
+  share of (layer, head) pairs whose mean attention to the first token, over the first 64
+  queries, exceeds 0.3;
 * the **first-token norm ratio**: ``||h_0|| / median_i ||h_i||`` (i > 0), largest over layers;
 * **W8A8 simulated quantization**: every linear layer's weight is fake-quantized to int8
   (symmetric, per output channel or per tensor), and its input to int8 (asymmetric,
@@ -23,8 +24,8 @@ back on every exit path, exceptions included.
 >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
 >>> report = measure_outliers(MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2)),
 ...                           "One. Two. Three. " * 40, seq_len=32, n_seqs=2)
->>> sorted(report.to_frame().columns)[:3]
-['first_token_norm_ratio', 'fp_loss', 'gap']
+>>> list(report.to_frame().columns)[:3], sorted(report.totals)[:3]
+(['layer', 'max_inf_norm', 'top1'], ['first_token_norm_ratio', 'fp_loss', 'gap'])
 """
 
 from __future__ import annotations
@@ -39,21 +40,25 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from massive_lens.core.corpora import Corpus, sequences
+from massive_lens.core.criterion import Criterion, first_token_mass, median_scale, sink_metric
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import profile_axes
+from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
-
-SINK_THRESHOLD = 0.3
 
 
 @dataclass(frozen=True)
-class OutlierReport:
-    """Outlier and quantization statistics of one model on one text.
+class OutlierReport(Result):
+    """Outlier and quantization statistics of one model on one corpus.
 
-    ``layers`` has one row per layer: ``layer``, ``max_inf_norm``, ``top1``, ``median``,
-    ``ratio`` (top-1/median), ``kurtosis``, ``first_token_norm_ratio``, ``sink_share``.
+    ``to_frame()`` has one row per layer: ``layer``, ``max_inf_norm``, ``top1``, ``median``,
+    ``ratio`` (top-1/median), ``kurtosis``, ``first_token_norm_ratio``, ``sink_share``;
+    :attr:`totals` aggregates them with the losses into one dict.
     """
 
     model_name: str
-    layers: pd.DataFrame
+    frame: pd.DataFrame
     sink_metric: float
     fp_loss: float
     w8a8_loss: float
@@ -64,20 +69,24 @@ class OutlierReport:
         """W8A8 loss minus full-precision loss."""
         return self.w8a8_loss - self.fp_loss
 
-    def to_frame(self) -> pd.DataFrame:
-        """One row: max_inf_norm, max_ratio, mean_kurtosis, sink_metric,
-        first_token_norm_ratio, fp_loss, w8a8_loss, gap."""
-        return pd.DataFrame([dict(
-            max_inf_norm=float(self.layers["max_inf_norm"].max()),
-            max_ratio=float(self.layers["ratio"].max()),
-            mean_kurtosis=float(self.layers["kurtosis"].mean()),
+    @property
+    def totals(self) -> dict[str, float]:
+        """max_inf_norm, max_ratio, mean_kurtosis, sink_metric, first_token_norm_ratio,
+        fp_loss, w8a8_loss, gap."""
+        return dict(
+            max_inf_norm=float(self.frame["max_inf_norm"].max()),
+            max_ratio=float(self.frame["ratio"].max()),
+            mean_kurtosis=float(self.frame["kurtosis"].mean()),
             sink_metric=self.sink_metric,
-            first_token_norm_ratio=float(self.layers["first_token_norm_ratio"].max()),
+            first_token_norm_ratio=float(self.frame["first_token_norm_ratio"].max()),
             fp_loss=self.fp_loss, w8a8_loss=self.w8a8_loss, gap=self.gap,
-        )])
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
 
     def summary(self) -> str:
-        row = self.to_frame().iloc[0]
+        row = pd.Series(self.totals)
         kind = "per-channel" if self.per_channel else "per-tensor"
         return (
             f"{self.model_name}: max |act| {row.max_inf_norm:.1f}, top-1/median up to "
@@ -88,20 +97,13 @@ class OutlierReport:
 
     def plot(self, ax: Any = None) -> Any:
         """Max inf-norm and median magnitude per layer (log scale)."""
-        import matplotlib.pyplot as plt
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3.5))
-        ax.semilogy(self.layers["layer"], self.layers["max_inf_norm"], "o-", label="max |act|")
-        ax.semilogy(self.layers["layer"], self.layers["median"], "s--", label="median |act|")
-        ax.set(xlabel="layer", ylabel="magnitude", title=f"{self.model_name}: block outputs")
-        ax.legend()
-        return ax
+        return profile_axes(self.frame, ["max_inf_norm", "median"], ax=ax,
+                            title=f"{self.model_name}: block outputs")
 
 
 def measure_outliers(
     model: Any,
-    text: Any = None,
+    corpus: Corpus = None,
     *,
     seq_len: int = 128,
     n_seqs: int = 8,
@@ -109,20 +111,28 @@ def measure_outliers(
     include_head: bool = False,
     calibration: Any = None,
 ) -> OutlierReport:
-    """Outlier statistics and the W8A8 loss gap on ``text`` (a corpus; default: offline prose).
+    """Outlier statistics and the W8A8 loss gap (see the module docstring for the definitions).
 
-    The first ``n_seqs`` sequences of ``seq_len`` tokens are evaluated; the next
-    ``n_seqs`` calibrate the activation ranges (or the first ``n_seqs`` of
-    ``calibration``). ``text`` may also be a ``[batch, pos]`` token tensor: its first
-    half is evaluated and its second half calibrates. See the module docstring for the
-    definitions.
+    Args:
+        model: a TransformerLens-style model (a bridge, a HookedTransformer or a MassiveLM).
+        corpus: text to evaluate (a file, text, ``hf:`` name; None: offline prose). Its first
+            ``n_seqs`` sequences are evaluated, the next ``n_seqs`` calibrate the activation
+            ranges. A ``[batch, pos]`` token tensor: first half evaluated, second half calibrates.
+        seq_len: tokens per sequence, for text input.
+        n_seqs: evaluation sequences, for text input.
+        per_channel: int8 weights per output channel (else per tensor).
+        include_head: also quantize the unembedding.
+        calibration: other text (or tokens) for the activation ranges.
+
+    Returns:
+        An :class:`OutlierReport` (one row per layer; ``totals`` for the aggregates).
     """
-    tokens, calib = _eval_and_calibration(model, text, calibration, seq_len, n_seqs)
-    layers, sink, fp = _activation_stats(model, tokens)  # one pass: statistics and FP loss
+    view = ModelView(model)
+    tokens, calib = _eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
+    layers, sink, fp = _activation_stats(view, tokens)  # one pass: statistics and FP loss
     with fake_quantized(model, calib, per_channel=per_channel, include_head=include_head):
         w8a8 = _loss(model, tokens)
-    name = getattr(model.cfg, "model_name", type(model).__name__)
-    return OutlierReport(str(name), layers, sink, fp, w8a8, per_channel)
+    return OutlierReport(view.name, layers, sink, fp, w8a8, per_channel)
 
 
 @contextlib.contextmanager
@@ -197,24 +207,14 @@ def fake_quant_activation(x: Tensor, low: float, high: float) -> Tensor:
 
 
 def _sites(model: Any, include_head: bool) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
-    """(module whose first input is the linear input, weight, input axes of the weight)."""
-    from massive_lens.train.model import MassiveLM
+    """(module whose first input is the linear input, weight, input axes of the weight).
 
-    if isinstance(model, MassiveLM):
-        sites = []
-        for block in model.blocks:
-            attn, mlp = block.attn, block.mlp
-            sites += [(block.ln1.hook_normalized, w, (1,)) for w in (attn.W_Q, attn.W_K, attn.W_V)]
-            sites.append((attn.hook_z, attn.W_O, (0, 1)))
-            sites += [(block.ln2.hook_normalized, w, (0,)) for w in (mlp.W_in, mlp.W_gate) if w is not None]
-            sites.append((mlp.hook_post, mlp.W_out, (0,)))
-            if getattr(attn.variant, "W_G", None) is not None:
-                sites.append((block.ln1.hook_normalized, attn.variant.W_G, (0,)))
-        if include_head:
-            sites.append((model.ln_final.hook_normalized, model.W_U, (0,)))
-        if any(isinstance(m, nn.Identity) for m, _, _ in sites):
-            raise MassiveLensError("fake_quantized needs a MassiveLM built with hook_points=True")
-        return sites
+    A model that knows its own linear layers (``MassiveLM``) lists them with
+    ``quantization_sites(include_head)``; for a Hugging Face model (or a bridge over one)
+    every ``nn.Linear`` is a site."""
+    own = getattr(model, "quantization_sites", None)
+    if own is not None:
+        return own(include_head)
     hf = getattr(model, "original_model", model)
     if not isinstance(hf, nn.Module):
         raise MassiveLensError(
@@ -262,32 +262,31 @@ def _loss(model: Any, tokens: Int[Tensor, "batch pos"]) -> float:
 
 
 def _eval_and_calibration(
-    model: Any, text: Any, calibration: Any, seq_len: int, n_seqs: int
+    view: ModelView, corpus: Corpus, calibration: Any, seq_len: int, n_seqs: int
 ) -> tuple[Tensor, Tensor]:
-    from massive_lens.evaluate import sequences
-
-    tokens = text if isinstance(text, Tensor) else sequences(model, text, seq_len, 2 * n_seqs)
+    tokens = sequences(view, corpus, seq_len, 2 * n_seqs)
     if calibration is None:
         if len(tokens) < 2:
             raise MassiveLensError(
                 "need at least two sequences (evaluation and calibration); give more text, "
                 "a smaller seq_len, or calibration="
             )
-        half = min(n_seqs, len(tokens) // 2) if not isinstance(text, Tensor) else len(tokens) // 2
+        half = min(n_seqs, len(tokens) // 2) if not isinstance(corpus, Tensor) else len(tokens) // 2
         return tokens[:half], tokens[half : 2 * half]
-    calib = calibration if isinstance(calibration, Tensor) else sequences(model, calibration, seq_len, n_seqs)
+    calib = sequences(view, calibration, seq_len, n_seqs)
     return tokens[:n_seqs], calib
 
 
-def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float, float]:
+def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float, float]:
     """Per-layer outlier statistics, the sink metric and the loss, from one forward pass."""
+    model = view.model
     rows: dict[int, dict[str, float]] = {}
     sink_shares: dict[int, Tensor] = {}
 
     def resid(x: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
         layer = int(hook.name.split(".")[1])
         a = x.detach().float().abs()
-        med = a.flatten(1).median(1).values.clamp(min=1e-12)
+        med = median_scale(a, Criterion())[1].clamp(min=1e-12)
         top = a.flatten(1).amax(1)
         centered = x.detach().float() - x.detach().float().mean(-1, keepdim=True)
         kurt = centered.pow(4).mean(-1) / centered.pow(2).mean(-1).pow(2).clamp(min=1e-24)
@@ -300,8 +299,7 @@ def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.
         )
 
     def pattern(p: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any) -> None:
-        n = min(64, p.shape[-2])
-        sink_shares[int(hook.name.split(".")[1])] = p[:, :, :n, 0].float().mean((0, 2))
+        sink_shares[int(hook.name.split(".")[1])] = first_token_mass(p)
 
     hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
              (lambda n: n.endswith("attn.hook_pattern"), pattern)]
@@ -310,8 +308,7 @@ def _activation_stats(model: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
     frame = pd.DataFrame([rows[k] for k in sorted(rows)])
-    frame["sink_share"] = [float((sink_shares[k] > SINK_THRESHOLD).float().mean()) if k in sink_shares
-                           else float("nan") for k in frame["layer"]]
-    heads = torch.cat(list(sink_shares.values())) if sink_shares else torch.zeros(0)
-    sink = float((heads > SINK_THRESHOLD).float().mean()) if len(heads) else float("nan")
+    frame["sink_share"] = [sink_metric(sink_shares[k]) if k in sink_shares else float("nan")
+                           for k in frame["layer"]]
+    sink = sink_metric(torch.cat(list(sink_shares.values())) if sink_shares else torch.zeros(0))
     return frame, sink, float(loss)

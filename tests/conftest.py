@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from massive_lens import load_model, tiny_model
-from massive_lens.corpora import data_file
+from massive_lens.core.corpora import data_file
 from massive_lens.models import FAMILIES
 
 WIKITEXT_TEST = data_file("wikitext-2/test.txt")  # evaluation text

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     result = scan()
     out = {"rank": dist.get_rank(), "n_sequences": result.n_sequences, "n_tokens": result.n_tokens,
-           "frequency": result.frequency.to_dict("list"), "profile": result.profile.frame.to_dict("list")}
+           "frequency": result.frequency.to_dict("list"), "profile": result.profile.to_dict("list")}
     with open(f"{sys.argv[1]}.{dist.get_rank()}.json", "w") as handle:
         json.dump(out, handle)
     dist.destroy_process_group()

@@ -35,7 +35,7 @@ def test_sink_term_matches_model_z_under_gqa(family):
 
 
 def test_constancy_columns_and_ranges(tiny):
-    frame = decompose_attention(tiny, TEXTS, layer=[0, 2], sinks=[0]).to_frame()
+    frame = decompose_attention(tiny, TEXTS, layers=[0, 2], sinks=[0]).to_frame()
     assert list(frame.columns) == ["layer", "head", "term", "norm", "rel_std_pos", "cos_pos",
                                    "rel_std_text", "cos_text"]
     assert set(frame["layer"]) == {0, 2} and set(frame["term"]) == {"sink", "content"}
@@ -65,7 +65,7 @@ def test_bad_layer():
     from massive_lens import tiny_model
 
     with pytest.raises(MassiveLensError, match="out of range"):
-        decompose_attention(tiny_model("gpt2"), "Hi.", layer=7)
+        decompose_attention(tiny_model("gpt2"), "Hi.", layers=7)
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from massive_lens import MassiveLensError, tiny_model
-from massive_lens._model_view import ModelView
-from massive_lens.corpora import default_text, iter_texts, token_batches
+from massive_lens.core.corpora import default_text, iter_texts, token_batches
+from massive_lens.core.model_view import ModelView
 
 
 def test_default_text_is_offline_prose():
@@ -13,7 +13,7 @@ def test_default_text_is_offline_prose():
 
 
 def test_file_streaming_cuts_at_line_ends(tmp_path, monkeypatch):
-    import massive_lens.corpora as corpora
+    import massive_lens.core.corpora as corpora
 
     monkeypatch.setattr(corpora, "_PIECE_CHARS", 50)
     path = tmp_path / "a.txt"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from massive_lens import Criterion, MassiveLensError, find_massive, layer_profile, scan_corpus, tiny_model
-from massive_lens._model_view import TOKEN_KINDS, ModelView
+from massive_lens.core.model_view import TOKEN_KINDS, ModelView
 
 PRE_NORM = ("llama", "gpt2", "qwen2")
 
@@ -25,8 +25,8 @@ def test_planted_entry_found_exactly(planted, untouched):
     with untouched(planted):
         found = find_massive(planted, "Hi. there, you", prepend_bos=True)
     frame = found.to_frame()
-    assert found.dims == [11] and found.positions == [0]
-    assert found.layers == list(range(1, planted.cfg.n_layers))  # born in layer 1, carried on
+    assert found.dims == (11,) and found.positions == (0,)
+    assert found.layers == tuple(range(1, planted.cfg.n_layers))  # born in layer 1, carried on
     assert set(frame.token_kind) == {"bos"}
     born = frame[frame.layer == 1].iloc[0]
     assert born.value == pytest.approx(500.0, rel=0.05)  # 500 planted + the tiny rest of the stream
@@ -35,13 +35,14 @@ def test_planted_entry_found_exactly(planted, untouched):
 
 def test_thresholds_are_both_respected(planted):
     found = find_massive(planted, "Hi.", prepend_bos=True).to_frame()
-    assert find_massive(planted, "Hi.", Criterion(abs_threshold=600), prepend_bos=True).to_frame().empty
+    assert find_massive(planted, "Hi.", criterion=Criterion(abs_threshold=600), prepend_bos=True).to_frame().empty
     top = float(found.ratio.max())
-    strict = find_massive(planted, "Hi.", Criterion(ratio_threshold=top * 1.01), prepend_bos=True)
+    strict = find_massive(planted, "Hi.", criterion=Criterion(ratio_threshold=top * 1.01), prepend_bos=True)
     assert strict.to_frame().empty
-    middle = find_massive(planted, "Hi.", Criterion(ratio_threshold=float(found.ratio.median())), prepend_bos=True)
+    middle = find_massive(planted, "Hi.", criterion=Criterion(ratio_threshold=float(found.ratio.median())),
+                          prepend_bos=True)
     assert 0 < len(middle.to_frame()) < len(found)
-    lowered = find_massive(planted, "Hi.", Criterion(abs_threshold=1.0, ratio_threshold=5), prepend_bos=True)
+    lowered = find_massive(planted, "Hi.", criterion=Criterion(abs_threshold=1.0, ratio_threshold=5), prepend_bos=True)
     assert len(lowered.to_frame()) > len(found)
 
 
@@ -109,7 +110,7 @@ def test_model_unchanged_when_a_hook_raises(untouched, monkeypatch):
             raise RuntimeError("boom in layer 2")
 
     with untouched(model):
-        monkeypatch.setattr("massive_lens.detect._Reducer._reduce", fail)
+        monkeypatch.setattr("massive_lens.core.reduce.ResidualReducer._reduce", fail)
         with pytest.raises(RuntimeError, match="boom"):
             find_massive(model, "Hi.")
         monkeypatch.undo()

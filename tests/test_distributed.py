@@ -29,6 +29,6 @@ def test_scan_corpus_all_reduces_across_ranks(tmp_path):
     for got in ranks:  # every rank holds the full, all-reduced result
         assert got["n_sequences"] == alone.n_sequences > 2 and got["n_tokens"] == alone.n_tokens
         pd.testing.assert_frame_equal(pd.DataFrame(got["frequency"]), alone.frequency, check_dtype=False)
-        pd.testing.assert_frame_equal(pd.DataFrame(got["profile"]), alone.profile.frame,
+        pd.testing.assert_frame_equal(pd.DataFrame(got["profile"]), alone.profile,
                                       check_dtype=False, rtol=1e-6)
     assert not alone.frequency.empty

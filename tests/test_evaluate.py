@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import WIKITEXT_TEST, WIKITEXT_VALID
 
-from massive_lens import MassiveLensError, tiny_model
-from massive_lens.evaluate import perplexity, run_interventions, sequences
+from massive_lens import MassiveLensError, perplexity, run_interventions, tiny_model
+from massive_lens.core.corpora import sequences
+from massive_lens.core.model_view import ModelView
 
 TEXT = "It was the best of times, it was the worst of times. " * 30
 
@@ -29,7 +30,7 @@ def test_batching_does_not_change_losses(untouched):
 
 def test_independent_loss_computation():
     model = tiny_model("gpt2")
-    tokens = sequences(model, TEXT, 16, 2)
+    tokens = sequences(ModelView(model), TEXT, 16, 2)
     with torch.no_grad():
         logits = model(tokens)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
@@ -57,14 +58,14 @@ def test_bad_input(kwargs):
 
 def test_unknown_setting():
     with pytest.raises(MassiveLensError, match="unknown settings"):
-        run_interventions(tiny_model("gpt2"), TEXT, TEXT, settings=["zero", "half"], progress=False)
+        run_interventions(tiny_model("gpt2"), TEXT, calibration=TEXT, settings=["zero", "half"], progress=False)
 
 
 @pytest.mark.slow
 def test_default_model_table3_relations(default_model, untouched):
     """WikiText-2 test, calibrated on valid: zero destroys, mean and control keep perplexity."""
     with untouched(default_model):
-        table = run_interventions(default_model, WIKITEXT_TEST, WIKITEXT_VALID, seq_len=64, n_seqs=4,
+        table = run_interventions(default_model, WIKITEXT_TEST, calibration=WIKITEXT_VALID, seq_len=64, n_seqs=4,
                                   batch_size=4, calibration_seqs=4, progress=False,
                                   settings=["original", "zero", "mean", "control"])
     r = table.to_frame().set_index("setting")

@@ -35,7 +35,7 @@ def planted():
 
 @functools.lru_cache(maxsize=1)
 def _tokens() -> torch.Tensor:
-    from massive_lens._model_view import ModelView
+    from massive_lens.core.model_view import ModelView
 
     return ModelView(tiny_model("llama")).tokenize("A bird sang, then flew.").tokens
 
@@ -50,11 +50,12 @@ def _run(model, intervention=None):
 
 def test_calibration_finds_the_planted_activation(planted):
     from massive_lens import find_massive
-    from massive_lens.evaluate import sequences
+    from massive_lens.core.corpora import sequences
+    from massive_lens.core.model_view import ModelView
 
     model, calib = planted
     assert calib.detect_layer == 1 and calib.dims[1].tolist() == [7]
-    found = find_massive(model, sequences(model, CALIB, 32, 4)).to_frame()
+    found = find_massive(model, sequences(ModelView(model), CALIB, 32, 4)).to_frame()
     expected = found[found["layer"] == 1]["value"].mean()  # BOS (5000) and weaker hits elsewhere
     assert calib.means[1].item() == pytest.approx(expected, rel=1e-4)
     assert calib.attn_layers == (2, 3)
@@ -91,7 +92,7 @@ def test_bias_slot_reproduces_a_bos_sink(family):
     if not model.cfg.default_prepend_bos:
         pytest.skip(f"{family} prepends no BOS, so its first token (the fallback sink) varies")
     calib = calibrate(model, CALIB, seq_len=32, n_seqs=2, progress=False)
-    torch.testing.assert_close(_run(model, bias_surgery(model, calib, suppress=False)), _run(model),
+    torch.testing.assert_close(_run(model, bias_surgery(model, calibration=calib, suppress=False)), _run(model),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -107,7 +108,7 @@ def test_patch_from_same_text_is_identity():
     lambda m, c: ablate_massive(m, calibration=c, control=True),
     lambda m, c: fix_sink_term(m, "mean", calibration=c),
     lambda m, c: remove_sink_attention(m, calibration=c),
-    lambda m, c: bias_surgery(m, c),
+    lambda m, c: bias_surgery(m, calibration=c),
     lambda m, c: patch_sink_from(m, "Another text."),
 ])
 def test_model_restored_even_on_error(planted, build, untouched):

@@ -11,7 +11,7 @@ import torch
 from conftest import _untouched
 from origin_fixtures import BIRTH, DIM, ERASE, REBIRTH, plant_story
 
-import massive_lens._origin_neurons as neu
+import massive_lens.origin.verify as neu
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.models import FAMILIES
 from massive_lens.origin import trace_origin

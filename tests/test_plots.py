@@ -13,10 +13,10 @@ from massive_lens import (  # noqa: E402
     MassiveLensError,
     find_massive,
     layer_profile,
-    plots,  # noqa: E402
     scan_corpus,
     tiny_model,
 )
+from massive_lens import viz as plots  # noqa: E402
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly."
 

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from massive_lens import MassiveLensError, tiny_model
-from massive_lens import report as rep
+from massive_lens.report import write as rep
 
-SECTION_TITLES = [title for title, _ in rep.SECTIONS]
+SECTION_TITLES = [title for title, _, _ in rep.SECTIONS]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def written(planted, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("report")
     with _untouched(planted):
-        path = rep.write_report(planted, out=out, quick=True, progress=False)
+        path = rep.write_report(planted, out_dir=out, quick=True, progress=False)
     return path
 
 
@@ -53,20 +53,32 @@ def test_report_finds_and_traces_the_planted_activation(written):
         assert f"figures/{f.name}" in md
 
 
-def test_failing_section_becomes_a_note(tmp_path, monkeypatch):
-    def broken(ctx, section):
+def test_failing_section_becomes_a_note_and_later_sections_still_run(tmp_path, monkeypatch):
+    def broken(inputs, section):
         raise MassiveLensError("this model cannot do that")
 
-    def missing(ctx, section):
-        import massive_lens.not_a_module  # noqa: F401
-
-    monkeypatch.setattr(rep, "SECTIONS", [("Model", rep._model_section), ("Broken", broken), ("Missing", missing)])
-    path = rep.write_report(tiny_model("gpt2"), out=tmp_path, quick=True, progress=False)
+    monkeypatch.setattr(rep, "SECTIONS", [
+        ("Model", rep.sec.model_section, ()),
+        (rep.MASSIVE, broken, ()),  # skipped: its result is None for the sections that take it
+        ("Origin", rep.sec.origin_section, (rep.MASSIVE,)),
+        ("Attention", rep.sec.attention_section, (rep.MASSIVE,)),
+    ])
+    path = rep.write_report(tiny_model("gpt2"), out_dir=tmp_path, quick=True, progress=False)
     md = (path.parent / "report.md").read_text()
     assert "Skipped: this model cannot do that" in md
-    assert "Skipped: the module this section needs is not available" in md
+    assert md.count("Skipped") == 1  # origin and attention ran without the skipped result
+    assert "## Origin" in md and "traced entr" in md and "sink metric" in md
+
+
+def test_a_bug_in_a_section_is_not_hidden(tmp_path, monkeypatch):
+    def buggy(inputs, section):
+        import massive_lens.not_a_module  # noqa: F401
+
+    monkeypatch.setattr(rep, "SECTIONS", [("Model", rep.sec.model_section, ()), ("Buggy", buggy, ())])
+    with pytest.raises(ImportError, match="not_a_module"):
+        rep.write_report(tiny_model("gpt2"), out_dir=tmp_path, quick=True, progress=False)
 
 
 def test_bad_text_is_refused(tmp_path):
     with pytest.raises(MassiveLensError, match="non-empty"):
-        rep.write_report(tiny_model("gpt2"), text="   ", out=tmp_path, quick=True, progress=False)
+        rep.write_report(tiny_model("gpt2"), text="   ", out_dir=tmp_path, quick=True, progress=False)

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from massive_lens import MassiveLensError, tiny_model, views
+from massive_lens import MassiveLensError, tiny_model
+from massive_lens import viz as views
 
 
 def _no_network(html: str) -> None:
@@ -55,7 +56,7 @@ def test_props_cannot_close_the_script_element():
 
 
 def test_capture_rejects_batches():
-    from massive_lens.plots import _capture_one
+    from massive_lens.viz import capture_one
 
     with pytest.raises(MassiveLensError, match="one text"):
-        _capture_one(tiny_model("llama"), ["a", "b"], 0, "attn.hook_pattern")
+        capture_one(tiny_model("llama"), ["a", "b"], 0, "attn.hook_pattern")

@@ -29,17 +29,24 @@ from typing import Any
 
 import pandas as pd
 
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.render import curve_axes, save_figure
+from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
+from massive_lens.quantize import measure_outliers
 from massive_lens.train.attention import VARIANTS
+from massive_lens.train.data import get_tokenizer, sample_batch, split_held_out, start_token, token_stream
+from massive_lens.train.model import MassiveLMConfig
+from massive_lens.train.presets import get_preset
+from massive_lens.train.trainer import train_model
 
 log = logging.getLogger(__name__)
 METRICS = ["fp_loss", "w8a8_loss", "gap", "max_inf_norm", "max_ratio", "mean_kurtosis",
            "sink_metric", "first_token_norm_ratio"]
-MASSIVE_VALUE, MASSIVE_RATIO = 100.0, 1000.0
 
 
 @dataclass(frozen=True)
-class Comparison:
+class Comparison(Result):
     """Results of :func:`compare_variants`.
 
     ``runs``: one row per (variant, seed) with the :data:`METRICS` columns plus
@@ -58,7 +65,8 @@ class Comparison:
         base = self.runs[self.runs["variant"] == "softmax"]
         if base.empty:
             return None
-        return bool(((base["max_inf_norm"] > MASSIVE_VALUE) & (base["max_ratio"] > MASSIVE_RATIO)).any())
+        c = Criterion()
+        return bool(((base["max_inf_norm"] > c.abs_threshold) & (base["max_ratio"] > c.ratio_threshold)).any())
 
     def to_frame(self) -> pd.DataFrame:
         """Mean over seeds per variant (index), with ``<metric>_std`` spread columns."""
@@ -81,35 +89,22 @@ class Comparison:
         if verdict is False:
             lines.append(
                 "  CAUTION: the softmax baseline did NOT develop massive activations "
-                f"(needs > {MASSIVE_VALUE:.0f} and > {MASSIVE_RATIO:.0f}x the median), so "
+                f"(needs > {Criterion().abs_threshold:.0f} and > {Criterion().ratio_threshold:.0f}x the median), so "
                 "this comparison cannot show whether a variant removes them."
             )
         elif verdict:
             lines.append("  The softmax baseline developed massive activations.")
         return "\n".join(lines)
 
-    def plot(self, axes: Any = None) -> Any:
-        """Training curves (left) and max |activation| per layer (right), per variant."""
-        import matplotlib.pyplot as plt
-
-        if axes is None:
-            _, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for variant, curve in self.curves.groupby("variant", sort=False):
-            mean = curve.groupby("step")["loss"].mean()
-            axes[0].plot(mean.index, mean.values, label=variant)
-        axes[0].set(xlabel="step", ylabel="training loss", title=f"preset {self.preset}")
-        for variant, prof in self.profiles.groupby("variant", sort=False):
-            mean = prof.groupby("layer")["max_inf_norm"].mean()
-            axes[1].semilogy(mean.index, mean.values, "o-", label=variant)
-        axes[1].set(xlabel="layer", ylabel="max |activation| (block output)")
-        axes[1].xaxis.get_major_locator().set_params(integer=True)
-        axes[1].legend(fontsize=8)
-        return axes[0].figure
+    def plot(self, ax: Any = None) -> Any:
+        """Training curves per variant (mean over seeds); the layer profiles are
+        :func:`massive_lens.viz.overlay_profiles` of :attr:`profiles`."""
+        return curve_axes(self.curves, y=("loss",), by="variant", ax=ax, title=f"preset {self.preset}")
 
 
 def compare_variants(
     variants: Sequence[str] = ("softmax", "softmax1"),
-    preset: Any = "cpu",
+    preset: Any = "smoke",
     seeds: Sequence[int] = (0,),
     *,
     out_dir: str | os.PathLike | None = None,
@@ -124,15 +119,11 @@ def compare_variants(
     an interrupted comparison continues where it stopped. ``overrides`` are
     :class:`~massive_lens.train.presets.TrainConfig` fields applied to every run.
     """
-    from massive_lens.quantize import measure_outliers
-    from massive_lens.train.data import get_tokenizer, sample_batch, split_held_out, start_token, token_stream
-    from massive_lens.train.model import MassiveLMConfig
-    from massive_lens.train.presets import get_preset
-    from massive_lens.train.trainer import train_model
-
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         raise MassiveLensError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if not list(seeds):
+        raise MassiveLensError("seeds is empty; pass at least one seed, e.g. seeds=[0]")
     base = get_preset(preset, **overrides)
     tokenizer = get_tokenizer(base.tokenizer)
     stream = token_stream(base.data, tokenizer, base.max_chars)
@@ -150,12 +141,12 @@ def compare_variants(
             tokens = sample_batch(held_out, 2 * measure_seqs, min(n_ctx, len(held_out) - 1),
                                   bos, seed=12345, step=0)
             report = measure_outliers(run.model, tokens)
-            row = report.to_frame().iloc[0].to_dict()
+            row = report.totals
             runs.append(dict(variant=variant, seed=seed, **row, val_loss=run.val_loss,
                              steps=run.steps, seconds=seconds))
             curves += [dict(variant=variant, seed=seed, step=h["step"], loss=h["loss"],
                             val_loss=h["val_loss"]) for h in run.history]
-            profiles += [dict(variant=variant, seed=seed, **r) for r in report.layers.to_dict("records")]
+            profiles += [dict(variant=variant, seed=seed, **r) for r in report.to_frame().to_dict("records")]
             log.info("%s seed %d: %s", variant, seed, report.summary())
     name = preset if isinstance(preset, str) else "custom"
     return Comparison(name, pd.DataFrame(runs), pd.DataFrame(curves), pd.DataFrame(profiles))
@@ -188,8 +179,5 @@ def compare_main(
     result.profiles.to_csv(out / "profiles.csv", index=False)
     text = result.summary()
     (out / "summary.txt").write_text(text + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    result.plot().savefig(out / "comparison.png", dpi=120, bbox_inches="tight")
+    save_figure(result.plot(), out / "comparison", formats=("png",), dpi=120)
     return text

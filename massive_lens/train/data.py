@@ -27,17 +27,25 @@ import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
+from massive_lens.core.corpora import iter_texts
 from massive_lens.errors import MassiveLensError
+from massive_lens.models import byte_tokenizer, load_model
 
 Stream = Tensor | np.ndarray  # a 1-D token stream: in memory, or a memmap over a token file
 
 
+TOKENIZERS = ("byte", "default")
+
+
 def get_tokenizer(name: str) -> Any:
     """``"byte"``: the offline byte-level tokenizer; ``"default"``: the default model's."""
-    from massive_lens.models import byte_tokenizer, load_model
-
-    return byte_tokenizer() if name == "byte" else load_model().tokenizer
+    if name == "byte":
+        return byte_tokenizer()
+    if name == "default":
+        return load_model().tokenizer
+    raise MassiveLensError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
 
 
 def token_stream(data: str, tokenizer: Any, max_chars: int | None = None) -> Stream:
@@ -72,8 +80,6 @@ def write_token_file(data: str, tokenizer: str, path: str | os.PathLike, max_cha
     dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    from tqdm.auto import tqdm
-
     n_tokens = 0
     try:
         with open(tmp, "wb") as f, tqdm(unit="tok", unit_scale=True, disable=not progress, desc="tokenize") as bar:
@@ -151,8 +157,6 @@ def sample_batch(stream: Stream, n_seq: int, n_ctx: int, bos: int | None, seed: 
 
 
 def _token_pieces(data: str, tokenizer: Any, max_chars: int | None):
-    from massive_lens.corpora import iter_texts
-
     n_chars = 0
     # Hugging Face rows are documents: end each with EOS, as GPT-2's pipeline does
     eos = [tokenizer.eos_token_id] if str(data).startswith("hf:") and tokenizer.eos_token_id is not None else []

@@ -32,6 +32,7 @@ from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from massive_lens.errors import MassiveLensError
+from massive_lens.models import byte_tokenizer
 from massive_lens.train.attention import VariantConfig, make_variant
 
 SINK_TOKEN = "<|sink|>"
@@ -244,8 +245,6 @@ class MassiveLM(HookedRootModule):
         super().__init__()
         self.cfg = cfg = cfg or MassiveLMConfig()
         if tokenizer is None:
-            from massive_lens.models import byte_tokenizer
-
             tokenizer = byte_tokenizer()
         if len(tokenizer) > cfg.d_vocab:
             raise MassiveLensError(
@@ -358,6 +357,24 @@ class MassiveLM(HookedRootModule):
 
     def to_string(self, tokens: Tensor) -> str:
         return "".join(self.to_str_tokens(tokens))
+
+    def quantization_sites(self, include_head: bool = False) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
+        """Every linear map as (module whose first input is its input, weight, the weight's input
+        axes), for :func:`massive_lens.quantize.fake_quantized`."""
+        sites: list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]] = []
+        for block in self.blocks:
+            attn, mlp = block.attn, block.mlp
+            sites += [(block.ln1.hook_normalized, w, (1,)) for w in (attn.W_Q, attn.W_K, attn.W_V)]
+            sites.append((attn.hook_z, attn.W_O, (0, 1)))
+            sites += [(block.ln2.hook_normalized, w, (0,)) for w in (mlp.W_in, mlp.W_gate) if w is not None]
+            sites.append((mlp.hook_post, mlp.W_out, (0,)))
+            if getattr(attn.variant, "W_G", None) is not None:
+                sites.append((block.ln1.hook_normalized, attn.variant.W_G, (0,)))
+        if include_head:
+            sites.append((self.ln_final.hook_normalized, self.W_U, (0,)))
+        if any(isinstance(m, nn.Identity) for m, _, _ in sites):
+            raise MassiveLensError("fake_quantized needs a MassiveLM built with hook_points=True")
+        return sites
 
     def to(self, *args: Any, **kwargs: Any) -> MassiveLM:  # keep cfg.device/dtype current
         out = super().to(*args, **kwargs)

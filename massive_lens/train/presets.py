@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from massive_lens.corpora import data_file
+from massive_lens.core.corpora import data_file
 from massive_lens.errors import MassiveLensError
 
 

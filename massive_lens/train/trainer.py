@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,11 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
 
+from massive_lens.core.render import curve_axes
+from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.data import (
     Stream,
@@ -55,7 +60,7 @@ CKPT = "checkpoint.pt"
 
 
 @dataclass(frozen=True)
-class TrainRun:
+class TrainRun(Result):
     """A finished (or stopped) run: the model, its logged history and where it lives."""
 
     model: MassiveLM
@@ -86,6 +91,10 @@ class TrainRun:
             f"{self.model.cfg.d_model}) trained {self.steps} steps: train loss "
             f"{self.final_loss:.3f}, held-out loss {self.val_loss:.3f}"
         )
+
+    def plot(self, ax: Any = None) -> Any:
+        """Training and held-out loss over steps."""
+        return curve_axes(self.to_frame(), ax=ax, title=f"MassiveLM ({self.model.cfg.attention.name})")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -160,8 +169,6 @@ def train_model(
     micro = cfg.batch_size // cfg.grad_accum
     if micro % world:
         raise MassiveLensError(f"micro-batch {micro} is not divisible by {world} DDP ranks")
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
     t0, tokens_seen = time.perf_counter(), 0
     step = start
@@ -272,8 +279,6 @@ def _setup_distributed(device: str | None) -> tuple[int, int, torch.device]:
 def _wrap_ddp(model: MassiveLM, world: int, dev: torch.device) -> Any:
     if world == 1:
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
     return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
@@ -314,20 +319,20 @@ def _load_checkpoint(path: Path, model: MassiveLM, optimizer: Any, cfg: TrainCon
     return int(state["step"]), list(state["history"])
 
 
-if __name__ == "__main__":  # torchrun -m massive_lens.train.trainer PRESET OUT_DIR [k=v ...]
-    import sys
+def run_and_exit(preset: str, out_dir: str, overrides: dict[str, Any]) -> None:
+    """What ``massive-lens train`` runs (also under ``torchrun``): train, then end the process.
 
-    args = dict(a.split("=", 1) for a in sys.argv[3:])
-    parsed = {k: json.loads(v) if v[:1] in "0123456789-[{tf" else v for k, v in args.items()}
+    Every rank waits for the others before teardown, the process group is destroyed, and the
+    interpreter exits without its teardown (gloo's threads can abort it: "terminate called
+    without an active exception"); checkpoints are already renamed into place by then.
+    """
     try:
-        train_model(sys.argv[1], out_dir=sys.argv[2], progress=False, **parsed)
+        train_model(preset, out_dir=out_dir, progress=False, **overrides)
         if dist.is_initialized():
             dist.barrier()  # no rank tears down while another still saves or evaluates
     finally:  # shut gloo/nccl down cleanly: exiting with live process-group threads can abort
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Everything is written (checkpoints are renamed into place). Skip interpreter teardown:
-    # gloo's threads can still abort it ("terminate called without an active exception").
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

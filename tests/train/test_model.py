@@ -71,12 +71,12 @@ def test_hooks_can_edit_the_forward_pass():
 
 
 def test_massive_lens_analyses_run_on_massive_lm():
-    from massive_lens.detect import Criterion, find_massive, layer_profile
+    from massive_lens import Criterion, find_massive, layer_profile
 
     model = tiny_lm()
     with torch.no_grad():  # plant a massive activation: dim 5 of BOS's embedding
         model.W_E[model.tokenizer.bos_token_id, 5] = 500.0
-    found = find_massive(model, "The cat sat. The dog ran.", Criterion(100.0, 100.0)).to_frame()
+    found = find_massive(model, "The cat sat. The dog ran.", criterion=Criterion(100.0, 100.0)).to_frame()
     assert set(found["dim"]) == {5} and set(found["pos"]) == {0}
     assert len(layer_profile(model, ["One.", "Two."]).to_frame()) == model.cfg.n_layers
 

@@ -98,7 +98,7 @@ def test_ddp_with_two_cpu_processes_matches_one_process(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "massive_lens.train.trainer", "smoke", str(tmp_path / "ddp"), f"data={corpus}", *args]
+           "-m", "massive_lens.cli", "train", "smoke", str(tmp_path / "ddp"), f"data={corpus}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

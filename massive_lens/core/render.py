@@ -1,4 +1,6 @@
-"""Figures (matplotlib). Every result's ``.plot()`` lands here, so the style is shared.
+"""Pure drawing: tables (DataFrames) in, matplotlib ``Axes`` out. Every result's ``.plot()``
+lands here, so the style is shared; nothing here runs a model (that is
+:mod:`massive_lens.viz.figures`).
 
 Figures use a non-interactive backend when no display is present, label axes with units,
 and return the ``Axes`` so a caller can save or restyle them.
@@ -7,16 +9,21 @@ and return the ``Axes`` so a caller can save or restyle them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
+
+from massive_lens.core.criterion import SINK_THRESHOLD
+from massive_lens.errors import MassiveLensError
 
 
 def _axes(ax: Any = None, size: tuple[float, float] = (7, 4)) -> Any:
     if ax is not None:
         return ax
-    import matplotlib.pyplot as plt
-
     _, ax = plt.subplots(figsize=size, layout="constrained")
     return ax
 
@@ -87,7 +94,7 @@ def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> 
     return ax
 
 
-def sink_mass_axes(frame: pd.DataFrame, *, threshold: float = 0.3, ax: Any = None, title: str = "") -> Any:
+def sink_mass_axes(frame: pd.DataFrame, *, threshold: float = SINK_THRESHOLD, ax: Any = None, title: str = "") -> Any:
     """Attention mass on the sinks per layer: mean over heads with the heads' min-max range,
     and the first-token mass compared with the sink-metric ``threshold``.
 
@@ -165,12 +172,10 @@ def intervention_bars(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
     return ax
 
 
-# --------------------------------------------------------------------------- landscape, overlays, attention maps
-# The figures below are the ones a report or a notebook reaches for directly (not through a
-# result's ``.plot()``): they take a model and a text, or several results to overlay.
+# --------------------------------------------------------------------------- landscape, overlays
 
 
-def _tick(token: str, width: int = 12) -> str:
+def tick_label(token: str, width: int = 12) -> str:
     """A token string as a readable tick label (newlines and spaces made visible)."""
     shown = token.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "\u2423") or "\u2205"
     return shown if len(shown) <= width else shown[: width - 1] + "\u2026"
@@ -195,20 +200,14 @@ def landscape_axes(
     >>> ax.get_zlabel(), [t.get_text() for t in ax.texts]
     ('|activation| (residual units)', ['dim 5'])
     """
-    import numpy as np
-
     mag = np.abs(np.asarray(values, dtype=float))
     if mag.ndim != 2 or mag.shape[0] != len(tokens):
-        from massive_lens.errors import MassiveLensError
-
         raise MassiveLensError(f"values must be [pos, d_model] with pos = {len(tokens)} tokens, got {mag.shape}")
     if ax is None:
-        import matplotlib.pyplot as plt
-
         fig = plt.figure(figsize=(8.0, 5.5), layout="constrained")
         ax = fig.add_subplot(projection="3d")
     dims = np.arange(mag.shape[1])
-    cmap = __import__("matplotlib").colormaps["viridis"]
+    cmap = matplotlib.colormaps["viridis"]
     for pos in range(mag.shape[0]):
         color = "tab:red" if pos in label_tokens else cmap(pos / max(1, mag.shape[0] - 1))
         ax.plot(dims, np.full_like(dims, pos), mag[pos], color=color, lw=0.8)
@@ -217,7 +216,7 @@ def landscape_axes(
         ax.text(dim, pos, mag[pos, dim], f"dim {dim}", color="tab:red", fontsize=8)
     step = max(1, len(tokens) // 20)
     ticks = list(range(0, len(tokens), step))
-    ax.set_yticks(ticks, [_tick(tokens[i]) for i in ticks], fontsize=7)
+    ax.set_yticks(ticks, [tick_label(tokens[i]) for i in ticks], fontsize=7)
     for label, i in zip(ax.get_yticklabels(), ticks, strict=True):
         if i in label_tokens:
             label.set_color("tab:red")
@@ -229,55 +228,10 @@ def landscape_axes(
     return ax
 
 
-def _capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[Any, list[str]]:
-    """One text's activation at ``blocks.{layer}.{hook}`` (batch dim dropped, float32, CPU)
-    and its token strings; the forward pass stops right after that hook."""
-    from massive_lens._model_view import ModelView
-    from massive_lens.errors import MassiveLensError
-
-    view = ModelView(model)
-    batch = view.tokenize(text)
-    if batch.tokens.shape[0] != 1:
-        raise MassiveLensError(f"this figure shows one text; got a batch of {batch.tokens.shape[0]}")
-    name = view.hook_name(layer, hook)
-    seen: dict[str, Any] = {}
-
-    def keep(x: Any, hook: Any) -> None:
-        seen["x"] = x[0].detach().float().cpu()
-
-    view.forward(batch, [(name, keep)], stop_after=name)
-    return seen["x"], view.str_tokens(batch)[0]
-
-
-def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax: Any = None,
-                         criterion: Any = None, found: Any = None) -> Any:
-    """The activation landscape of ``text`` at ``layer`` (default: where the top-1 magnitude
-    over the median is largest), massive dims and tokens labelled (:func:`landscape_axes`).
-    ``found``: the text's ``find_massive`` result, if already computed.
-
-    >>> from massive_lens import tiny_model
-    >>> activation_landscape(tiny_model("llama"), "Hello. World", layer=1).get_xlabel()
-    'hidden dimension'
-    """
-    from massive_lens.detect import find_massive
-
-    found = found if found is not None else find_massive(model, text, criterion)
-    if layer is None:
-        prof = found.profile
-        layer = int(prof.loc[(prof["top1"] / prof["median"]).idxmax(), "layer"])
-    values, tokens = _capture_one(model, text, layer, "resid_post")
-    at = found.entries[found.entries["layer"] == layer]
-    return landscape_axes(values.numpy(), tokens, label_dims=sorted(at["dim"].unique().tolist()),
-                          label_tokens=sorted(at["pos"].unique().tolist()), ax=ax,
-                          title=f"{found.model_name}: layer {layer} ({found.hook})")
-
-
 def _profile_columns(frame: pd.DataFrame) -> tuple[str, str]:
     for top, median in (("top1_mean", "median_mean"), ("top1", "median"), ("max_inf_norm", "median")):
         if top in frame and median in frame:
             return top, median
-    from massive_lens.errors import MassiveLensError
-
     raise MassiveLensError(f"a profile needs layer and top1/median columns; got {list(frame.columns)}")
 
 
@@ -314,45 +268,6 @@ def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = N
     return ax
 
 
-def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | None = None,
-                   sinks: Sequence[int] | None = None, max_heads: int = 12) -> Any:
-    """Per-head attention maps of one layer (query x key, token strings as ticks) with the sink
-    key columns outlined in red. ``sinks`` default to the positions with massive activations
-    (first token if none). Returns the Figure.
-
-    >>> from massive_lens import tiny_model
-    >>> fig = attention_maps(tiny_model("gpt2"), "Hi there.", layer=0, heads=[0, 1])
-    >>> fig.axes[1].get_title()
-    'L0H1'
-    """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
-    from massive_lens.detect import find_massive
-
-    pattern, tokens = _capture_one(model, text, layer, "attn.hook_pattern")
-    chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else list(heads)
-    if sinks is None:
-        sinks = find_massive(model, text).positions or [0]
-    cols = min(4, len(chosen))
-    rows = -(-len(chosen) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
-    labels = [_tick(t, 8) for t in tokens]
-    for ax, head in zip(axes.flat, chosen, strict=False):
-        ax.imshow(pattern[head].numpy(), cmap="Blues", vmin=0, vmax=1)
-        for s in sinks:
-            ax.add_patch(Rectangle((s - 0.5, -0.5), 1, len(tokens), fill=False, ec="tab:red", lw=1.5))
-        ax.set_title(f"L{layer}H{head}")
-        if len(tokens) <= 24:
-            ax.set_xticks(range(len(tokens)), labels, rotation=90, fontsize=6)
-            ax.set_yticks(range(len(tokens)), labels, fontsize=6)
-    for ax in list(axes.flat)[len(chosen):]:
-        ax.axis("off")
-    fig.supxlabel("key token (attended to); red: sink columns")
-    fig.supylabel("query token")
-    return fig
-
-
 def save_figure(fig_or_ax: Any, path: Any, formats: Sequence[str] = ("png", "svg"), dpi: int = 150) -> list[Any]:
     """Save a Figure (or the Figure of an Axes) as ``path`` with each suffix in ``formats``;
     returns the written paths.
@@ -363,9 +278,7 @@ def save_figure(fig_or_ax: Any, path: Any, formats: Sequence[str] = ("png", "svg
     >>> [p.suffix for p in paths], all(p.stat().st_size > 0 for p in paths)
     (['.png', '.svg'], True)
     """
-    from pathlib import Path
-
-    fig = _figure(fig_or_ax)
+    fig = figure_of(fig_or_ax)
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
     out = []
@@ -376,10 +289,52 @@ def save_figure(fig_or_ax: Any, path: Any, formats: Sequence[str] = ("png", "svg
     return out
 
 
-def _figure(fig_or_ax: Any) -> Any:
+def figure_of(fig_or_ax: Any) -> Any:
     """The Figure behind a Figure, an Axes, or an array of Axes."""
     if hasattr(fig_or_ax, "savefig"):
         return fig_or_ax
     if hasattr(fig_or_ax, "figure"):
         return fig_or_ax.figure
     return next(iter(getattr(fig_or_ax, "flat", fig_or_ax))).figure
+
+
+def loss_axes(frame: pd.DataFrame, mean: float, interval: tuple[float, float], *, ax: Any = None,
+              title: str = "") -> Any:
+    """Per-sequence loss (``frame.loss``), sorted, with the mean and its 95% interval.
+
+    >>> loss_axes(pd.DataFrame({"loss": [2.0, 3.0, 4.0]}), 3.0, (2.2, 3.8)).get_ylabel()
+    'loss (nats per token)'
+    """
+    ax = _axes(ax)
+    values = np.sort(frame["loss"].to_numpy())
+    ax.plot(range(len(values)), values, marker="o", markersize=3, lw=0.8, label="sequences, sorted")
+    ax.axhline(mean, color="black", lw=0.8, label=f"mean {mean:.3f}")
+    ax.axhspan(*interval, color="tab:blue", alpha=0.15, lw=0, label="95% bootstrap interval")
+    ax.set_xlabel("sequence (sorted by loss)")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.legend(frameon=False, fontsize=8)
+    return ax
+
+
+def curve_axes(frame: pd.DataFrame, *, x: str = "step", y: Sequence[str] = ("loss", "val_loss"),
+               by: str | None = None, ax: Any = None, title: str = "") -> Any:
+    """Training curves: each ``y`` column over ``x`` (one line per ``by`` group if given).
+
+    >>> frame = pd.DataFrame({"step": [1, 2], "loss": [5.0, 4.0], "val_loss": [5.1, 4.2]})
+    >>> [t.get_text() for t in curve_axes(frame).get_legend().get_texts()]
+    ['loss', 'val_loss']
+    """
+    ax = _axes(ax)
+    groups = frame.groupby(by, sort=False) if by else [("", frame)]
+    for name, group in groups:
+        for column in y:
+            if column in group and group[column].notna().any():
+                mean = group.groupby(x)[column].mean().dropna()
+                label = f"{name} {column}".strip()
+                ax.plot(mean.index, mean.values, ls="-" if column == y[0] else "--", label=label)
+    ax.set_xlabel(x)
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.legend(frameon=False, fontsize=8)
+    return ax

@@ -16,36 +16,47 @@ from typing import Any
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens._model_view import TOKEN_KINDS, Batch, ModelView
-from massive_lens.corpora import Corpus, token_batches
-from massive_lens.detect import Criterion, LayerProfile, _accumulate, _layers, _profile_frame, _run
+from massive_lens.core.corpora import Corpus, token_batches
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.model_view import TOKEN_KINDS, ModelView
+from massive_lens.core.reduce import ProfileSums
+from massive_lens.core.results import Result
+from massive_lens.detect.find import LayerProfile, chosen_layers, run_reducer
 from massive_lens.errors import MassiveLensError
 
 
 @dataclass(frozen=True)
-class CorpusScan:
-    """Statistics of a corpus scan. ``profile`` is a :class:`LayerProfile`; ``frequency``
+class CorpusScan(Result):
+    """Statistics of a corpus scan. ``profile`` is the per-layer table of a
+    :class:`~massive_lens.detect.LayerProfile` (``layer``, ``top1_mean``, ...); ``frequency``
     has one row per massive (``dim``, ``token_kind``): ``sequences`` (how many sequences
     have a token of that kind), ``massive`` (in how many the dim is massive there at some
     layer), ``frequency``, ``first_layer``, ``last_layer``. The kind ``first_delimiter`` is
     the first delimiter of each sequence."""
 
-    profile: LayerProfile
+    profile: pd.DataFrame
     frequency: pd.DataFrame
     n_sequences: int
     n_tokens: int
+    model_name: str
     criterion: Criterion = field(default_factory=Criterion)
+
+    @property
+    def layer_profile(self) -> LayerProfile:
+        """The per-layer statistics as a :class:`~massive_lens.detect.LayerProfile`."""
+        return LayerProfile(self.profile, self.model_name, self.n_sequences)
 
     def to_frame(self) -> pd.DataFrame:
         return self.frequency.copy()
 
     def summary(self) -> str:
-        lines = [f"{self.profile.model_name}: {self.n_sequences} sequences, {self.n_tokens:,} tokens. "
-                 + self.profile.summary().split(": ", 1)[1]]
+        lines = [f"{self.model_name}: {self.n_sequences} sequences, {self.n_tokens:,} tokens. "
+                 + self.layer_profile.summary().split(": ", 1)[1]]
         if self.frequency.empty:
             lines.append("  no massive activations under the criterion")
         for r in self.frequency.head(12).itertuples():
@@ -53,11 +64,9 @@ class CorpusScan:
                          f"(layers {r.first_layer}-{r.last_layer})")
         return "\n".join(lines)
 
-    def _repr_html_(self) -> str:
-        return f"<pre>{self.summary()}</pre>" + self.frequency.to_html(index=False)
-
     def plot(self, ax: Any = None) -> Any:
-        return self.profile.plot(ax=ax)
+        """The layer profile over the corpus (see :meth:`LayerProfile.plot`)."""
+        return self.layer_profile.plot(ax=ax)
 
 
 def scan_corpus(
@@ -79,6 +88,21 @@ def scan_corpus(
     ``world_size``-th batch and the statistics are all-reduced, so every rank returns the
     same result.
 
+    Args:
+        model: a TransformerLens-style model.
+        corpus: a text file (``Path`` or existing path), a string, strings, ``"hf:NAME[:CONFIG[:SPLIT]]"``,
+            a ``[n_seqs, seq_len]`` token tensor, or None for the offline default text.
+        seq_len: tokens per sequence (BOS included).
+        batch_size: sequences per forward pass.
+        max_tokens: stop after this many tokens (None: the whole corpus).
+        criterion: when a value is massive.
+        k: how many of the largest magnitudes the profile keeps per layer.
+        prepend_bos: override the model's default.
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`CorpusScan`: the layer profile and how often each (dim, token kind) is massive.
+
     >>> from massive_lens import tiny_model
     >>> scan = scan_corpus(tiny_model("llama"), seq_len=32, max_tokens=128, progress=False)
     >>> scan.n_sequences, scan.n_tokens
@@ -86,10 +110,10 @@ def scan_corpus(
     """
     view = ModelView(model)
     criterion = criterion or Criterion()
-    layers = _layers(view, None)
+    layers = chosen_layers(view, None)
     rank, world = _distributed()
     n_kinds = len(TOKEN_KINDS) + 1
-    sums = {key: torch.zeros(len(layers), k + 2, dtype=torch.float64) for key in ("sum", "sq")}
+    sums = ProfileSums(layers, k)
     hits = torch.zeros(len(layers), n_kinds, view.d_model, dtype=torch.float64)  # per layer
     any_hits = torch.zeros(n_kinds, view.d_model, dtype=torch.float64)  # any layer
     present = torch.zeros(n_kinds, dtype=torch.float64)
@@ -100,28 +124,24 @@ def scan_corpus(
     for i, tokens in enumerate(tqdm(batches, total=total, disable=not progress or rank != 0, desc="scan")):
         if i % world != rank:
             continue
-        batch = Batch(tokens, torch.ones_like(tokens, dtype=torch.bool), _starts_with_bos(view, tokens))
+        batch = view.full_batch(tokens)
         kinds = view.token_kinds(batch)
-        reducer = _run(view, batch, criterion, "resid_post", layers, k=k, kinds=kinds)
-        _accumulate(reducer, layers, sums)
+        reducer = run_reducer(view, batch, criterion, "resid_post", layers, k=k, kinds=kinds)
+        sums.add(reducer)
         per_layer = torch.stack([reducer.kind_hits[layer] for layer in layers])  # [L b kinds d]
         hits += per_layer.sum(1)
         any_hits += per_layer.any(0).sum(0)
         present += _kinds_present(kinds).sum(0)
         counts += torch.tensor([len(tokens), tokens.numel()], dtype=torch.float64)
     if world > 1:
-        sums["sum"], sums["sq"], hits, any_hits, present, counts = _all_reduce(
-            [sums["sum"], sums["sq"], hits, any_hits, present, counts])
+        sums.sum, sums.sq, hits, any_hits, present, counts = _all_reduce(
+            [sums.sum, sums.sq, hits, any_hits, present, counts])
     n_seqs = int(counts[0])
     if n_seqs == 0:
         raise MassiveLensError("the corpus gave no sequences; lower seq_len or give more text")
-    profile = LayerProfile(_profile_frame(layers, k, sums, n_seqs), view.name, n_seqs)
-    return CorpusScan(profile, _frequency(hits, any_hits, present, layers), n_seqs, int(counts[1]), criterion)
-
-
-def _starts_with_bos(view: ModelView, tokens: Tensor) -> bool:
-    bos = view.tokenizer.bos_token_id
-    return bos is not None and bool((tokens[:, 0] == bos).all())
+    sums.n = n_seqs
+    return CorpusScan(sums.frame(), _frequency(hits, any_hits, present, layers), n_seqs, int(counts[1]),
+                      view.name, criterion)
 
 
 def _kinds_present(kinds: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch n_kinds"]:
@@ -142,16 +162,12 @@ def _frequency(hits: Tensor, any_hits: Tensor, present: Tensor, layers: list[int
 
 
 def _distributed() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _all_reduce(tensors: list[Tensor]) -> list[Tensor]:
-    import torch.distributed as dist
-
     flat = torch.cat([t.flatten() for t in tensors])
     if dist.get_backend() == "nccl":
         flat = flat.cuda()

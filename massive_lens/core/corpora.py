@@ -14,8 +14,10 @@ corpus scan, perplexity) need a stream of real prose. Three sources:
 :func:`token_batches` turns any of them into ``[batch, seq_len]`` token tensors, each
 sequence starting with BOS when the model prepends one.
 
->>> default_text()[:40]
-'...'
+>>> default_text().startswith("%")
+False
+>>> len(default_text()) > 100_000
+True
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
 import torch
@@ -38,8 +41,6 @@ Corpus = str | os.PathLike | Iterable[str] | Tensor | None
 
 def default_text() -> str:
     """Offline English prose (about 1 MB): the topics of CPython's reference manual."""
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[key].strip() for key in sorted(topics))
 
 
@@ -51,7 +52,7 @@ def data_file(relative: str) -> str:
     >>> data_file("tinyshakespeare/input.txt").endswith("input.txt")
     True
     """
-    roots = [os.environ.get("MASSIVE_LENS_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data",
+    roots = [os.environ.get("MASSIVE_LENS_DATA"), Path(__file__).resolve().parents[3] / "shared" / "data",
              Path.cwd().parent / "shared" / "data", "/work/shared/data"]
     candidates = [Path(root) / relative for root in roots if root]
     return str(next((c for c in candidates if c.is_file()), candidates[0]))
@@ -92,9 +93,10 @@ def token_batches(
     Every sequence starts with BOS when the model prepends one; ``max_tokens`` bounds the
     total number of tokens yielded. ``view`` is a ``ModelView``.
     """
-    if seq_len < 2 or batch_size < 1:
-        raise MassiveLensError(f"need seq_len >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
-    view._check_length(seq_len)
+    if seq_len < 2 or batch_size < 1 or (max_tokens is not None and max_tokens < 1):
+        raise MassiveLensError(f"need seq_len >= 2, batch_size >= 1 and max_tokens >= 1 (or None), got "
+                               f"{seq_len}, {batch_size}, {max_tokens}")
+    view.check_length(seq_len)
     if isinstance(corpus, Tensor):  # already tokenized: [n_seqs, seq_len]
         if corpus.ndim != 2 or corpus.shape[1] != seq_len:
             raise MassiveLensError(f"token corpus must be [n_seqs, {seq_len}], got {tuple(corpus.shape)}")
@@ -180,3 +182,14 @@ def _hf_texts(spec: str) -> Iterator[str]:
         text = row.get("text")
         if text:
             yield text
+
+
+def sequences(view: Any, corpus: Corpus, seq_len: int, n_seqs: int) -> Int[Tensor, "seq pos"]:
+    """The first ``n_seqs`` sequences of ``seq_len`` tokens of a corpus (BOS first when the
+    model prepends one). ``view`` is a ``ModelView``; a token tensor is returned as is."""
+    if isinstance(corpus, Tensor):
+        return corpus
+    if n_seqs < 1:
+        raise MassiveLensError(f"n_seqs must be >= 1, got {n_seqs}")
+    return torch.cat(list(token_batches(view, corpus, seq_len=seq_len, batch_size=n_seqs,
+                                        max_tokens=seq_len * n_seqs)))

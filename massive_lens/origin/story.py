@@ -7,17 +7,10 @@ from typing import Any
 
 import pandas as pd
 
+from massive_lens.core.fmt import num as fmt
+from massive_lens.core.fmt import pct as _pct
+
 _MAX_EVENTS = 6
-
-
-def fmt(value: float) -> str:
-    if math.isnan(value):
-        return "nan"
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.3g}"
-
-
-def _pct(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.1%}" if abs(x) < 0.1 else f"{x:.0%}"
 
 
 def _of(frame: pd.DataFrame, t: Any) -> pd.DataFrame:

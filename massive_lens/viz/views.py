@@ -32,18 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import circuitsvis
 from jaxtyping import Float
 from torch import Tensor
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.plots import _capture_one
+from massive_lens.viz.figures import capture_one
 
 
 @functools.cache
 def bundle() -> str:
     """The circuitsvis JavaScript bundle shipped in the installed package (read once)."""
-    import circuitsvis
-
     path = Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"
     if not path.is_file():
         raise MassiveLensError(
@@ -105,7 +104,7 @@ def attention_view(model: Any, text: str, layer: int, *, heads: list[int] | None
     >>> view.props["attentionHeadNames"] == ["L1H0"]
     True
     """
-    pattern, tokens = _capture_one(model, text, layer, "attn.hook_pattern")
+    pattern, tokens = capture_one(model, text, layer, "attn.hook_pattern")
     chosen = list(range(pattern.shape[0])) if heads is None else list(heads)
     return View("AttentionHeads", {
         "attention": pattern[chosen].tolist(),
@@ -130,7 +129,7 @@ def magnitude_view(model: Any, text: str, layer: int, *, dim: int | None = None)
     >>> len(view.props["tokens"]) == len(view.props["values"])
     True
     """
-    resid, tokens = _capture_one(model, text, layer, "resid_post")
+    resid, tokens = capture_one(model, text, layer, "resid_post")
     if dim is not None and not 0 <= dim < resid.shape[-1]:
         raise MassiveLensError(f"dim {dim} out of range: d_model is {resid.shape[-1]}")
     values = _magnitudes(resid, dim)

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
+
+from massive_lens.core.fmt import cell as _fmt
+from massive_lens.core.render import figure_of
+from massive_lens.viz.views import bundle_tag
 
 _CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; max-width: 1100px;
@@ -57,27 +62,17 @@ class Section:
         self.blocks.append(("table", frame.head(max_rows), caption))
 
     def figure(self, fig_or_ax: Any, caption: str) -> None:
-        from massive_lens.plots import _figure
-
-        self.blocks.append(("figure", _figure(fig_or_ax), caption))
+        self.blocks.append(("figure", figure_of(fig_or_ax), caption))
 
     def view(self, view: Any) -> None:
         self.blocks.append(("view", view, view.title))
 
 
 def _png(fig: Any) -> bytes:
-    import matplotlib.pyplot as plt
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
-    return str(value)
 
 
 def _md_table(frame: pd.DataFrame) -> str:
@@ -103,8 +98,6 @@ def render_figures(sections: list[Section], folder: Path) -> None:
 
 
 def to_html(title: str, intro: str, sections: list[Section], footer: str) -> str:
-    from massive_lens.views import bundle_tag
-
     has_views = any(kind == "view" for s in sections for kind, _, _ in s.blocks)
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
              f"<meta name='viewport' content='width=device-width, initial-scale=1'>"

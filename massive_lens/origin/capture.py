@@ -23,8 +23,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from massive_lens._model_view import Batch, ModelView
-from massive_lens.detect import Criterion, _Reducer
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.model_view import Batch, ModelView
+from massive_lens.core.reduce import ResidualReducer
 
 # hook key -> per-block hook (post-norm variants are resolved per model in _hook_plan)
 _BLOCK_KEYS = ("resid_mid", "resid_post", "post", "pre")
@@ -41,7 +42,7 @@ class Capture:
     layers: dict[str, Float[Tensor, "layer pos _"]]  # attn, mlp, resid_mid, resid_post, post, pre, up, scale
     post_norm: bool
     gated: bool
-    reducer: _Reducer | None = field(default=None, repr=False)
+    reducer: ResidualReducer | None = field(default=None, repr=False)
 
     def index(self, pos: int) -> int:
         return int((self.positions == pos).nonzero()[0, 0])
@@ -95,7 +96,7 @@ def capture(
         hooks += [(name, grab(key, layer)) for key, name in _hook_plan(view, layer, gated, post_norm).items()]
     reducer = None
     if criterion is not None:
-        reducer = _Reducer(batch, criterion, 1, True, None)
+        reducer = ResidualReducer(batch, criterion, entries=True)
         hooks += [(view.hook_name(layer, "resid_post"), reducer.hook(layer)) for layer in range(view.n_layers)]
     last = view.hook_name(view.n_layers - 1, "resid_post")
     view.forward(batch, hooks, stop_after=last)

@@ -39,23 +39,25 @@ from typing import Any
 import pandas as pd
 import torch
 
-from massive_lens import _origin_neurons as neu
-from massive_lens._model_view import Batch, ModelView
-from massive_lens._origin_capture import Capture, capture
-from massive_lens.corpora import Corpus
-from massive_lens.detect import Criterion, find_massive
+from massive_lens.core.corpora import Corpus
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.model_view import TOKEN_KINDS, Batch, ModelView
+from massive_lens.core.render import waterfall_axes
+from massive_lens.core.results import Result
+from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
+from massive_lens.origin import neurons as neu
+from massive_lens.origin.capture import Capture, capture
+from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
+from massive_lens.origin.story import story
+from massive_lens.origin.verify import VERIFY_COLUMNS, verify_targets
 
-LEDGER_COLUMNS = ["pos", "dim", "token", "layer", "component", "contribution", "resid"]
-EVENT_COLUMNS = ["pos", "dim", "layer", "component", "kind", "contribution", "before", "after"]
-EVENT_MIN_SHARE = 0.3  # an event changes the value by >= 30% of |before| or |after| ...
-EVENT_MIN_PEAK = 0.02  # ... and by >= 2% of the peak |value| (or the criterion's abs_threshold)
 _MAX_STORIES = 4  # entries told in summary(), largest peak first
 _CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
 
 
 @dataclass(frozen=True)
-class OriginTrace:
+class OriginTrace(Result):
     """The traced story of one or more massive (pos, dim) entries of one text.
 
     - ``targets``: ``pos``, ``dim``, ``token``, ``token_kind``, ``massive`` (met the criterion),
@@ -95,8 +97,6 @@ class OriginTrace:
         return self.ledger.copy()
 
     def summary(self) -> str:
-        from massive_lens._origin_story import story
-
         head = (f"{self.model_name}: {len(self.targets)} traced entr{'y' if len(self.targets) == 1 else 'ies'} "
                 f"in {self.n_tokens} tokens; the ledger reconstructs the residual to "
                 f"{self.reconstruction_error:.1e} (relative)")
@@ -105,13 +105,8 @@ class OriginTrace:
             stories.append(f"... and {len(self.targets) - _MAX_STORIES} smaller entries (see .targets, .events)")
         return "\n".join([head, *stories, *self.notes])
 
-    def _repr_html_(self) -> str:
-        return f"<pre>{self.summary()}</pre>" + self.events.to_html(index=False, float_format="{:,.1f}".format)
-
     def plot(self, ax: Any = None, target: int = 0) -> Any:
         """Waterfall of the ledger of ``targets.iloc[target]`` across layers."""
-        from massive_lens.plots import waterfall_axes
-
         t = self.targets.iloc[target]
         rows = self.ledger[(self.ledger.pos == t.pos) & (self.ledger.dim == t.dim)]
         return waterfall_axes(rows, ax=ax, title=f"{self.model_name}: dim {t.dim} at {t.token!r} (pos {t.pos})")
@@ -156,12 +151,12 @@ def trace_origin(
     cap = capture(view, batch, positions, criterion)
     tokens = view.str_tokens(batch)[0]
     targets = _targets(view, batch, cap, dim, pos, tokens, criterion)
-    ledger = pd.DataFrame([r for t in targets for r in _ledger_rows(cap, t["pos"], t["dim"], tokens)],
+    ledger = pd.DataFrame([r for t in targets for r in ledger_rows(cap, t["pos"], t["dim"], tokens)],
                           columns=LEDGER_COLUMNS)
-    error = _reconstruction_error(ledger)
-    events = pd.DataFrame([e for t in targets for e in _events(ledger, t, criterion.abs_threshold)],
-                          columns=EVENT_COLUMNS)
-    mlp_events = [e for e in events.to_dict("records") if e["component"] == "mlp"]
+    error = reconstruction_error(ledger)
+    found_events = pd.DataFrame([e for t in targets for e in events(ledger, t, criterion.abs_threshold)],
+                                columns=EVENT_COLUMNS)
+    mlp_events = [e for e in found_events.to_dict("records") if e["component"] == "mlp"]
     neurons = pd.DataFrame([r for e in mlp_events for r in neu.neuron_rows(view, cap, e, top_neurons)],
                            columns=neu.NEURON_COLUMNS)
     births = [e for e in mlp_events if e["kind"] != "erasure"]
@@ -170,11 +165,11 @@ def trace_origin(
         names = neu.named(neurons, e)
         supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names)
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
-    verification = _verify(view, batch, cap, targets, births, neurons, corpus) if verify else []
+    verification = verify_targets(view, batch, cap, targets, births, neurons, corpus) if verify else []
     notes = _notes(cap, error, verify, corpus)
-    return OriginTrace(pd.DataFrame(targets), ledger, events, neurons,
+    return OriginTrace(pd.DataFrame(targets), ledger, found_events, neurons,
                        pd.DataFrame(supers, columns=neu.SUPER_COLUMNS), pd.DataFrame(why, columns=neu.WHY_COLUMNS),
-                       pd.DataFrame(verification, columns=neu.VERIFY_COLUMNS), error, notes, view.name, seq)
+                       pd.DataFrame(verification, columns=VERIFY_COLUMNS), error, notes, view.name, seq)
 
 
 # --------------------------------------------------------------------------- targets
@@ -199,7 +194,7 @@ def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, 
     d_mlp = view.model.blocks[0].mlp.W_out.shape[0]
     if seq * d_mlp * view.n_layers * 12 <= _CAPTURE_BUDGET:
         return torch.arange(seq)
-    found = find_massive(view.model, batch.tokens, criterion).to_frame()
+    found = find_massive(view.model, batch.tokens, criterion=criterion).to_frame()
     found = found[found.dim == dim] if dim is not None else found
     if found.empty:
         raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
@@ -208,10 +203,7 @@ def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, 
 
 def _targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: int | None,
              tokens: list[str], criterion: Criterion) -> list[dict[str, Any]]:
-    found: set[tuple[int, int]] = set()
-    if cap.reducer is not None:
-        for _, idx, _, _ in cap.reducer.entries:
-            found |= {(p, d) for _, p, d in idx.tolist()}
+    found = {(p, d) for _, p, d in cap.reducer.found()} if cap.reducer is not None else set()
     chosen = sorted((p, d) for p, d in found if (pos is None or p == pos) and (dim is None or d == dim))
     if not chosen:
         resid = cap.layers["resid_post"].abs()  # [layer, pos, d_model]
@@ -228,8 +220,6 @@ def _targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: 
                 f"(largest |activation| {peak:,.1f}); pass dim= and pos= to trace one entry anyway, "
                 "or lower the criterion, e.g. Criterion(abs_threshold=20, ratio_threshold=100)")
     kinds = view.token_kinds(batch)[0]
-    from massive_lens._model_view import TOKEN_KINDS
-
     out = []
     for p, d in chosen:
         values = cap.layers["resid_post"][:, cap.index(p), d]
@@ -240,70 +230,7 @@ def _targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: 
     return sorted(out, key=lambda t: -abs(t["peak"]))
 
 
-# --------------------------------------------------------------------------- ledger and events
-
-
-def _ledger_rows(cap: Capture, pos: int, dim: int, tokens: list[str]) -> list[dict[str, Any]]:
-    i = cap.index(pos)
-    L = cap.layers
-    rows = [("embed", 0, cap.embed[i, dim], cap.embed[i, dim] if cap.pos_embed is not None else cap.resid_pre0[i, dim])]
-    if cap.pos_embed is not None:
-        rows.append(("pos_embed", 0, cap.pos_embed[i, dim], cap.resid_pre0[i, dim]))
-    for layer in range(L["attn"].shape[0]):
-        rows.append(("attn", layer, L["attn"][layer, i, dim], L["resid_mid"][layer, i, dim]))
-        rows.append(("mlp", layer, L["mlp"][layer, i, dim], L["resid_post"][layer, i, dim]))
-    return [dict(pos=pos, dim=dim, token=tokens[pos], layer=layer, component=c, contribution=float(v),
-                 resid=float(r)) for c, layer, v, r in rows]
-
-
-def _reconstruction_error(ledger: pd.DataFrame) -> float:
-    """max |cumulative sum of contributions - measured residual| / max |residual|, per target."""
-    worst = 0.0
-    for _, rows in ledger.groupby(["pos", "dim"]):
-        total = rows.contribution.astype("float64").cumsum()
-        scale = max(rows.resid.abs().max(), 1e-30)
-        worst = max(worst, float((total - rows.resid).abs().max() / scale))
-    return worst
-
-
-def _events(ledger: pd.DataFrame, target: dict[str, Any], abs_threshold: float) -> list[dict[str, Any]]:
-    """Births, erasures and rebirths: components that change the value by a large fraction of
-    its current size, and by enough in absolute terms (2% of the peak, or the criterion's
-    absolute threshold if that is lower, so an early birth to ~800 still counts next to a
-    later rewrite to ~25,000)."""
-    rows = ledger[(ledger.pos == target["pos"]) & (ledger.dim == target["dim"])]
-    peak = float(rows.resid.abs().max())
-    floor = min(EVENT_MIN_PEAK * peak, abs_threshold)
-    events, before, erased = [], 0.0, False
-    for r in rows.itertuples():
-        after, c = float(r.resid), float(r.contribution)
-        big = abs(c) >= floor and abs(c) >= EVENT_MIN_SHARE * max(abs(before), abs(after))
-        if big and peak > 0:
-            kind = "erasure" if abs(after) < abs(before) else ("rebirth" if erased else "birth")
-            erased |= kind == "erasure"
-            events.append(dict(pos=r.pos, dim=r.dim, layer=r.layer, component=r.component, kind=kind,
-                               contribution=c, before=before, after=after))
-        before = after
-    return events
-
-
 # --------------------------------------------------------------------------- verification and notes
-
-
-def _verify(view: ModelView, batch: Batch, cap: Capture, targets: list[dict[str, Any]],
-            births: list[dict[str, Any]], neurons: pd.DataFrame, corpus: Corpus) -> list[dict[str, Any]]:
-    tokens = None
-    if corpus is not None:
-        from massive_lens.evaluate import sequences
-
-        tokens = sequences(view.model, corpus, seq_len=128, n_seqs=4)
-    base_ppl = neu.ppl(view.model, tokens, [])
-    rows = []
-    for t in targets:
-        mine = [b for b in births if b["pos"] == t["pos"] and b["dim"] == t["dim"]]
-        base = cap.layers["resid_post"][:, cap.index(t["pos"]), t["dim"]]
-        rows += neu.verification_rows(view, batch, base, mine, neurons, t["peak_layer"], tokens, base_ppl)
-    return rows
 
 
 def _notes(cap: Capture, error: float, verify: bool, corpus: Corpus) -> tuple[str, ...]:

@@ -3,7 +3,7 @@
 Sun et al. (2024, sections 3-4) argue that the few massive activations, and the attention
 that sink tokens draw because of them, work like bias terms: what matters is that they are
 there and (nearly) constant, not what the input says. Each intervention here edits one
-part of that story during the forward pass, and :func:`massive_lens.evaluate.perplexity`
+part of that story during the forward pass, and :func:`massive_lens.perplexity`
 judges the result:
 
 - :func:`ablate_massive`: set the massive activations to zero, to their calibration mean,
@@ -47,11 +47,19 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from transformer_lens.patching import layer_pos_patch_setter
 
-from massive_lens._calibrate import Calibration, _k_hook, _massive_entries, _stash, _State, calibrate
-from massive_lens._model_view import ModelView
 from massive_lens.attention import sink_term
-from massive_lens.detect import Criterion, find_massive
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.model_view import ModelView
+from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
+from massive_lens.interventions.calibration import (
+    Calibration,
+    HookState,
+    calibrate,
+    massive_entries,
+    rotated_hook,
+    stash,
+)
 
 DESCRIPTIONS = {
     "original": "no intervention",
@@ -62,6 +70,7 @@ DESCRIPTIONS = {
     "sink_term_zero": "each head's sink term set to zero",
     "sink_attention_removed": "attention to sink positions dropped, renormalized",
     "bias_surgery": "explicit per-head k/v bias slot; sinks masked; massive activations zeroed",
+    "sink_patched": "residual stream at the sink positions patched from another text",
 }
 
 
@@ -98,10 +107,10 @@ class Intervention:
 # --------------------------------------------------------------------------- hook functions
 
 
-def _edit_resid(resid: Float[Tensor, "batch pos d_model"], hook: Any, *, state: _State, dims: Tensor,
+def _edit_resid(resid: Float[Tensor, "batch pos d_model"], hook: Any, *, state: HookState, dims: Tensor,
                 criterion: Criterion, detect: bool, fill: Tensor | None, control: bool) -> Tensor:
     """Find the massive entries (and the sink mask), then overwrite them (or the control)."""
-    hits = _massive_entries(resid, dims, criterion)
+    hits = massive_entries(resid, dims, criterion)
     if detect:
         state.sinks = hits.any(-1)
     if fill is None:
@@ -132,7 +141,7 @@ def _zero_median_entries(resid: Float[Tensor, "batch pos d_model"], counts: Tens
             resid[b].view(-1)[gap.topk(int(k), largest=False).indices] = 0.0
 
 
-def _drop_sinks(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, state: _State,
+def _drop_sinks(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, state: HookState,
                 renormalize: bool) -> Tensor:
     sinks = state.mask(pattern.shape[0], pattern.shape[-1], pattern.device)
     kept = pattern * (~sinks)[:, None, None, :].to(pattern.dtype)
@@ -142,7 +151,7 @@ def _drop_sinks(pattern: Float[Tensor, "batch head_index query_pos key_pos"], ho
     return torch.where(sinks[:, None, :, None], pattern, kept)  # sink queries keep their own row
 
 
-def _replace_sink_term(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: _State,
+def _replace_sink_term(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: HookState,
                        mean: Tensor | None) -> Tensor:
     sinks = state.mask(z.shape[0], z.shape[1], z.device)
     sink_z = sink_term(state.stash["pattern"], state.stash["v"], sinks)
@@ -151,7 +160,7 @@ def _replace_sink_term(z: Float[Tensor, "batch pos head_index d_head"], hook: An
     return torch.where(sinks[:, :, None, None], z, edited)  # sink queries keep their own output
 
 
-def _slot_pattern(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, state: _State,
+def _slot_pattern(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, state: HookState,
                   key: Tensor, scale: float) -> Tensor:
     """softmax over [scores without sink keys, q . k' * scale]; the slot's share is stashed."""
     sinks = state.mask(pattern.shape[0], pattern.shape[-1], pattern.device)
@@ -164,7 +173,7 @@ def _slot_pattern(pattern: Float[Tensor, "batch head_index query_pos key_pos"], 
     return full[..., :-1].to(pattern.dtype)
 
 
-def _add_slot_value(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: _State,
+def _add_slot_value(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, state: HookState,
                     value: Tensor) -> Tensor:
     group = z.shape[2] // value.shape[0]
     share = state.stash["slot"]  # [batch head query]
@@ -175,10 +184,10 @@ def _add_slot_value(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, 
 
 
 def _hooks(model: Any, calib: Calibration, *, fill: Callable[[int], Tensor | None] | None = None,
-           control: bool = False, per_layer: Callable[[ModelView, int, _State], list] | None = None) -> list:
+           control: bool = False, per_layer: Callable[[ModelView, int, HookState], list] | None = None) -> list:
     """Hooks for one intervention: the residual edit/detection at each massive layer, then
     ``per_layer(view, layer, state)`` for every attention layer after the sinks appear."""
-    view, state = ModelView(model), _State()
+    view, state = ModelView(model), HookState()
     hooks = [(view.hook_name(layer, "resid_post"),
               partial(_edit_resid, state=state, dims=dims, criterion=calib.criterion,
                       detect=layer == calib.detect_layer, fill=fill(layer) if fill else None, control=control))
@@ -237,16 +246,16 @@ def fix_sink_term(model: Any, mode: str = "mean", *, calibration: Any = None) ->
         raise MassiveLensError(f"fix_sink_term mode must be 'mean' or 'zero', got {mode!r}")
     calib = _calibration(model, calibration)
 
-    def per_layer(view: ModelView, layer: int, state: _State) -> list:
+    def per_layer(view: ModelView, layer: int, state: HookState) -> list:
         mean = calib.sink_z[layer] if mode == "mean" else None
-        return [(view.hook_name(layer, "attn.hook_pattern"), partial(_stash, state=state, key="pattern")),
-                (view.hook_name(layer, "attn.hook_v"), partial(_stash, state=state, key="v")),
+        return [(view.hook_name(layer, "attn.hook_pattern"), partial(stash, state=state, key="pattern")),
+                (view.hook_name(layer, "attn.hook_v"), partial(stash, state=state, key="v")),
                 (view.hook_name(layer, "attn.hook_z"), partial(_replace_sink_term, state=state, mean=mean))]
 
     return Intervention(model, f"sink_term_{mode}", _hooks(model, calib, per_layer=per_layer))
 
 
-def remove_sink_attention(model: Any, renormalize: bool = True, *, calibration: Any = None) -> Intervention:
+def remove_sink_attention(model: Any, *, renormalize: bool = True, calibration: Any = None) -> Intervention:
     """Drop the attention paid to sink positions (and renormalize each query's row).
 
     >>> from massive_lens import tiny_model
@@ -255,29 +264,29 @@ def remove_sink_attention(model: Any, renormalize: bool = True, *, calibration: 
     """
     calib = _calibration(model, calibration)
 
-    def per_layer(view: ModelView, layer: int, state: _State) -> list:
+    def per_layer(view: ModelView, layer: int, state: HookState) -> list:
         return [(view.hook_name(layer, "attn.hook_pattern"),
                  partial(_drop_sinks, state=state, renormalize=renormalize))]
 
     return Intervention(model, "sink_attention_removed", _hooks(model, calib, per_layer=per_layer))
 
 
-def bias_surgery(model: Any, calibration: Any = None, *, suppress: bool = True) -> Intervention:
+def bias_surgery(model: Any, *, calibration: Any = None, suppress: bool = True) -> Intervention:
     """Give each head an explicit key/value bias slot (calibration means of the sink keys and
     values), mask the sink positions out of attention, and (``suppress``) zero the massive
     activations. With ``suppress=False`` and a BOS sink, the slot reproduces the model.
 
     >>> from massive_lens import tiny_model
-    >>> bias_surgery(tiny_model("qwen2"), "Calibration text. " * 10).name
+    >>> bias_surgery(tiny_model("qwen2"), calibration="Calibration text. " * 10).name
     'bias_surgery'
     """
     calib = _calibration(model, calibration)
 
-    def per_layer(view: ModelView, layer: int, state: _State) -> list:
+    def per_layer(view: ModelView, layer: int, state: HookState) -> list:
         attn = model.blocks[layer].attn
         scale = float(getattr(getattr(attn, "original_component", None), "scaling", attn.W_Q.shape[-1] ** -0.5))
-        return [(view.hook_name(layer, "attn.hook_attn_scores"), partial(_stash, state=state, key="scores")),
-                (_k_hook(view, layer, "q"), partial(_stash, state=state, key="q")),
+        return [(view.hook_name(layer, "attn.hook_attn_scores"), partial(stash, state=state, key="scores")),
+                (rotated_hook(view, layer, "q"), partial(stash, state=state, key="q")),
                 (view.hook_name(layer, "attn.hook_pattern"),
                  partial(_slot_pattern, state=state, key=calib.sink_k[layer], scale=scale)),
                 (view.hook_name(layer, "attn.hook_z"),

@@ -12,6 +12,7 @@ per-forward state the intervention hooks share (the sink mask found online).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -21,10 +22,12 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens._model_view import Batch, ModelView
 from massive_lens.attention import sink_term
-from massive_lens.corpora import Corpus
-from massive_lens.detect import Criterion, find_massive
+from massive_lens.core.corpora import Corpus, sequences
+from massive_lens.core.criterion import Criterion, massive_mask
+from massive_lens.core.fmt import short
+from massive_lens.core.model_view import ModelView
+from massive_lens.detect import find_massive
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Calibration:
         return min(self.dims) if self.dims else None
 
 
-class _State:
+class HookState:
     """Per-forward scratch shared by the hooks of one intervention (the current sink mask
     and the current layer's pattern, values, queries)."""
 
@@ -69,14 +72,12 @@ class _State:
         return self.sinks.to(device)
 
 
-def _massive_entries(resid: Float[Tensor, "batch pos d_model"], dims: Tensor, criterion: Criterion) -> Tensor:
+def massive_entries(resid: Float[Tensor, "batch pos d_model"], dims: Tensor, criterion: Criterion) -> Tensor:
     """Bool [batch pos n_dims]: which calibrated dims are massive at which positions."""
-    median = resid.abs().flatten(1).median(1).values[:, None, None]
-    picked = resid[..., dims.to(resid.device)].abs()
-    return (picked > criterion.abs_threshold) & (picked > criterion.ratio_threshold * median)
+    return massive_mask(resid, criterion)[..., dims.to(resid.device)]
 
 
-def _k_hook(view: ModelView, layer: int, kind: str) -> str:
+def rotated_hook(view: ModelView, layer: int, kind: str) -> str:
     rot = f"attn.hook_rot_{kind}"
     return view.hook_name(layer, rot if f"blocks.{layer}.{rot}" in view.model.hook_dict else f"attn.hook_{kind}")
 
@@ -101,11 +102,9 @@ def calibrate(
     """
     if isinstance(corpus, Calibration):
         return corpus
-    from massive_lens.evaluate import sequences
-
     view, criterion = ModelView(model), criterion or Criterion()
-    tokens = sequences(model, corpus, seq_len, n_seqs)
-    found = find_massive(model, tokens[:batch_size], criterion).to_frame()
+    tokens = sequences(view, corpus, seq_len, n_seqs)
+    found = find_massive(model, tokens[:batch_size], criterion=criterion).to_frame()
     first = found.groupby("dim")["layer"].min()
     dims = {int(layer): torch.tensor(sorted(first[first == layer].index.tolist())) for layer in first.unique()}
     detect = min(dims) if dims else -1
@@ -118,10 +117,10 @@ def calibrate(
     counts = torch.zeros(3, dtype=torch.float64)  # non-sink queries, sink keys, sequences
     value_sums = {layer: torch.zeros(len(d), dtype=torch.float64) for layer, d in dims.items()}
     value_counts = {layer: torch.zeros(len(d), dtype=torch.float64) for layer, d in dims.items()}
-    state = _State()
+    state = HookState()
 
     def on_resid(resid: Tensor, hook: Any, layer: int) -> None:
-        hits = _massive_entries(resid, dims[layer], criterion)
+        hits = massive_entries(resid, dims[layer], criterion)
         values = resid[..., dims[layer].to(resid.device)]
         value_sums[layer] += (values * hits).sum((0, 1)).double().cpu()
         value_counts[layer] += hits.sum((0, 1)).double().cpu()
@@ -142,29 +141,29 @@ def calibrate(
 
     hooks = [(view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)) for layer in dims]
     for layer in attn_layers:
-        hooks += [(view.hook_name(layer, "attn.hook_pattern"), partial(_stash, state=state, key="pattern")),
-                  (view.hook_name(layer, "attn.hook_v"), partial(_stash, state=state, key="v")),
-                  (_k_hook(view, layer, "k"), partial(_stash, state=state, key="k")),
+        hooks += [(view.hook_name(layer, "attn.hook_pattern"), partial(stash, state=state, key="pattern")),
+                  (view.hook_name(layer, "attn.hook_v"), partial(stash, state=state, key="v")),
+                  (rotated_hook(view, layer, "k"), partial(stash, state=state, key="k")),
                   (view.hook_name(layer, "attn.hook_z"), partial(on_z, layer=layer))]
-    has_bos = bool((tokens[:, 0] == view.tokenizer.bos_token_id).all())
     for start in tqdm(range(0, len(tokens), batch_size), desc="calibrate", disable=not progress, leave=False):
-        chunk = tokens[start:start + batch_size]
-        view.forward(Batch(chunk, torch.ones_like(chunk, dtype=torch.bool), has_bos), hooks,
-                     stop_after=hooks[-1][0])
+        view.forward(view.full_batch(tokens[start:start + batch_size]), hooks, stop_after=hooks[-1][0])
     means = {layer: (value_sums[layer] / value_counts[layer].clamp(min=1)).float() for layer in dims}
     q, s = counts[0].clamp(min=1), counts[1].clamp(min=1)
     return Calibration(
-        source=_describe(corpus), dims=dims, means=means, attn_layers=attn_layers,
+        source=describe_source(corpus), dims=dims, means=means, attn_layers=attn_layers,
         sink_z=(sums["z"] / q).float(), sink_k=(sums["k"] / s).float(), sink_v=(sums["v"] / s).float(),
         sink_mass=(sums["mass"] / q).float(), criterion=criterion, n_seqs=len(tokens),
     )
 
 
-def _describe(corpus: Any) -> str:
+def describe_source(corpus: Any) -> str:
+    """A short label for a corpus: the file name, ``default text``, or ``N token sequences``."""
     if corpus is None:
         return "default text"
-    return str(corpus) if len(str(corpus)) < 60 else f"{type(corpus).__name__} corpus"
+    if isinstance(corpus, Tensor):
+        return f"{corpus.shape[0]} token sequences of {corpus.shape[1]}"
+    return short(corpus) if isinstance(corpus, (str, os.PathLike)) else f"{type(corpus).__name__} corpus"
 
 
-def _stash(act: Tensor, hook: Any, *, state: _State, key: str) -> None:
+def stash(act: Tensor, hook: Any, *, state: HookState, key: str) -> None:
     state.stash[key] = act

@@ -112,16 +112,14 @@ class ModelView:
                 tokens = tokens[None]
             if tokens.ndim != 2 or tokens.shape[-1] == 0:
                 raise MassiveLensError(f"token ids must be [batch, pos] with pos > 0, got {tuple(inputs.shape)}")
-            self._check_length(tokens.shape[-1])
+            self.check_length(tokens.shape[-1])
             vocab = getattr(self.cfg, "d_vocab", None)
             if int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab):
                 raise MassiveLensError(
                     f"token ids must lie in [0, {vocab}) for {self.name}; got ids from "
                     f"{int(tokens.min())} to {int(tokens.max())}"
                 )
-            bos = self.tokenizer.bos_token_id if getattr(self.model, "tokenizer", None) else None
-            has_bos = bos is not None and bool((tokens[:, 0] == bos).all())
-            return Batch(tokens, torch.ones_like(tokens, dtype=torch.bool), has_bos)
+            return self.full_batch(tokens)
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
         if not texts or any(not isinstance(t, str) or not t for t in texts):
             raise MassiveLensError("got an empty text (or no texts); pass at least one non-empty string")
@@ -134,7 +132,7 @@ class ModelView:
             ids = tok(text, add_special_tokens=False)["input_ids"]
             rows.append(([tok.bos_token_id] if has_bos else []) + list(ids))
         longest = max(len(r) for r in rows)
-        self._check_length(longest)
+        self.check_length(longest)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         tokens = torch.full((len(rows), longest), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), longest), dtype=torch.bool)
@@ -143,7 +141,18 @@ class ModelView:
             mask[i, : len(row)] = True
         return Batch(tokens, mask, has_bos)
 
-    def _check_length(self, length: int) -> None:
+    def starts_with_bos(self, tokens: Int[Tensor, "batch pos"]) -> bool:
+        """Whether every sequence starts with the tokenizer's BOS id (the one has-BOS check)."""
+        tok = getattr(self.model, "tokenizer", None)
+        bos = getattr(tok, "bos_token_id", None)
+        return bos is not None and tokens.shape[-1] > 0 and bool((tokens[..., 0] == bos).all())
+
+    def full_batch(self, tokens: Int[Tensor, "batch pos"]) -> Batch:
+        """Unpadded token ids as a :class:`Batch` (every position real)."""
+        return Batch(tokens, torch.ones_like(tokens, dtype=torch.bool), self.starts_with_bos(tokens))
+
+    def check_length(self, length: int) -> None:
+        """Error when ``length`` tokens exceed the model's context."""
         if self.n_ctx is not None and length > self.n_ctx:
             raise MassiveLensError(
                 f"input has {length} tokens but {self.name} has a context of {self.n_ctx}; "
@@ -211,6 +220,16 @@ class ModelView:
                 return self.model(tokens, **kwargs)
         except _StopForward:
             return None
+
+    def activation(self, batch: Batch, name: str) -> Tensor:
+        """The activation at hook ``name`` for ``batch`` (float32, CPU); the pass stops there."""
+        seen: dict[str, Tensor] = {}
+
+        def keep(x: Tensor, hook: Any) -> None:
+            seen["x"] = x.detach().float().cpu()
+
+        self.forward(batch, [(name, keep)], stop_after=name)
+        return seen["x"]
 
     def check_precision(self, peak: float, where: str) -> None:
         """Warn (with numbers) when a half-precision model carries values near its limits."""

@@ -1,0 +1,48 @@
+"""Attention: intervention perplexity runs against the plain perplexity run, and
+``decompose_attention`` over all layers against one plain forward pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from massive_lens.attention import decompose_attention
+from massive_lens.bench.harness import Row, median_times
+from massive_lens.core.model_view import ModelView
+from massive_lens.interventions import bias_surgery, calibrate, fix_sink_term
+from massive_lens.metrics import perplexity
+
+N_SEQS, SEQ_LEN = 4, 128
+INTERVENTION_GOAL, DECOMPOSE_GOAL = 1.15, 3.0
+
+
+def rows(model: Any, tokens: torch.Tensor, repeats: int = 3) -> list[Row]:
+    view = ModelView(model)
+    evaluate, calibration = tokens[:N_SEQS, :SEQ_LEN], tokens[N_SEQS:2 * N_SEQS, :SEQ_LEN]
+    calib = calibrate(model, calibration, seq_len=SEQ_LEN, n_seqs=len(calibration), progress=False)
+    hooks = {"fix_sink_term": fix_sink_term(model, "mean", calibration=calib),
+             "bias_surgery": bias_surgery(model, calibration=calib)}
+    runs = {"plain": lambda: perplexity(model, evaluate, batch_size=N_SEQS, progress=False)}
+    for name, iv in hooks.items():
+        runs[name] = lambda iv=iv: perplexity(model, evaluate, batch_size=N_SEQS, hooks=iv, progress=False)
+    one = evaluate[:1]
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(one.to(view.input_device))
+
+    runs["forward"] = forward
+    runs["decompose, sinks given"] = lambda: decompose_attention(model, one, sinks=[0])
+    runs["decompose, sinks found by find_massive"] = lambda: decompose_attention(model, one)
+    seconds = median_times(runs, repeats)
+    out = [Row("attention", f"intervention perplexity run ({name}) / plain perplexity run",
+               seconds[name] / seconds["plain"], INTERVENTION_GOAL,
+               f"{len(evaluate)}x{SEQ_LEN} tokens, median {seconds[name]:.2f} s vs {seconds['plain']:.2f} s")
+           for name in hooks]
+    for name in ("decompose, sinks given", "decompose, sinks found by find_massive"):
+        out.append(Row("attention", f"decompose_attention (all layers, {name.split(', ')[1]}) / one forward",
+                       seconds[name] / seconds["forward"], DECOMPOSE_GOAL,
+                       f"{view.n_layers} layers, {one.shape[1]} tokens, median {seconds[name]:.2f} s vs "
+                       f"{seconds['forward']:.2f} s"))
+    return out

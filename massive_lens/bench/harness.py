@@ -1,0 +1,88 @@
+"""The benchmark harness: one timing policy, one memory policy, one table.
+
+Timing: the cases of one area run interleaved (A, B, C, A, B, C, ...) after one warm-up
+call each, ``repeats`` rounds, and each case's time is the **median** of its rounds, so
+load changes on a shared machine hit all cases alike. Every row is a *cost ratio*: the
+measured case over its baseline, lower is better, with a goal ``ratio <= goal``.
+
+Memory: peak resident memory a case adds above the loaded model, measured in a fresh
+subprocess per case (``python -m massive_lens.bench --memory AREA:CASE``).
+
+    python -m massive_lens.bench                       # prints the table
+    python -m massive_lens.bench --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement: ``ratio`` = cost of the case / cost of its baseline (lower is better)."""
+
+    area: str
+    name: str
+    ratio: float
+    goal: float | None  # the ratio must stay <= goal; None: a reference row (no goal)
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        if self.goal is None:
+            return "reference"
+        return "ok" if self.ratio <= self.goal else "over goal"
+
+
+def median_times(cases: dict[str, Callable[[], Any]], repeats: int = 5,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds per case, the cases interleaved after one warm-up call each."""
+    for call in cases.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, call in cases.items():
+            start = clock()
+            call()
+            times[name].append(clock() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields[field].split()[0]) / 1024
+
+
+def peak_memory_of(call: Callable[[], Any]) -> float:
+    """Peak resident MB that ``call()`` adds in this process (reset the high-water mark first)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # reset VmHWM to the current resident size
+    base = _status_mb("VmRSS")
+    call()
+    return _status_mb("VmHWM") - base
+
+
+def memory_in_subprocess(area: str, case: str) -> float:
+    """:func:`peak_memory_of` the case, in a fresh interpreter (so earlier cases leave no trace)."""
+    out = subprocess.run([sys.executable, "-m", "massive_lens.bench", "--memory", f"{area}:{case}"],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory run of {area}:{case} failed:\n{out.stderr[-2000:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def to_markdown(rows: list[Row], header: str) -> str:
+    lines = [header, "", "| area | measurement | ratio | goal (ratio <=) | verdict | detail |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        goal = "-" if r.goal is None else f"{r.goal:g}"
+        lines.append(f"| {r.area} | {r.name} | {r.ratio:.2f} | {goal} | {r.verdict} | {r.detail} |")
+    return "\n".join(lines) + "\n"

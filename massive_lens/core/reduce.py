@@ -1,0 +1,100 @@
+"""Reducers that run inside forward hooks, so no analysis keeps a full activation cache.
+
+A hook on ``blocks.{l}.hook_resid_post`` sees ``[batch, pos, d_model]``; :class:`ResidualReducer`
+keeps only what the analyses need from it (the top-k magnitudes, the median, the massive
+entries, per-kind hit flags) the moment it fires. :class:`ProfileSums` accumulates per-layer
+statistics over batches, so a corpus scan's memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from massive_lens.core.criterion import Criterion, median_scale
+from massive_lens.core.model_view import TOKEN_KINDS, Batch
+
+
+class ResidualReducer:
+    """Hook functions that reduce each residual activation as soon as it is computed."""
+
+    def __init__(self, batch: Batch, criterion: Criterion, k: int = 1, entries: bool = False,
+                 kinds: Tensor | None = None):
+        self.batch, self.criterion, self.k = batch, criterion, k
+        self.want_entries = entries
+        self.kinds = kinds  # [batch pos] token kind ids, for per-kind counts
+        self.top: dict[int, Tensor] = {}  # layer -> [batch k]
+        self.median: dict[int, Tensor] = {}  # layer -> [batch]
+        self.entries: list[tuple[int, Tensor, Tensor, Tensor]] = []  # layer, [n 3] idx, values, ratios
+        self.kind_hits: dict[int, Tensor] = {}  # layer -> [batch kinds+1 d_model] bool
+        self.peak = 0.0
+
+    def hook(self, layer: int):
+        def reduce(resid: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
+            self._reduce(layer, resid.detach())
+
+        return reduce
+
+    def _reduce(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> None:
+        valid = self.batch.mask.to(resid.device)
+        mag = resid.abs().float().masked_fill(~valid[..., None], 0.0)
+        scale, median = median_scale(mag, self.criterion, valid)
+        flat = mag.flatten(1)
+        self.top[layer] = flat.topk(min(self.k, flat.shape[1]), dim=1).values.cpu()
+        self.median[layer] = median.cpu()
+        self.peak = max(self.peak, float(self.top[layer][:, 0].max()))
+        massive = (mag > self.criterion.abs_threshold) & (mag > self.criterion.ratio_threshold * scale)
+        if self.want_entries:
+            idx = massive.nonzero()
+            if len(idx):
+                b, p, d = idx.unbind(1)
+                ratio = mag[b, p, d] / scale.expand_as(mag)[b, p, d]
+                self.entries.append((layer, idx.cpu(), resid[b, p, d].float().cpu(), ratio.cpu()))
+        if self.kinds is not None:
+            self.kind_hits[layer] = kind_hits(massive, self.kinds.to(resid.device)).cpu()
+
+    def found(self) -> set[tuple[int, int, int]]:
+        """Every massive (seq, pos, dim), over all layers."""
+        return {tuple(row) for _, idx, _, _ in self.entries for row in idx.tolist()}
+
+
+def kind_hits(massive: Bool[Tensor, "batch pos d_model"], kinds: Int[Tensor, "batch pos"]) -> Tensor:
+    """[batch, kinds + first delimiter, d_model]: is the dim massive at a token of that kind?"""
+    hits = [(massive & (kinds == c)[..., None]).any(1) for c in range(len(TOKEN_KINDS))]
+    is_delim = kinds == TOKEN_KINDS.index("delimiter")
+    first = is_delim.float().argmax(1)  # first delimiter position (0 when there is none)
+    at_first = massive[torch.arange(len(kinds), device=kinds.device), first] & is_delim.any(1)[:, None]
+    return torch.stack(hits + [at_first], 1)
+
+
+class ProfileSums:
+    """Per-layer sums of top-1..k, the median and top-1/median over sequences (float64)."""
+
+    def __init__(self, layers: list[int], k: int):
+        self.layers, self.k = layers, k
+        self.sum = torch.zeros(len(layers), k + 2, dtype=torch.float64)
+        self.sq = torch.zeros(len(layers), k + 2, dtype=torch.float64)
+        self.n = 0
+
+    def add(self, reducer: ResidualReducer) -> None:
+        for i, layer in enumerate(self.layers):
+            top, med = reducer.top[layer].double(), reducer.median[layer].double()
+            stats = torch.cat([top, med[:, None], (top[:, 0] / med)[:, None]], 1)
+            self.sum[i] += stats.sum(0)
+            self.sq[i] += (stats**2).sum(0)
+        self.n += len(reducer.batch.tokens)
+
+    def frame(self) -> pd.DataFrame:
+        """``layer``, then ``<stat>_mean`` and ``<stat>_std`` for top1..topk, median, ratio."""
+        mean = self.sum / self.n
+        std = (self.sq / self.n - mean**2).clamp_min(0).sqrt()
+        names = [f"top{i + 1}" for i in range(self.k)] + ["median", "ratio"]
+        data: dict[str, Any] = {"layer": self.layers}
+        for j, name in enumerate(names):
+            data[f"{name}_mean"] = mean[:, j].numpy()
+            data[f"{name}_std"] = std[:, j].numpy()
+        return pd.DataFrame(data)

@@ -1,0 +1,242 @@
+"""Massive activations in one text (:func:`find_massive`) and per layer (:func:`layer_profile`).
+
+In LLaMA2-7B a handful of massive activations sit on fixed dimensions (1415, 2533), on the
+first token and the first strong delimiter, appear abruptly in one early layer and stay
+nearly constant until the last layers. :func:`find_massive` lists every entry that meets the
+:class:`~massive_lens.Criterion`; :func:`layer_profile` gives the per-layer top-k and median.
+
+>>> from massive_lens import tiny_model
+>>> found = find_massive(tiny_model("llama"), "A tiny model has none.")
+>>> len(found.to_frame())
+0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+from torch import Tensor
+
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.model_view import TOKEN_KINDS, Batch, ModelView
+from massive_lens.core.reduce import ProfileSums, ResidualReducer
+from massive_lens.core.render import profile_axes
+from massive_lens.core.results import Result
+from massive_lens.errors import MassiveLensError
+
+RESIDUAL_HOOKS = ("resid_pre", "resid_mid", "resid_post")
+
+
+def run_reducer(view: ModelView, batch: Batch, criterion: Criterion, hook: str, layers: Sequence[int],
+                k: int = 1, entries: bool = False, kinds: Tensor | None = None) -> ResidualReducer:
+    """One forward pass that reduces ``hook`` of each of ``layers`` in place, then stops."""
+    if hook not in RESIDUAL_HOOKS:
+        raise MassiveLensError(f"hook must be one of {RESIDUAL_HOOKS}, got {hook!r}")
+    reducer = ResidualReducer(batch, criterion, k, entries, kinds)
+    names = [view.hook_name(layer, hook) for layer in layers]
+    hooks = [(name, reducer.hook(layer)) for name, layer in zip(names, layers, strict=True)]
+    view.forward(batch, hooks, stop_after=names[-1])
+    view.check_precision(reducer.peak, f"max |{hook}|")
+    return reducer
+
+
+def chosen_layers(view: ModelView, layers: int | Sequence[int] | None) -> list[int]:
+    """Sorted distinct layers (``None``: all), each checked to exist."""
+    if isinstance(layers, int):
+        layers = [layers]
+    chosen = sorted(set(range(view.n_layers) if layers is None else layers))
+    if not chosen:
+        raise MassiveLensError("layers is empty; pass None for all layers")
+    for layer in chosen:
+        view.hook_name(layer, "resid_post")  # range check with a clear message
+    return chosen
+
+
+# --------------------------------------------------------------------------- find_massive
+
+
+@dataclass(frozen=True)
+class MassiveActivations(Result):
+    """Every massive entry of a batch of texts. ``to_frame()`` columns: ``seq``, ``layer``,
+    ``pos``, ``token``, ``token_kind``, ``dim``, ``value``, ``ratio``."""
+
+    entries: pd.DataFrame
+    profile: pd.DataFrame  # seq, layer, top1, median
+    tokens: tuple[tuple[str, ...], ...]
+    criterion: Criterion
+    model_name: str
+    hook: str
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layers with at least one massive entry."""
+        return tuple(sorted(self.entries["layer"].unique().tolist()))
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """Dimensions that are massive somewhere."""
+        return tuple(sorted(self.entries["dim"].unique().tolist()))
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Positions that are massive somewhere (in any sequence)."""
+        return tuple(sorted(self.entries["pos"].unique().tolist()))
+
+    @property
+    def peak_layer(self) -> int:
+        """The layer where top-1 / median is largest (over sequences and layers)."""
+        prof = self.profile
+        return int(prof.loc[(prof["top1"] / prof["median"]).idxmax(), "layer"])
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.entries.copy()
+
+    def by_dim(self) -> pd.DataFrame:
+        """One row per (seq, pos, dim): token, the layers it spans, peak value and ratio."""
+        if self.entries.empty:
+            return pd.DataFrame(columns=["seq", "pos", "dim", "token", "token_kind", "first_layer",
+                                         "last_layer", "n_layers", "value", "ratio"])
+        groups = self.entries.groupby(["seq", "pos", "dim"], sort=True)
+        peak = self.entries.loc[groups["value"].apply(lambda v: v.abs().idxmax()).values]
+        out = peak[["seq", "pos", "dim", "token", "token_kind", "value", "ratio"]].reset_index(drop=True)
+        out.insert(5, "first_layer", groups["layer"].min().values)
+        out.insert(6, "last_layer", groups["layer"].max().values)
+        out.insert(7, "n_layers", groups["layer"].nunique().values)
+        return out.sort_values("value", key=abs, ascending=False).reset_index(drop=True)
+
+    def summary(self) -> str:
+        c = self.criterion
+        head = f"{self.model_name}, {self.hook}, |x| > {c.abs_threshold:g} and > {c.ratio_threshold:g}x median"
+        rows = self.by_dim()
+        if rows.empty:
+            ratio = self.profile["top1"] / self.profile["median"]
+            peak = self.profile.loc[ratio.idxmax()]
+            return (f"{head}: no massive activations in {len(self.tokens)} text(s); largest "
+                    f"top-1/median is {ratio.max():,.0f}x (|x| = {peak['top1']:,.1f}) at layer {int(peak['layer'])}")
+        lines = [f"{head}: {len(rows)} massive (position, dim) pairs in layers {self.layers[0]}-{self.layers[-1]}"]
+        for r in rows.head(8).itertuples():
+            lines.append(f"  dim {r.dim} at {r.token!r} ({r.token_kind}, seq {r.seq} pos {r.pos}): layers "
+                         f"{r.first_layer}-{r.last_layer}, peak {r.value:,.1f} ({r.ratio:,.0f}x median)")
+        if len(rows) > 8:
+            lines.append(f"  ... and {len(rows) - 8} more (see .by_dim())")
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None) -> Any:
+        """Top-1 magnitude and median per layer (log scale), massive layers shaded."""
+        frame = self.profile.groupby("layer")[["top1", "median"]].mean().reset_index()
+        return profile_axes(frame, ["top1", "median"], ax=ax, shade=self.layers,
+                            title=f"{self.model_name}: residual magnitudes ({self.hook})")
+
+
+def find_massive(
+    model: Any,
+    text: str | Sequence[str] | Tensor,
+    *,
+    criterion: Criterion | None = None,
+    layers: int | Sequence[int] | None = None,
+    hook: str = "resid_post",
+    prepend_bos: bool | None = None,
+) -> MassiveActivations:
+    """Every massive activation of a text (or a padded batch of texts) in the residual stream.
+
+    Args:
+        model: a TransformerLens-style model (see :func:`massive_lens.load_model`).
+        text: a string, a list of strings (right-padded into one batch) or token ids.
+        criterion: when a value is massive (default: Sun et al.'s 100 and 1000x the median).
+        layers: a layer or layers to read (default: all).
+        hook: the residual hook, ``resid_post`` (default), ``resid_mid`` or ``resid_pre``.
+        prepend_bos: override the model's default for text input.
+
+    Returns:
+        A :class:`MassiveActivations` with one row per massive (seq, layer, pos, dim).
+
+    >>> from massive_lens import tiny_model
+    >>> found = find_massive(tiny_model("gpt2"), ["Hello.", "Hi"], criterion=Criterion(1.0, 1.0))
+    >>> sorted(found.to_frame().columns)
+    ['dim', 'layer', 'pos', 'ratio', 'seq', 'token', 'token_kind', 'value']
+    """
+    view = ModelView(model)
+    criterion = criterion or Criterion()
+    batch = view.tokenize(text, prepend_bos)
+    chosen = chosen_layers(view, layers)
+    reducer = run_reducer(view, batch, criterion, hook, chosen, k=1, entries=True)
+    tokens = view.str_tokens(batch)
+    kinds = view.token_kinds(batch)
+    rows = []
+    for layer, idx, values, ratios in reducer.entries:
+        for (b, p, d), value, ratio in zip(idx.tolist(), values.tolist(), ratios.tolist(), strict=True):
+            rows.append((b, layer, p, tokens[b][p], TOKEN_KINDS[int(kinds[b, p])], d, value, ratio))
+    entries = pd.DataFrame(rows, columns=["seq", "layer", "pos", "token", "token_kind", "dim", "value", "ratio"])
+    profile = pd.DataFrame(
+        [(b, layer, float(reducer.top[layer][b, 0]), float(reducer.median[layer][b]))
+         for layer in chosen for b in range(len(tokens))],
+        columns=["seq", "layer", "top1", "median"],
+    )
+    return MassiveActivations(entries, profile, tuple(map(tuple, tokens)), criterion, view.name, hook)
+
+
+# --------------------------------------------------------------------------- layer_profile
+
+
+@dataclass(frozen=True)
+class LayerProfile(Result):
+    """Per layer: mean and std over sequences of the top-1..k magnitudes and the median.
+    ``to_frame()`` columns: ``layer``, ``top1_mean``, ``top1_std``, ..., ``median_mean``,
+    ``median_std``, ``ratio_mean`` (top-1 / median)."""
+
+    frame: pd.DataFrame
+    model_name: str
+    n_sequences: int
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def summary(self) -> str:
+        f = self.frame
+        peak = f.loc[f["ratio_mean"].idxmax()]
+        return (f"{self.model_name}, {self.n_sequences} sequences: top-1 peaks at layer {int(peak.layer)} "
+                f"with {peak.top1_mean:,.1f} ± {peak.top1_std:,.1f} ({peak.ratio_mean:,.0f}x the median "
+                f"{peak.median_mean:.3g}); layer {int(f.layer.iloc[-1])} ends at {f.top1_mean.iloc[-1]:,.1f}")
+
+    def plot(self, ax: Any = None) -> Any:
+        """The paper's layer-wise figure: top-k and median per layer, log scale, ±1 std."""
+        cols = [c[:-5] for c in self.frame.columns if c.endswith("_mean") and c != "ratio_mean"]
+        return profile_axes(self.frame, cols, ax=ax, suffix="_mean", title=f"{self.model_name}: layer profile")
+
+
+def layer_profile(
+    model: Any, text: str | Sequence[str] | Tensor, *, k: int = 3, batch_size: int = 8,
+    prepend_bos: bool | None = None, hook: str = "resid_post",
+) -> LayerProfile:
+    """Top-1..k magnitudes and the median of each layer's hidden state, mean ± std over texts.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: a string, a list of strings or a ``[batch, pos]`` token tensor.
+        k: how many of the largest magnitudes to keep per layer.
+        batch_size: texts per forward pass.
+        prepend_bos: override the model's default for text input.
+        hook: the residual hook (``resid_post`` by default).
+
+    Returns:
+        A :class:`LayerProfile` (one row per layer).
+
+    >>> from massive_lens import tiny_model
+    >>> layer_profile(tiny_model("llama"), ["One text.", "Two texts."]).to_frame().shape
+    (4, 11)
+    """
+    if k < 1 or batch_size < 1:
+        raise MassiveLensError(f"k and batch_size must be >= 1, got k={k}, batch_size={batch_size}")
+    view = ModelView(model)
+    texts = [text] if isinstance(text, str) else (text if isinstance(text, Tensor) else list(text))
+    if len(texts) == 0:
+        raise MassiveLensError("layer_profile got no texts; pass at least one string")
+    layers = chosen_layers(view, None)
+    sums = ProfileSums(layers, k)
+    for start in range(0, len(texts), batch_size):
+        batch = view.tokenize(texts[start : start + batch_size], prepend_bos)
+        sums.add(run_reducer(view, batch, Criterion(), hook, layers, k=k))
+    return LayerProfile(sums.frame(), view.name, sums.n)

@@ -1,0 +1,82 @@
+"""Figures that run a model: the activation landscape and per-head attention maps.
+
+They take a model and one text, run one forward pass that stops at the hook they need, and
+draw through the pure functions of :mod:`massive_lens.core.render`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+from torch import Tensor
+
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import landscape_axes, tick_label
+from massive_lens.detect import find_massive
+from massive_lens.errors import MassiveLensError
+
+
+def capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[Tensor, list[str]]:
+    """One text's activation at ``blocks.{layer}.{hook}`` (batch dim dropped, float32, CPU)
+    and its token strings; the forward pass stops right after that hook."""
+    view = ModelView(model)
+    batch = view.tokenize(text)
+    if batch.tokens.shape[0] != 1:
+        raise MassiveLensError(f"this figure shows one text; got a batch of {batch.tokens.shape[0]}")
+    return view.activation(batch, view.hook_name(layer, hook))[0], view.str_tokens(batch)[0]
+
+
+def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax: Any = None,
+                         criterion: Any = None, found: Any = None) -> Any:
+    """The activation landscape of ``text`` at ``layer`` (default: where the top-1 magnitude
+    over the median is largest), massive dims and tokens labelled (:func:`landscape_axes`).
+    ``found``: the text's ``find_massive`` result, if already computed.
+
+    >>> from massive_lens import tiny_model
+    >>> activation_landscape(tiny_model("llama"), "Hello. World", layer=1).get_xlabel()
+    'hidden dimension'
+    """
+    found = found if found is not None else find_massive(model, text, criterion=criterion)
+    layer = found.peak_layer if layer is None else layer
+    values, tokens = capture_one(model, text, layer, "resid_post")
+    at = found.entries[found.entries["layer"] == layer]
+    return landscape_axes(values.numpy(), tokens, label_dims=sorted(at["dim"].unique().tolist()),
+                          label_tokens=sorted(at["pos"].unique().tolist()), ax=ax,
+                          title=f"{found.model_name}: layer {layer} ({found.hook})")
+
+
+def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | None = None,
+                   sinks: Sequence[int] | None = None, max_heads: int = 12) -> Any:
+    """Per-head attention maps of one layer (query x key, token strings as ticks) with the sink
+    key columns outlined in red. ``sinks`` default to the positions with massive activations
+    (first token if none). Returns the Figure.
+
+    >>> from massive_lens import tiny_model
+    >>> fig = attention_maps(tiny_model("gpt2"), "Hi there.", layer=0, heads=[0, 1])
+    >>> fig.axes[1].get_title()
+    'L0H1'
+    """
+    pattern, tokens = capture_one(model, text, layer, "attn.hook_pattern")
+    chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else list(heads)
+    if sinks is None:
+        sinks = find_massive(model, text).positions or [0]
+    cols = min(4, len(chosen))
+    rows = -(-len(chosen) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
+    labels = [tick_label(t, 8) for t in tokens]
+    for ax, head in zip(axes.flat, chosen, strict=False):
+        ax.imshow(pattern[head].numpy(), cmap="Blues", vmin=0, vmax=1)
+        for s in sinks:
+            ax.add_patch(Rectangle((s - 0.5, -0.5), 1, len(tokens), fill=False, ec="tab:red", lw=1.5))
+        ax.set_title(f"L{layer}H{head}")
+        if len(tokens) <= 24:
+            ax.set_xticks(range(len(tokens)), labels, rotation=90, fontsize=6)
+            ax.set_yticks(range(len(tokens)), labels, fontsize=6)
+    for ax in list(axes.flat)[len(chosen):]:
+        ax.axis("off")
+    fig.supxlabel("key token (attended to); red: sink columns")
+    fig.supylabel("query token")
+    return fig
