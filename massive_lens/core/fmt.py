@@ -35,6 +35,6 @@ def cell(value: Any) -> str:
 
 
 def short(label: Any, width: int = 60) -> str:
-    """A label cut to ``width`` characters with an ellipsis."""
-    text = str(label)
+    """A label on one line (runs of whitespace collapsed), cut to ``width`` characters."""
+    text = " ".join(str(label).split())
     return text if len(text) < width else text[: width - 3] + "..."

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import pandas as pd
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
@@ -25,19 +26,23 @@ from tqdm.auto import tqdm
 from massive_lens.attention import sink_term
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, massive_mask
-from massive_lens.core.fmt import short
+from massive_lens.core.fmt import num, short
+from massive_lens.core.render import sink_mass_axes
+from massive_lens.core.results import Result
 from massive_lens.core.model_view import ModelView
 from massive_lens.detect import find_massive
 
 
 @dataclass(frozen=True)
-class Calibration:
+class Calibration(Result):
     """What the interventions need to know about a model, measured on calibration text.
 
     ``dims[layer]``: massive dims whose first massive layer is ``layer``; ``means[layer]``:
     their mean value at massive entries; ``sink_z [layer head d_head]``: each head's mean
     sink term over non-sink query positions; ``sink_k``/``sink_v [layer kv_head d_head]``:
     mean key (post-RoPE) and value at sink positions; ``sink_mass [layer head]``.
+    ``to_frame()``: one row per fact, ``kind`` (``massive_mean``: ``layer``, ``dim``,
+    ``value``; ``sink_mass``: ``layer``, ``head``, ``value``).
     """
 
     source: str
@@ -53,7 +58,34 @@ class Calibration:
 
     @property
     def detect_layer(self) -> int | None:
+        """The first layer where a massive activation appears (None: none in the text)."""
         return min(self.dims) if self.dims else None
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = [("massive_mean", layer, dim, -1, float(mean))
+                for layer, dims in sorted(self.dims.items())
+                for dim, mean in zip(dims.tolist(), self.means[layer].tolist(), strict=True)]
+        rows += [("sink_mass", layer, -1, head, float(self.sink_mass[layer, head]))
+                 for layer in self.attn_layers for head in range(self.sink_mass.shape[1])]
+        return pd.DataFrame(rows, columns=["kind", "layer", "dim", "head", "value"])
+
+    def summary(self) -> str:
+        if not self.dims:
+            found = "no massive activations; the sinks fall back to the first token"
+        else:
+            found = "massive dims " + "; ".join(
+                f"{', '.join(map(str, dims.tolist()))} from layer {layer} (mean "
+                f"{', '.join(num(m) for m in self.means[layer].tolist())})" for layer, dims in sorted(self.dims.items()))
+        mass = float(self.sink_mass[list(self.attn_layers)].mean()) if self.attn_layers else float("nan")
+        return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; mean "
+                f"attention to the sinks after them {mass:.2f}")
+
+    def plot(self, ax: Any = None) -> Any:
+        """Mean attention of non-sink queries to the sinks, per layer (range over heads)."""
+        frame = self.to_frame()
+        frame = frame[frame.kind == "sink_mass"].rename(columns={"value": "sink_mass"})
+        return sink_mass_axes(frame.assign(first_token_mass=float("nan")), ax=ax,
+                              title=f"calibration: attention to sinks ({self.source})")
 
 
 class HookState:
