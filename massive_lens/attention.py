@@ -134,13 +134,19 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
 
     Args:
         model: a TransformerLens-style model.
-        text: a string, a list of strings or a token tensor.
-        sinks: sink positions (a list, or a bool ``[batch, pos]`` mask); default: the
-            positions with massive activations, else the first token.
-        threshold: the sink metric's attention share (Gu et al.: 0.3).
+        text: a string, a list of strings (padded into one batch) or a token tensor.
+        sinks: sink positions (a list of ints, the same for every sequence, or a bool
+            ``[batch, pos]`` mask); None: the positions with massive activations (found with
+            :func:`~massive_lens.find_massive`), else the first token.
+        threshold: the sink metric's attention share, in (0, 1) (default 0.3, Gu et al.).
 
     Returns:
-        A :class:`SinkAttention` (one row per layer and head).
+        A :class:`SinkAttention` (one row per layer and head) with its ``sink_metric``.
+
+    Raises:
+        MassiveLensError: if ``threshold`` is not in (0, 1), ``sinks`` is an empty list, a
+            position outside the text or a mask of the wrong dtype or shape, ``text`` is
+            empty or too long, or ``model`` is not a TransformerLens model.
 
     >>> from massive_lens import tiny_model
     >>> result = sink_attention(tiny_model("gpt2"), "Hello world.", sinks=[0])
@@ -265,14 +271,20 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
 
     Args:
         model: a TransformerLens-style model.
-        text: a string, a list of strings or a token tensor.
-        layers: a layer or layers to decompose (default: all).
-        sinks: sink positions (a list, or a bool ``[batch, pos]`` mask); default: the
-            positions with massive activations, else the first token.
+        text: a string, a list of strings (padded into one batch) or a token tensor.
+        layers: a layer or a sequence of layers to decompose (None: all).
+        sinks: sink positions (a list of ints, the same for every sequence, or a bool
+            ``[batch, pos]`` mask); None: the positions with massive activations, else the
+            first token.
 
     Returns:
         An :class:`AttentionDecomposition`: the terms, their constancy per head, and the
         reconstruction error.
+
+    Raises:
+        MassiveLensError: if ``layers`` is empty or out of range, ``sinks`` is invalid (see
+            :func:`sink_attention`), ``text`` is empty or too long, or ``model`` is not a
+            TransformerLens model.
 
     >>> from massive_lens import tiny_model
     >>> d = decompose_attention(tiny_model("qwen2"), "Hi there.", layers=1, sinks=[0])

@@ -130,16 +130,24 @@ def perplexity(
 
     Args:
         model: a TransformerLens-style model.
-        corpus: a text file, a string, strings, ``hf:`` name, a ``[seq, pos]`` token tensor,
-            or None for the offline default text.
-        seq_len: tokens per sequence (BOS included), for text input.
-        n_seqs: sequences evaluated, for text input.
-        batch_size: sequences per forward pass.
-        hooks: ``(hook_name, function)`` pairs, or an intervention.
+        corpus: a text file, a string, strings, ``hf:`` name, a ``[seq, pos]`` token tensor
+            (evaluated as is), or None for the offline default text.
+        seq_len: tokens per sequence (BOS included; default 128), for text input.
+        n_seqs: sequences evaluated (the first ``n_seqs`` of the corpus; default 32), for
+            text input.
+        batch_size: sequences per forward pass (default 8).
+        hooks: ``(hook_name, function)`` pairs, an
+            :class:`~massive_lens.interventions.Intervention`, or any object with
+            ``fwd_hooks``; attached during every forward pass (default: none).
         progress: show a progress bar.
 
     Returns:
         A :class:`Perplexity` with per-sequence loss and accuracy.
+
+    Raises:
+        MassiveLensError: if ``hooks`` are not ``(name, function)`` pairs, a token tensor is
+            not ``[seq, pos]`` with ``pos >= 2``, ``batch_size``, ``n_seqs`` or ``seq_len`` is
+            out of range, or the corpus is too short for one sequence.
 
     >>> from massive_lens import tiny_model
     >>> model = tiny_model("gpt2")

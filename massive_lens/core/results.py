@@ -34,12 +34,15 @@ class Result:
     """Base class of every public result type (see the module docstring)."""
 
     def to_frame(self) -> pd.DataFrame:  # pragma: no cover - every result overrides it
+        """The long table: one row per fact, with the documented column names."""
         raise NotImplementedError
 
     def summary(self) -> str:  # pragma: no cover
+        """A short text, what a researcher would write in a lab notebook."""
         raise NotImplementedError
 
     def plot(self, ax: Any = None) -> Any:  # pragma: no cover
+        """Draw the result on ``ax`` (None: a new figure) and return the matplotlib Axes."""
         raise NotImplementedError
 
     def _repr_html_(self) -> str:

@@ -95,7 +95,14 @@ class MassiveActivations(Result):
         return self.entries.copy()
 
     def by_dim(self) -> pd.DataFrame:
-        """One row per (seq, pos, dim): token, the layers it spans, peak value and ratio."""
+        """One row per (seq, pos, dim): token, the layers it spans, peak value and ratio.
+
+        Returns:
+            A DataFrame with columns ``seq``, ``pos``, ``dim``, ``token``, ``token_kind``,
+            ``first_layer``, ``last_layer``, ``n_layers``, ``value`` (the signed value of
+            largest magnitude over layers) and ``ratio`` (at that layer), largest ``|value|``
+            first; empty, with these columns, when nothing is massive.
+        """
         if self.entries.empty:
             return pd.DataFrame(columns=["seq", "pos", "dim", "token", "token_kind", "first_layer",
                                          "last_layer", "n_layers", "value", "ratio"])
@@ -144,14 +151,25 @@ def find_massive(
 
     Args:
         model: a TransformerLens-style model (see :func:`massive_lens.load_model`).
-        text: a string, a list of strings (right-padded into one batch) or token ids.
-        criterion: when a value is massive (default: Sun et al.'s 100 and 1000x the median).
-        layers: a layer or layers to read (default: all).
+        text: a string, a list of strings (right-padded into one batch; pads are never
+            massive) or token ids (``[pos]`` or ``[batch, pos]``).
+        criterion: when a value is massive (None: ``Criterion()``, Sun et al.'s 100 and
+            1000x the median).
+        layers: a layer or layers to read (None: all); duplicates are dropped and the
+            forward pass stops after the last one.
         hook: the residual hook, ``resid_post`` (default), ``resid_mid`` or ``resid_pre``.
-        prepend_bos: override the model's default for text input.
+        prepend_bos: whether to prepend BOS to text input (None: the model's default);
+            ignored for token ids.
 
     Returns:
-        A :class:`MassiveActivations` with one row per massive (seq, layer, pos, dim).
+        A :class:`MassiveActivations` with one row per massive (seq, layer, pos, dim), the
+        per-layer top-1 and median of every sequence, and the token strings.
+
+    Raises:
+        MassiveLensError: if ``model`` is not a TransformerLens model, ``text`` is empty,
+            longer than the model's context or holds out-of-vocabulary ids, ``layers`` is
+            empty or out of range, ``hook`` is not a residual hook, or a half-precision
+            model overflows.
 
     >>> from massive_lens import tiny_model
     >>> found = find_massive(tiny_model("gpt2"), ["Hello.", "Hi"], criterion=Criterion(1.0, 1.0))
@@ -215,14 +233,21 @@ def layer_profile(
 
     Args:
         model: a TransformerLens-style model.
-        text: a string, a list of strings or a ``[batch, pos]`` token tensor.
-        k: how many of the largest magnitudes to keep per layer.
-        batch_size: texts per forward pass.
-        prepend_bos: override the model's default for text input.
-        hook: the residual hook (``resid_post`` by default).
+        text: a string, a list of strings or a ``[batch, pos]`` token tensor; each string
+            (or row) is one sequence of the mean and std.
+        k: how many of the largest magnitudes to keep per layer (default 3).
+        batch_size: texts per forward pass (default 8).
+        prepend_bos: whether to prepend BOS to text input (None: the model's default).
+        hook: the residual hook, ``resid_post`` (default), ``resid_mid`` or ``resid_pre``.
 
     Returns:
-        A :class:`LayerProfile` (one row per layer).
+        A :class:`LayerProfile` (one row per layer: ``top1_mean``, ``top1_std``, ...,
+        ``median_mean``, ``median_std``, ``ratio_mean``, ``ratio_std``).
+
+    Raises:
+        MassiveLensError: if ``k`` or ``batch_size`` is below 1, there are no texts, a text
+            is empty or too long, ``hook`` is not a residual hook, or ``model`` is not a
+            TransformerLens model.
 
     >>> from massive_lens import tiny_model
     >>> layer_profile(tiny_model("llama"), ["One text.", "Two texts."]).to_frame().shape

@@ -92,16 +92,25 @@ def scan_corpus(
         model: a TransformerLens-style model.
         corpus: a text file (``Path`` or existing path), a string, strings, ``"hf:NAME[:CONFIG[:SPLIT]]"``,
             a ``[n_seqs, seq_len]`` token tensor, or None for the offline default text.
-        seq_len: tokens per sequence (BOS included).
-        batch_size: sequences per forward pass.
-        max_tokens: stop after this many tokens (None: the whole corpus).
-        criterion: when a value is massive.
-        k: how many of the largest magnitudes the profile keeps per layer.
-        prepend_bos: override the model's default.
-        progress: show a progress bar.
+        seq_len: tokens per sequence (BOS included; default 256); text is cut into
+            back-to-back sequences of this length and a shorter remainder is dropped.
+        batch_size: sequences per forward pass (default 4).
+        max_tokens: stop after ``max_tokens // seq_len`` whole sequences (default 16,384
+            tokens; None: the whole corpus).
+        criterion: when a value is massive (None: ``Criterion()``).
+        k: how many of the largest magnitudes the profile keeps per layer (default 3).
+        prepend_bos: whether each sequence starts with BOS (None: the model's default).
+        progress: show a progress bar (on rank 0 only).
 
     Returns:
         A :class:`CorpusScan`: the layer profile and how often each (dim, token kind) is massive.
+
+    Raises:
+        MassiveLensError: if ``seq_len`` is below 2 or longer than the model's context,
+            ``batch_size`` or ``max_tokens`` is below 1, ``max_tokens`` is below one
+            sequence, the corpus is too short for one sequence, a corpus file does not
+            exist, a token tensor is not ``[n_seqs, seq_len]``, or an ``hf:`` dataset cannot
+            be opened.
 
     >>> from massive_lens import tiny_model
     >>> scan = scan_corpus(tiny_model("llama"), seq_len=32, max_tokens=128, progress=False)

@@ -208,6 +208,24 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
     the layer where each dim first appears. ``control=True``: zero as many median-magnitude
     activations instead (same layer, same count per sequence).
 
+    Args:
+        model: a TransformerLens-style model.
+        mode: ``"zero"`` (default), ``"mean"`` (each dim's calibration mean at its massive
+            entries) or a number every massive entry is set to.
+        calibration: calibration text (a corpus; None: the offline default text) or a
+            :class:`~massive_lens.interventions.Calibration` from
+            :func:`~massive_lens.calibrate`; use other text than the evaluation text.
+        control: zero the same number of median-magnitude, non-massive activations per
+            sequence instead (needs ``mode="zero"``).
+
+    Returns:
+        An :class:`Intervention` named ``"zero"``, ``"mean"``, ``"value=<mode>"`` or
+        ``"control"``.
+
+    Raises:
+        MassiveLensError: if the calibration text has no massive activations, ``mode`` is
+            none of the above, or ``control=True`` with a ``mode`` other than ``"zero"``.
+
     >>> from massive_lens import tiny_model
     >>> ablate_massive(tiny_model("llama"), calibration="No massive activations here. " * 5)
     Traceback (most recent call last):
@@ -238,6 +256,20 @@ def fix_sink_term(model: Any, mode: str = "mean", *, calibration: Any = None) ->
     """Replace every head's sink term by its calibration mean (``"mean"``) or zero, at all
     non-sink query positions of the layers after the massive activations appear.
 
+    Args:
+        model: a TransformerLens-style model.
+        mode: ``"mean"`` (default: each head's calibration mean, the fixed-bias hypothesis)
+            or ``"zero"``.
+        calibration: calibration text (a corpus; None: the offline default text) or a
+            :class:`~massive_lens.interventions.Calibration` from
+            :func:`~massive_lens.calibrate`; use other text than the evaluation text.
+
+    Returns:
+        An :class:`Intervention` named ``"sink_term_mean"`` or ``"sink_term_zero"``.
+
+    Raises:
+        MassiveLensError: if ``mode`` is not ``"mean"`` or ``"zero"``.
+
     >>> from massive_lens import tiny_model
     >>> len(fix_sink_term(tiny_model("gpt2"), calibration="Calibrate on this. " * 10)) > 0
     True
@@ -258,6 +290,21 @@ def fix_sink_term(model: Any, mode: str = "mean", *, calibration: Any = None) ->
 def remove_sink_attention(model: Any, *, renormalize: bool = True, calibration: Any = None) -> Intervention:
     """Drop the attention paid to sink positions (and renormalize each query's row).
 
+    Applies to the layers after the massive activations appear (all layers when the
+    calibration text has none, with the first token as the sink); sink queries keep their
+    own attention.
+
+    Args:
+        model: a TransformerLens-style model.
+        renormalize: rescale each query's remaining attention to sum to one (default); a
+            query with nothing left keeps its original row. False: only drop it.
+        calibration: calibration text (a corpus; None: the offline default text) or a
+            :class:`~massive_lens.interventions.Calibration` from
+            :func:`~massive_lens.calibrate`; use other text than the evaluation text.
+
+    Returns:
+        An :class:`Intervention` named ``"sink_attention_removed"``.
+
     >>> from massive_lens import tiny_model
     >>> remove_sink_attention(tiny_model("gemma3"), calibration="Text. " * 30).name
     'sink_attention_removed'
@@ -275,6 +322,17 @@ def bias_surgery(model: Any, *, calibration: Any = None, suppress: bool = True) 
     """Give each head an explicit key/value bias slot (calibration means of the sink keys and
     values), mask the sink positions out of attention, and (``suppress``) zero the massive
     activations. With ``suppress=False`` and a BOS sink, the slot reproduces the model.
+
+    Args:
+        model: a TransformerLens-style model.
+        calibration: calibration text (a corpus; None: the offline default text) or a
+            :class:`~massive_lens.interventions.Calibration` from
+            :func:`~massive_lens.calibrate`; use other text than the evaluation text.
+        suppress: also zero the massive activations where they first appear (default);
+            False keeps them.
+
+    Returns:
+        An :class:`Intervention` named ``"bias_surgery"``.
 
     >>> from massive_lens import tiny_model
     >>> bias_surgery(tiny_model("qwen2"), calibration="Calibration text. " * 10).name
@@ -301,6 +359,20 @@ def patch_sink_from(model: Any, other_text: str, *, positions: Sequence[int] | N
     """Patch the residual stream (``resid_post`` of ``layers``, default all) at the sink
     ``positions`` (default: where ``other_text`` carries massive activations, else 0) with
     its values on ``other_text``, using TransformerLens's ``layer_pos_patch_setter``.
+
+    Args:
+        model: a TransformerLens-style model.
+        other_text: the one text whose residual stream is copied (run once, now).
+        positions: the positions to patch (None: where ``other_text`` carries massive
+            activations, else ``[0]``); positions beyond a patched input's length are skipped.
+        layers: the layers whose ``resid_post`` is patched (None: all).
+
+    Returns:
+        An :class:`Intervention` named ``"sink_patched"``.
+
+    Raises:
+        MassiveLensError: if a position lies beyond ``other_text``, a layer is out of range,
+            or ``other_text`` is empty or too long.
 
     >>> from massive_lens import tiny_model
     >>> len(patch_sink_from(tiny_model("llama"), "Another text.", layers=[1]))

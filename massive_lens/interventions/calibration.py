@@ -27,9 +27,9 @@ from massive_lens.attention import sink_term
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.fmt import num, short
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
-from massive_lens.core.model_view import ModelView
 from massive_lens.detect import find_massive
 
 
@@ -75,7 +75,8 @@ class Calibration(Result):
         else:
             found = "massive dims " + "; ".join(
                 f"{', '.join(map(str, dims.tolist()))} from layer {layer} (mean "
-                f"{', '.join(num(m) for m in self.means[layer].tolist())})" for layer, dims in sorted(self.dims.items()))
+                f"{', '.join(num(m) for m in self.means[layer].tolist())})"
+                for layer, dims in sorted(self.dims.items()))
         mass = float(self.sink_mass[list(self.attn_layers)].mean()) if self.attn_layers else float("nan")
         return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; mean "
                 f"attention to the sinks after them {mass:.2f}")
@@ -125,6 +126,29 @@ def calibrate(
     progress: bool = True,
 ) -> Calibration:
     """Measure massive dims, their means and the sink keys/values/terms on ``corpus``.
+
+    The massive dims (and the layer where each first appears) are found with
+    :func:`~massive_lens.find_massive` on the first ``batch_size`` sequences; the means
+    over all sequences. The sinks of each sequence are the positions where those dims are
+    massive at that layer, else the first token.
+
+    Args:
+        model: a TransformerLens-style model.
+        corpus: calibration text (a file, a string, strings, ``hf:`` name, a token tensor;
+            None: the offline default text), or a :class:`Calibration`, returned unchanged
+            (the other arguments are then ignored). Use other text than the evaluation text.
+        seq_len: tokens per sequence (BOS included; default 128), for text input.
+        n_seqs: calibration sequences (default 16), for text input.
+        batch_size: sequences per forward pass (default 8).
+        criterion: when a value is massive (None: ``Criterion()``).
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`Calibration`.
+
+    Raises:
+        MassiveLensError: if ``model`` is not a TransformerLens model, ``seq_len`` or
+            ``n_seqs`` is out of range, or the corpus is too short or cannot be read.
 
     >>> from massive_lens import tiny_model
     >>> calib = calibrate(tiny_model("qwen2"), "Calibration text. " * 20, seq_len=16, n_seqs=2,
@@ -189,11 +213,11 @@ def calibrate(
 
 
 def describe_source(corpus: Any) -> str:
-    """A short label for a corpus: the file name, ``default text``, or ``N token sequences``."""
+    """A short label for a corpus: the file name, ``default text``, or ``a token tensor``."""
     if corpus is None:
         return "default text"
     if isinstance(corpus, Tensor):
-        return f"{corpus.shape[0]} token sequences of {corpus.shape[1]}"
+        return "a token tensor"
     return short(corpus) if isinstance(corpus, (str, os.PathLike)) else f"{type(corpus).__name__} corpus"
 
 

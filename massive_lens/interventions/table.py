@@ -38,13 +38,15 @@ class InterventionTable(Result):
     model_name: str
     corpus: str
     calibration: str
+    seq_len: int
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
 
     def summary(self) -> str:
+        n_seqs = int(self.frame["n_seqs"].iloc[0])
         lines = [f"{self.model_name}: interventions judged by perplexity on {self.corpus} "
-                 f"({int(self.frame['n_seqs'].iloc[0])} sequences; calibration: {self.calibration})",
+                 f"({n_seqs} sequences of {self.seq_len} tokens; calibration: {self.calibration})",
                  f"{'setting':<24}{'perplexity':>12}{'ratio':>10}{'95% interval':>22}{'accuracy':>10}"]
         for r in self.frame.itertuples():
             interval = f"[{_num(r.ratio_low)}, {_num(r.ratio_high)}]"
@@ -74,17 +76,25 @@ def run_interventions(
         model: a TransformerLens-style model.
         corpus: the evaluation text (a file, text, ``hf:`` name, token tensor; None: the
             offline default text).
-        calibration: where means are measured (a corpus or a
-            :class:`~massive_lens.interventions.Calibration`); must be other text than ``corpus``.
-        settings: names from :data:`~massive_lens.interventions.SETTINGS`.
-        seq_len: tokens per sequence, for text input.
-        n_seqs: evaluation sequences, for text input.
-        batch_size: sequences per forward pass.
-        calibration_seqs: calibration sequences.
+        calibration: where means are measured (a corpus, None for the offline default
+            text, or a :class:`~massive_lens.interventions.Calibration`); should be other
+            text than ``corpus`` (this is not checked).
+        settings: names from :data:`~massive_lens.interventions.SETTINGS` (default: all);
+            ``original`` is always evaluated, as the baseline of the ratios.
+        seq_len: tokens per sequence (default 128), for text input (evaluation and
+            calibration).
+        n_seqs: evaluation sequences (default 32), for text input.
+        batch_size: sequences per forward pass (default 8).
+        calibration_seqs: calibration sequences (default 16), for text input.
         progress: show progress bars.
 
     Returns:
-        An :class:`InterventionTable` (one row per setting).
+        An :class:`InterventionTable` (one row per setting, in the order of ``settings``).
+
+    Raises:
+        MassiveLensError: if ``settings`` is empty or names an unknown setting, a setting
+            that edits massive activations (``zero``, ``mean``, ``control``) finds none in the
+            calibration text, or the model or a corpus is unusable (see :func:`~massive_lens.perplexity`).
 
     >>> from massive_lens import tiny_model
     >>> text = "The cat sat. A dog ran. " * 40
@@ -112,4 +122,4 @@ def run_interventions(
                          ratio_low=math.exp(low), ratio_high=math.exp(high), accuracy=res.accuracy,
                          n_seqs=len(base), description=REGISTRY[setting].description))
     return InterventionTable(pd.DataFrame(rows), view.name, describe_source(corpus),
-                             f"{calib.source}, {calib.n_seqs} sequences")
+                             f"{calib.source}, {calib.n_seqs} sequences", int(tokens.shape[1]))

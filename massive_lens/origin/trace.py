@@ -106,7 +106,15 @@ class OriginTrace(Result):
         return "\n".join([head, *stories, *self.notes])
 
     def plot(self, ax: Any = None, target: int = 0) -> Any:
-        """Waterfall of the ledger of ``targets.iloc[target]`` across layers."""
+        """Waterfall of the ledger of ``targets.iloc[target]`` across layers.
+
+        Args:
+            ax: the matplotlib Axes to draw on (None: a new figure).
+            target: which row of :attr:`targets` to draw (default 0, the largest ``|peak|``).
+
+        Returns:
+            The matplotlib Axes.
+        """
         t = self.targets.iloc[target]
         rows = self.ledger[(self.ledger.pos == t.pos) & (self.ledger.dim == t.dim)]
         return waterfall_axes(rows, ax=ax, title=f"{self.model_name}: dim {t.dim} at {t.token!r} (pos {t.pos})")
@@ -130,6 +138,28 @@ def trace_origin(
     ``criterion`` is traced; with both, that entry is traced even if it is not massive; with
     one of them, the massive entries there (or the largest one if none is massive).
     ``verify=True`` adds zero-ablation checks (and perplexity on ``corpus`` if given).
+
+    Args:
+        model: a TransformerLens-style model.
+        text: one string, or the token ids of one text (``[pos]`` or ``[1, pos]``).
+        dim: the hidden dimension to trace, ``0 <= dim < d_model`` (None: any).
+        pos: the position to trace, BOS included; negative counts from the end (None: any).
+        criterion: when a value is massive (None: ``Criterion()``).
+        top_neurons: how many neurons to name per MLP event (default 5).
+        verify: also zero the named neurons (and, separately, their ``W_out`` weights) and
+            measure what is left of each traced value.
+        corpus: with ``verify``, also measure perplexity with and without the ablation on
+            this corpus (see :func:`~massive_lens.perplexity`); ignored otherwise.
+        prepend_bos: whether to prepend BOS to text input (None: the model's default).
+
+    Returns:
+        An :class:`OriginTrace`: the targets, the ledger, events, neurons, super weights,
+        the neurons' upstream sources and, with ``verify``, the ablation results.
+
+    Raises:
+        MassiveLensError: if ``top_neurons`` is below 1, ``text`` is a batch of several
+            texts, neither a string nor a tensor, empty or too long, ``dim`` or ``pos`` is out
+            of range, or nothing is massive and neither ``dim`` nor ``pos`` is given.
 
     >>> from massive_lens import tiny_model
     >>> trace = trace_origin(tiny_model("gpt2"), "Hi.", dim=0, pos=0)

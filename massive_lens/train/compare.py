@@ -118,6 +118,35 @@ def compare_variants(
     With ``out_dir``, runs live in ``out_dir/<variant>/seed<seed>`` and resume there, so
     an interrupted comparison continues where it stopped. ``overrides`` are
     :class:`~massive_lens.train.presets.TrainConfig` fields applied to every run.
+
+    Args:
+        variants: attention variant names from :data:`~massive_lens.train.VARIANTS`
+            (default ``softmax`` and ``softmax1``).
+        preset: a preset name from :data:`~massive_lens.train.PRESETS` (default
+            ``"smoke"``) or a :class:`~massive_lens.train.TrainConfig`.
+        seeds: one run per variant and seed (default ``(0,)``).
+        out_dir: the folder the runs are saved in and resumed from (None: nothing is
+            written and every run starts from scratch).
+        until_step: stop every run after this step (the schedule still targets ``steps``).
+        progress: show training progress bars.
+        measure_seqs: held-out sequences each model is evaluated on (as many again
+            calibrate the W8A8 activation ranges; default 8).
+        **overrides: :class:`~massive_lens.train.TrainConfig` fields for every run
+            (``model=`` dicts are merged into the preset's).
+
+    Returns:
+        A :class:`Comparison`: one row per (variant, seed) in ``runs``, training curves,
+        and layer profiles.
+
+    Raises:
+        MassiveLensError: if ``variants`` is empty or names an unknown variant, ``seeds`` is
+            empty, the preset is unknown, an override is invalid, or the data is too short.
+
+    >>> result = compare_variants(["softmax", "kv_bias"], "smoke", progress=False, steps=2,
+    ...                           data="One. Two, three.\\n" * 100, measure_seqs=1,
+    ...                           model=dict(n_layers=1, d_model=16, n_ctx=16))
+    >>> result.runs[["variant", "seed", "steps"]].values.tolist()
+    [['softmax', 0, 2], ['kv_bias', 0, 2]]
     """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
@@ -166,6 +195,23 @@ def compare_main(
     ``variants`` and ``seeds`` may be comma-separated strings. Writes ``runs.csv``,
     ``summary.csv``, ``curves.csv``, ``profiles.csv``, ``summary.txt`` and
     ``comparison.png`` into ``out_dir``.
+
+    Args:
+        variants: variant names, as a list or one comma-separated string (default
+            ``"softmax,softmax1"``).
+        preset: a preset name (default ``"smoke"``).
+        seeds: seeds, as a list of ints or one comma-separated string (default ``"0"``).
+        out_dir: where the runs and the outputs go (default ``"runs/train-compare"``);
+            existing runs there are resumed.
+        until_step: stop every run after this step.
+        progress: show training progress bars.
+
+    Returns:
+        The comparison's summary text (:meth:`Comparison.summary`).
+
+    Raises:
+        MassiveLensError: as :func:`compare_variants`.
+        ValueError: if a seed in a string is not an integer.
     """
     names = variants.split(",") if isinstance(variants, str) else list(variants)
     seed_list = [int(s) for s in seeds.split(",")] if isinstance(seeds, str) else list(seeds)

@@ -108,6 +108,19 @@ class MassiveLMConfig:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> MassiveLMConfig:
+        """The config back from :meth:`to_dict`'s output.
+
+        Args:
+            fields: config fields, ``dtype`` as a name such as ``"float32"`` (the default
+                when missing); not modified.
+
+        Returns:
+            A new ``MassiveLMConfig``.
+
+        Raises:
+            MassiveLensError: for values the config rejects.
+            TypeError: for an unknown field.
+        """
         fields = dict(fields)
         fields["dtype"] = getattr(torch, str(fields.get("dtype", "float32")))
         return cls(**fields)
@@ -278,7 +291,15 @@ class MassiveLM(HookedRootModule):
         return self.cfg.d_vocab if self.sink_embed is not None else None
 
     def with_sink(self, tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos_plus"]:
-        """Prepend the sink token when the model has one and ``tokens`` lack it."""
+        """Prepend the sink token when the model has one and ``tokens`` lack it.
+
+        Args:
+            tokens: token ids ``[batch, pos]``.
+
+        Returns:
+            ``[batch, pos + 1]`` ids starting with :attr:`sink_id` for a ``sink_token``
+            model whose ``tokens`` do not all start with it; else ``tokens`` unchanged.
+        """
         if self.sink_id is None or (tokens.shape[1] and bool((tokens[:, 0] == self.sink_id).all())):
             return tokens
         return torch.cat([tokens.new_full((tokens.shape[0], 1), self.sink_id), tokens], 1)
@@ -293,6 +314,23 @@ class MassiveLM(HookedRootModule):
         """Logits ``[batch, pos, d_vocab]``, the mean next-token loss, both, or ``None``.
 
         With ``stop_at_layer=l`` returns the residual stream entering block ``l``.
+
+        Args:
+            tokens: token ids ``[batch, pos]``, or a string or list of strings (tokenized
+                with :meth:`to_tokens`). A ``sink_token`` model prepends its sink.
+            return_type: ``"logits"`` (default), ``"loss"`` (mean next-token cross-entropy
+                over non-pad targets), ``"both"`` (``(logits, loss)``) or None.
+            attention_mask: ``[batch, pos]``, 1 for real tokens and 0 for padding; padded
+                keys get no attention and padded targets no loss (None: all real).
+            stop_at_layer: stop before block ``stop_at_layer`` and return the residual stream
+                there, whatever ``return_type`` (None: run every block).
+
+        Returns:
+            The logits, the loss, both, the residual stream, or None, as chosen above
+            (with a sink, ``pos`` includes it).
+
+        Raises:
+            MassiveLensError: for an unknown ``return_type`` or more than ``n_ctx`` tokens.
         """
         if return_type not in ("logits", "loss", "both", None):
             raise MassiveLensError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
@@ -326,6 +364,16 @@ class MassiveLM(HookedRootModule):
     ) -> Int[Tensor, "batch pos"]:
         """Tokenize (right-padded), prepending BOS by default and the sink token if any.
 
+        Args:
+            text: a string or a list of strings.
+            prepend_bos: start each row with BOS (EOS if the tokenizer has none); None:
+                ``cfg.default_prepend_bos``.
+            truncate: keep only the first ``n_ctx`` ids of each row (default).
+
+        Returns:
+            Token ids ``[batch, pos]`` on the model's device, padded with the pad id (EOS if
+            there is none).
+
         >>> model = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
         >>> model.to_tokens(["Hi", "Hi."]).shape, model.to_str_tokens("Hi")
         (torch.Size([2, 4]), ['<|bos|>', 'H', 'i'])
@@ -348,7 +396,16 @@ class MassiveLM(HookedRootModule):
     def to_str_tokens(
         self, text: str | Tensor, prepend_bos: bool | None = None
     ) -> list[str]:
-        """One string per token (the sink shows as ``<|sink|>``)."""
+        """One string per token (the sink shows as ``<|sink|>``).
+
+        Args:
+            text: a string (tokenized with :meth:`to_tokens`) or token ids (every id, in
+                order, whatever the shape).
+            prepend_bos: for a string, as in :meth:`to_tokens`; ignored for token ids.
+
+        Returns:
+            The decoded token strings.
+        """
         ids = self.to_tokens(text, prepend_bos)[0] if isinstance(text, str) else text
         return [
             SINK_TOKEN if i == self.sink_id else self.tokenizer.decode([i])
@@ -356,11 +413,29 @@ class MassiveLM(HookedRootModule):
         ]
 
     def to_string(self, tokens: Tensor) -> str:
+        """Decode token ids to text.
+
+        Args:
+            tokens: token ids, any shape (read in order).
+
+        Returns:
+            The token strings of :meth:`to_str_tokens`, joined.
+        """
         return "".join(self.to_str_tokens(tokens))
 
     def quantization_sites(self, include_head: bool = False) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
         """Every linear map as (module whose first input is its input, weight, the weight's input
-        axes), for :func:`massive_lens.quantize.fake_quantized`."""
+        axes), for :func:`massive_lens.quantize.fake_quantized`.
+
+        Args:
+            include_head: also list the unembedding ``W_U`` (default False).
+
+        Returns:
+            A list of ``(module, weight, input_axes)`` tuples, block by block.
+
+        Raises:
+            MassiveLensError: if the model was built with ``hook_points=False``.
+        """
         sites: list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]] = []
         for block in self.blocks:
             attn, mlp = block.attn, block.mlp
@@ -377,6 +452,15 @@ class MassiveLM(HookedRootModule):
         return sites
 
     def to(self, *args: Any, **kwargs: Any) -> MassiveLM:  # keep cfg.device/dtype current
+        """Move or cast the model as ``nn.Module.to`` does, and update ``cfg.device``/``cfg.dtype``.
+
+        Args:
+            *args: as for ``torch.nn.Module.to`` (a device, a dtype or a tensor).
+            **kwargs: as for ``torch.nn.Module.to`` (``device=``, ``dtype=``, ``non_blocking=``).
+
+        Returns:
+            The model itself.
+        """
         out = super().to(*args, **kwargs)
         self.cfg.device, self.cfg.dtype = str(self.W_E.device), self.W_E.dtype
         return out

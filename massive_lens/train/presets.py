@@ -87,7 +87,16 @@ class TrainConfig:
         return out
 
     def with_attention(self, variant: Any) -> TrainConfig:
-        """The same run with another attention variant (a name, dict or VariantConfig)."""
+        """The same run with another attention variant (a name, dict or VariantConfig).
+
+        Args:
+            variant: a variant name from :data:`~massive_lens.train.VARIANTS`, a dict of
+                :class:`~massive_lens.train.VariantConfig` fields, or a ``VariantConfig``;
+                checked when the model is built.
+
+        Returns:
+            A new ``TrainConfig`` whose ``model["attention"]`` is ``variant``.
+        """
         return replace(self, model={**self.model, "attention": variant})
 
 
@@ -123,7 +132,24 @@ PRESETS: dict[str, TrainConfig] = {
 
 
 def get_preset(name: str | TrainConfig, **overrides: Any) -> TrainConfig:
-    """A preset by name, with field overrides (``model=`` dicts are merged, not replaced)."""
+    """A preset by name, with field overrides (``model=`` dicts are merged, not replaced).
+
+    Args:
+        name: a preset name from :data:`PRESETS` (``smoke``, ``cpu``, ``gpu-small``,
+            ``gpu-gpt2``) or a :class:`TrainConfig` to start from.
+        **overrides: :class:`TrainConfig` fields to replace; a ``model=`` dict is merged
+            into the preset's model fields.
+
+    Returns:
+        A new :class:`TrainConfig` (the presets themselves are never changed).
+
+    Raises:
+        MassiveLensError: for an unknown preset name, an unknown field, or values the
+            config rejects (e.g. ``steps=0``).
+
+    >>> get_preset("smoke", model=dict(n_layers=1)).model
+    {'n_layers': 1, 'd_model': 32, 'n_heads': 2, 'n_ctx': 32}
+    """
     if isinstance(name, TrainConfig):
         base = name
     elif name in PRESETS:

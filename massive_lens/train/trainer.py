@@ -132,6 +132,31 @@ def train_model(
     still targets ``steps``), as an interruption would. ``attention`` picks the variant
     (a name or VariantConfig). Run under ``torchrun`` for DDP.
 
+    Args:
+        preset: a preset name from :data:`~massive_lens.train.PRESETS` (default
+            ``"smoke"``) or a :class:`~massive_lens.train.TrainConfig`.
+        out_dir: the folder for ``checkpoint.pt``, ``log.csv`` and ``run.json``, written
+            every ``ckpt_every`` steps, at the end and on ``KeyboardInterrupt`` (None: nothing
+            is written).
+        resume: continue from the checkpoint in ``out_dir`` if there is one (default);
+            False starts over and overwrites it.
+        progress: show a progress bar.
+        until_step: stop after this many steps (None: ``steps``).
+        device: ``"cpu"``, ``"cuda"`` or another torch device string (None: the local GPU
+            if there is one, else the CPU).
+        attention: the attention variant (a name, a dict of ``VariantConfig`` fields or a
+            ``VariantConfig``); None keeps the preset's (``softmax`` unless it says otherwise).
+        **overrides: :class:`~massive_lens.train.TrainConfig` fields to replace
+            (``model=`` dicts are merged into the preset's).
+
+    Returns:
+        A :class:`TrainRun` with the trained model (in eval mode) and its logged history.
+
+    Raises:
+        MassiveLensError: for an unknown preset, an invalid override or attention variant,
+            data too short for the context, a micro-batch not divisible by the DDP ranks, or
+            a checkpoint in ``out_dir`` made with another configuration.
+
     >>> train_model("smoke", steps=2, progress=False, data="a. b. " * 500).steps
     2
     """
@@ -215,7 +240,18 @@ def train_model(
 
 
 def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM:
-    """Rebuild the trained model from ``out_dir/checkpoint.pt``."""
+    """Rebuild the trained model from ``out_dir/checkpoint.pt``.
+
+    Args:
+        out_dir: the ``out_dir`` of a :func:`train_model` run.
+        device: where to put the model (None: the CPU).
+
+    Returns:
+        The :class:`~massive_lens.train.MassiveLM` with the checkpoint's weights, in eval mode.
+
+    Raises:
+        MassiveLensError: if ``out_dir`` holds no ``checkpoint.pt``.
+    """
     path = Path(out_dir) / CKPT
     if not path.is_file():
         raise MassiveLensError(f"no checkpoint at {path}; train with train_model(out_dir=...) first")

@@ -21,7 +21,28 @@ from massive_lens.errors import MassiveLensError
 
 def capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[Tensor, list[str]]:
     """One text's activation at ``blocks.{layer}.{hook}`` (batch dim dropped, float32, CPU)
-    and its token strings; the forward pass stops right after that hook."""
+    and its token strings; the forward pass stops right after that hook.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: one string, or the token ids of one text.
+        layer: the block to read.
+        hook: the hook inside the block, e.g. ``"resid_post"``, ``"attn.hook_pattern"`` or
+            ``"mlp.hook_post"``.
+
+    Returns:
+        ``(activation, tokens)``: the activation without its batch dimension and the
+        token strings.
+
+    Raises:
+        MassiveLensError: if ``text`` is a batch of several texts, empty or too long, or
+            the model has no such layer or hook.
+
+    >>> from massive_lens import tiny_model
+    >>> resid, tokens = capture_one(tiny_model("llama"), "Hi.", 0, "resid_post")
+    >>> tuple(resid.shape), tokens
+    ((4, 64), ['<|bos|>', 'H', 'i', '.'])
+    """
     view = ModelView(model)
     batch = view.tokenize(text)
     if batch.tokens.shape[0] != 1:
@@ -34,6 +55,21 @@ def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax:
     """The activation landscape of ``text`` at ``layer`` (default: where the top-1 magnitude
     over the median is largest), massive dims and tokens labelled (:func:`landscape_axes`).
     ``found``: the text's ``find_massive`` result, if already computed.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: one string.
+        layer: the layer whose ``resid_post`` is drawn (None: ``found.peak_layer``).
+        ax: a 3D matplotlib Axes (``projection="3d"``) to draw on (None: a new figure).
+        criterion: the :class:`~massive_lens.Criterion` for the labels (None:
+            ``Criterion()``); ignored when ``found`` is given.
+        found: the :func:`~massive_lens.find_massive` result of ``text`` (None: computed).
+
+    Returns:
+        The 3D matplotlib Axes.
+
+    Raises:
+        MassiveLensError: if ``text`` is empty or too long or ``layer`` is out of range.
 
     >>> from massive_lens import tiny_model
     >>> activation_landscape(tiny_model("llama"), "Hello. World", layer=1).get_xlabel()
@@ -53,6 +89,21 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
     """Per-head attention maps of one layer (query x key, token strings as ticks) with the sink
     key columns outlined in red. ``sinks`` default to the positions with massive activations
     (first token if none). Returns the Figure.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: one string.
+        layer: the layer whose ``attn.hook_pattern`` is drawn.
+        heads: the heads to draw (None: the first ``max_heads``).
+        sinks: key positions to outline (None: the positions with massive activations,
+            else ``[0]``).
+        max_heads: how many heads to draw when ``heads`` is None (default 12).
+
+    Returns:
+        The matplotlib Figure, one panel per head, up to four per row.
+
+    Raises:
+        MassiveLensError: if ``text`` is empty or too long or ``layer`` is out of range.
 
     >>> from massive_lens import tiny_model
     >>> fig = attention_maps(tiny_model("gpt2"), "Hi there.", layer=0, heads=[0, 1])

@@ -67,7 +67,15 @@ class View:
     title: str = ""
 
     def html(self, include_bundle: bool = True) -> str:
-        """A ``<div>`` and the script that renders into it (bundle optional)."""
+        """A ``<div>`` and the script that renders into it (bundle optional).
+
+        Args:
+            include_bundle: embed the circuitsvis script too (default; about 1.3 MB). Pass
+                False when the page already has it once (see :func:`page`).
+
+        Returns:
+            The HTML fragment.
+        """
         div = f"cv-{uuid.uuid4().hex[:12]}"
         props = json.dumps(self.props, allow_nan=False).replace("</", "<\\/")
         caption = f"<p class='view-title'>{html_lib.escape(self.title)}</p>" if self.title else ""
@@ -79,7 +87,14 @@ class View:
         return self.html(include_bundle=True)
 
     def save(self, path: str | Path) -> Path:
-        """Write a self-contained HTML page with this view."""
+        """Write a self-contained HTML page with this view.
+
+        Args:
+            path: the file to write (overwritten if it exists).
+
+        Returns:
+            ``path`` as a ``Path``.
+        """
         out = Path(path)
         out.write_text(page([self], title=self.title or self.component), encoding="utf-8")
         return out
@@ -87,6 +102,16 @@ class View:
 
 def page(views: list[View], title: str = "massive_lens views") -> str:
     """A standalone HTML page with the bundle embedded once and every view rendered.
+
+    Args:
+        views: the :class:`View` objects, in page order.
+        title: the page title (default ``"massive_lens views"``).
+
+    Returns:
+        The HTML document.
+
+    Raises:
+        MassiveLensError: if the installed circuitsvis has no bundled script.
 
     >>> "<script>" in page([View("ColoredTokens", {"tokens": ["a"], "values": [1.0]})])
     True
@@ -98,6 +123,18 @@ def page(views: list[View], title: str = "massive_lens views") -> str:
 
 def attention_view(model: Any, text: str, layer: int, *, heads: list[int] | None = None) -> View:
     """Every head's attention pattern of ``layer`` on ``text`` (click a head to enlarge it).
+
+    Args:
+        model: a TransformerLens-style model.
+        text: one string.
+        layer: the layer whose ``attn.hook_pattern`` is shown.
+        heads: the heads to show (None: all).
+
+    Returns:
+        A :class:`View` of circuitsvis ``AttentionHeads``.
+
+    Raises:
+        MassiveLensError: if ``text`` is empty or too long or ``layer`` is out of range.
 
     >>> from massive_lens import tiny_model
     >>> view = attention_view(tiny_model("gpt2"), "Hello.", layer=1, heads=[0])
@@ -123,6 +160,20 @@ def _magnitudes(resid: Float[Tensor, "pos d_model"], dim: int | None) -> list[fl
 def magnitude_view(model: Any, text: str, layer: int, *, dim: int | None = None) -> View:
     """Tokens coloured by ``log10`` of their largest ``|residual|`` at ``layer`` (or, with
     ``dim``, by their value in that dimension); hover a token to read the number.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: one string.
+        layer: the layer whose ``resid_post`` is shown.
+        dim: a hidden dimension to show the signed value of (None: ``log10`` of each
+            token's largest ``|activation|``).
+
+    Returns:
+        A :class:`View` of circuitsvis ``ColoredTokens``.
+
+    Raises:
+        MassiveLensError: if ``dim`` or ``layer`` is out of range, or ``text`` is empty or
+            too long.
 
     >>> from massive_lens import tiny_model
     >>> view = magnitude_view(tiny_model("llama"), "Hi.", layer=0)
