@@ -51,6 +51,7 @@ def story(trace: Any, t: Any) -> str:
     lines = [f"dim {t.dim} at {t.token!r} ({t.token_kind}, pos {t.pos}){flag}: "
              + ("; ".join(parts) or "no single component writes a large share")
              + f"; peak {fmt(t.peak)} at layer {t.peak_layer}, {fmt(t.final)} at layer {last}"]
+    lines += _attribution(_of(trace.attribution, t), t, last)
     lines += _verification(_of(trace.verification, t))
     lines += _why(_of(trace.why, t), _of(trace.births, t))
     supers = _of(trace.super_weights, t)
@@ -60,6 +61,33 @@ def story(trace: Any, t: Any) -> str:
                      f"(z = {s.zscore:,.1f}, rank {s['rank']:,} of {s.n_entries:,}; "
                      f"layer {s.layer}, neuron {s.neuron})")
     return "\n".join(lines)
+
+
+def _runs(rows: pd.DataFrame, peak: float) -> str:
+    parts = []
+    for r in rows.itertuples():
+        share = _pct(r.contribution / peak) if peak else "nan"
+        if r.component == "rest" and abs(r.contribution) < 1e-3 * abs(peak):
+            continue  # nothing worth a word is left
+        if r.component == "rest":
+            parts.append(f"the rest: {r.n_writes} small write{'s' if r.n_writes != 1 else ''}, {share}")
+        else:
+            parts.append(f"{r.label} {r.contribution:+,.0f} ({share})" if abs(r.contribution) >= 100
+                         else f"{r.label} {r.contribution:+.3g} ({share})")
+    return ", ".join(parts)
+
+
+def _attribution(rows: pd.DataFrame, t: Any, last: int) -> list[str]:
+    """Which runs of writes make the peak, and which change it afterwards (shares of the peak)."""
+    if rows.empty:
+        return []
+    lines = [f"  the peak {fmt(t.peak)} = " + _runs(rows[rows.target == "peak"], t.peak)]
+    change = rows[rows.target == "change"]
+    if not change.empty:
+        verb = "cut" if abs(t.final) < abs(t.peak) else "raised"
+        lines.append(f"  then {verb} to {fmt(t.final)} by layer {last}: " + _runs(change, t.peak)
+                     + " (shares of the peak)")
+    return lines
 
 
 def _verification(rows: pd.DataFrame) -> list[str]:

@@ -47,6 +47,7 @@ from massive_lens.core.results import Result
 from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
+from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_rows
 from massive_lens.origin.capture import Capture, capture
 from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
 from massive_lens.origin.story import story
@@ -65,6 +66,9 @@ class OriginTrace(Result):
     - ``ledger`` (also ``to_frame()``): per component, in forward order, its ``contribution``
       and the measured residual ``resid`` right after it (``layer`` is 0 for embeddings);
     - ``events``: births, erasures and rebirths (``kind``) with the value ``before``/``after``;
+    - ``attribution``: the runs of writes that account for each entry's ``peak`` and for its
+      ``change`` from the peak to the final value (``label`` such as ``MLPs 6-11``,
+      ``contribution``, ``share`` of that target; a ``the rest`` row counts what is left);
     - ``neurons``: top neurons of each MLP event (``contribution``, ``share`` of the MLP's term,
       ``post`` activation, ``pre`` (gate) pre-activation, ``up`` value, ``w_out``);
     - ``super_weights``: the ``W_out[neuron, dim]`` of each birth's named neurons with ``zscore``
@@ -76,6 +80,7 @@ class OriginTrace(Result):
     targets: pd.DataFrame
     ledger: pd.DataFrame
     events: pd.DataFrame
+    attribution: pd.DataFrame
     neurons: pd.DataFrame
     super_weights: pd.DataFrame
     why: pd.DataFrame
@@ -197,7 +202,9 @@ def trace_origin(
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
     verification = verify_targets(view, batch, cap, targets, births, neurons, corpus) if verify else []
     notes = _notes(cap, error, verify, corpus)
-    return OriginTrace(pd.DataFrame(targets), ledger, found_events, neurons,
+    attribution = pd.DataFrame([r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
+                               columns=ATTRIBUTION_COLUMNS)
+    return OriginTrace(pd.DataFrame(targets), ledger, found_events, attribution, neurons,
                        pd.DataFrame(supers, columns=neu.SUPER_COLUMNS), pd.DataFrame(why, columns=neu.WHY_COLUMNS),
                        pd.DataFrame(verification, columns=VERIFY_COLUMNS), error, notes, view.name, seq)
 
