@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import untouched
 
 from massive_lens import MassiveLensError
 from massive_lens.attention import decompose_attention, sink_attention, sink_term
@@ -12,7 +13,7 @@ from massive_lens.attention import decompose_attention, sink_attention, sink_ter
 TEXTS = ["The cat sat on the mat. It slept.", "Numbers: 1, 2, 3!"]  # unequal lengths: padding
 
 
-def test_reconstruction_every_family(tiny, untouched):
+def test_reconstruction_every_family(tiny):
     with untouched(tiny):
         for sinks in (None, [0, 3]):
             result = decompose_attention(tiny, TEXTS, sinks=sinks)
@@ -42,7 +43,7 @@ def test_constancy_columns_and_ranges(tiny):
     assert frame["cos_pos"].between(-1.0001, 1.0001).all() and (frame["norm"] >= 0).all()
 
 
-def test_sink_attention_frame(tiny, untouched):
+def test_sink_attention_frame(tiny):
     with untouched(tiny):
         result = sink_attention(tiny, TEXTS, sinks=[0])
     frame = result.to_frame()
@@ -69,7 +70,7 @@ def test_bad_layer():
 
 
 @pytest.mark.slow
-def test_default_model_sink_is_a_constant_bias(default_model, untouched):
+def test_default_model_sink_is_a_constant_bias(default_model):
     texts = ["The history of the city begins in the Roman era, when a fort stood by the river.",
              "Photosynthesis converts light into chemical energy stored in sugar molecules."]
     with untouched(default_model):

@@ -10,9 +10,6 @@ from pathlib import Path
 import pytest
 from browser_cdp import INSTALL, Browser, find_chromium
 
-from massive_lens import tiny_model
-from massive_lens.report import write_report
-
 ARTIFACTS = Path(os.environ.get("MASSIVE_LENS_ARTIFACTS", Path(__file__).resolve().parents[1] / "out"))
 
 
@@ -24,24 +21,10 @@ def chromium():
     return path
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory, plant_module):
-    model = tiny_model("llama")
-    plant_module(model, layer=1, neuron=5, dim=7, value=600.0, trigger=256, trigger_dim=3)
-    return write_report(model, out=tmp_path_factory.mktemp("report"), quick=True, progress=False)
-
-
-@pytest.fixture(scope="module")
-def plant_module():
-    from conftest import plant_massive
-
-    return plant_massive
-
-
-def test_report_in_headless_chromium(chromium, report, tmp_path):
+def test_report_in_headless_chromium(chromium, planted_report, tmp_path):
     browser = Browser(chromium, tmp_path / "profile")
     try:
-        browser.open(report.as_uri())
+        browser.open(planted_report.as_uri())
         images = browser.evaluate(
             "Array.from(document.images).map(i => ({alt: i.alt, ok: i.complete && i.naturalWidth > 0}))")
         views = browser.evaluate(

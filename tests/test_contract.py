@@ -6,9 +6,9 @@ finds them by walking the subclasses of ``Result``."""
 from __future__ import annotations
 
 import dataclasses
-from html import escape
 import importlib
 import pkgutil
+from html import escape
 
 import matplotlib.axes
 import matplotlib.pyplot as plt

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import plant_massive, untouched
 
 from massive_lens import Criterion, MassiveLensError, find_massive, layer_profile, scan_corpus, tiny_model
 from massive_lens.core.model_view import TOKEN_KINDS, ModelView
@@ -14,56 +15,60 @@ PRE_NORM = ("llama", "gpt2", "qwen2")
 
 
 @pytest.fixture(params=PRE_NORM)
-def planted(request, plant):
+def planted_bos(request):
+    """A tiny pre-norm model whose layer-1 MLP writes 500 into dim 11 at BOS."""
     model = tiny_model(request.param)
     bos = model.tokenizer.bos_token_id
-    plant(model, layer=1, neuron=7, dim=11, value=500.0, trigger=bos, trigger_dim=40)
+    plant_massive(model, layer=1, neuron=7, dim=11, value=500.0, trigger=bos, trigger_dim=40)
     return model
 
 
-def test_planted_entry_found_exactly(planted, untouched):
-    with untouched(planted):
-        found = find_massive(planted, "Hi. there, you", prepend_bos=True)
+def test_planted_entry_found_exactly(planted_bos):
+    with untouched(planted_bos):
+        found = find_massive(planted_bos, "Hi. there, you", prepend_bos=True)
     frame = found.to_frame()
     assert found.dims == (11,) and found.positions == (0,)
-    assert found.layers == tuple(range(1, planted.cfg.n_layers))  # born in layer 1, carried on
+    assert found.layers == tuple(range(1, planted_bos.cfg.n_layers))  # born in layer 1, carried on
     assert set(frame.token_kind) == {"bos"}
     born = frame[frame.layer == 1].iloc[0]
     assert born.value == pytest.approx(500.0, rel=0.05)  # 500 planted + the tiny rest of the stream
     assert born.ratio > 1000
 
 
-def test_thresholds_are_both_respected(planted):
-    found = find_massive(planted, "Hi.", prepend_bos=True).to_frame()
-    assert find_massive(planted, "Hi.", criterion=Criterion(abs_threshold=600), prepend_bos=True).to_frame().empty
+def test_thresholds_are_both_respected(planted_bos):
+    found = find_massive(planted_bos, "Hi.", prepend_bos=True).to_frame()
+    assert find_massive(planted_bos, "Hi.", criterion=Criterion(abs_threshold=600), prepend_bos=True).to_frame().empty
     top = float(found.ratio.max())
-    strict = find_massive(planted, "Hi.", criterion=Criterion(ratio_threshold=top * 1.01), prepend_bos=True)
+    strict = find_massive(planted_bos, "Hi.", criterion=Criterion(ratio_threshold=top * 1.01), prepend_bos=True)
     assert strict.to_frame().empty
-    middle = find_massive(planted, "Hi.", criterion=Criterion(ratio_threshold=float(found.ratio.median())),
+    middle = find_massive(planted_bos, "Hi.", criterion=Criterion(ratio_threshold=float(found.ratio.median())),
                           prepend_bos=True)
     assert 0 < len(middle.to_frame()) < len(found)
-    lowered = find_massive(planted, "Hi.", criterion=Criterion(abs_threshold=1.0, ratio_threshold=5), prepend_bos=True)
+    lowered = find_massive(planted_bos, "Hi.", criterion=Criterion(abs_threshold=1.0, ratio_threshold=5),
+                           prepend_bos=True)
     assert len(lowered.to_frame()) > len(found)
 
 
-def test_padding_never_counts(planted):
-    """A padded batch gives each text what it gives alone; pads (the trigger id) are ignored."""
+def test_padding_never_counts(planted_bos):
+    """A padded batch gives each text what it gives alone; pads are ignored."""
     texts = ["Hi. there, you are here", "Yo"]
-    batch = find_massive(planted, texts, prepend_bos=True).to_frame()
+    batch = find_massive(planted_bos, texts, prepend_bos=True).to_frame()
     assert set(batch.seq) == {0, 1}
     for i, text in enumerate(texts):
-        alone = find_massive(planted, text, prepend_bos=True).to_frame()
+        alone = find_massive(planted_bos, text, prepend_bos=True).to_frame()
         mine = batch[batch.seq == i].drop(columns="seq").reset_index(drop=True)
         assert mine[["layer", "pos", "dim"]].equals(alone.drop(columns="seq")[["layer", "pos", "dim"]])
         assert torch.allclose(torch.tensor(mine.value.values), torch.tensor(alone.value.values), rtol=1e-4)
 
 
-def test_pads_equal_to_trigger_are_not_massive(plant):
+def test_pads_equal_to_trigger_are_not_massive():
     model = tiny_model("llama")
     pad = model.tokenizer.pad_token_id
-    plant(model, layer=1, neuron=7, dim=11, value=500.0, trigger=pad, trigger_dim=40)
+    plant_massive(model, layer=1, neuron=7, dim=11, value=500.0, trigger=pad, trigger_dim=40)
     found = find_massive(model, ["a long enough text", "ab"])
     assert found.to_frame().empty  # the trigger only ever appears as padding
+    as_token = find_massive(model, torch.tensor([[72, pad, 105]]))  # unpadded ids: the pad id is a real token
+    assert as_token.dims == (11,) and as_token.positions == (1,)  # so the plant fires where it is one
 
 
 def test_token_kinds():
@@ -78,7 +83,7 @@ def test_token_kinds():
     assert TOKEN_KINDS[int(view.token_kinds(no_bos)[0, 0])] == "first"
 
 
-def test_bad_input(untouched):
+def test_bad_input():
     model = tiny_model("gpt2")
     with untouched(model):
         for bad in ("", [], ["ok", ""]):
@@ -98,7 +103,7 @@ def test_bad_input(untouched):
         find_massive(object(), "hi")
 
 
-def test_model_unchanged_when_a_hook_raises(untouched, monkeypatch):
+def test_model_unchanged_when_a_hook_raises(monkeypatch):
     """An error inside the forward pass still removes our hooks."""
     model = tiny_model("llama")
     assert "no massive activations" in find_massive(model, "Hi.").summary()
@@ -117,19 +122,19 @@ def test_model_unchanged_when_a_hook_raises(untouched, monkeypatch):
     assert find_massive(model, "still works").to_frame().empty
 
 
-def test_half_precision_warns_with_numbers(plant):
+def test_half_precision_warns_with_numbers():
     model = tiny_model("llama")
-    plant(model, layer=1, neuron=7, dim=11, value=3000.0, trigger=model.tokenizer.bos_token_id, trigger_dim=40)
+    plant_massive(model, layer=1, neuron=7, dim=11, value=3000.0, trigger=model.tokenizer.bos_token_id, trigger_dim=40)
     with pytest.warns(UserWarning, match="resolves steps of"):
         find_massive(model.to(torch.bfloat16), "Hi.")
 
 
-def test_layer_profile_and_scan(planted, untouched):
-    with untouched(planted):
-        profile = layer_profile(planted, ["Hi. there", "One more text"], k=2, prepend_bos=True).to_frame()
-        scan = scan_corpus(planted, ["Some prose. More, prose.\n" * 40], seq_len=32, batch_size=2,
+def test_layer_profile_and_scan(planted_bos):
+    with untouched(planted_bos):
+        profile = layer_profile(planted_bos, ["Hi. there", "One more text"], k=2, prepend_bos=True).to_frame()
+        scan = scan_corpus(planted_bos, ["Some prose. More, prose.\n" * 40], seq_len=32, batch_size=2,
                            prepend_bos=True, progress=False)
-    assert list(profile.layer) == list(range(planted.cfg.n_layers))
+    assert list(profile.layer) == list(range(planted_bos.cfg.n_layers))
     assert (profile.top1_mean[1:] > 400).all() and (profile.top1_mean >= profile.top2_mean).all()
     assert profile.top1_std[1:].max() < 1.0  # the planted value is input-independent
     freq = scan.to_frame().set_index(["dim", "token_kind"])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import WIKITEXT_TEST, WIKITEXT_VALID
+from helpers import WIKITEXT_TEST, WIKITEXT_VALID, untouched
 
 from massive_lens import MassiveLensError, perplexity, run_interventions, tiny_model
 from massive_lens.core.corpora import sequences
@@ -16,7 +16,7 @@ from massive_lens.core.model_view import ModelView
 TEXT = "It was the best of times, it was the worst of times. " * 30
 
 
-def test_batching_does_not_change_losses(untouched):
+def test_batching_does_not_change_losses():
     model = tiny_model("qwen2")
     with untouched(model):
         one = perplexity(model, TEXT, seq_len=16, n_seqs=5, batch_size=1, progress=False)
@@ -37,7 +37,7 @@ def test_independent_loss_computation():
     assert perplexity(model, tokens, progress=False).loss == pytest.approx(float(loss), rel=1e-5)
 
 
-def test_hooks_and_interventions_are_applied_then_removed(untouched):
+def test_hooks_and_interventions_are_applied_then_removed():
     from massive_lens.interventions import remove_sink_attention
 
     model = tiny_model("llama")
@@ -62,7 +62,7 @@ def test_unknown_setting():
 
 
 @pytest.mark.slow
-def test_default_model_table3_relations(default_model, untouched):
+def test_default_model_table3_relations(default_model):
     """WikiText-2 test, calibrated on valid: zero destroys, mean and control keep perplexity."""
     with untouched(default_model):
         table = run_interventions(default_model, WIKITEXT_TEST, calibration=WIKITEXT_VALID, seq_len=64, n_seqs=4,

@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+from helpers import plant_massive, untouched
 
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.interventions import (
@@ -24,10 +25,9 @@ BOS = 256
 
 
 @pytest.fixture(scope="module")
-def planted():
-    """A tiny llama whose layer-1 MLP writes 5000 into dim 7 at BOS: a known massive activation."""
-    from conftest import plant_massive
-
+def calibrated_planted_llama():
+    """A tiny llama whose layer-1 MLP writes 5000 into dim 7 at BOS (a known massive
+    activation), and its calibration: ``(model, calibration)``."""
     model = tiny_model("llama")
     plant_massive(model, layer=1, neuron=5, dim=7, value=5000.0, trigger=BOS, trigger_dim=3)
     return model, calibrate(model, CALIB, seq_len=32, n_seqs=4, progress=False)
@@ -48,12 +48,12 @@ def _run(model, intervention=None):
             return model(_tokens())
 
 
-def test_calibration_finds_the_planted_activation(planted):
+def test_calibration_finds_the_planted_activation(calibrated_planted_llama):
     from massive_lens import find_massive
     from massive_lens.core.corpora import sequences
     from massive_lens.core.model_view import ModelView
 
-    model, calib = planted
+    model, calib = calibrated_planted_llama
     assert calib.detect_layer == 1 and calib.dims[1].tolist() == [7]
     found = find_massive(model, sequences(ModelView(model), CALIB, 32, 4)).to_frame()
     expected = found[found["layer"] == 1]["value"].mean()  # BOS (5000) and weaker hits elsewhere
@@ -61,8 +61,8 @@ def test_calibration_finds_the_planted_activation(planted):
     assert calib.attn_layers == (2, 3)
 
 
-def test_ablate_massive_edits_exactly_the_massive_entry(planted):
-    model, calib = planted
+def test_ablate_massive_edits_exactly_the_massive_entry(calibrated_planted_llama):
+    model, calib = calibrated_planted_llama
     seen = {}
     probe = ("blocks.1.hook_resid_post", lambda x, hook: seen.setdefault("x", x.clone()))
     for mode, expected in (("zero", 0.0), ("mean", calib.means[1].item()), (123.0, 123.0)):
@@ -78,8 +78,8 @@ def test_ablate_massive_edits_exactly_the_massive_entry(planted):
     assert (seen["x"][0] == 0).sum().item() >= 1  # and zeroes one median-magnitude entry
 
 
-def test_zeroed_sink_term_equals_unrenormalized_removal(planted):
-    model, calib = planted
+def test_zeroed_sink_term_equals_unrenormalized_removal(calibrated_planted_llama):
+    model, calib = calibrated_planted_llama
     a = _run(model, fix_sink_term(model, "zero", calibration=calib))
     b = _run(model, remove_sink_attention(model, renormalize=False, calibration=calib))
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -111,8 +111,8 @@ def test_patch_from_same_text_is_identity():
     lambda m, c: bias_surgery(m, calibration=c),
     lambda m, c: patch_sink_from(m, "Another text."),
 ])
-def test_model_restored_even_on_error(planted, build, untouched):
-    model, calib = planted
+def test_model_restored_even_on_error(calibrated_planted_llama, build):
+    model, calib = calibrated_planted_llama
     before = _run(model)
     with untouched(model):
         iv = build(model, calib)
@@ -122,15 +122,15 @@ def test_model_restored_even_on_error(planted, build, untouched):
     torch.testing.assert_close(_run(model), before)
 
 
-def test_calibrate_leaves_model_untouched(family, untouched):
+def test_calibrate_leaves_model_untouched(family):
     model = tiny_model(family)
     with untouched(model):
         calib = calibrate(model, CALIB, seq_len=16, n_seqs=2, progress=False)
     assert calib.sink_z.shape == (model.cfg.n_layers, model.cfg.n_heads, model.blocks[0].attn.W_Q.shape[-1])
 
 
-def test_bad_input(planted):
-    model, calib = planted
+def test_bad_input(calibrated_planted_llama):
+    model, calib = calibrated_planted_llama
     with pytest.raises(MassiveLensError, match="mode"):
         ablate_massive(model, "median", calibration=calib)
     with pytest.raises(MassiveLensError, match="control"):

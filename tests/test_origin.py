@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import _untouched
-from origin_fixtures import BIRTH, DIM, ERASE, REBIRTH, plant_story
+from helpers import BIRTH, DIM, ERASE, REBIRTH, plant_story, untouched
 
 import massive_lens.origin.verify as neu
 from massive_lens import MassiveLensError, tiny_model
@@ -28,29 +27,30 @@ def _ledger_ok(trace) -> None:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request) -> str:
+def story_family(request) -> str:
+    """The family of the planted story (module scope: one planted model and one trace per family)."""
     return request.param
 
 
 @pytest.fixture(scope="module")
-def planted(family):
-    model = tiny_model(family)
+def planted_story(story_family):
+    """A tiny model of ``story_family`` with the birth -> erasure -> rebirth story planted."""
+    model = tiny_model(story_family)
     plant_story(model)
     return model
 
 
 @pytest.fixture(scope="module")
-def story(planted):
-    """One traced planted story per family, shared by the module (checked to leave no trace)."""
-    with _untouched(planted):
-        return trace_origin(planted, TEXT, dim=DIM, pos=0, verify=True, prepend_bos=True)
+def story_trace(planted_story):
+    """The verified trace of the planted story, shared by the module (checked to leave no trace)."""
+    with untouched(planted_story):
+        return trace_origin(planted_story, TEXT, dim=DIM, pos=0, verify=True, prepend_bos=True)
 
 
 # --------------------------------------------------------------------------- tiny families
 
 
-def test_ledger_reconstructs_residual_on_random_models(family, untouched):
-    tiny = tiny_model(family)
+def test_ledger_reconstructs_residual_on_random_models(tiny):
     with untouched(tiny):
         trace = trace_origin(tiny, TEXT, dim=7, pos=2)
     _ledger_ok(trace)
@@ -59,38 +59,39 @@ def test_ledger_reconstructs_residual_on_random_models(family, untouched):
     assert set(trace.ledger.component) >= {"embed", "attn", "mlp"}
 
 
-def test_planted_story_names_layers_and_kinds(story):
-    _ledger_ok(story)
-    events = story.events[story.events.component == "mlp"]
+def test_planted_story_names_layers_and_kinds(story_trace):
+    _ledger_ok(story_trace)
+    events = story_trace.events[story_trace.events.component == "mlp"]
     assert [(r.layer, r.kind) for r in events.itertuples()] == [
         (BIRTH[0], "birth"), (ERASE[0], "erasure"), (REBIRTH[0], "rebirth")]
-    assert len(story.events) == 3  # nothing else writes DIM at BOS
-    assert story.targets.massive.all()
-    assert story.births.layer.tolist() == [BIRTH[0], REBIRTH[0]]
-    assert story.erasures.layer.tolist() == [ERASE[0]]
-    assert story.events.contribution.tolist() == pytest.approx([1000.0, -880.0, 2000.0], rel=1e-3)
+    assert len(story_trace.events) == 3  # nothing else writes DIM at BOS
+    assert story_trace.targets.massive.all()
+    assert story_trace.births.layer.tolist() == [BIRTH[0], REBIRTH[0]]
+    assert story_trace.erasures.layer.tolist() == [ERASE[0]]
+    assert story_trace.events.contribution.tolist() == pytest.approx([1000.0, -880.0, 2000.0], rel=1e-3)
 
 
-def test_planted_story_names_neurons_and_super_weights(story, planted):
-    named = story.neurons[story.neurons.named]
+def test_planted_story_names_neurons_and_super_weights(story_trace, planted_story):
+    named = story_trace.neurons[story_trace.neurons.named]
     assert [(r.layer, r.neuron) for r in named.itertuples()] == [BIRTH, ERASE, REBIRTH]
     assert named.share.tolist() == pytest.approx([1.0, 1.0, 1.0], abs=1e-3)
-    if "W_gate" in dir(planted.blocks[0].mlp) and planted.blocks[0].mlp.W_gate is not None:
-        assert named.up.notna().all()
-    sw = story.super_weights
+    # a gated MLP's up projection is reported per neuron; an ungated one (gpt2) has none
+    assert named.up.notna().all() if planted_story.cfg.gated_mlp else named.up.isna().all()
+    sw = story_trace.super_weights
     assert [(r.layer, r.neuron, r.dim) for r in sw.itertuples()] == [(*BIRTH, DIM), (*REBIRTH, DIM)]
     assert (sw["rank"] == 1).all() and (sw.zscore.abs() > 10).all()
-    params = {n.replace("._original_component", ""): p for n, p in planted.original_model.named_parameters()}
+    params = {n.replace("._original_component", ""): p for n, p in planted_story.original_model.named_parameters()}
     for r in sw.itertuples():  # the Hugging Face name points at the very weight
         hf = params[r.hf_param]
         assert float(hf[r.hf_row, r.hf_col].detach()) == pytest.approx(r.value)
 
 
-def test_planted_why_this_token(story):
-    why = story.why
+def test_planted_why_this_token(story_trace):
+    why = story_trace.why
     for _, group in why.groupby(["layer", "neuron", "input"]):
         assert group.contribution.sum() == pytest.approx(group.value.iloc[0], rel=1e-3, abs=1e-3)
     birth = why[(why.layer == BIRTH[0]) & (why.neuron == BIRTH[1])]
+    assert not birth.empty
     for _, group in birth.groupby("input"):
         assert group.loc[group.contribution.idxmax(), "source"] == "embed"  # fires because of the BOS embedding
     reborn = why[(why.layer == REBIRTH[0]) & (why.neuron == REBIRTH[1])]
@@ -98,36 +99,36 @@ def test_planted_why_this_token(story):
     assert (top.source, top.source_layer) == ("mlp", BIRTH[0])  # reads what the birth wrote
 
 
-def test_planted_verification_shows_the_drop(story, family):
-    v = story.verification.set_index(["scope", "intervention"])
+def test_planted_verification_shows_the_drop(story_trace, story_family):
+    v = story_trace.verification.set_index(["scope", "intervention"])
     assert set(v.index.get_level_values(0)) == {f"MLP {BIRTH[0]}", f"MLP {REBIRTH[0]}", "all births"}
     for scope in (f"MLP {BIRTH[0]}", f"MLP {REBIRTH[0]}"):
         for kind in ("zero_neurons", "zero_super_weights"):
             assert abs(v.loc[(scope, kind), "remaining"]) < 0.1
     # pre-norm: nothing comes back; post-norm renormalises the erasure neuron's small write
-    limit = 0.5 if family == "gemma3" else 0.05
+    limit = 0.5 if story_family == "gemma3" else 0.05
     assert abs(v.loc[("all births", "zero_neurons"), "remaining_last"]) < limit
-    assert "zeroing the named birth neurons" in story.summary()
+    assert "zeroing the named birth neurons" in story_trace.summary()
 
 
-def test_planted_story_is_found_without_dim_and_pos(planted):
-    trace = trace_origin(planted, TEXT, prepend_bos=True)
+def test_planted_story_is_found_without_dim_and_pos(planted_story):
+    trace = trace_origin(planted_story, TEXT, prepend_bos=True)
     assert (0, DIM) in set(zip(trace.targets.pos, trace.targets.dim, strict=True))
     assert trace.targets.massive.all()
 
 
-def test_summary_plot_html(story, family):
-    text = story.summary()
+def test_summary_plot_html(story_trace, story_family):
+    text = story_trace.summary()
     assert f"dim {DIM}" in text and f"born in MLP {BIRTH[0]} (neuron {BIRTH[1]}: 100%)" in text
     assert f"cut to 12% by MLP {ERASE[0]}" in text and f"rewritten by MLP {REBIRTH[0]}" in text
-    assert ("post-norm" in text) == (family == "gemma3")
-    ax = story.plot()
+    assert ("post-norm" in text) == (story_family == "gemma3")
+    ax = story_trace.plot()
     assert ax.get_xlabel().startswith("layer") and ax.get_title()
-    assert "<pre>" in story._repr_html_()
-    assert story.to_frame().equals(story.ledger)
+    assert "<pre>" in story_trace._repr_html_()
+    assert story_trace.to_frame().equals(story_trace.ledger)
 
 
-def test_bad_input(untouched):
+def test_bad_input():
     model = tiny_model("llama")
     with untouched(model):
         with pytest.raises(MassiveLensError, match="d_model=64"):
@@ -141,7 +142,7 @@ def test_bad_input(untouched):
     assert trace_origin(model, TEXT, pos=-1).targets.pos.tolist() == [len(TEXT)]  # largest dim at the last token
 
 
-def test_restored_after_failures(monkeypatch, untouched):
+def test_restored_after_failures(monkeypatch):
     model = tiny_model("qwen2")
     plant_story(model)
     calls = []
@@ -173,48 +174,51 @@ def test_restored_after_failures(monkeypatch, untouched):
 
 
 @pytest.fixture(scope="module")
-def real(default_model):
-    with _untouched(default_model):
+def real_trace(default_model):
+    with untouched(default_model):
         return trace_origin(default_model, REAL_TEXT)
 
 
 @pytest.fixture(scope="module")
-def real_verified(default_model, real):
+def real_trace_verified(default_model, real_trace):
     """Verification of the largest traced entry (each entry costs a few forward passes)."""
-    t = real.targets.loc[real.targets.peak.abs().idxmax()]
-    with _untouched(default_model):
+    t = real_trace.targets.loc[real_trace.targets.peak.abs().idxmax()]
+    with untouched(default_model):
         return trace_origin(default_model, REAL_TEXT, dim=int(t.dim), pos=int(t.pos), verify=True)
 
 
 @pytest.mark.slow
-def test_real_ledger_and_births(real):
-    _ledger_ok(real)
-    assert real.targets.massive.all() and "bos" in set(real.targets.token_kind)
-    for t in real.targets.itertuples():
-        births = real.births[(real.births.pos == t.pos) & (real.births.dim == t.dim)]
+def test_real_ledger_and_births(real_trace):
+    _ledger_ok(real_trace)
+    assert real_trace.targets.massive.all() and "bos" in set(real_trace.targets.token_kind)
+    for t in real_trace.targets.itertuples():
+        births = real_trace.births[(real_trace.births.pos == t.pos) & (real_trace.births.dim == t.dim)]
         assert not births.empty
         # the births explain most of the peak value
         assert math.copysign(1, t.peak) * births.contribution.sum() > 0.5 * abs(t.peak)
 
 
 @pytest.mark.slow
-def test_real_zeroing_named_neurons_removes_most(real_verified):
-    v = real_verified.verification
-    t = real_verified.targets.iloc[0]
+def test_real_zeroing_named_neurons_removes_most(real_trace_verified):
+    v = real_trace_verified.verification
+    t = real_trace_verified.targets.iloc[0]
     at_peak = v[(v.intervention == "zero_neurons") & (v.layer == t.peak_layer)]
     assert not at_peak.empty and at_peak.remaining.abs().min() < 0.2
-    births = real_verified.births.set_index("layer")
-    for r in v[v.scope != "all births"].itertuples():  # each birth's neurons carry most of that birth
+    births = real_trace_verified.births.set_index("layer")
+    per_birth = v[v.scope != "all births"]
+    assert not per_birth.empty
+    for r in per_birth.itertuples():  # each birth's neurons carry most of that birth
         assert (r.value - r.ablated) / births.loc[r.layer, "contribution"] > 0.5
-    assert "leaves" in real_verified.summary()
+    assert "leaves" in real_trace_verified.summary()
 
 
 @pytest.mark.slow
-def test_real_mlp_agrees_with_plain_transformers(real, default_model, untouched):
+def test_real_mlp_agrees_with_plain_transformers(real_trace, default_model):
     """The ledger's MLP term and one neuron's term, recomputed from the Hugging Face MLP module
     with a plain torch forward hook (no TransformerLens hooks)."""
-    t = real.targets.iloc[0]
-    birth = real.births[(real.births.pos == t.pos) & (real.births.dim == t.dim) & (real.births.component == "mlp")]
+    t = real_trace.targets.iloc[0]
+    births = real_trace.births
+    birth = births[(births.pos == t.pos) & (births.dim == t.dim) & (births.component == "mlp")]
     layer = int(birth.loc[birth.contribution.abs().idxmax(), "layer"])
     block = default_model.original_model.model.layers[layer]
     mlp = getattr(block, "_original_component", block).mlp
@@ -227,10 +231,10 @@ def test_real_mlp_agrees_with_plain_transformers(real, default_model, untouched)
             default_model.original_model(tokens)
     finally:
         handle.remove()
-    ledger = real.ledger[(real.ledger.pos == t.pos) & (real.ledger.dim == t.dim)]
+    ledger = real_trace.ledger[(real_trace.ledger.pos == t.pos) & (real_trace.ledger.dim == t.dim)]
     term = ledger[(ledger.component == "mlp") & (ledger.layer == layer)].contribution.item()
     assert float(seen["out"][0, t.pos, t.dim]) == pytest.approx(term, rel=1e-4)
-    neurons = real.neurons[(real.neurons.pos == t.pos) & (real.neurons.dim == t.dim)]
+    neurons = real_trace.neurons[(real_trace.neurons.pos == t.pos) & (real_trace.neurons.dim == t.dim)]
     top = neurons[neurons.layer == layer].iloc[0]
     x = seen["x"][0, t.pos]
     n = int(top.neuron)

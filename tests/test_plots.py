@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
+from helpers import plant_massive  # noqa: E402
 
 from massive_lens import (  # noqa: E402
     MassiveLensError,
@@ -38,10 +39,10 @@ def _labels(ax):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_activation_landscape_labels_massive_dims_and_tokens(family, tmp_path, plant):
+def test_activation_landscape_labels_massive_dims_and_tokens(family, tmp_path):
     model = tiny_model(family)
     if family == "llama":  # a planted massive activation must be labelled
-        plant(model, layer=1, neuron=5, dim=7, value=500.0, trigger=256, trigger_dim=3)
+        plant_massive(model, layer=1, neuron=5, dim=7, value=500.0, trigger=256, trigger_dim=3)
     ax = plots.activation_landscape(model, TEXT)
     assert ax.get_xlabel() == "hidden dimension" and ax.get_ylabel() == "token"
     assert "residual units" in ax.get_zlabel() and ax.get_title()
@@ -92,11 +93,19 @@ def test_result_plots_render_and_save(llama, tmp_path):
         "sinks": sink_attention(llama, TEXT),
         "decomposition": decompose_attention(llama, [TEXT, "Other words here."]),
     }
+    n_layers = llama.cfg.n_layers
     for name, result in results.items():
         ax = result.plot()
         xlabel, ylabel, title = _labels(ax)
-        assert xlabel and ylabel and title, name
+        assert xlabel.startswith("layer") and ylabel and title.startswith("tiny-llama"), name
+        # one point per layer (origin: the embedding, then an attention and an MLP step per layer)
+        points = 1 + 2 * n_layers if name == "origin" else n_layers
+        assert len(ax.get_lines()[0].get_xdata()) == points, name
         _saved(ax, tmp_path, name)
+    lines = {line.get_label(): line for line in results["profile"].plot().get_lines()}
+    profile = results["profile"].to_frame()
+    assert list(lines) == ["top1", "top2", "top3", "median"]
+    assert list(lines["top1"].get_ydata()) == pytest.approx(profile.top1_mean.tolist())
 
 
 def test_intervention_bars_render(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from conftest import _hook_count
+from helpers import hook_count, tiny_lm, untouched
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import tiny_model
@@ -18,11 +18,6 @@ from massive_lens.quantize import (
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
 
 TEXT = "The cat sat on the mat. The dog ran, and the bird flew.\n" * 40
-
-
-def tiny_lm(**fields) -> MassiveLM:
-    torch.manual_seed(0)
-    return MassiveLM(MassiveLMConfig(**{"n_layers": 2, "d_model": 32, "n_heads": 2, "n_ctx": 64, **fields})).eval()
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +51,9 @@ def test_activation_quantization_clips_to_the_calibrated_range():
 
 
 @pytest.mark.parametrize("kind", ["massive_lm", "gqa_massive_lm", "bridge"])
-def test_measure_outliers_restores_the_model(kind, bridge, untouched):
-    model = {"massive_lm": tiny_lm, "bridge": lambda: bridge,
-             "gqa_massive_lm": lambda: tiny_lm(n_heads=4, n_key_value_heads=2)}[kind]()
+def test_measure_outliers_restores_the_model(kind, bridge):
+    model = {"massive_lm": lambda: tiny_lm(n_ctx=64), "bridge": lambda: bridge,
+             "gqa_massive_lm": lambda: tiny_lm(n_heads=4, n_key_value_heads=2, n_ctx=64)}[kind]()
     with untouched(model):  # no hooks left, weights bit-identical
         report = measure_outliers(model, TEXT, seq_len=32, n_seqs=2)
     row = pd.Series(report.totals)
@@ -74,18 +69,18 @@ def test_measure_outliers_restores_the_model(kind, bridge, untouched):
 
 
 @pytest.mark.parametrize("kind", ["massive_lm", "bridge"])
-def test_fake_quantized_restores_weights_and_hooks_after_an_exception(kind, bridge, untouched):
-    model = tiny_lm(attention="gated") if kind == "massive_lm" else bridge
+def test_fake_quantized_restores_weights_and_hooks_after_an_exception(kind, bridge):
+    model = tiny_lm(attention="gated", n_ctx=64) if kind == "massive_lm" else bridge
     tokens = model.to_tokens(["Calibration text.", "More of it."])
-    before, n_hooks = {n: p.detach().clone() for n, p in model.named_parameters()}, _hook_count(model)
+    before, n_hooks = {n: p.detach().clone() for n, p in model.named_parameters()}, hook_count(model)
     with untouched(model), pytest.raises(RuntimeError, match="boom"):
         with fake_quantized(model, tokens, per_channel=False, include_head=True):
             assert not all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-            assert _hook_count(model) > n_hooks
+            assert hook_count(model) > n_hooks
             raise RuntimeError("boom")
 
 
-def test_a_failing_calibration_also_restores(bridge, untouched):
+def test_a_failing_calibration_also_restores(bridge):
     bad = torch.full((1, 4), 10**6)  # token ids out of range: the calibration pass raises
     with untouched(bridge), pytest.raises((IndexError, RuntimeError)):
         with fake_quantized(bridge, bad):
@@ -94,7 +89,7 @@ def test_a_failing_calibration_also_restores(bridge, untouched):
 
 def test_planted_outlier_widens_the_w8a8_gap():
     """A huge activation in one residual dim stretches the int8 grid: the loss gap grows."""
-    model = tiny_lm()
+    model = tiny_lm(n_ctx=64)
     clean = measure_outliers(model, TEXT, seq_len=32, n_seqs=2, per_channel=False)
     with torch.no_grad():  # a "massive activation": embedding dim 3 of every token is huge
         model.W_E[:, 3] = 2000.0

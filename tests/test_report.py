@@ -7,33 +7,15 @@ import re
 import pytest
 
 from massive_lens import MassiveLensError, tiny_model
+from massive_lens.interventions import SETTINGS
 from massive_lens.report import write as rep
 
 SECTION_TITLES = [title for title, _, _ in rep.SECTIONS]
 
 
-@pytest.fixture(scope="module")
-def planted():
-    from conftest import plant_massive
-
-    model = tiny_model("llama")
-    plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=256, trigger_dim=3)
-    return model
-
-
-@pytest.fixture(scope="module")
-def written(planted, tmp_path_factory):
-    from conftest import _untouched
-
-    out = tmp_path_factory.mktemp("report")
-    with _untouched(planted):
-        path = rep.write_report(planted, out_dir=out, quick=True, progress=False)
-    return path
-
-
-def test_html_is_self_contained(written):
-    html = written.read_text()
-    assert written.name == "index.html"
+def test_html_is_self_contained(planted_report):
+    html = planted_report.read_text()
+    assert planted_report.name == "index.html"
     assert not re.findall(r"<(?:script|img|link|iframe)[^>]*(?:src|href)=['\"]?https?:", html)
     assert not re.findall(r"(?:src|href)=['\"]?https?:", html)
     assert "unpkg.com" not in html and "@import" not in html
@@ -43,11 +25,15 @@ def test_html_is_self_contained(written):
         assert title in html
 
 
-def test_report_finds_and_traces_the_planted_activation(written):
-    md = (written.parent / "report.md").read_text()
+def test_report_finds_and_traces_the_planted_activation(planted_report):
+    md = (planted_report.parent / "report.md").read_text()
     assert "dim 7" in md and "Skipped" not in md
-    assert "| setting |" not in md or "zero" in md
-    figures = sorted((written.parent / "figures").glob("*.png"))
+    # the planted activation reaches calibration, so every intervention runs, "zero" included
+    assert "No massive activations in the calibration text" not in md
+    assert "| zero | massive activations set to zero where they appear |" in md
+    for setting in SETTINGS:
+        assert f"| {setting} |" in md, setting
+    figures = sorted((planted_report.parent / "figures").glob("*.png"))
     assert len(figures) >= 6 and all(f.stat().st_size > 1000 for f in figures)
     for f in figures:
         assert f"figures/{f.name}" in md

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
+from helpers import plant_massive
 
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens import viz as views
@@ -29,9 +31,9 @@ def test_attention_view_embeds_bundle_and_props():
     assert all(math.isclose(sum(row), 1.0, abs_tol=1e-4) for row in view.props["attention"][0])
 
 
-def test_magnitude_view_log_max_and_one_dim(plant):
+def test_magnitude_view_log_max_and_one_dim():
     model = tiny_model("llama")
-    plant(model, layer=0, neuron=1, dim=9, value=400.0, trigger=256, trigger_dim=2)
+    plant_massive(model, layer=0, neuron=1, dim=9, value=400.0, trigger=256, trigger_dim=2)
     view = views.magnitude_view(model, "Hi.", layer=1)
     assert view.props["values"][0] == max(view.props["values"]) > 2  # log10(~400) at BOS
     by_dim = views.magnitude_view(model, "Hi.", layer=1, dim=9)
@@ -51,8 +53,11 @@ def test_page_embeds_bundle_once_and_saves(tmp_path):
 
 
 def test_props_cannot_close_the_script_element():
-    html = views.View("ColoredTokens", {"tokens": ["</script><b>"], "values": [1.0]}).html(include_bundle=False)
-    assert "</script><b>" not in html
+    props = {"tokens": ["</script><b>"], "values": [1.0]}
+    html = views.View("ColoredTokens", props).html(include_bundle=False)
+    assert html.count("</script>") == 1  # only the element's own end tag
+    embedded = html.split("CircuitsVis.ColoredTokens, ", 1)[1].rsplit(");</script>", 1)[0]
+    assert json.loads(embedded) == props  # escaped, yet the token reaches the view unchanged
 
 
 def test_capture_rejects_batches():

@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_lm
 from torch import nn
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.attention import VARIANTS, VariantConfig, causal_scores, make_variant
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
-
-from .conftest import tiny_lm
 
 H, D, M, B, T = 2, 8, 16, 2, 5
 SLOT_VARIANTS = ("softmax1", "softmax_n", "learned_sink", "kv_bias", "k_bias")
@@ -97,12 +96,13 @@ def test_kv_bias_with_huge_key_puts_all_weight_on_the_slot():
     q = q.abs()
     with torch.no_grad():
         variant.k_slot.fill_(1e3)
+    expected = variant.v_slot.detach()[:, 0][None, None].expand(B, T, H, D)
     for fused in (False, True):
-        hooks = Hooks()
-        z = variant(q, k, v, x, hooks, fused=fused)
-        expected = variant.v_slot.detach()[:, 0][None, None].expand(B, T, H, D)
-        torch.testing.assert_close(z, expected)
-    assert torch.allclose(hooks.seen["hook_slot_pattern"], torch.ones(B, H, T, 1)) if hooks.seen else True
+        torch.testing.assert_close(variant(q, k, v, x, Hooks(), fused=fused), expected)
+    hooks = Hooks()  # the explicit path shows the weights: all on the slot, none on the keys
+    variant(q, k, v, x, hooks, fused=False)
+    torch.testing.assert_close(hooks.seen["hook_slot_pattern"], torch.ones(B, H, T, 1))
+    torch.testing.assert_close(hooks.seen["hook_pattern"], torch.zeros(B, H, T, T))
 
 
 def test_learned_sink_logit_takes_the_weight():

@@ -7,13 +7,12 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+from helpers import TRAIN_TEXT  # noqa: E402
 
 from massive_lens.errors import MassiveLensError  # noqa: E402
 from massive_lens.train.compare import METRICS, compare_main, compare_variants  # noqa: E402
 
-from .conftest import TEXT  # noqa: E402
-
-FAST = dict(steps=3, data=TEXT, batch_size=4, log_every=1, eval_every=3, eval_batches=1,
+FAST = dict(steps=3, data=TRAIN_TEXT, batch_size=4, log_every=1, eval_every=3, eval_batches=1,
             model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16))
 
 
@@ -28,7 +27,14 @@ def test_compare_variants_table_curves_profiles_and_verdict():
     assert set(result.profiles["layer"]) == {0}
     assert result.baseline_massive is False  # three steps cannot grow massive activations
     assert "did NOT develop massive activations" in result.summary()
-    assert result.plot() is not None
+    ax = result.plot()  # one loss curve per variant: the mean over its seeds at each step
+    assert (ax.get_title(), ax.get_xlabel()) == ("preset smoke", "step")
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines) == ["softmax loss", "kv_bias loss"]
+    for variant in ("softmax", "kv_bias"):
+        mean = result.curves[result.curves["variant"] == variant].groupby("step")["loss"].mean()
+        assert list(lines[f"{variant} loss"].get_xdata()) == [1, 2, 3]
+        assert list(lines[f"{variant} loss"].get_ydata()) == pytest.approx(mean.tolist())
     # same data order: the two seeds differ, the variants share each seed's first batch loss
     first = result.curves[result.curves["step"] == 1].set_index(["variant", "seed"])["loss"]
     assert first["softmax", 0] != first["softmax", 1]

@@ -7,13 +7,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import TRAIN_TEXT
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import byte_tokenizer
 from massive_lens.train.data import read_token_file, sample_batch, token_stream, write_token_file
 from massive_lens.train.trainer import train_model
-
-from .conftest import TEXT
 
 TINY = dict(model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16), batch_size=4, steps=4,
             warmup_steps=2, log_every=1, eval_every=2, eval_batches=1, ckpt_every=4)
@@ -21,10 +20,10 @@ TINY = dict(model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16), batch_size=
 
 def test_a_token_file_holds_the_text_stream_and_trains_identically(tmp_path):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
+    corpus.write_text(TRAIN_TEXT)
     out = write_token_file(str(corpus), "byte", tmp_path / "tokens.bin", progress=False)
     meta = json.loads(out.with_suffix(".json").read_text())
-    assert (meta["dtype"], meta["tokenizer"], meta["n_tokens"]) == ("uint16", "byte", len(TEXT))
+    assert (meta["dtype"], meta["tokenizer"], meta["n_tokens"]) == ("uint16", "byte", len(TRAIN_TEXT))
     assert not (tmp_path / "tokens.bin.tmp").exists()
     stream = token_stream(str(out), byte_tokenizer())
     assert isinstance(stream, np.memmap)
@@ -63,13 +62,13 @@ def test_prepend_bos_false_trains_on_bare_windows_and_the_model_knows_it(monkeyp
 
     seen = []
     monkeypatch.setattr(trainer, "sample_batch", lambda *a, **k: seen.append(a[3]) or sample_batch(*a, **k))
-    bare = train_model("smoke", progress=False, data=TEXT, prepend_bos=False, **TINY)
+    bare = train_model("smoke", progress=False, data=TRAIN_TEXT, prepend_bos=False, **TINY)
     assert set(seen) == {None}
     assert bare.model.cfg.default_prepend_bos is False
     bos = bare.model.tokenizer.bos_token_id
     assert bare.model.to_tokens("ab")[0, 0] != bos
     seen.clear()
-    with_bos = train_model("smoke", progress=False, data=TEXT, **TINY)
+    with_bos = train_model("smoke", progress=False, data=TRAIN_TEXT, **TINY)
     assert set(seen) == {bos} and with_bos.model.to_tokens("ab")[0, 0] == bos
 
 
@@ -83,7 +82,7 @@ def test_gpu_presets_read_a_token_file_and_say_how_to_write_it(tmp_path):
 
 
 def test_a_checkpoint_from_before_prepend_bos_existed_still_resumes(tmp_path):
-    cfg = {**TINY, "data": TEXT}
+    cfg = {**TINY, "data": TRAIN_TEXT}
     train_model("smoke", out_dir=tmp_path, progress=False, until_step=2, **cfg)
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     del state["config"]["prepend_bos"]

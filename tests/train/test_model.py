@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_lm
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
-
-from .conftest import tiny_lm
 
 
 def test_cfg_and_weight_shapes_follow_transformer_lens():

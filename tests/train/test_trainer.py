@@ -10,15 +10,14 @@ import sys
 import pandas as pd
 import pytest
 import torch
+from helpers import TRAIN_TEXT
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import byte_tokenizer
 from massive_lens.train.presets import get_preset
 from massive_lens.train.trainer import load_run, lr_at, sample_batch, token_stream, train_model
 
-from .conftest import TEXT
-
-TINY = dict(model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16), data=TEXT, batch_size=4,
+TINY = dict(model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16), data=TRAIN_TEXT, batch_size=4,
             warmup_steps=2, log_every=1, eval_every=3, eval_batches=1, ckpt_every=3)
 
 
@@ -96,7 +95,7 @@ def test_ddp_with_two_cpu_processes_matches_one_process(tmp_path):
     args = ["steps=3", "log_every=1", "eval_every=3", "eval_batches=1", "batch_size=4",
             "model={\"n_layers\": 1, \"d_model\": 16, \"n_heads\": 2, \"n_ctx\": 16}"]
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
+    corpus.write_text(TRAIN_TEXT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "massive_lens.cli", "train", "smoke", str(tmp_path / "ddp"), f"data={corpus}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
