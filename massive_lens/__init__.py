@@ -1,7 +1,7 @@
 """massive_lens: find, trace and test massive activations and attention sinks.
 
 The public API, one line per task (every result has ``.to_frame()``, ``.summary()``,
-``.plot()``):
+``.plot()`` and ``.save(path)``):
 
 - load: :func:`load_model`, :func:`tiny_model`
 - find: :class:`Criterion`, :func:`find_massive`, :func:`layer_profile`, :func:`scan_corpus`
@@ -11,7 +11,9 @@ The public API, one line per task (every result has ``.to_frame()``, ``.summary(
   (the interventions themselves live in :mod:`massive_lens.interventions`)
 - quantize and train: :func:`measure_outliers`, :func:`train_model`, :func:`compare_variants`
   (more in :mod:`massive_lens.train`)
-- show: :func:`write_report` (figures and views in :mod:`massive_lens.viz`)
+- show: :func:`write_report`, :func:`compare_models` (several models on one page; figures
+  and views in :mod:`massive_lens.viz`)
+- keep: :func:`load` reads back what ``result.save(path)`` wrote, without the model
 
 A tiny random model with a planted massive activation (the BOS token's embedding carries
 3,000 in dimension 5, so its residual stream does too):
@@ -29,6 +31,7 @@ A tiny random model with a planted massive activation (the BOS token's embedding
 from massive_lens.attention import decompose_attention, sink_attention
 from massive_lens.core.corpora import default_text
 from massive_lens.core.criterion import Criterion
+from massive_lens.core.store import load
 from massive_lens.detect import find_massive, layer_profile, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import calibrate, run_interventions
@@ -36,7 +39,7 @@ from massive_lens.metrics import perplexity
 from massive_lens.models import load_model, tiny_model
 from massive_lens.origin import trace_origin
 from massive_lens.quantize import measure_outliers
-from massive_lens.report import write_report
+from massive_lens.report import compare_models, write_report
 from massive_lens.train import compare_variants, train_model
 
 __version__ = "0.1.0"
@@ -45,11 +48,13 @@ __all__ = [
     "Criterion",
     "MassiveLensError",
     "calibrate",
+    "compare_models",
     "compare_variants",
     "decompose_attention",
     "default_text",
     "find_massive",
     "layer_profile",
+    "load",
     "load_model",
     "measure_outliers",
     "perplexity",

@@ -1,6 +1,7 @@
 """The ``massive-lens`` command: the library's main analyses from a shell.
 
     massive-lens report --out report       # the main job: everything, as an HTML report
+    massive-lens report --model default --model qwen2.5-coder-1.5b   # two models side by side
     massive-lens scan                      # the offline default model on its offline text
     massive-lens scan --model gpt2 --corpus wiki.txt --max-tokens 65536
     massive-lens trace --verify            # where the massive activations are born
@@ -24,16 +25,21 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import run_interventions
 from massive_lens.models import load_model
 from massive_lens.origin import trace_origin
-from massive_lens.report import write_report
+from massive_lens.report import compare_models, write_report
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
 from massive_lens.train.compare import compare_main
 from massive_lens.train.data import TOKENIZERS, write_token_file
 from massive_lens.train.trainer import run_and_exit
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="hub id, local folder or .gguf file (default: the offline SmolLM2-135M-Instruct)")
+def _model_args(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    what = ("hub id, local folder, .gguf file or offline model (default: the offline SmolLM2-135M-Instruct; "
+            "also offline: qwen2.5-coder-1.5b)")
+    if several:
+        parser.add_argument("--model", action="append", default=None,
+                            help=what + "; repeat it to compare models side by side on one page")
+    else:
+        parser.add_argument("--model", default=None, help=what)
     parser.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cpu)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
 
@@ -87,7 +93,13 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    path = write_report(_load(args), text=args.text, corpus=args.corpus, out_dir=args.out_dir, quick=args.quick)
+    models = args.model or [None]
+    if len(models) == 1:
+        model = load_model(models[0], device=args.device, dtype=args.dtype)
+        path = write_report(model, text=args.text, corpus=args.corpus, out_dir=args.out_dir, quick=args.quick)
+    else:
+        path = compare_models(models, text=args.text, corpus=args.corpus, out_dir=args.out_dir, quick=args.quick,
+                              device=args.device, dtype=args.dtype)
     print(f"wrote {path}")
 
 
@@ -138,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
     corpus_help = "text file, 'hf:NAME[:CONFIG[:SPLIT]]', or omitted for the offline default text"
     for name in ("report", "scan", "trace", "intervene"):
-        _model_args(cmd[name])
+        _model_args(cmd[name], several=name == "report")
         cmd[name].add_argument("--corpus", default=None, help=corpus_help)
     for name in ("report", "scan", "trace"):
         cmd[name].add_argument("--text", default=EXAMPLE_TEXT, help="text to inspect token by token")
@@ -187,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MassiveLensError as exc:
         print(f"massive-lens {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, no traceback
+        print(f"massive-lens {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

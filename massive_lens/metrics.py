@@ -20,6 +20,7 @@ their mean changes nothing. The same yardstick judges every hypothesis in
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,12 @@ from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
 _BOOTSTRAP = 2000
+
+
+
+def _exp(loss: float) -> float:
+    """``exp(loss)``, ``inf`` past float64's range (a model can be that wrong under an edit)."""
+    return math.exp(loss) if loss < math.log(sys.float_info.max) else math.inf
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class Perplexity(Result):
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss)
+        return _exp(self.loss)
 
     @property
     def accuracy(self) -> float:
@@ -65,7 +72,7 @@ class Perplexity(Result):
     def ci(self) -> tuple[float, float]:
         """95% bootstrap interval of the perplexity over sequences."""
         low, high = bootstrap_mean(self.per_seq)
-        return math.exp(low), math.exp(high)
+        return _exp(low), _exp(high)
 
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame({
@@ -104,7 +111,13 @@ def bootstrap_mean(values: Float[Tensor, " seq"], seed: int = 0) -> tuple[float,
 
 
 def as_hooks(hooks: Any) -> list[tuple[str, Any]]:
-    """Accept a hook list or any object with ``fwd_hooks`` (an intervention)."""
+    """Accept a hook list or any object with ``fwd_hooks`` (an intervention, refused while it
+    is active in a ``with`` block: its hooks are attached already and would fire twice)."""
+    if getattr(hooks, "active", False) is True:
+        raise MassiveLensError(
+            f"{getattr(hooks, 'label', hooks)} is active (inside its with block), so its hooks are on the model "
+            "already; passing it as hooks= too would apply its edit twice. Pass it in one place only"
+        )
     hooks = getattr(hooks, "fwd_hooks", hooks)
     hooks = list(hooks() if callable(hooks) else hooks)
     for item in hooks:
@@ -167,7 +180,12 @@ def perplexity(
     losses, accs = [], []
     for start in tqdm(range(0, len(tokens), batch_size), desc="perplexity", disable=not progress, leave=False):
         chunk = tokens[start:start + batch_size]
-        logits = view.forward(view.full_batch(chunk), fwd_hooks)
+        logits = view.forward(view.full_batch(chunk), fwd_hooks, check_finite=False)  # an edit may yield inf
+        if not fwd_hooks and not bool(torch.isfinite(logits).all()):
+            raise MassiveLensError(
+                f"{view.name} ({view.dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
+                "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
+            )
         loss, acc = _next_token_stats(logits, chunk.to(logits.device))
         losses.append(loss.cpu())
         accs.append(acc.cpu())

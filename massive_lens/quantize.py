@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, first_token_mass, median_scale, sink_metric
-from massive_lens.core.model_view import ModelView
+from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.core.render import profile_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
@@ -165,6 +165,8 @@ def fake_quantized(
     sites = _sites(model, include_head)
     handles: list[Any] = []
     saved: list[tuple[nn.Parameter, Tensor]] = []
+    lock = model_lock(model)  # other threads' analyses wait until the weights are back
+    lock.acquire()
     try:
         ranges: dict[int, list[float]] = {}
         for i, (module, _, _) in enumerate(sites):
@@ -188,6 +190,7 @@ def fake_quantized(
             handle.remove()
         for weight, data in saved:
             weight.data = data
+        lock.release()
 
 
 def fake_quant_weight(w: Tensor, in_dims: tuple[int, ...] | None = None) -> Tensor:
@@ -295,6 +298,8 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tupl
     sink_shares: dict[int, Tensor] = {}
 
     def resid(x: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
+        if not bool(torch.isfinite(x).all()):
+            raise view.overflow_error(hook.name)
         layer = int(hook.name.split(".")[1])
         a = x.detach().float().abs()
         med = median_scale(a, Criterion())[1].clamp(min=1e-12)
@@ -314,7 +319,7 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tupl
 
     hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
              (lambda n: n.endswith("attn.hook_pattern"), pattern)]
-    with torch.no_grad():
+    with torch.no_grad(), model_lock(model):
         loss = model.run_with_hooks(tokens.to(_device(model)), return_type="loss", fwd_hooks=hooks)
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")

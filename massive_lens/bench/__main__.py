@@ -1,8 +1,10 @@
-"""``python -m massive_lens.bench [--write FILE] [--repeats N] [--areas detect,origin,...]``."""
+"""``python -m massive_lens.bench [--write FILE] [--repeats N] [--areas detect,origin,...]
+[--models default,qwen2.5-coder-1.5b]``."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -17,21 +19,45 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.models import load_model
 
 AREAS = ("detect", "origin", "attention", "train")
+MODEL_AREAS = ("detect", "origin", "attention")  # run on each model; train needs none
+MODELS = ("default", "qwen2.5-coder-1.5b")  # the two offline models
 
 
 def _tokens(model) -> torch.Tensor:
     return next(token_batches(ModelView(model), None, seq_len=detect.SEQ_LEN, batch_size=2 * detect.N_SEQS))
 
 
-def _memory(spec: str) -> float:
+def _memory(spec: str, model_name: str) -> float:
     area, case = spec.split(":")
     if area != "detect":
         raise SystemExit(f"no memory cases in area {area!r}")
-    model = load_model()
-    tokens = _tokens(model)[: detect.N_SEQS]
+    model = load_model(model_name)
+    tokens = detect.batch(model, _tokens(model))
     calls = detect.cases(model, tokens)
     detect.cases(model, tokens[:1, :8])["plain_forward"]()  # wire lazy state with a tiny pass
     return harness.peak_memory_of(calls[case])
+
+
+def _model_rows(name: str, areas: list[str], repeats: int, failed: list[str]) -> tuple[list[harness.Row], str]:
+    """The rows of the model-based areas on one model (loaded here, released on return)."""
+    try:
+        model = load_model(name)
+    except Exception:
+        failed.extend(f"{area} ({name})" for area in areas)
+        print(f"could not load {name!r}:\n{traceback.format_exc()}", file=sys.stderr)
+        return [], name
+    tokens = _tokens(model)
+    runs = {"detect": lambda: detect.rows(model, tokens, repeats),
+            "origin": lambda: origin.rows(model, tokens, repeats),
+            "attention": lambda: attention.rows(model, tokens, repeats)}
+    rows = []
+    for area in areas:
+        try:
+            rows += runs[area]()
+        except Exception:  # a failing area is reported, never dropped silently
+            failed.append(f"{area} ({name})")
+            print(f"benchmark area {area!r} on {name!r} failed:\n{traceback.format_exc()}", file=sys.stderr)
+    return rows, ModelView(model).name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,29 +65,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per area (default 5)")
     parser.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, from {', '.join(AREAS)}")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated model names for load_model (default: {','.join(MODELS)})")
     parser.add_argument("--write", default=None, help="write the table into this Markdown file")
     args = parser.parse_args(argv)
+    areas = args.areas.split(",")
+    unknown = sorted(set(areas) - set(AREAS))
+    if unknown:
+        parser.error(f"unknown areas {unknown}; choose from {', '.join(AREAS)}")
     if args.memory:
-        print(json.dumps(_memory(args.memory)))
+        print(json.dumps(_memory(args.memory, args.models.split(",")[0])))
         return 0
-    model = load_model()
-    tokens = _tokens(model)
-    runs = {"detect": lambda: detect.rows(model, tokens, args.repeats),
-            "origin": lambda: origin.rows(model, tokens, args.repeats),
-            "attention": lambda: attention.rows(model, tokens, args.repeats),
-            "train": lambda: train.rows(repeats=args.repeats)}
-    rows, failed = [], []
-    for area in args.areas.split(","):
+    rows, failed, names = [], [], []
+    model_areas = [a for a in areas if a in MODEL_AREAS]
+    for name in args.models.split(",") if model_areas else []:
+        model_rows, model_name = _model_rows(name, model_areas, args.repeats, failed)
+        rows += model_rows
+        names.append(model_name)
+        gc.collect()  # release this model before the next one loads
+    if "train" in areas:
         try:
-            rows += runs[area]()
-        except Exception:  # a failing area is reported, never dropped silently
-            failed.append(area)
-            print(f"benchmark area {area!r} failed:\n{traceback.format_exc()}", file=sys.stderr)
+            rows += train.rows(repeats=args.repeats)
+        except Exception:
+            failed.append("train")
+            print(f"benchmark area 'train' failed:\n{traceback.format_exc()}", file=sys.stderr)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     header = (f"Measured with `python -m massive_lens.bench --write docs/benchmarks.md` on {os.cpu_count()} CPU "
               f"cores ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads, load "
-              f"average {load:.1f} at the end; the default model ({ModelView(model).name}, float32). Each ratio is "
-              f"the median time of the case over the median time of its baseline, interleaved in one run.")
+              f"average {load:.1f} at the end; models: {', '.join(names) or 'none'} (float32; on a large model the "
+              f"cases read fewer sequences, see the detail column). Each ratio is the median time of the case over "
+              f"the median time of its baseline, interleaved in one run, on the same model.")
     if failed:
         header += f"\n\n**Failed areas (see the log): {', '.join(failed)}.**"
     table = harness.to_markdown(rows, header)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from massive_lens.attention import decompose_attention
-from massive_lens.bench.harness import Row, median_times
+from massive_lens.bench.harness import Row, fit_batch, median_times
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import bias_surgery, calibrate, fix_sink_term
 from massive_lens.metrics import perplexity
@@ -19,13 +19,14 @@ INTERVENTION_GOAL, DECOMPOSE_GOAL = 1.15, 3.0
 
 def rows(model: Any, tokens: torch.Tensor, repeats: int = 3) -> list[Row]:
     view = ModelView(model)
-    evaluate, calibration = tokens[:N_SEQS, :SEQ_LEN], tokens[N_SEQS:2 * N_SEQS, :SEQ_LEN]
+    n = fit_batch(model, N_SEQS, SEQ_LEN)  # fewer sequences on a large model
+    evaluate, calibration = tokens[:n, :SEQ_LEN], tokens[n:2 * n, :SEQ_LEN]
     calib = calibrate(model, calibration, seq_len=SEQ_LEN, n_seqs=len(calibration), progress=False)
     hooks = {"fix_sink_term": fix_sink_term(model, "mean", calibration=calib),
              "bias_surgery": bias_surgery(model, calibration=calib)}
-    runs = {"plain": lambda: perplexity(model, evaluate, batch_size=N_SEQS, progress=False)}
+    runs = {"plain": lambda: perplexity(model, evaluate, batch_size=n, progress=False)}
     for name, iv in hooks.items():
-        runs[name] = lambda iv=iv: perplexity(model, evaluate, batch_size=N_SEQS, hooks=iv, progress=False)
+        runs[name] = lambda iv=iv: perplexity(model, evaluate, batch_size=n, hooks=iv, progress=False)
     one = evaluate[:1]
 
     def forward() -> None:
@@ -38,11 +39,11 @@ def rows(model: Any, tokens: torch.Tensor, repeats: int = 3) -> list[Row]:
     seconds = median_times(runs, repeats)
     out = [Row("attention", f"intervention perplexity run ({name}) / plain perplexity run",
                seconds[name] / seconds["plain"], INTERVENTION_GOAL,
-               f"{len(evaluate)}x{SEQ_LEN} tokens, median {seconds[name]:.2f} s vs {seconds['plain']:.2f} s")
+               f"{len(evaluate)}x{SEQ_LEN} tokens, median {seconds[name]:.2f} s vs {seconds['plain']:.2f} s", view.name)
            for name in hooks]
     for name in ("decompose, sinks given", "decompose, sinks found by find_massive"):
         out.append(Row("attention", f"decompose_attention (all layers, {name.split(', ')[1]}) / one forward",
                        seconds[name] / seconds["forward"], DECOMPOSE_GOAL,
                        f"{view.n_layers} layers, {one.shape[1]} tokens, median {seconds[name]:.2f} s vs "
-                       f"{seconds['forward']:.2f} s"))
+                       f"{seconds['forward']:.2f} s", view.name))
     return out

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from massive_lens.bench.harness import Row, median_times, memory_in_subprocess
+from massive_lens.bench.harness import Row, fit_batch, median_times, memory_in_subprocess
+from massive_lens.core.model_view import ModelView
 from massive_lens.detect import find_massive, scan_corpus
 
 N_SEQS, SEQ_LEN = 4, 512
@@ -35,16 +36,24 @@ def cases(model: Any, tokens: torch.Tensor) -> dict[str, Callable[[], Any]]:
     }
 
 
+def batch(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """The sequences the detect cases read: up to ``N_SEQS`` of ``SEQ_LEN`` tokens (fewer on a
+    large model, see :func:`~massive_lens.bench.harness.fit_batch`)."""
+    return tokens[: fit_batch(model, N_SEQS, SEQ_LEN), :SEQ_LEN]
+
+
 def rows(model: Any, tokens: torch.Tensor, repeats: int = 5) -> list[Row]:
-    tokens = tokens[:N_SEQS, :SEQ_LEN]
+    tokens = batch(model, tokens)
+    name_of_model = ModelView(model).name
     seconds = median_times(cases(model, tokens), repeats)
-    memory = {name: memory_in_subprocess("detect", name) for name in ["plain_forward", *GOALS]}
+    memory = {name: memory_in_subprocess("detect", name, name_of_model) for name in ["plain_forward", *GOALS]}
     shape = f"{len(tokens)}x{tokens.shape[1]} tokens"
     out = []
     for name, goal in GOALS.items():
         out.append(Row("detect", f"{name} time / plain forward", seconds[name] / seconds["plain_forward"], goal,
-                       f"{shape}; median {seconds[name]:.2f} s vs {seconds['plain_forward']:.2f} s"))
+                       f"{shape}; median {seconds[name]:.2f} s vs {seconds['plain_forward']:.2f} s", name_of_model))
         out.append(Row("detect", f"{name} peak memory / plain forward", memory[name] / memory["plain_forward"],
                        MEMORY_GOAL if goal else None,
-                       f"{memory[name]:.0f} MB vs {memory['plain_forward']:.0f} MB above the loaded model"))
+                       f"{memory[name]:.0f} MB vs {memory['plain_forward']:.0f} MB above the loaded model",
+                       name_of_model))
     return out

@@ -6,10 +6,18 @@ load changes on a shared machine hit all cases alike. Every row is a *cost ratio
 measured case over its baseline, lower is better, with a goal ``ratio <= goal``.
 
 Memory: peak resident memory a case adds above the loaded model, measured in a fresh
-subprocess per case (``python -m massive_lens.bench --memory AREA:CASE``).
+subprocess per case (``python -m massive_lens.bench --memory AREA:CASE --models NAME``).
+
+Models: every model-based area runs on each model of ``--models`` (default: both offline
+models, SmolLM2-135M-Instruct and Qwen2.5-Coder-1.5B-Instruct), one model loaded at a time.
+A case's batch is cut (:func:`fit_batch`) so that one forward pass costs at most ``WORK``
+parameter-tokens: the same shapes on a small model, fewer sequences on a large one, so a
+round takes seconds on a CPU for any model size. Ratios compare a case with its baseline on
+the same model and batch, so they stay comparable across models.
 
     python -m massive_lens.bench                       # prints the table
     python -m massive_lens.bench --write docs/benchmarks.md
+    python -m massive_lens.bench --models default --areas origin --repeats 1
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+WORK = 3e11  # parameter-tokens one forward pass of a case may cost (see fit_batch)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -33,12 +43,27 @@ class Row:
     ratio: float
     goal: float | None  # the ratio must stay <= goal; None: a reference row (no goal)
     detail: str
+    model: str = ""  # the model measured ("" for model-free areas)
 
     @property
     def verdict(self) -> str:
         if self.goal is None:
             return "reference"
         return "ok" if self.ratio <= self.goal else "over goal"
+
+
+def fit_batch(model: Any, n_seqs: int, seq_len: int, work: float = WORK) -> int:
+    """How many of ``n_seqs`` sequences of ``seq_len`` tokens one forward pass may take so that
+    it costs at most ``work`` parameter-tokens (at least one sequence).
+
+    >>> import torch
+    >>> fit_batch(torch.nn.Linear(1000, 1000), n_seqs=4, seq_len=512, work=1e9)
+    1
+    >>> fit_batch(torch.nn.Linear(10, 10), n_seqs=4, seq_len=512, work=1e9)
+    4
+    """
+    params = sum(p.numel() for p in model.parameters())
+    return max(1, min(n_seqs, int(work // (params * seq_len))))
 
 
 def median_times(cases: dict[str, Callable[[], Any]], repeats: int = 5,
@@ -70,19 +95,20 @@ def peak_memory_of(call: Callable[[], Any]) -> float:
     return _status_mb("VmHWM") - base
 
 
-def memory_in_subprocess(area: str, case: str) -> float:
-    """:func:`peak_memory_of` the case, in a fresh interpreter (so earlier cases leave no trace)."""
-    out = subprocess.run([sys.executable, "-m", "massive_lens.bench", "--memory", f"{area}:{case}"],
+def memory_in_subprocess(area: str, case: str, model: str = "default") -> float:
+    """:func:`peak_memory_of` the case on ``model`` (a name for ``load_model``), in a fresh
+    interpreter (so earlier cases leave no trace)."""
+    out = subprocess.run([sys.executable, "-m", "massive_lens.bench", "--memory", f"{area}:{case}", "--models", model],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"memory run of {area}:{case} failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"memory run of {area}:{case} on {model} failed:\n{out.stderr[-2000:]}")
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def to_markdown(rows: list[Row], header: str) -> str:
-    lines = [header, "", "| area | measurement | ratio | goal (ratio <=) | verdict | detail |",
-             "|---|---|---|---|---|---|"]
+    lines = [header, "", "| model | area | measurement | ratio | goal (ratio <=) | verdict | detail |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         goal = "-" if r.goal is None else f"{r.goal:g}"
-        lines.append(f"| {r.area} | {r.name} | {r.ratio:.2f} | {goal} | {r.verdict} | {r.detail} |")
+        lines.append(f"| {r.model or '-'} | {r.area} | {r.name} | {r.ratio:.2f} | {goal} | {r.verdict} | {r.detail} |")
     return "\n".join(lines) + "\n"

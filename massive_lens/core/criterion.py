@@ -10,6 +10,12 @@ Gu et al. (2024) measure *attention sinks* by the share of heads whose mean atte
 first token exceeds 0.3, over the first 64 query positions (``T = 64`` in their paper):
 :func:`first_token_mass` and :func:`sink_metric` are that metric, used everywhere.
 
+Which positions *are* sinks is decided here too, once (:class:`SinkRule`, :class:`SinkEvidence`):
+a position is a sink when it draws attention as one (a large share of all heads put more
+than 0.3 of their attention on it, Gu et al.'s per-head test applied to that position) or
+when it carries a massive activation that persists across layers. A dim that crosses the
+massive criterion at one early layer does not make its positions sinks.
+
 >>> x = torch.ones(1, 3, 8); x[0, 0, 5] = 5000.0
 >>> massive_mask(x, Criterion()).nonzero().tolist()
 [[0, 0, 5]]
@@ -28,6 +34,10 @@ from massive_lens.errors import MassiveLensError
 
 SINK_THRESHOLD = 0.3  # Gu et al.: a head is a sink head when > 0.3 of its attention is on the first token
 SINK_QUERIES = 64  # ... averaged over the first 64 query positions (their T)
+SINK_HEAD_SHARE = 0.3  # a position is a sink when >= 30% of all heads are sink heads for it ...
+SINK_PERSISTENCE = 0.5  # ... or it is massive in >= half the layers from its sequence's first massive layer on
+SINK_MIN_LAYERS = 2  # ... and in at least two layers (one layer is a crossing, not a sink)
+SINK_MIN_QUERIES = 8  # the attention test needs this many later queries; nearer the end only persistence counts
 
 
 @dataclass(frozen=True)
@@ -127,3 +137,132 @@ def sink_metric(mass: Float[Tensor, " head"], threshold: float = SINK_THRESHOLD)
     if not 0 < threshold < 1:
         raise MassiveLensError(f"threshold is an attention share in (0, 1), got {threshold}")
     return float((mass > threshold).float().mean()) if mass.numel() else float("nan")
+
+
+@dataclass(frozen=True)
+class SinkRule:
+    """When a position counts as an attention sink.
+
+    A position is a sink when it **draws attention as one**: at least ``head_share`` of all
+    heads (every layer) give it more than ``threshold`` of their attention, averaged over the
+    (up to ``SINK_QUERIES``) real query positions after it, Gu et al.'s per-head test applied
+    to that position (positions with fewer than ``min_queries`` later queries are not judged
+    this way); **or** when it **carries a persistent massive activation**: some dim is massive
+    there (under the :class:`Criterion`) in at least ``persistence`` of the layers from its
+    sequence's first massive layer to the last one, and in at least ``min_layers`` layers.
+    A dim that crosses the criterion at one early layer makes no sink.
+
+    >>> SinkRule().head_share, SinkRule(persistence=0.8).persistence
+    (0.3, 0.8)
+    """
+
+    threshold: float | int = SINK_THRESHOLD
+    head_share: float | int = SINK_HEAD_SHARE
+    persistence: float | int = SINK_PERSISTENCE
+    min_layers: int = SINK_MIN_LAYERS
+    min_queries: int = SINK_MIN_QUERIES
+
+    def __post_init__(self) -> None:
+        for name in ("threshold", "head_share", "persistence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise MassiveLensError(f"SinkRule.{name} is a share in (0, 1], got {value!r}")
+        if self.threshold >= 1:
+            raise MassiveLensError(f"SinkRule.threshold is an attention share in (0, 1), got {self.threshold}")
+        for name in ("min_layers", "min_queries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MassiveLensError(f"SinkRule.{name} must be an integer >= 1, got {value!r}")
+
+    def __str__(self) -> str:
+        return (f"sink = >= {self.head_share:.0%} of heads put > {self.threshold:g} of their attention on it, "
+                f"or massive in >= {self.persistence:.0%} of the layers from the first massive one "
+                f"(>= {self.min_layers})")
+
+
+def key_attention(
+    pattern: Float[Tensor, "batch head_index query_pos key_pos"], valid: Bool[Tensor, "batch pos"] | None = None,
+) -> tuple[Float[Tensor, "batch head_index key_pos"], Float[Tensor, "batch key_pos"]]:
+    """Per head, each key's mean attention from the (up to ``SINK_QUERIES``) real query
+    positions after it, and how many such queries each key has.
+
+    >>> p = torch.zeros(1, 1, 3, 3); p[0, 0, :, 0] = 1.0
+    >>> mass, n = key_attention(p)
+    >>> mass[0, 0].tolist(), n[0].tolist()
+    ([1.0, 0.0, 0.0], [2.0, 1.0, 0.0])
+    """
+    n = pattern.shape[-1]
+    q, k = torch.arange(n, device=pattern.device)[:, None], torch.arange(n, device=pattern.device)[None]
+    band = ((q > k) & (q <= k + SINK_QUERIES)).to(torch.float32)  # [query key]
+    queries = torch.ones(pattern.shape[0], n, device=pattern.device) if valid is None \
+        else valid.to(pattern.device, torch.float32)
+    count = torch.einsum("qk,bq->bk", band, queries)
+    mass = torch.einsum("bhqk,qk,bq->bhk", pattern.float(), band, queries) / count.clamp(min=1)[:, None]
+    return mass, count
+
+
+class SinkEvidence:
+    """What decides which positions are sinks, gathered layer by layer during one forward
+    pass (:meth:`add_resid` for every layer's ``resid_post``, :meth:`add_pattern` for every
+    layer's attention pattern), then judged by a :class:`SinkRule` (:meth:`mask`).
+
+    >>> ev = SinkEvidence(torch.ones(1, 4, dtype=torch.bool), n_layers=3)
+    >>> x = torch.ones(1, 4, 8); x[0, 0, 2] = 5000.0
+    >>> for layer in range(3):
+    ...     y = x.clone(); y[0, 3, 5] = 5000.0 if layer == 0 else 1.0  # position 3: one layer only
+    ...     _ = ev.add_resid(layer, y)
+    >>> ev.mask().tolist()
+    [[True, False, False, False]]
+    """
+
+    def __init__(self, valid: Bool[Tensor, "batch pos"], n_layers: int, rule: SinkRule | None = None,
+                 criterion: Criterion | None = None):
+        self.valid, self.n_layers = valid.cpu(), n_layers
+        self.rule, self.criterion = rule or SinkRule(), criterion or Criterion()
+        batch, pos = valid.shape
+        self.sink_heads = torch.zeros(batch, pos)  # heads (over all layers) that are sink heads for the key
+        self.n_heads = 0
+        self.massive_layers = torch.zeros(batch, pos, dtype=torch.long)  # layers where the position is massive
+        self.first_massive = torch.full((batch, pos), n_layers, dtype=torch.long)  # first such layer
+
+    def add_resid(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> Bool[Tensor, "batch pos"]:
+        """Count the positions with a massive entry at ``layer``; returns them."""
+        hit = massive_mask(resid, self.criterion, self.valid).any(-1).cpu()
+        self.add_massive(layer, hit)
+        return hit
+
+    def add_massive(self, layer: int, hit: Bool[Tensor, "batch pos"]) -> None:
+        """Count the positions ``hit`` (those with a massive entry at ``layer``, found by the caller)."""
+        hit = hit.cpu() & self.valid
+        self.massive_layers += hit.long()
+        self.first_massive = torch.where(hit, self.first_massive.clamp(max=layer), self.first_massive)
+
+    def add_pattern(self, pattern: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
+        """Count, per key position, the heads of this layer that are sink heads for it."""
+        mass, count = key_attention(pattern, self.valid)
+        judged = (count >= self.rule.min_queries).cpu()
+        self.sink_heads += ((mass > self.rule.threshold).sum(1).cpu() * judged).float()
+        self.n_heads += pattern.shape[1]
+
+    @property
+    def head_share(self) -> Float[Tensor, "batch pos"]:
+        """Share of all heads seen that are sink heads for each position."""
+        return self.sink_heads / max(self.n_heads, 1)
+
+    @property
+    def by_attention(self) -> Bool[Tensor, "batch pos"]:
+        """Positions that draw attention as sinks."""
+        return (self.head_share >= self.rule.head_share) & self.valid if self.n_heads else \
+            torch.zeros_like(self.valid)
+
+    @property
+    def by_massive(self) -> Bool[Tensor, "batch pos"]:
+        """Positions whose massive activation persists across layers."""
+        start = self.first_massive.min(-1, keepdim=True).values  # the sequence's first massive layer
+        span = (self.n_layers - start).clamp(min=1)
+        need = torch.maximum(torch.full_like(span, self.rule.min_layers), (self.rule.persistence * span).ceil().long())
+        return (self.massive_layers >= need) & (self.massive_layers > 0) & self.valid
+
+    def mask(self) -> Bool[Tensor, "batch pos"]:
+        """The sinks: positions that draw attention as one or carry a persistent massive activation."""
+        return self.by_attention | self.by_massive

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import string
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -28,6 +31,29 @@ from massive_lens.errors import MassiveLensError
 TOKEN_KINDS = ("bos", "first", "delimiter", "other")
 _DELIMITER_CHARS = set(string.punctuation) | {"\n", "\r"}
 _DELIMITER_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> table
+_MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> RLock
+_MODEL_LOCKS_BY_ID: dict[int, Any] = {}  # models that take no weak reference
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: Any) -> Any:
+    """The one re-entrant lock of ``model``: held while hooks are attached to it and it runs,
+    so analyses on one model from several threads run one forward pass at a time and never
+    see each other's hooks (the same thread may nest).
+
+    >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
+    >>> m = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
+    >>> model_lock(m) is model_lock(m)
+    True
+    """
+    with _MODEL_LOCKS_GUARD:
+        try:
+            lock = _MODEL_LOCKS.get(model)
+            if lock is None:
+                lock = _MODEL_LOCKS[model] = threading.RLock()
+        except TypeError:  # not weak-referenceable (or unhashable)
+            lock = _MODEL_LOCKS_BY_ID.setdefault(id(model), threading.RLock())
+        return lock
 
 
 @dataclass(frozen=True)
@@ -60,7 +86,8 @@ class ModelView:
     # ------------------------------------------------------------------ facts
     @property
     def name(self) -> str:
-        return str(getattr(self.cfg, "model_name", None) or type(self.model).__name__)
+        """A name for people: the configured one, a path reduced by :func:`readable_name`."""
+        return readable_name(str(getattr(self.cfg, "model_name", None) or type(self.model).__name__))
 
     @property
     def n_layers(self) -> int:
@@ -107,21 +134,22 @@ class ModelView:
     def tokenize(self, inputs: str | Sequence[str] | Tensor, prepend_bos: bool | None = None) -> Batch:
         """Texts (or token ids) to a right-padded batch; errors for empty or too long input."""
         if isinstance(inputs, Tensor):
-            tokens = inputs.long()
-            if tokens.ndim == 1:
-                tokens = tokens[None]
+            tokens = inputs[None] if inputs.ndim == 1 else inputs
             if tokens.ndim != 2 or tokens.shape[-1] == 0:
                 raise MassiveLensError(f"token ids must be [batch, pos] with pos > 0, got {tuple(inputs.shape)}")
+            tokens = self.check_tokens(tokens)
             self.check_length(tokens.shape[-1])
-            vocab = getattr(self.cfg, "d_vocab", None)
-            if int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab):
-                raise MassiveLensError(
-                    f"token ids must lie in [0, {vocab}) for {self.name}; got ids from "
-                    f"{int(tokens.min())} to {int(tokens.max())}"
-                )
             return self.full_batch(tokens)
+        if isinstance(inputs, (bytes, bytearray)):
+            raise MassiveLensError("got bytes, not text; decode them first (data.decode('utf-8'))")
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
-        if not texts or any(not isinstance(t, str) or not t for t in texts):
+        wrong = next((t for t in texts if not isinstance(t, str)), None)
+        if wrong is not None:
+            raise MassiveLensError(
+                f"texts must be strings, got a {type(wrong).__name__}; pass token ids as a torch tensor "
+                "of integers [batch, pos]"
+            )
+        if not texts or not all(texts):
             raise MassiveLensError("got an empty text (or no texts); pass at least one non-empty string")
         if prepend_bos is None:
             prepend_bos = bool(getattr(self.cfg, "default_prepend_bos", True))
@@ -129,8 +157,7 @@ class ModelView:
         has_bos = prepend_bos and tok.bos_token_id is not None
         rows = []
         for text in texts:
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            rows.append(([tok.bos_token_id] if has_bos else []) + list(ids))
+            rows.append(([tok.bos_token_id] if has_bos else []) + text_ids(tok, text))
         longest = max(len(r) for r in rows)
         self.check_length(longest)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -140,6 +167,14 @@ class ModelView:
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = True
         return Batch(tokens, mask, has_bos)
+
+    def check_tokens(self, tokens: Any) -> Int[Tensor, "..."]:
+        """``tokens`` as a LongTensor, checked by :func:`check_token_ids` against this model's
+        vocabulary (a ``MassiveLM``'s sink id counts as valid)."""
+        vocab = getattr(self.cfg, "d_vocab", None)
+        vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+        sink = getattr(self.model, "sink_id", None)
+        return check_token_ids(tokens, vocab, self.name, extra=(sink,) if isinstance(sink, int) else ())
 
     def starts_with_bos(self, tokens: Int[Tensor, "batch pos"]) -> bool:
         """Whether every sequence starts with the tokenizer's BOS id (the one has-BOS check)."""
@@ -197,29 +232,81 @@ class ModelView:
     # ------------------------------------------------------------------ running
     @contextlib.contextmanager
     def hooked(self, fwd_hooks: list[tuple[str, Any]]) -> Iterator[None]:
-        """Attach hooks for the block; only these hooks are removed afterwards, always."""
-        with self.model.hooks(fwd_hooks=fwd_hooks):
+        """Attach hooks for the block; only these hooks are removed afterwards, always.
+
+        The model's :func:`model_lock` is held throughout, so another thread's analysis waits
+        instead of running with (or adding) hooks of its own. A hook name the model does not
+        have is a :class:`MassiveLensError` (TransformerLens raises a bare ``KeyError``).
+        """
+        missing = [name for name, _ in fwd_hooks if isinstance(name, str) and name not in self.model.hook_dict]
+        if missing:
+            raise MassiveLensError(f"{self.name} has no hook {missing[0]!r}; see model.hook_dict for the "
+                                   "hooks it has")
+        with model_lock(self.model), self.model.hooks(fwd_hooks=fwd_hooks):
             yield
 
-    def forward(self, batch: Batch, fwd_hooks: list[tuple[str, Any]], stop_after: str | None = None) -> Any:
+    def forward(self, batch: Batch, fwd_hooks: list[tuple[str, Any]], stop_after: str | None = None,
+                check_finite: bool = True) -> Any:
         """One no-grad forward pass with temporary hooks; returns the model's output.
 
         With ``stop_after`` (a hook name) the pass ends right after that hook fires and
         returns None: analyses that read the residual stream skip the rest (and the
         unembedding, often the costliest matmul of a small model).
+
+        With ``check_finite`` (the default) the activation each hook receives is checked, at
+        real (non-pad) positions, for NaN and inf: an overflow is a ``MassiveLensError``
+        naming the first hook that saw it, never a quiet NaN in a result. Pass False where a
+        non-finite value is itself the answer (the perplexity of an edited model).
         """
         tokens = batch.tokens.to(self.input_device)
         kwargs: dict[str, Any] = {}
-        if not bool(batch.mask.all()):
+        all_real = bool(batch.mask.all())
+        if not all_real:
             kwargs["attention_mask"] = batch.mask.to(self.input_device).long()
         hooks = list(fwd_hooks)
+        seen: list[tuple[str, Tensor]] = []  # (hook name, all finite?) in firing order
+        if check_finite:
+            mask = None if all_real else batch.mask.to(self.input_device)
+            hooks = [(name, _finite_checked(fn, mask, seen)) for name, fn in hooks]
         if stop_after is not None:
             hooks.append((stop_after, _stop_forward))
         try:
             with torch.no_grad(), self.hooked(hooks):
-                return self.model(tokens, **kwargs)
+                out = self.model(tokens, **kwargs)
         except _StopForward:
-            return None
+            out = None
+        except MassiveLensError:
+            raise
+        except Exception as exc:  # a hook that tripped over a NaN: say so, not the symptom
+            self._raise_if_nonfinite(seen, exc)
+            raise
+        self._raise_if_nonfinite(seen)
+        if stop_after is not None and out is not None:  # the pass ran to the end: the hook never fired
+            raise MassiveLensError(f"{self.name}: hook {stop_after!r} exists but never fired in a forward pass "
+                                   "(this architecture's bridge does not run it), so nothing can be read there")
+        return out
+
+    def _raise_if_nonfinite(self, seen: list[tuple[str, Tensor]], cause: BaseException | None = None) -> None:
+        if not seen:
+            return
+        ok = torch.stack([flag.to(seen[0][1].device) for _, flag in seen]).cpu()  # one sync per pass
+        if bool(ok.all()):
+            return
+        raise self.overflow_error(seen[int((~ok).nonzero()[0])][0]) from cause
+
+    def overflow_error(self, hook: str) -> MassiveLensError:
+        """The error for NaN or inf reached at ``hook``: where, and what to do about it."""
+        dtype = self.dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            fix = ("the model overflowed there; load it with dtype=torch.float32 (or torch.bfloat16, "
+                   "which has float32's range)")
+        else:
+            fix = (f"in {dtype} this is not a rounding issue: check the weights (torch.isfinite) and any "
+                   "hooks or edits applied before this point")
+        return MassiveLensError(
+            f"{self.name} ({dtype}): the activation at {hook} holds NaN or inf, so every result past "
+            f"it would be wrong; {fix}"
+        )
 
     def activation(self, batch: Batch, name: str) -> Tensor:
         """The activation at hook ``name`` for ``batch`` (float32, CPU); the pass stops there."""
@@ -250,6 +337,116 @@ class ModelView:
                 f"{info.max:,.0f}. Values and ratios are approximate; use float32 for exact ones.",
                 stacklevel=3,
             )
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids of ``text`` (no special tokens added). Text that is not valid Unicode (a lone
+    surrogate, left by a bad decode) is a ``MassiveLensError``, not a tokenizer traceback.
+
+    >>> by_char = lambda text, add_special_tokens: {"input_ids": [ord(c) for c in text]}
+    >>> text_ids(by_char, "Hi")
+    [72, 105]
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MassiveLensError(
+            f"the text holds {text[exc.start]!r} at character {exc.start}, a lone surrogate that is not valid "
+            "Unicode; fix how it was decoded (e.g. bytes.decode('utf-8', errors='replace'))"
+        ) from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_token_ids(
+    tokens: Any, vocab: int | None, model_name: str = "the model", extra: Sequence[int] = ()
+) -> Int[Tensor, "..."]:
+    """The one check of token ids given by a caller: an integer tensor, not empty, every id
+    in ``[0, vocab)`` (or one of ``extra``). Returns it as ``torch.long``; anything else is a
+    :class:`MassiveLensError` saying what was wrong. Float ids are refused, never rounded.
+
+    >>> check_token_ids(torch.tensor([[1, 2, 3]], dtype=torch.int32), 10).dtype
+    torch.int64
+    >>> check_token_ids(torch.tensor([[1.0, 72.7]]), 100)
+    Traceback (most recent call last):
+    ...
+    massive_lens.errors.MassiveLensError: token ids must be integers, got a torch.float32 tensor ...
+    """
+    if not isinstance(tokens, Tensor):
+        raise MassiveLensError(f"token ids must be a torch tensor of integers, got {type(tokens).__name__}")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        finite = tokens.is_complex() or tokens.dtype == torch.bool or bool(torch.isfinite(tokens).all())
+        detail = "" if finite else " holding NaN or inf"
+        if finite and tokens.is_floating_point() and not bool((tokens == tokens.round()).all()):
+            detail = " holding fractional ids"
+        raise MassiveLensError(
+            f"token ids must be integers, got a {tokens.dtype} tensor{detail}; ids are never rounded. "
+            "Tokenize text with the model's tokenizer (or pass a string), or convert whole-number ids "
+            "with tokens.long()"
+        )
+    if tokens.numel() == 0:
+        raise MassiveLensError(f"got an empty token tensor of shape {tuple(tokens.shape)}; pass at least one token")
+    tokens = tokens.long()
+    low, high = int(tokens.min()), int(tokens.max())
+    bad = tokens < 0
+    if vocab is not None:
+        bad = bad | (tokens >= vocab)
+    for allowed in extra:
+        bad = bad & (tokens != allowed)
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        span = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise MassiveLensError(
+            f"token ids must lie in {span} for {model_name}; got ids from {low} to {high} "
+            f"(the first bad one, {int(tokens[tuple(first)])}, at index {tuple(first)}). "
+            "Tokenize text with this model's tokenizer"
+        )
+    return tokens
+
+
+def readable_name(name: str) -> str:
+    """A model's name for people: a hub id stays as it is; a local path (a folder saved with
+    ``save_pretrained``, a file, a hub cache snapshot) becomes the name it stands for.
+
+    >>> readable_name("gpt2"), readable_name("Qwen/Qwen2.5-0.5B")
+    ('gpt2', 'Qwen/Qwen2.5-0.5B')
+    >>> readable_name("/home/me/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B/snapshots/4f2c1e/")
+    'Qwen/Qwen2.5-0.5B'
+    >>> readable_name("/data/checkpoints/my-model-v2"), readable_name("./runs/model.gguf")
+    ('my-model-v2', 'model')
+    """
+    text = str(name).strip().rstrip("/\\")
+    parts = PurePath(text).parts
+    hub = [p for p in parts if p.startswith("models--")]  # the hub cache: models--ORG--NAME/snapshots/HASH
+    if hub:
+        return hub[-1].removeprefix("models--").replace("--", "/")
+    is_path = (text.startswith(("/", "~", ".", "\\")) or PurePath(text).is_absolute() or len(parts) > 2
+               or os.path.exists(text))
+    if not is_path or not parts:
+        return text
+    stem = PurePath(text).name
+    return stem.removesuffix(".gguf") if stem.endswith(".gguf") else stem
+
+
+def _finite_checked(fn: Any, mask: Any, seen: list[tuple[str, Tensor]]) -> Any:
+    """``fn`` as a hook that first records whether its activation is finite at real positions
+    (attention scores may hold -inf by design: there only NaN and +inf count)."""
+
+    def hook_fn(x: Any, hook: Any) -> Any:
+        if isinstance(x, Tensor) and x.is_floating_point():
+            name = str(getattr(hook, "name", "?"))
+            part = x
+            if mask is not None and x.ndim >= 2 and tuple(x.shape[:2]) == tuple(mask.shape):
+                part = x[mask]
+            elif mask is not None and x.ndim == 4 and x.shape[0] == mask.shape[0] and x.shape[2] == mask.shape[1]:
+                part = x.transpose(1, 2)[mask]  # [batch, head, query, key]: real queries
+            if name.endswith("attn_scores"):
+                ok = ~(torch.isnan(part).any() | torch.isposinf(part).any())
+            else:
+                ok = torch.isfinite(part).all()
+            seen.append((name, ok))
+        return fn(x, hook=hook)
+
+    return hook_fn
 
 
 class _StopForward(Exception):

@@ -47,7 +47,12 @@ def chosen_layers(view: ModelView, layers: int | Sequence[int] | None) -> list[i
     """Sorted distinct layers (``None``: all), each checked to exist."""
     if isinstance(layers, int):
         layers = [layers]
-    chosen = sorted(set(range(view.n_layers) if layers is None else layers))
+    items = list(range(view.n_layers)) if layers is None else (
+        list(layers) if isinstance(layers, Sequence) and not isinstance(layers, str) else [layers])
+    wrong = [x for x in items if isinstance(x, bool) or not isinstance(x, int)]
+    if wrong:
+        raise MassiveLensError(f"layers must be an int, a sequence of ints or None (all layers), got {wrong[0]!r}")
+    chosen = sorted(set(items))
     if not chosen:
         raise MassiveLensError("layers is empty; pass None for all layers")
     for layer in chosen:

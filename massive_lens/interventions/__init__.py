@@ -1,9 +1,11 @@
 """Causal tests of the claim that massive activations and attention sinks act as a fixed bias.
 
 Every intervention is an :class:`Intervention`: a context manager (``with fix_sink_term(m):``)
-that is also a hook list (``perplexity(model, hooks=iv)``). :func:`calibrate` measures what
-the interventions need on calibration text; :data:`REGISTRY` names the settings of the
-paper's Table 3, which :func:`~massive_lens.run_interventions` evaluates.
+that is also a hook list (``perplexity(model, hooks=iv)``), and records what its targets hold
+downstream (``iv.record``, ``iv.check(text)``). :func:`calibrate` measures what the
+interventions need on calibration text; :data:`REGISTRY` names the settings of the paper's
+Table 3 (and their ``_every`` variants), which :func:`~massive_lens.run_interventions`
+evaluates and checks.
 
 >>> from massive_lens import tiny_model
 >>> from massive_lens.interventions import remove_sink_attention
@@ -16,14 +18,17 @@ from massive_lens.interventions.builders import (
     ablate_massive,
     bias_surgery,
     fix_sink_term,
+    observe,
     patch_sink_from,
     remove_sink_attention,
 )
 from massive_lens.interventions.calibration import Calibration, calibrate
-from massive_lens.interventions.registry import REGISTRY, SETTINGS, Setting
+from massive_lens.interventions.checks import REBUILT
+from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS, Setting
 from massive_lens.interventions.table import InterventionTable, run_interventions
 
 __all__ = [
-    "REGISTRY", "SETTINGS", "Calibration", "Intervention", "InterventionTable", "Setting", "ablate_massive",
-    "bias_surgery", "calibrate", "fix_sink_term", "patch_sink_from", "remove_sink_attention", "run_interventions",
+    "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "Intervention", "InterventionTable", "Setting",
+    "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term", "observe", "patch_sink_from",
+    "remove_sink_attention", "run_interventions",
 ]

@@ -1,19 +1,33 @@
 """Calibration for the interventions: what a model's massive activations and sinks look like
-on calibration text (the massive dims and the layer where each first appears, their mean
-values, and per head the mean sink term and the mean key and value at the sinks), plus the
-per-forward state the intervention hooks share (the sink mask found online).
+on calibration text.
+
+One pass finds the massive dims (the layer where each first appears, every layer where it
+is massive, its mean value there) and the sinks of every calibration sequence, by the one
+rule of :class:`~massive_lens.core.criterion.SinkRule`: a position is a sink when it draws
+attention as one or carries a massive activation that persists across layers; a dim that
+crosses the criterion at one early layer makes no sink. A second pass measures, per layer
+and head, the mean sink term, sink key and sink value at those sinks.
+
+During an intervention on new text the sinks must be known before the layers where they are
+used, so an intervention without ``sinks=`` finds them *online* with a rule fitted here:
+the first token when it is a sink in most calibration sequences, plus any later position
+where a dim that marks the calibration's later sinks is massive at their first massive
+layer, at no less than ``ONLINE_GATE`` of its calibration median there. The calibration
+says how well that rule reproduces the full one on its own text;
+:func:`~massive_lens.run_interventions` does not rely on it: it finds each evaluation
+batch's sinks with the full rule first and hands them over.
 
 >>> from massive_lens import tiny_model
 >>> calib = calibrate(tiny_model("qwen2"), "Calibration text. " * 20, seq_len=16, n_seqs=2,
 ...                   progress=False)
->>> calib.detect_layer is None, tuple(calib.sink_v.shape)
-(True, (4, 2, 16))
+>>> calib.detect_layer is None, tuple(calib.sink_v.shape), calib.sinks.describe()
+(True, (4, 2, 16), '1 per sequence: first 2')
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -23,14 +37,19 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention import sink_term
+from massive_lens.attention import FOUND, SinkSet, sink_term, sinks_from, token_kinds
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import Criterion, massive_mask
+from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, massive_mask
 from massive_lens.core.fmt import num, short
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
-from massive_lens.detect import find_massive
+
+ONLINE_GATE = 0.5  # online, a later sink's dim must reach half its calibration median at the sink layer
+
+
+def _long() -> Tensor:
+    return torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -38,11 +57,21 @@ class Calibration(Result):
     """What the interventions need to know about a model, measured on calibration text.
 
     ``dims[layer]``: massive dims whose first massive layer is ``layer``; ``means[layer]``:
-    their mean value at massive entries; ``sink_z [layer head d_head]``: each head's mean
-    sink term over non-sink query positions; ``sink_k``/``sink_v [layer kv_head d_head]``:
-    mean key (post-RoPE) and value at sink positions; ``sink_mass [layer head]``.
+    their mean value at massive entries there; ``dims_at[layer]``/``means_at[layer]``: every
+    dim massive at ``layer`` (any position) and its mean there (what ``where="every"`` edits);
+    ``sinks``: the calibration sinks (:class:`~massive_lens.attention.SinkSet`, found by
+    ``rule``); ``attn_layers``: the layers after the sinks first carry a massive activation
+    (all layers when they carry none), where the sink interventions act; ``sink_z [layer
+    head d_head]``: each head's mean sink term over non-sink query positions;
+    ``sink_k``/``sink_v [layer kv_head d_head]``: mean key (post-RoPE) and value at the sinks;
+    ``sink_mass [layer head]``. The online sink rule: ``sink_first`` (the first token is a
+    sink), ``sink_dims``/``sink_gate`` at ``sink_layer`` (later positions; -1: none), and
+    ``online_missed``/``online_extra``: sink positions of the calibration text it misses or
+    adds, compared with the full rule.
+
     ``to_frame()``: one row per fact, ``kind`` (``massive_mean``: ``layer``, ``dim``,
-    ``value``; ``sink_mass``: ``layer``, ``head``, ``value``).
+    ``value`` at the first massive layer; ``massive_mean_at``: the same at every massive
+    layer; ``sink_mass``: ``layer``, ``head``, ``value``).
     """
 
     source: str
@@ -55,31 +84,70 @@ class Calibration(Result):
     sink_mass: Float[Tensor, "layer head_index"]
     criterion: Criterion
     n_seqs: int
+    dims_at: dict[int, Tensor] = field(default_factory=dict)
+    means_at: dict[int, Tensor] = field(default_factory=dict)
+    sinks: SinkSet | None = None
+    rule: SinkRule = field(default_factory=SinkRule)
+    sink_first: bool = True
+    sink_dims: Tensor = field(default_factory=_long)
+    sink_gate: Tensor = field(default_factory=lambda: torch.zeros(0))
+    sink_layer: int = -1
+    online_missed: int = 0
+    online_extra: int = 0
 
     @property
     def detect_layer(self) -> int | None:
         """The first layer where a massive activation appears (None: none in the text)."""
         return min(self.dims) if self.dims else None
 
+    @property
+    def first_layer(self) -> dict[int, int]:
+        """Each massive dim -> the layer where it is first massive."""
+        return {int(d): layer for layer, dims in self.dims.items() for d in dims.tolist()}
+
+    @property
+    def massive_layers(self) -> dict[int, set[int]]:
+        """Each massive dim -> every layer where it is massive in calibration."""
+        out: dict[int, set[int]] = {}
+        for layer, dims in self.dims_at.items():
+            for d in dims.tolist():
+                out.setdefault(int(d), set()).add(layer)
+        return out
+
+    def online_rule(self) -> str:
+        """The rule an intervention without ``sinks=`` uses to find sinks during its pass."""
+        parts = ["the first token"] if self.sink_first else []
+        if self.sink_layer >= 0:
+            parts.append(f"later positions where dim(s) {', '.join(map(str, self.sink_dims.tolist()))} are massive "
+                         f"at layer {self.sink_layer} (above {', '.join(num(g) for g in self.sink_gate.tolist())})")
+        return " and ".join(parts) or "the first token"
+
     def to_frame(self) -> pd.DataFrame:
         rows = [("massive_mean", layer, dim, -1, float(mean))
                 for layer, dims in sorted(self.dims.items())
                 for dim, mean in zip(dims.tolist(), self.means[layer].tolist(), strict=True)]
+        rows += [("massive_mean_at", layer, dim, -1, float(mean))
+                 for layer, dims in sorted(self.dims_at.items())
+                 for dim, mean in zip(dims.tolist(), self.means_at[layer].tolist(), strict=True)]
         rows += [("sink_mass", layer, -1, head, float(self.sink_mass[layer, head]))
                  for layer in self.attn_layers for head in range(self.sink_mass.shape[1])]
         return pd.DataFrame(rows, columns=["kind", "layer", "dim", "head", "value"])
 
     def summary(self) -> str:
         if not self.dims:
-            found = "no massive activations; the sinks fall back to the first token"
+            found = "no massive activations"
         else:
             found = "massive dims " + "; ".join(
                 f"{', '.join(map(str, dims.tolist()))} from layer {layer} (mean "
                 f"{', '.join(num(m) for m in self.means[layer].tolist())})"
                 for layer, dims in sorted(self.dims.items()))
         mass = float(self.sink_mass[list(self.attn_layers)].mean()) if self.attn_layers else float("nan")
-        return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; mean "
-                f"attention to the sinks after them {mass:.2f}")
+        sinks = self.sinks.describe() if self.sinks is not None else "?"
+        return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; sinks "
+                f"(positions that draw attention as sinks or carry persistent massive activations) {sinks}; "
+                f"mean attention to the sinks after them {mass:.2f}. Online sink rule (interventions without "
+                f"sinks=): {self.online_rule()}; on this text it misses {self.online_missed} and adds "
+                f"{self.online_extra} sink positions")
 
     def plot(self, ax: Any = None) -> Any:
         """Mean attention of non-sink queries to the sinks, per layer (range over heads)."""
@@ -89,20 +157,14 @@ class Calibration(Result):
                               title=f"calibration: attention to sinks ({self.source})")
 
 
-class HookState:
-    """Per-forward scratch shared by the hooks of one intervention (the current sink mask
-    and the current layer's pattern, values, queries)."""
-
-    def __init__(self) -> None:
-        self.sinks: Tensor | None = None
-        self.stash: dict[str, Tensor] = {}
-
-    def mask(self, batch: int, pos: int, device: torch.device) -> Bool[Tensor, "batch pos"]:
-        if self.sinks is None or tuple(self.sinks.shape) != (batch, pos):
-            fallback = torch.zeros(batch, pos, dtype=torch.bool, device=device)
-            fallback[:, 0] = True  # no massive activations: the first token (Gu et al.)
-            return fallback
-        return self.sinks.to(device)
+def online_sinks(resid: Float[Tensor, "batch pos d_model"], calib: Calibration) -> Bool[Tensor, "batch pos"]:
+    """Later positions (not the first) that the online rule calls sinks at ``calib.sink_layer``."""
+    dims = calib.sink_dims.to(resid.device)
+    values = resid[..., dims].abs()
+    hits = massive_mask(resid, calib.criterion)[..., dims] & (values >= calib.sink_gate.to(values))
+    found = hits.any(-1)
+    found[:, 0] = False
+    return found
 
 
 def massive_entries(resid: Float[Tensor, "batch pos d_model"], dims: Tensor, criterion: Criterion) -> Tensor:
@@ -123,14 +185,15 @@ def calibrate(
     n_seqs: int = 16,
     batch_size: int = 8,
     criterion: Criterion | None = None,
+    rule: SinkRule | None = None,
     progress: bool = True,
 ) -> Calibration:
-    """Measure massive dims, their means and the sink keys/values/terms on ``corpus``.
+    """Measure the massive dims, their means, the sinks and the sink keys/values/terms on ``corpus``.
 
-    The massive dims (and the layer where each first appears) are found with
-    :func:`~massive_lens.find_massive` on the first ``batch_size`` sequences; the means
-    over all sequences. The sinks of each sequence are the positions where those dims are
-    massive at that layer, else the first token.
+    The massive dims (the layer where each first appears, every layer where it is massive,
+    its mean there) and the sinks of each sequence (``rule``: positions that draw attention
+    as sinks or carry a persistent massive activation, else the first token) come from one
+    pass over all sequences; the sink keys, values and terms from a second.
 
     Args:
         model: a TransformerLens-style model.
@@ -141,6 +204,7 @@ def calibrate(
         n_seqs: calibration sequences (default 16), for text input.
         batch_size: sequences per forward pass (default 8).
         criterion: when a value is massive (None: ``Criterion()``).
+        rule: when a position is a sink (None: ``SinkRule()``).
         progress: show a progress bar.
 
     Returns:
@@ -158,58 +222,141 @@ def calibrate(
     """
     if isinstance(corpus, Calibration):
         return corpus
-    view, criterion = ModelView(model), criterion or Criterion()
+    view, criterion, rule = ModelView(model), criterion or Criterion(), rule or SinkRule()
     tokens = sequences(view, corpus, seq_len, n_seqs)
-    found = find_massive(model, tokens[:batch_size], criterion=criterion).to_frame()
-    first = found.groupby("dim")["layer"].min()
-    dims = {int(layer): torch.tensor(sorted(first[first == layer].index.tolist())) for layer in first.unique()}
-    detect = min(dims) if dims else -1
-    attn_layers = tuple(range(detect + 1, view.n_layers))
+    chunks = [(start, tokens[start:start + batch_size]) for start in range(0, len(tokens), batch_size)]
+    bar = tqdm(total=2 * len(chunks), desc="calibrate", disable=not progress, leave=False)
+    massive = _massive_pass(view, chunks, criterion, rule, bar)
+    sinks, entries, first_massive = massive["sinks"], massive["entries"], massive["first_massive"]
+    counts, sums = massive["counts"], massive["sums"]
+    dims_at = {layer: counts[layer].nonzero().flatten() for layer in range(view.n_layers) if bool(counts[layer].any())}
+    means_at = {layer: (sums[layer, d] / counts[layer, d]).float() for layer, d in dims_at.items()}
+    first: dict[int, int] = {}
+    for layer, d in sorted(dims_at.items()):
+        for dim in d.tolist():
+            first.setdefault(dim, layer)
+    dims = {layer: torch.tensor(sorted(d for d, f in first.items() if f == layer))
+            for layer in sorted(set(first.values()))}
+    means = {layer: means_at[layer][torch.isin(dims_at[layer], d)] for layer, d in dims.items()}
+    at_sinks = first_massive[sinks.mask]
+    sink_from = int(at_sinks.min()) if len(at_sinks) and int(at_sinks.min()) < view.n_layers else -1
+    attn_layers = tuple(range(sink_from + 1, view.n_layers))
+    online = _fit_online(sinks.mask, entries)
+    stats = _sink_pass(view, model, chunks, sinks.mask, attn_layers, bar)
+    bar.close()
+    return Calibration(
+        source=describe_source(corpus), dims=dims, means=means, attn_layers=attn_layers, criterion=criterion,
+        n_seqs=len(tokens), dims_at=dims_at, means_at=means_at, sinks=sinks, rule=rule, **stats, **online,
+    )
+
+
+def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: Criterion, rule: SinkRule,
+                  bar: Any) -> dict[str, Any]:
+    """Massive entries (layer, seq, pos, dim, value), per-layer sums and counts, and the sinks."""
+    n_layers, d_model = view.n_layers, view.d_model
+    sums = torch.zeros(n_layers, d_model, dtype=torch.float64)
+    counts = torch.zeros(n_layers, d_model, dtype=torch.float64)
+    entries: list[Tensor] = []
+    found: list[SinkSet] = []
+    first: list[Tensor] = []
+    for start, chunk in chunks:
+        batch = view.full_batch(chunk)
+        evidence = SinkEvidence(batch.mask, n_layers, rule, criterion)
+
+        def on_resid(resid: Tensor, hook: Any, layer: int, start: int = start,
+                     evidence: SinkEvidence = evidence) -> None:
+            hits = massive_mask(resid, criterion)
+            evidence.add_massive(layer, hits.any(-1))
+            values = resid.detach().double() * hits
+            sums[layer] += values.sum((0, 1)).cpu()
+            counts[layer] += hits.sum((0, 1)).double().cpu()
+            idx = hits.nonzero()
+            if len(idx):
+                value = resid[idx[:, 0], idx[:, 1], idx[:, 2]].double()
+                entries.append(torch.stack([torch.full_like(value, layer), idx[:, 0].double() + start,
+                                            idx[:, 1].double(), idx[:, 2].double(), value], 1).cpu())
+
+        def on_pattern(pattern: Tensor, hook: Any, evidence: SinkEvidence = evidence) -> None:
+            evidence.add_pattern(pattern)
+
+        hooks = []
+        for layer in range(n_layers):
+            hooks += [(view.hook_name(layer, "attn.hook_pattern"), on_pattern),
+                      (view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer))]
+        view.forward(batch, hooks, stop_after=hooks[-1][0])
+        found.append(sinks_from(evidence, token_kinds(view, batch)))
+        first.append(evidence.first_massive)
+        bar.update()
+    by_rule = torch.cat([torch.as_tensor(f.by_attention) | torch.as_tensor(f.by_massive) for f in found])
+    fallback = int((~by_rule.any(-1)).sum())
+    source = FOUND + (f"; the first token in {fallback} sequence(s) with none" if fallback else "")
+    sinks = SinkSet(torch.cat([f.mask for f in found]), torch.cat([f.kinds for f in found]), source,
+                    torch.cat([f.by_attention for f in found]), torch.cat([f.by_massive for f in found]))
+    return dict(sums=sums, counts=counts, sinks=sinks, first_massive=torch.cat(first),
+                entries=torch.cat(entries) if entries else torch.zeros(0, 5, dtype=torch.float64))
+
+
+def _fit_online(mask: Bool[Tensor, "seq pos"], entries: Tensor) -> dict[str, Any]:
+    """The online sink rule (see the module docstring) and how it compares on the calibration text."""
+    sink_first = bool(mask[:, 0].float().mean() >= 0.5)
+    later = mask.clone()
+    later[:, 0] = False
+    seq, pos = entries[:, 1].long(), entries[:, 2].long()
+    at_later = entries[later[seq, pos]] if len(entries) else entries
+    sink_layer, sink_dims, sink_gate = -1, _long(), torch.zeros(0)
+    online = torch.zeros_like(mask)
+    online[:, 0] = sink_first
+    if len(at_later):
+        sink_layer = int(at_later[:, 0].min())
+        at_layer = at_later[at_later[:, 0] == sink_layer]
+        sink_dims = at_layer[:, 3].long().unique()
+        sink_gate = torch.stack([ONLINE_GATE * at_layer[at_layer[:, 3] == d, 4].abs().median()
+                                 for d in sink_dims.tolist()]).float()
+        cand = entries[(entries[:, 0] == sink_layer) & torch.isin(entries[:, 3].long(), sink_dims)]
+        gate = sink_gate[torch.searchsorted(sink_dims, cand[:, 3].long())]
+        cand = cand[(cand[:, 4].abs() >= gate) & (cand[:, 2] > 0)]
+        online[cand[:, 1].long(), cand[:, 2].long()] = True
+    online[~online.any(-1), 0] = True  # as the hooks do: a sequence with none falls back to its first token
+    return dict(sink_first=sink_first, sink_dims=sink_dims, sink_gate=sink_gate, sink_layer=sink_layer,
+                online_missed=int((mask & ~online).sum()), online_extra=int((online & ~mask).sum()))
+
+
+def _sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mask: Bool[Tensor, "seq pos"],
+               attn_layers: tuple[int, ...], bar: Any) -> dict[str, Tensor]:
+    """Mean sink term (non-sink queries), sink key and value, and attention to the sinks, per layer and head."""
     cfg = model.blocks[0].attn
     n_heads, n_kv, d_head = cfg.W_Q.shape[0], cfg.W_K.shape[0], cfg.W_Q.shape[-1]
     sums = {k: torch.zeros(view.n_layers, h, d_head, dtype=torch.float64) for k, h in
             (("z", n_heads), ("k", n_kv), ("v", n_kv))}
     sums["mass"] = torch.zeros(view.n_layers, n_heads, dtype=torch.float64)
-    counts = torch.zeros(3, dtype=torch.float64)  # non-sink queries, sink keys, sequences
-    value_sums = {layer: torch.zeros(len(d), dtype=torch.float64) for layer, d in dims.items()}
-    value_counts = {layer: torch.zeros(len(d), dtype=torch.float64) for layer, d in dims.items()}
-    state = HookState()
+    counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
+    held: dict[str, Tensor] = {}
 
-    def on_resid(resid: Tensor, hook: Any, layer: int) -> None:
-        hits = massive_entries(resid, dims[layer], criterion)
-        values = resid[..., dims[layer].to(resid.device)]
-        value_sums[layer] += (values * hits).sum((0, 1)).double().cpu()
-        value_counts[layer] += hits.sum((0, 1)).double().cpu()
-        if layer == detect:
-            state.sinks = hits.any(-1)
-
-    def on_z(z: Tensor, hook: Any, layer: int) -> None:
-        sinks = state.mask(z.shape[0], z.shape[1], z.device)
-        pattern, v, k = state.stash["pattern"], state.stash["v"], state.stash["k"]
-        sink_z = sink_term(pattern, v, sinks)
+    def on_z(z: Tensor, hook: Any, layer: int, sinks: Tensor) -> None:
+        sinks = sinks.to(z.device)
+        pattern, v, k = held["pattern"], held["v"], held["k"]
         queries = (~sinks).double()
-        sums["z"][layer] += torch.einsum("bqhd,bq->hd", sink_z.double(), queries).cpu()
+        sums["z"][layer] += torch.einsum("bqhd,bq->hd", sink_term(pattern, v, sinks).double(), queries).cpu()
         sums["mass"][layer] += torch.einsum("bhqk,bk,bq->h", pattern.double(), sinks.double(), queries).cpu()
         sums["k"][layer] += torch.einsum("bkhd,bk->hd", k.double(), sinks.double()).cpu()
         sums["v"][layer] += torch.einsum("bkhd,bk->hd", v.double(), sinks.double()).cpu()
         if layer == attn_layers[0]:
-            counts.add_(torch.tensor([float(queries.sum()), float(sinks.sum()), z.shape[0]], dtype=torch.float64))
+            counts.add_(torch.tensor([float(queries.sum()), float(sinks.sum())], dtype=torch.float64))
 
-    hooks = [(view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)) for layer in dims]
-    for layer in attn_layers:
-        hooks += [(view.hook_name(layer, "attn.hook_pattern"), partial(stash, state=state, key="pattern")),
-                  (view.hook_name(layer, "attn.hook_v"), partial(stash, state=state, key="v")),
-                  (rotated_hook(view, layer, "k"), partial(stash, state=state, key="k")),
-                  (view.hook_name(layer, "attn.hook_z"), partial(on_z, layer=layer))]
-    for start in tqdm(range(0, len(tokens), batch_size), desc="calibrate", disable=not progress, leave=False):
-        view.forward(view.full_batch(tokens[start:start + batch_size]), hooks, stop_after=hooks[-1][0])
-    means = {layer: (value_sums[layer] / value_counts[layer].clamp(min=1)).float() for layer in dims}
+    for start, chunk in chunks:
+        sinks = mask[start:start + len(chunk)]
+        hooks = []
+        for layer in attn_layers:
+            hooks += [(view.hook_name(layer, "attn.hook_pattern"), partial(_hold, held=held, key="pattern")),
+                      (view.hook_name(layer, "attn.hook_v"), partial(_hold, held=held, key="v")),
+                      (rotated_hook(view, layer, "k"), partial(_hold, held=held, key="k")),
+                      (view.hook_name(layer, "attn.hook_z"), partial(on_z, layer=layer, sinks=sinks))]
+        if hooks:
+            view.forward(view.full_batch(chunk), hooks, stop_after=hooks[-1][0])
+        bar.update()
     q, s = counts[0].clamp(min=1), counts[1].clamp(min=1)
-    return Calibration(
-        source=describe_source(corpus), dims=dims, means=means, attn_layers=attn_layers,
-        sink_z=(sums["z"] / q).float(), sink_k=(sums["k"] / s).float(), sink_v=(sums["v"] / s).float(),
-        sink_mass=(sums["mass"] / q).float(), criterion=criterion, n_seqs=len(tokens),
-    )
+    return dict(sink_z=(sums["z"] / q).float(), sink_k=(sums["k"] / s).float(), sink_v=(sums["v"] / s).float(),
+                sink_mass=(sums["mass"] / q).float())
 
 
 def describe_source(corpus: Any) -> str:
@@ -221,5 +368,9 @@ def describe_source(corpus: Any) -> str:
     return short(corpus) if isinstance(corpus, (str, os.PathLike)) else f"{type(corpus).__name__} corpus"
 
 
-def stash(act: Tensor, hook: Any, *, state: HookState, key: str) -> None:
+def _hold(act: Tensor, hook: Any, *, held: dict[str, Tensor], key: str) -> None:
+    held[key] = act
+
+
+def stash(act: Tensor, hook: Any, *, state: Any, key: str) -> None:
     state.stash[key] = act

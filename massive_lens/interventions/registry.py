@@ -1,7 +1,12 @@
 """One registry of the Table 3 settings: name -> what it does and how to build it.
 
-Every setting is built from a model and a :class:`~massive_lens.interventions.Calibration`,
-so :func:`~massive_lens.run_interventions` and the report evaluate the same thing.
+Every setting is built from a model, a :class:`~massive_lens.interventions.Calibration` and
+(optionally) the sinks of the tokens it will run on, so :func:`~massive_lens.run_interventions`
+and the report evaluate the same thing. :data:`SETTINGS` are the rows of the paper's Table 3
+(the default); :data:`REGISTRY` also holds the ``_every`` variants, which
+:func:`~massive_lens.run_interventions` adds when a first-layer removal does not hold
+(:data:`EVERY`), and ``original`` builds :func:`~massive_lens.interventions.observe`, which
+edits nothing and measures the baseline of every check.
 
 >>> list(SETTINGS)[:3]
 ['original', 'zero', 'mean']
@@ -20,17 +25,18 @@ from massive_lens.interventions.builders import (
     ablate_massive,
     bias_surgery,
     fix_sink_term,
+    observe,
     remove_sink_attention,
 )
-from massive_lens.interventions.calibration import Calibration
 
 
 @dataclass(frozen=True)
 class Setting:
-    """A named intervention of Table 3: ``build(model, calibration)`` gives its hooks."""
+    """A named intervention of Table 3: ``build(model, calibration, sinks=None)`` gives its
+    :class:`~massive_lens.interventions.Intervention`."""
 
     name: str
-    build: Callable[[Any, Calibration], Any]
+    build: Callable[..., Any]
 
     @property
     def description(self) -> str:
@@ -42,16 +48,23 @@ class Setting:
         return self.name in MASSIVE_SETTINGS
 
 
-_BUILDERS: dict[str, Callable[[Any, Calibration], Any]] = {
-    "original": lambda model, calib: (),
-    "zero": lambda model, calib: ablate_massive(model, "zero", calibration=calib),
-    "mean": lambda model, calib: ablate_massive(model, "mean", calibration=calib),
-    "control": lambda model, calib: ablate_massive(model, "zero", calibration=calib, control=True),
-    "sink_term_mean": lambda model, calib: fix_sink_term(model, "mean", calibration=calib),
-    "sink_term_zero": lambda model, calib: fix_sink_term(model, "zero", calibration=calib),
-    "sink_attention_removed": lambda model, calib: remove_sink_attention(model, calibration=calib),
-    "bias_surgery": lambda model, calib: bias_surgery(model, calibration=calib),
+_BUILDERS: dict[str, Callable[..., Any]] = {
+    "original": lambda model, calib, sinks=None: observe(model, calibration=calib, sinks=sinks),
+    "zero": lambda model, calib, sinks=None: ablate_massive(model, "zero", calibration=calib),
+    "mean": lambda model, calib, sinks=None: ablate_massive(model, "mean", calibration=calib),
+    "control": lambda model, calib, sinks=None: ablate_massive(model, "zero", calibration=calib, control=True),
+    "sink_term_mean": lambda model, calib, sinks=None: fix_sink_term(model, "mean", calibration=calib, sinks=sinks),
+    "sink_term_zero": lambda model, calib, sinks=None: fix_sink_term(model, "zero", calibration=calib, sinks=sinks),
+    "sink_attention_removed": lambda model, calib, sinks=None: remove_sink_attention(model, calibration=calib,
+                                                                                     sinks=sinks),
+    "bias_surgery": lambda model, calib, sinks=None: bias_surgery(model, calibration=calib, sinks=sinks),
+    "zero_every": lambda model, calib, sinks=None: ablate_massive(model, "zero", calibration=calib, where="every"),
+    "mean_every": lambda model, calib, sinks=None: ablate_massive(model, "mean", calibration=calib, where="every"),
+    "bias_surgery_every": lambda model, calib, sinks=None: bias_surgery(model, calibration=calib, where="every",
+                                                                       sinks=sinks),
 }
 REGISTRY: dict[str, Setting] = {name: Setting(name, build) for name, build in _BUILDERS.items()}
-SETTINGS: tuple[str, ...] = tuple(REGISTRY)
-MASSIVE_SETTINGS = ("zero", "mean", "control", "bias_surgery")
+SETTINGS: tuple[str, ...] = ("original", "zero", "mean", "control", "sink_term_mean", "sink_term_zero",
+                             "sink_attention_removed", "bias_surgery")
+EVERY = {"zero": "zero_every", "mean": "mean_every", "bias_surgery": "bias_surgery_every"}  # first -> every
+MASSIVE_SETTINGS = ("zero", "mean", "control", "bias_surgery", "zero_every", "mean_every", "bias_surgery_every")

@@ -1,22 +1,34 @@
-"""The paper's Table 3: every intervention judged by perplexity on the same sequences.
+"""The paper's Table 3: every intervention judged by perplexity on the same sequences, and
+checked downstream.
 
 Each intervention of :data:`~massive_lens.interventions.registry.REGISTRY` is evaluated on
 the *same* token sequences as the untouched model, with the perplexity ratio and a paired
 95% bootstrap interval over sequences (the per-sequence log-ratio is resampled, so the
 interval reflects how consistently a setting hurts, not how hard the sequences are).
 Calibration statistics (means) must come from text other than the evaluation text.
+
+Before any setting runs, the sinks of every evaluation batch are found by the one rule
+(:func:`~massive_lens.attention.find_sinks`: positions that draw attention as sinks or carry
+a persistent massive activation), and every setting uses exactly those. Every row then says
+which positions it treated as sinks, and what its targets held downstream with and without
+it (:mod:`massive_lens.interventions.checks`). A massive-activation removal that the model
+undoes a few layers later is flagged ("the model rebuilds it") and its ``_every`` variant,
+which removes the value at every layer where it is massive, is added to the table.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
+from massive_lens.attention import SinkSet, sinks_of
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import ratio as _num
 from massive_lens.core.model_view import ModelView
@@ -24,21 +36,48 @@ from massive_lens.core.render import intervention_bars
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.calibration import Calibration, calibrate, describe_source
-from massive_lens.interventions.registry import REGISTRY, SETTINGS
+from massive_lens.interventions.checks import Record, downstream, reading
+from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS
 from massive_lens.metrics import bootstrap_mean, perplexity
+
+CHECK_COLUMNS = ["where", "acts_on", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_kept", "peak_layer",
+                 "target_back", "back_layer", "sink_mass", "sink_mass_original", "rebuilt", "added", "check"]
 
 
 @dataclass(frozen=True)
 class InterventionTable(Result):
-    """The paper's Table 3. ``to_frame()`` columns: ``setting``, ``perplexity``, ``ratio``
-    (perplexity / original), ``ratio_low``, ``ratio_high`` (paired 95% bootstrap interval
-    over sequences), ``accuracy``, ``n_seqs``, ``description``."""
+    """The paper's Table 3, with each row's downstream check.
+
+    ``to_frame()`` columns: ``setting``, ``perplexity``, ``ratio`` (perplexity / original),
+    ``ratio_low``, ``ratio_high`` (paired 95% bootstrap interval over sequences),
+    ``accuracy``, ``n_seqs``, ``description``; then, measured on the evaluation batches:
+
+    - ``where``: ``first`` or ``every`` for massive-activation edits, else empty;
+    - ``acts_on``: where it edits the forward pass, relative to the model's norms;
+    - ``sinks_per_seq``, ``sink_kinds``: positions it treated as sinks (mean per sequence;
+      token kinds with counts); NaN and empty for settings that use no sinks;
+    - ``targets_per_seq``: positions whose massive entries it targeted, per sequence;
+    - ``target_kept``: the targeted dims' mean ``|value|`` at their original peak layer
+      (``peak_layer``), with the intervention / without (largest over dims);
+    - ``target_back``, ``back_layer``: the largest such ratio at a later layer where the dim
+      is massive in calibration, and that layer; a removal is undone (``rebuilt``) when it
+      reaches ``REBUILT`` (0.5);
+    - ``sink_mass``, ``sink_mass_original``: attention of non-sink queries to the sinks,
+      mean over heads and the intervened layers, with and without it;
+    - ``rebuilt``: a removal whose target came back; ``added``: a row added because the
+      first-layer row was rebuilt; ``check``: the one-line reading.
+
+    ``checks``: the long table behind those (``setting``, ``kind``, ``dim``, ``layer``,
+    ``without``, ``with``, ``kept``); ``sinks``: the evaluation batches' sinks.
+    """
 
     frame: pd.DataFrame
     model_name: str
     corpus: str
     calibration: str
     seq_len: int
+    checks: pd.DataFrame = field(default_factory=pd.DataFrame)
+    sinks: SinkSet | None = None
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
@@ -51,11 +90,74 @@ class InterventionTable(Result):
         for r in self.frame.itertuples():
             interval = f"[{_num(r.ratio_low)}, {_num(r.ratio_high)}]"
             lines.append(f"{r.setting:<24}{_num(r.perplexity):>12}{_num(r.ratio):>10}{interval:>22}{r.accuracy:>10.1%}")
+        if "check" not in self.frame:
+            return "\n".join(lines)
+        if self.sinks is not None:
+            lines.append(f"sinks (positions that draw attention as sinks or carry persistent massive activations): "
+                         f"{self.sinks.describe()}")
+        lines.append("checked downstream, on the evaluation text:")
+        for r in self.frame.itertuples():
+            if r.setting == "original":
+                continue
+            added = " [added: the first-layer removal did not hold]" if r.added else ""
+            lines.append(f"  {r.check}{added}")
+        flagged = self.frame[self.frame["rebuilt"]]
+        if len(flagged):
+            lines.append("NOTE: " + ", ".join(flagged["setting"]) + " did not remove the massive activations: "
+                         "the model rebuilt them downstream, so their perplexity does not measure a removal")
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:
         """Perplexity ratio per setting (log scale) with its 95% interval."""
         return intervention_bars(self.frame, ax=ax, title=f"{self.model_name}: interventions")
+
+
+@dataclass
+class _Run:
+    per_seq: Tensor
+    accuracy: Tensor
+    record: Record
+    intervention: Any
+
+
+def _evaluate(model: Any, setting: str, calib: Calibration, batches: list[tuple[Tensor, Tensor]],
+              bar: Any) -> _Run:
+    losses, accs, record, first = [], [], Record(), None
+    for chunk, sinks in batches:
+        iv = REGISTRY[setting].build(model, calib, sinks=sinks)
+        first = first or iv
+        res = perplexity(model, chunk, batch_size=len(chunk), hooks=iv, progress=False)
+        losses.append(res.per_seq)
+        accs.append(res.accuracy_per_seq)
+        record.merge(iv.record)
+        bar.update()
+    return _Run(torch.cat(losses), torch.cat(accs), record, first)
+
+
+def _row(setting: str, run: _Run, base: _Run, calib: Calibration, sinks: SinkSet, added: bool
+         ) -> tuple[dict[str, Any], pd.DataFrame]:
+    diff = run.per_seq - base.per_seq
+    low, high = bootstrap_mean(diff)
+    iv = run.intervention
+    checks = downstream(base.record, run.record)
+    read = reading(checks, label=iv.label, first_layer=calib.first_layer, massive_layers=calib.massive_layers,
+                   removes=iv.removes, edits_massive=iv.edits_massive, uses_sinks=iv.uses_sinks)
+    used = torch.cat(run.record.sinks) if run.record.sinks and iv.uses_sinks else None
+    targets = torch.cat(run.record.targets) if run.record.targets and iv.edits_massive else None
+    used_set = SinkSet(used, sinks.kinds, "used") if used is not None and used.shape == sinks.kinds.shape else None
+    row = dict(setting=setting, perplexity=math.exp(float(run.per_seq.mean())), ratio=math.exp(float(diff.mean())),
+               ratio_low=math.exp(low), ratio_high=math.exp(high), accuracy=float(run.accuracy.mean()),
+               n_seqs=len(base.per_seq), description=REGISTRY[setting].description, where=iv.where,
+               acts_on=iv.acts_on,
+               sinks_per_seq=float(used_set.per_seq.float().mean()) if used_set is not None else math.nan,
+               sink_kinds=used_set.kinds_text if used_set is not None else "",
+               targets_per_seq=float(targets.sum(-1).float().mean()) if targets is not None else math.nan,
+               **{k: read[k] for k in ("target_kept", "peak_layer", "target_back", "back_layer", "sink_mass",
+                                       "sink_mass_original", "rebuilt", "check")}, added=added)
+    if setting == "original":  # the baseline itself: only what it measured (the sinks, their attention)
+        row.update(target_kept=math.nan, peak_layer=math.nan, target_back=math.nan, back_layer=math.nan,
+                   check="original: untouched (the baseline of every check)")
+    return row, checks.assign(setting=setting)
 
 
 def run_interventions(
@@ -70,7 +172,13 @@ def run_interventions(
     calibration_seqs: int = 16,
     progress: bool = True,
 ) -> InterventionTable:
-    """Evaluate each intervention of ``settings`` on the same sequences of ``corpus``.
+    """Evaluate each intervention of ``settings`` on the same sequences of ``corpus``, and check each downstream.
+
+    The sinks of every evaluation batch are found first (positions that draw attention as
+    sinks or carry a persistent massive activation) and given to every setting. Each row
+    records what its targets hold downstream with and without it; a massive-activation
+    removal at the first layer that the model rebuilds later is flagged, and its ``_every``
+    variant is evaluated and added as a row.
 
     Args:
         model: a TransformerLens-style model.
@@ -79,8 +187,9 @@ def run_interventions(
         calibration: where means are measured (a corpus, None for the offline default
             text, or a :class:`~massive_lens.interventions.Calibration`); should be other
             text than ``corpus`` (this is not checked).
-        settings: names from :data:`~massive_lens.interventions.SETTINGS` (default: all);
-            ``original`` is always evaluated, as the baseline of the ratios.
+        settings: names from :data:`~massive_lens.interventions.REGISTRY` (default: the
+            paper's Table 3, :data:`~massive_lens.interventions.SETTINGS`); ``original`` is
+            always evaluated, as the baseline of the ratios and the checks.
         seq_len: tokens per sequence (default 128), for text input (evaluation and
             calibration).
         n_seqs: evaluation sequences (default 32), for text input.
@@ -89,7 +198,8 @@ def run_interventions(
         progress: show progress bars.
 
     Returns:
-        An :class:`InterventionTable` (one row per setting, in the order of ``settings``).
+        An :class:`InterventionTable` (one row per setting, in the order of ``settings``,
+        then any added ``_every`` rows).
 
     Raises:
         MassiveLensError: if ``settings`` is empty or names an unknown setting, a setting
@@ -100,26 +210,44 @@ def run_interventions(
     >>> text = "The cat sat. A dog ran. " * 40
     >>> table = run_interventions(tiny_model("llama"), text, calibration=text[::-1], seq_len=16, n_seqs=2,
     ...                           settings=["original", "sink_attention_removed"], progress=False)
-    >>> list(table.to_frame()["setting"])
-    ['original', 'sink_attention_removed']
+    >>> table.to_frame()[["setting", "sinks_per_seq", "sink_kinds"]].values.tolist()
+    [['original', 1.0, 'bos 2'], ['sink_attention_removed', 1.0, 'bos 2']]
     """
-    unknown = [s for s in settings if s not in SETTINGS]
+    unknown = [s for s in settings if s not in REGISTRY]
     if unknown or not settings:
-        raise MassiveLensError(f"unknown settings {unknown or settings}; choose from {SETTINGS}")
+        raise MassiveLensError(f"unknown settings {unknown or settings}; choose from {tuple(REGISTRY)}")
+    if batch_size < 1:
+        raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
     view = ModelView(model)
     tokens = sequences(view, corpus, seq_len, n_seqs)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise MassiveLensError(f"token tensor must be [seq, pos] with pos >= 2, got {tuple(tokens.shape)}")
     calib = calibrate(model, calibration, seq_len=seq_len, n_seqs=calibration_seqs, progress=progress)
-    results = {s: perplexity(model, tokens, batch_size=batch_size, hooks=REGISTRY[s].build(model, calib),
-                             progress=progress)
-               for s in dict.fromkeys(["original", *settings])}
-    base = results["original"].per_seq
-    rows = []
-    for setting in settings:
-        res = results[setting]
-        diff = res.per_seq - base
-        low, high = bootstrap_mean(diff)
-        rows.append(dict(setting=setting, perplexity=res.perplexity, ratio=math.exp(float(diff.mean())),
-                         ratio_low=math.exp(low), ratio_high=math.exp(high), accuracy=res.accuracy,
-                         n_seqs=len(base), description=REGISTRY[setting].description))
+    chunks = [tokens[start:start + batch_size] for start in range(0, len(tokens), batch_size)]
+    order = list(dict.fromkeys(["original", *settings]))
+    bar = tqdm(total=len(chunks) * (len(order) + 1), desc="interventions", disable=not progress, leave=False)
+    found = []
+    for chunk in chunks:
+        found.append(sinks_of(view, view.full_batch(chunk), calib.rule, calib.criterion))
+        bar.update()
+    sinks = SinkSet(torch.cat([f.mask for f in found]), torch.cat([f.kinds for f in found]), found[0].source,
+                    torch.cat([f.by_attention for f in found]), torch.cat([f.by_massive for f in found]))
+    batches = [(chunk, f.mask) for chunk, f in zip(chunks, found, strict=True)]
+    runs = {s: _evaluate(model, s, calib, batches, bar) for s in order}
+    bar.close()
+    rows, checks = [], []
+    for setting in order if "original" in settings else order[1:]:
+        row, check = _row(setting, runs[setting], runs["original"], calib, sinks, added=False)
+        rows.append(row)
+        checks.append(check)
+    for row in list(rows):
+        extra = EVERY.get(row["setting"])
+        if row["rebuilt"] and extra and extra not in runs:
+            runs[extra] = _evaluate(model, extra, calib, batches, tqdm(disable=True))
+            added, check = _row(extra, runs[extra], runs["original"], calib, sinks, added=True)
+            rows.append(added)
+            checks.append(check)
     return InterventionTable(pd.DataFrame(rows), view.name, describe_source(corpus),
-                             f"{calib.source}, {calib.n_seqs} sequences", int(tokens.shape[1]))
+                             f"{calib.source}, {calib.n_seqs} sequences", int(tokens.shape[1]),
+                             checks=pd.concat(checks, ignore_index=True) if checks else pd.DataFrame(), sinks=sinks)
+

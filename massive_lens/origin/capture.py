@@ -2,16 +2,32 @@
 
 Every hook slices the activation at the traced positions the moment it fires, so the pass
 keeps ``[positions, d_model]`` (and ``[positions, d_mlp]`` for the MLP neurons) per layer and
-never a full cache. Which hook holds what was checked on every tiny family:
+never a full cache. Which hook holds what is read from the model's own hooks and modules
+(never from its architecture's name), block by block (:class:`BlockPlan`):
 
 - ``hook_embed`` (+ ``hook_pos_embed`` where a learned positional embedding fires) sums to
-  ``blocks.0.hook_resid_pre``; Gemma's ``sqrt(d_model)`` embedding scale is already in it;
+  ``blocks.0.hook_resid_pre``; Gemma's ``sqrt(d_model)`` embedding scale is already in it.
+  Where they do not (an embedding LayerNorm, as in BLOOM, or a scale applied after the hook),
+  the embedding term is read where the first block reads it (``resid_pre`` minus the
+  positional term);
 - ``blocks.{l}.hook_attn_out`` / ``hook_mlp_out`` are what is added to the residual stream;
-  on sandwich-norm models we read ``ln1_post.hook_out`` / ``ln2_post.hook_out``, the output
-  *after* the post-norm, explicitly, and ``ln2_post.hook_in`` (the raw MLP output);
+  on models with post-sublayer norms (Gemma 2/3 "sandwich" norms, OLMo 2's post-norms only)
+  we read ``ln1_post.hook_out`` / ``ln2_post.hook_out``, the output *after* the post-norm,
+  explicitly, and ``ln2_post.hook_in`` (the raw MLP output);
+- a *parallel* block (GPT-NeoX/Pythia, GPT-J, Phi-1/2, Falcon, Cohere: no
+  ``hook_resid_mid``) feeds attention and MLP the same ``resid_pre`` and adds both; its
+  "residual after attention" is ``resid_pre + attn``, exact by construction;
+- the MLP reads its input through ``ln2`` (``ln1``, shared with attention, in a parallel block
+  without an ``ln2``; no norm at all with post-norms only); ``ln.hook_scale`` divides the
+  (centred, for LayerNorm) input, ``normalized = x / scale`` (solved from the norm's input and
+  output where the hook is missing); the norm's input is kept to check the attribution;
 - ``mlp.hook_post`` is the input of ``W_out``; ``mlp.hook_pre`` is the gate pre-activation of
-  a gated MLP (the only pre-activation otherwise) and ``mlp.hook_pre_linear`` the up value;
-- ``ln2.hook_scale`` divides the (centred, for LayerNorm) input: ``normalized = x / scale``.
+  a gated MLP (the only pre-activation otherwise) and ``mlp.hook_pre_linear`` the up value.
+  Only dense MLPs (``W_in [d_model, d_mlp]``, ``W_out [d_mlp, d_model]``) have neurons; a
+  mixture-of-experts block has a ledger term but no neuron rows.
+
+A hook that fires with the positions flattened (``[batch * pos, ...]``, as in OPT's MLP) is
+reshaped back.
 """
 
 from __future__ import annotations
@@ -26,9 +42,23 @@ from torch import Tensor
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import Batch, ModelView
 from massive_lens.core.reduce import ResidualReducer
+from massive_lens.errors import MassiveLensError
 
-# hook key -> per-block hook (post-norm variants are resolved per model in _hook_plan)
-_BLOCK_KEYS = ("resid_mid", "resid_post", "post", "pre")
+_EMBED_TOL = 1e-5  # relative: embed (+ pos_embed) vs resid_pre of block 0
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What one block is, read from its hooks and modules."""
+
+    layer: int
+    parallel: bool  # attention and MLP both read resid_pre (no hook_resid_mid)
+    mlp_norm: str | None  # "ln2", "ln1" (shared, parallel block) or None (no pre-MLP norm)
+    dense: bool  # a dense MLP with per-neuron hooks and W_in/W_out
+    gated: bool  # with a gate (W_gate, mlp.hook_pre_linear)
+    post_norm: bool  # the MLP output passes ln2_post before the residual
+    d_mlp: int | None
+    hooks: dict[str, str]  # capture key -> hook name
 
 
 @dataclass
@@ -39,31 +69,85 @@ class Capture:
     embed: Float[Tensor, "pos d_model"]
     pos_embed: Float[Tensor, "pos d_model"] | None
     resid_pre0: Float[Tensor, "pos d_model"]
-    layers: dict[str, Float[Tensor, "layer pos _"]]  # attn, mlp, resid_mid, resid_post, post, pre, up, scale
+    layers: dict[str, Float[Tensor, "layer pos _"]]  # attn, mlp, resid_pre, resid_mid, resid_post
     post_norm: bool
     gated: bool
     reducer: ResidualReducer | None = field(default=None, repr=False)
+    plans: tuple[BlockPlan, ...] = ()
+    neuron_data: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # layer -> post, pre, up, ...
+    notes: list[str] = field(default_factory=list)
 
     def index(self, pos: int) -> int:
         return int((self.positions == pos).nonzero()[0, 0])
 
+    def at(self, key: str, layer: int) -> Tensor | None:
+        """``[pos, _]`` of a per-block key (neuron keys: None for a block without them)."""
+        if key in self.layers:
+            return self.layers[key][layer]
+        return self.neuron_data.get(layer, {}).get(key)
 
-def _hook_plan(view: ModelView, layer: int, gated: bool, post_norm: bool) -> dict[str, str]:
-    """Capture key -> hook name for one block."""
-    plan = {
-        "resid_mid": view.hook_name(layer, "resid_mid"),
-        "resid_post": view.hook_name(layer, "resid_post"),
-        "attn": view.hook_name(layer, "ln1_post.hook_out" if post_norm else "attn_out"),
-        "mlp": view.hook_name(layer, "ln2_post.hook_out" if post_norm else "mlp_out"),
-        "post": view.hook_name(layer, "mlp.hook_post"),
-        "pre": view.hook_name(layer, "mlp.hook_pre"),
-        "scale": view.hook_name(layer, "ln2.hook_scale"),
+
+def _has(view: ModelView, name: str) -> bool:
+    return name in view.model.hook_dict
+
+
+def _weights(mlp: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``W_in``, ``W_gate``, ``W_out`` of an MLP bridge (None where it has none or cannot say)."""
+    out = []
+    for name in ("W_in", "W_gate", "W_out"):
+        try:
+            weight = getattr(mlp, name, None)
+        except Exception:  # noqa: BLE001 - bridges raise many kinds for weights they cannot expose
+            weight = None
+        out.append(weight if isinstance(weight, Tensor) else None)
+    return out[0], out[1], out[2]
+
+
+def block_plan(view: ModelView, layer: int) -> BlockPlan:
+    """Which hooks hold what in block ``layer`` (raises a clear error for a block without an
+    attention and an MLP output, e.g. a state-space or linear-attention block)."""
+    block = view.model.blocks[layer]
+    prefix = f"blocks.{layer}."
+    parallel = not _has(view, prefix + "hook_resid_mid")
+    attn_post, mlp_post = _has(view, prefix + "ln1_post.hook_out"), _has(view, prefix + "ln2_post.hook_out")
+    missing = [n for n in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
+               if not _has(view, prefix + n)]
+    if missing or getattr(block, "mlp", None) is None:
+        kind = type(block).__name__
+        raise MassiveLensError(
+            f"{view.name}: block {layer} ({kind}) has no {'/'.join(missing) or 'mlp module'}: trace_origin "
+            "needs every block to add an attention output and an MLP output to the residual stream "
+            "(state-space, recurrent and linear-attention blocks do not)")
+    hooks = {
+        "resid_pre": prefix + "hook_resid_pre",
+        "resid_post": prefix + "hook_resid_post",
+        "attn": prefix + ("ln1_post.hook_out" if attn_post else "hook_attn_out"),
+        "mlp": prefix + ("ln2_post.hook_out" if mlp_post else "hook_mlp_out"),
     }
-    if gated:
-        plan["up"] = view.hook_name(layer, "mlp.hook_pre_linear")
-    if post_norm:
-        plan["mlp_raw"] = view.hook_name(layer, "ln2_post.hook_in")
-    return plan
+    if not parallel:
+        hooks["resid_mid"] = prefix + "hook_resid_mid"
+    if mlp_post:
+        hooks["mlp_raw"] = prefix + "ln2_post.hook_in"
+    norm = "ln2" if _has(view, prefix + "ln2.hook_in") else ("ln1" if parallel and _has(view, prefix + "ln1.hook_in")
+                                                              else None)
+    if norm is not None:
+        hooks["norm_in"], hooks["norm_out"] = prefix + f"{norm}.hook_in", prefix + f"{norm}.hook_out"
+        if _has(view, prefix + f"{norm}.hook_scale"):
+            hooks["scale"] = prefix + f"{norm}.hook_scale"
+    elif _has(view, prefix + "mlp.hook_in"):
+        hooks["norm_in"] = prefix + "mlp.hook_in"
+    w_in, w_gate, w_out = _weights(block.mlp)
+    d_mlp = None if w_out is None else int(w_out.shape[0])
+    dense = (w_in is not None and w_out is not None and tuple(w_in.shape) == (view.d_model, d_mlp)
+             and tuple(w_out.shape) == (d_mlp, view.d_model) and (w_gate is None or w_gate.shape == w_in.shape)
+             and _has(view, prefix + "mlp.hook_post") and _has(view, prefix + "mlp.hook_pre")
+             and (w_gate is None or _has(view, prefix + "mlp.hook_pre_linear")) and "norm_in" in hooks)
+    gated = dense and w_gate is not None
+    if dense:
+        hooks.update(post=prefix + "mlp.hook_post", pre=prefix + "mlp.hook_pre")
+        if gated:
+            hooks["up"] = prefix + "mlp.hook_pre_linear"
+    return BlockPlan(layer, parallel, norm, dense, gated, mlp_post, d_mlp if dense else None, hooks)
 
 
 def is_post_norm(view: ModelView) -> bool:
@@ -74,17 +158,34 @@ def is_gated(view: ModelView) -> bool:
     return getattr(view.model.blocks[0].mlp, "W_gate", None) is not None
 
 
+def d_mlp(view: ModelView) -> int:
+    """The widest dense MLP's width (``4 * d_model`` when no block has a dense MLP)."""
+    widths = []
+    for block in view.model.blocks:
+        w_out = _weights(getattr(block, "mlp", None))[2]
+        if w_out is not None:
+            widths.append(int(w_out.shape[0]))
+    return max(widths, default=4 * view.d_model)
+
+
+_NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw")
+
+
 def capture(
     view: ModelView, batch: Batch, positions: Int[Tensor, " pos"], criterion: Criterion | None
 ) -> Capture:
     """One no-grad forward pass; with ``criterion`` also find the massive entries (in-hook)."""
-    gated, post_norm = is_gated(view), is_post_norm(view)
+    plans = tuple(block_plan(view, layer) for layer in range(view.n_layers))
     store: dict[tuple[str, int], Tensor] = {}
     idx = positions.to(view.input_device)
+    n_batch, seq = batch.tokens.shape
 
     def grab(key: str, layer: int):
         def hook(act: Tensor, hook: Any) -> None:
-            if act.ndim == 3 and (key != "pos_embed" or act.shape[-1] == view.d_model):
+            if act.ndim == 2 and act.shape[0] == n_batch * seq:  # positions flattened (OPT's MLP)
+                act = act.reshape(n_batch, seq, -1)
+            wide = key != "pos_embed" or act.shape[-1] == view.d_model
+            if act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide:
                 store[key, layer] = act[0, idx].detach().float().cpu()
 
         return hook
@@ -92,25 +193,75 @@ def capture(
     hooks = [("hook_embed", grab("embed", -1)), ("blocks.0.hook_resid_pre", grab("resid_pre0", -1))]
     if "hook_pos_embed" in view.model.hook_dict:
         hooks.append(("hook_pos_embed", grab("pos_embed", -1)))
-    for layer in range(view.n_layers):
-        hooks += [(name, grab(key, layer)) for key, name in _hook_plan(view, layer, gated, post_norm).items()]
+    for plan in plans:
+        hooks += [(name, grab(key, plan.layer)) for key, name in plan.hooks.items()]
     reducer = None
     if criterion is not None:
         reducer = ResidualReducer(batch, criterion, entries=True)
         hooks += [(view.hook_name(layer, "resid_post"), reducer.hook(layer)) for layer in range(view.n_layers)]
     last = view.hook_name(view.n_layers - 1, "resid_post")
     view.forward(batch, hooks, stop_after=last)
-    keys = sorted({key for key, layer in store if layer >= 0})
-    layers = {key: torch.stack([store[key, layer] for layer in range(view.n_layers)]) for key in keys}
-    layers["scale"] = layers["scale"][..., 0]
-    return Capture(positions.cpu(), store["embed", -1], store.get(("pos_embed", -1)), store["resid_pre0", -1],
-                   layers, post_norm, gated, reducer)
+    notes: list[str] = []
+    layers = {}
+    for key in ("resid_pre", "resid_post", "attn", "mlp"):
+        missed = [p.hooks[key] for p in plans if (key, p.layer) not in store]
+        if missed:
+            raise MassiveLensError(f"{view.name}: hook {missed[0]} exists but did not fire with a [batch, pos, "
+                                   "d_model] activation; trace_origin cannot read that term of the residual stream")
+        layers[key] = torch.stack([store[key, p.layer] for p in plans])
+    # a parallel block has no residual between its attention and its MLP: resid_pre + attn
+    layers["resid_mid"] = torch.stack([store["resid_mid", p.layer] if ("resid_mid", p.layer) in store
+                                       else store["resid_pre", p.layer] + store["attn", p.layer] for p in plans])
+    neuron_data = {p.layer: _neuron_data(p, store) for p in plans}
+    pos_embed = store.get(("pos_embed", -1))
+    embed, resid0 = store["embed", -1], store["resid_pre0", -1]
+    if (embed.shape != resid0.shape or _rel(embed + (0 if pos_embed is None else pos_embed), resid0) > _EMBED_TOL):
+        embed = resid0 - (0 if pos_embed is None else pos_embed)
+        notes.append("note: hook_embed (+ hook_pos_embed) is not what the first block reads (an embedding norm "
+                     "or scale comes after it); the embed term is read at blocks.0.hook_resid_pre")
+    dense = [p for p in plans if p.dense]
+    if len(dense) < len(plans):
+        skipped = [p.layer for p in plans if not p.dense]
+        notes.append(f"note: the MLPs of layer(s) {', '.join(map(str, skipped))} are not dense MLPs with "
+                     "W_in/W_out (e.g. a mixture of experts): their ledger terms are exact, but they have no "
+                     "neuron rows, super weights or why-this-token attribution")
+    gated = any(p.gated for p in plans)
+    return Capture(positions.cpu(), embed, pos_embed, resid0, layers, is_post_norm(view), gated, reducer,
+                   plans, neuron_data, notes)
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def _neuron_data(plan: BlockPlan, store: dict[tuple[str, int], Tensor]) -> dict[str, Tensor]:
+    data = {key: store[key, plan.layer] for key in _NEURON_KEYS if (key, plan.layer) in store}
+    if "scale" in data:
+        data["scale"] = data["scale"][..., 0]
+    if plan.dense and any(data.get(k) is None or data[k].shape[-1] != plan.d_mlp
+                          for k in ("post", "pre", *(("up",) if plan.gated else ()))):
+        return {k: v for k, v in data.items() if k not in ("post", "pre", "up")}  # hooks not per neuron
+    return data
 
 
 def post_norm_factor(cap: Capture, layer: int, index: int, dim: int) -> float:
     """``ln2_post`` output / input at one entry: the post-norm linearised at its measured scale."""
-    raw = float(cap.layers["mlp_raw"][layer, index, dim])
+    raw = float(cap.at("mlp_raw", layer)[index, dim])
     return 0.0 if raw == 0.0 else float(cap.layers["mlp"][layer, index, dim]) / raw
+
+
+def norm_scale(cap: Capture, layer: int, index: int, weight: Tensor, bias: Tensor, centred: bool) -> float:
+    """The divisor of the MLP's input norm at one position: ``hook_scale`` where it fired, else
+    solved (least squares) from the norm's input and output, ``out - b = (x - mean) * w / scale``."""
+    scale = cap.at("scale", layer)
+    if scale is not None:
+        return float(scale[index])
+    x, y = cap.at("norm_in", layer)[index], cap.at("norm_out", layer)
+    if y is None:
+        return 1.0  # no pre-MLP norm: the MLP reads the residual as it is
+    x = x - x.mean() if centred else x
+    a, r = x * weight, y[index] - bias
+    return float(a.pow(2).sum() / (a * r).sum())
 
 
 def norm_affine(module: Any, d_model: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, bool]:
@@ -118,8 +269,10 @@ def norm_affine(module: Any, d_model: int, dtype: torch.dtype) -> tuple[Tensor, 
 
     Probes the module with a zero-mean, unit-RMS vector ``v`` and ``-v`` (for which both
     normalisations are the identity up to eps): ``f(v) = v * w + b``. Works for Gemma's
-    ``(1 + weight)`` convention without knowing it.
+    ``(1 + weight)`` convention without knowing it. ``module=None`` (no norm): the identity.
     """
+    if module is None:
+        return torch.ones(d_model), torch.zeros(d_model), False
     module = getattr(module, "_original_component", module)
     device = next(iter(module.parameters()), torch.empty(0)).device
     v = torch.ones(d_model, dtype=torch.float32)

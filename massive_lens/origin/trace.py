@@ -48,7 +48,7 @@ from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
 from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_rows
-from massive_lens.origin.capture import Capture, capture
+from massive_lens.origin.capture import Capture, capture, d_mlp
 from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
 from massive_lens.origin.story import story
 from massive_lens.origin.verify import VERIFY_COLUMNS, verify_targets
@@ -164,7 +164,9 @@ def trace_origin(
     Raises:
         MassiveLensError: if ``top_neurons`` is below 1, ``text`` is a batch of several
             texts, neither a string nor a tensor, empty or too long, ``dim`` or ``pos`` is out
-            of range, or nothing is massive and neither ``dim`` nor ``pos`` is given.
+            of range, nothing is massive and neither ``dim`` nor ``pos`` is given, or a block
+            does not add an attention and an MLP output to the residual stream (state-space,
+            recurrent and linear-attention blocks) or its hooks do not fire.
 
     >>> from massive_lens import tiny_model
     >>> trace = trace_origin(tiny_model("gpt2"), "Hi.", dim=0, pos=0)
@@ -201,9 +203,10 @@ def trace_origin(
         supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names)
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
     verification = verify_targets(view, batch, cap, targets, births, neurons, corpus) if verify else []
-    notes = _notes(cap, error, verify, corpus)
-    attribution = pd.DataFrame([r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
-                               columns=ATTRIBUTION_COLUMNS)
+    notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes))
+    attribution = pd.DataFrame(
+        [r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
+        columns=ATTRIBUTION_COLUMNS)
     return OriginTrace(pd.DataFrame(targets), ledger, found_events, attribution, neurons,
                        pd.DataFrame(supers, columns=neu.SUPER_COLUMNS), pd.DataFrame(why, columns=neu.WHY_COLUMNS),
                        pd.DataFrame(verification, columns=VERIFY_COLUMNS), error, notes, view.name, seq)
@@ -228,8 +231,7 @@ def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, 
     seq = batch.tokens.shape[1]
     if pos is not None:
         return torch.tensor([pos])
-    d_mlp = view.model.blocks[0].mlp.W_out.shape[0]
-    if seq * d_mlp * view.n_layers * 12 <= _CAPTURE_BUDGET:
+    if seq * d_mlp(view) * view.n_layers * 12 <= _CAPTURE_BUDGET:
         return torch.arange(seq)
     found = find_massive(view.model, batch.tokens, criterion=criterion).to_frame()
     found = found[found.dim == dim] if dim is not None else found

@@ -1,6 +1,8 @@
-"""The HTML and Markdown report (:func:`write_report`): every analysis on one model, one page."""
+"""The HTML and Markdown report: every analysis on one model, one page (:func:`write_report`),
+or several models side by side (:func:`compare_models`)."""
 
+from massive_lens.report.compare import compare_models
 from massive_lens.report.sections import FULL, QUICK, Settings
 from massive_lens.report.write import write_report
 
-__all__ = ["FULL", "QUICK", "Settings", "write_report"]
+__all__ = ["FULL", "QUICK", "Settings", "compare_models", "write_report"]

@@ -3,7 +3,8 @@
 A :class:`Section` holds blocks (paragraphs, preformatted summaries, tables, matplotlib
 figures, circuitsvis views). :func:`to_html` turns them into one self-contained page
 (figures as base64 PNG data URIs, the circuitsvis bundle embedded once, no external
-resource); :func:`to_markdown` into ``report.md`` with the figures as PNG files beside it.
+resource); :func:`to_markdown` into ``report.md`` with the figures as PNG files beside it;
+:func:`write_tables` writes every table, whole, as a CSV file.
 """
 
 from __future__ import annotations
@@ -39,11 +40,15 @@ nav ol { columns: 2; } .view-title { font-size: 12px; color: #555; margin-bottom
 
 @dataclass
 class Section:
-    """A report section; ``blocks`` are (kind, payload, caption) triples in order."""
+    """A report section; ``blocks`` are (kind, payload, caption) triples in order.
+
+    ``tables`` holds each table block's whole frame and caption (the block shows its head).
+    """
 
     title: str
     blocks: list[tuple[str, Any, str]] = field(default_factory=list)
     seconds: float = 0.0
+    tables: list[tuple[pd.DataFrame, str]] = field(default_factory=list)
 
     @property
     def anchor(self) -> str:
@@ -60,6 +65,7 @@ class Section:
 
     def table(self, frame: pd.DataFrame, caption: str = "", max_rows: int = 30) -> None:
         self.blocks.append(("table", frame.head(max_rows), caption))
+        self.tables.append((frame, caption))
 
     def figure(self, fig_or_ax: Any, caption: str) -> None:
         self.blocks.append(("figure", figure_of(fig_or_ax), caption))
@@ -95,6 +101,27 @@ def render_figures(sections: list[Section], folder: Path) -> None:
                 data = _png(payload)
                 (folder / name).write_bytes(data)
                 section.blocks[i] = ("png", (name, data), caption)
+
+
+def write_tables(sections: list[Section], folder: Path) -> list[Path]:
+    """Write every table of the sections, whole, as ``folder/NN-<section>-<caption>.csv``.
+
+    Args:
+        sections: the report's sections, in order (``NN`` counts their tables from 01).
+        folder: the folder for the CSV files (created if missing).
+
+    Returns:
+        The paths written, in order.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for section in sections:
+        for frame, caption in section.tables:
+            slug = re.sub(r"[^a-z0-9]+", "-", caption.lower()).strip("-")[:60].rstrip("-") or "table"
+            path = folder / f"{len(written) + 1:02d}-{section.anchor}-{slug}.csv"
+            frame.to_csv(path, index=False)
+            written.append(path)
+    return written
 
 
 def to_html(title: str, intro: str, sections: list[Section], footer: str) -> str:

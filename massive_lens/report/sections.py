@@ -21,10 +21,10 @@ from torch import Tensor
 from massive_lens.attention import decompose_attention, sink_attention
 from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
-from massive_lens.detect import MassiveActivations, find_massive, scan_corpus
+from massive_lens.detect import CorpusScan, MassiveActivations, find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
-from massive_lens.interventions import REGISTRY, SETTINGS, calibrate, run_interventions
-from massive_lens.origin import trace_origin
+from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
+from massive_lens.origin import OriginTrace, trace_origin
 from massive_lens.quantize import measure_outliers
 from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view
@@ -94,8 +94,7 @@ def massive_section(inputs: Inputs, s: Section) -> MassiveActivations:
     s.table(found.by_dim(), "massive (position, dim) pairs in the text, largest first")
     s.figure(activation_landscape(inputs.model, inputs.text, layer, found=found),
              f"activation landscape at layer {layer}: |value| per token and hidden dimension")
-    scan = scan_corpus(inputs.model, inputs.tokens[: inputs.settings.scan_seqs], seq_len=inputs.settings.eval_seq_len,
-                       batch_size=4, max_tokens=None, progress=False)
+    scan = corpus_scan(inputs)
     s.pre(scan.summary())
     s.figure(scan.plot(), "layer profile over the corpus: top-1/2/3 and median |activation| (mean ± std)")
     if not scan.frequency.empty:
@@ -103,17 +102,42 @@ def massive_section(inputs: Inputs, s: Section) -> MassiveActivations:
     return found
 
 
-def origin_section(inputs: Inputs, s: Section, found: MassiveActivations | None) -> None:
+def corpus_scan(inputs: Inputs) -> CorpusScan:
+    """How often each dim is massive over the first ``scan_seqs`` corpus sequences."""
+    return scan_corpus(inputs.model, inputs.tokens[: inputs.settings.scan_seqs], seq_len=inputs.settings.eval_seq_len,
+                       batch_size=4, max_tokens=None, progress=False)
+
+
+def trace_top(inputs: Inputs, found: MassiveActivations | None, verify: bool) -> OriginTrace:
+    """The largest massive entry of the text traced (without one: the largest value at the
+    first token), with the causal check on a few evaluation sequences when ``verify``."""
     rows = found.by_dim() if found is not None else pd.DataFrame()
-    verify = inputs.settings.verify
     corpus = inputs.eval_tokens[: 4] if verify else None
     if rows.empty:
+        return trace_origin(inputs.model, inputs.text, pos=0, verify=verify, corpus=corpus)
+    top = rows.iloc[0]
+    return trace_origin(inputs.model, inputs.text, dim=int(top.dim), pos=int(top.pos), verify=verify, corpus=corpus)
+
+
+def intervention_table(inputs: Inputs) -> tuple[InterventionTable, str | None]:
+    """Table 3 on the evaluation sequences, calibrated on the calibration sequences, and a note
+    when the calibration text has no massive activations (only the sink settings then run)."""
+    calib = calibrate(inputs.model, inputs.calib_tokens, seq_len=inputs.settings.eval_seq_len,
+                      n_seqs=inputs.settings.calib_seqs, progress=False)
+    settings, note = list(SETTINGS), None
+    if not calib.dims:
+        settings = [name for name in SETTINGS if not REGISTRY[name].needs_massive]
+        note = ("No massive activations in the calibration text: only the sink interventions "
+                "(sinks fall back to the first token) are run.")
+    table = run_interventions(inputs.model, inputs.eval_tokens, calibration=calib, settings=settings, progress=False)
+    return table, note
+
+
+def origin_section(inputs: Inputs, s: Section, found: MassiveActivations | None) -> None:
+    verify = inputs.settings.verify
+    if found is None or found.by_dim().empty:
         s.note("No massive activation in the text; tracing the largest value at the first token instead.")
-        trace = trace_origin(inputs.model, inputs.text, pos=0, verify=verify, corpus=corpus)
-    else:
-        top = rows.iloc[0]
-        trace = trace_origin(inputs.model, inputs.text, dim=int(top.dim), pos=int(top.pos), verify=verify,
-                             corpus=corpus)
+    trace = trace_top(inputs, found, verify)
     s.pre(trace.summary())
     s.figure(trace.plot(), "origin ledger: each component's write into the traced dim, layer by layer")
     if not trace.events.empty:
@@ -131,10 +155,14 @@ def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | No
     texts = [text, SECOND_TEXT]
     sinks = sink_attention(model, texts)
     s.pre(sinks.summary())
+    if sinks.sinks is not None:
+        s.table(sinks.sinks.to_frame().assign(text=lambda f: f["seq"].map({0: "the text", 1: "second text"})),
+                f"positions treated as sinks ({sinks.sinks.describe()}): they draw attention as sinks "
+                "(by_attention) or carry a massive activation that persists across layers (by_massive)")
     s.figure(sinks.plot(), "attention mass on the sink tokens per layer")
     massive_layer = _massive_layer(found, inputs)
     layer = min(massive_layer + 1, inputs.view.n_layers - 1)
-    positions = list(found.positions or [0]) if found is not None else None
+    positions = sinks.sinks.mask[0].nonzero().flatten().tolist() if sinks.sinks is not None else None
     s.figure(attention_maps(model, text, layer, max_heads=8, sinks=positions),
              f"attention patterns of layer {layer}; sink columns outlined in red")
     s.view(attention_view(model, text, layer))
@@ -145,18 +173,21 @@ def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | No
 
 
 def intervention_section(inputs: Inputs, s: Section) -> None:
-    calib = calibrate(inputs.model, inputs.calib_tokens, seq_len=inputs.settings.eval_seq_len,
-                      n_seqs=inputs.settings.calib_seqs, progress=False)
-    settings = list(SETTINGS)
-    if not calib.dims:
-        settings = [name for name in SETTINGS if not REGISTRY[name].needs_massive]
-        s.note("No massive activations in the calibration text: only the sink interventions "
-               "(sinks fall back to the first token) are run.")
-    table = run_interventions(inputs.model, inputs.eval_tokens, calibration=calib, settings=settings,
-                              progress=False)
+    table, note = intervention_table(inputs)
+    if note:
+        s.note(note)
     s.pre(table.summary())
     s.figure(table.plot(), "perplexity ratio to the untouched model per intervention (95% bootstrap interval)")
-    s.table(table.to_frame()[["setting", "description"]], "what each setting does")
+    frame = table.to_frame()
+    for row in frame[frame["rebuilt"]].itertuples():
+        s.note(f"{row.check}. The {row.setting} row does not measure a removal; the table adds the setting "
+               "applied at every layer where the activation is massive.")
+    s.table(frame[["setting", "where", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_kept", "peak_layer",
+                   "target_back", "back_layer", "sink_mass", "sink_mass_original", "rebuilt", "check"]],
+            "checked downstream on the evaluation text: the sinks each setting used (per sequence, token kinds), "
+            "the targeted massive dims' |value| with / without it at their peak layer and at later layers "
+            "(target_kept, target_back), and the attention non-sink queries still pay to the sinks")
+    s.table(frame[["setting", "description", "acts_on"]], "what each setting does, and where it acts")
 
 
 def quantize_section(inputs: Inputs, s: Section) -> None:

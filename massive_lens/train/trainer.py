@@ -61,7 +61,11 @@ CKPT = "checkpoint.pt"
 
 @dataclass(frozen=True)
 class TrainRun(Result):
-    """A finished (or stopped) run: the model, its logged history and where it lives."""
+    """A finished (or stopped) run: the model, its logged history and where it lives.
+
+    ``save(path)`` stores the model's config and weights with the rest; ``massive_lens.load``
+    rebuilds the :class:`MassiveLM` on the CPU (with the run's tokenizer, ``config.tokenizer``).
+    """
 
     model: MassiveLM
     config: TrainConfig
@@ -95,6 +99,20 @@ class TrainRun(Result):
     def plot(self, ax: Any = None) -> Any:
         """Training and held-out loss over steps."""
         return curve_axes(self.to_frame(), ax=ax, title=f"MassiveLM ({self.model.cfg.attention.name})")
+
+    def _stored_fields(self) -> dict[str, Any]:
+        """``save`` stores the model as its config and weights (``model.config``, ``model.state``)."""
+        model = {"config": self.model.cfg.to_dict(), "state": self.model.state_dict()}
+        return {**super()._stored_fields(), "model": model}
+
+    @classmethod
+    def _from_stored(cls, fields: dict[str, Any]) -> TrainRun:
+        """The run back from a saved one: the MassiveLM rebuilt on the CPU, in eval mode."""
+        saved = fields["model"]
+        model_cfg = MassiveLMConfig.from_dict({**saved["config"], "device": "cpu"})
+        model = MassiveLM(model_cfg, get_tokenizer(fields["config"].tokenizer)).to(model_cfg.dtype)
+        model.load_state_dict(saved["state"])
+        return super()._from_stored({**fields, "model": model.eval()})
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

@@ -1,0 +1,487 @@
+"""Saving results to a folder and loading them back, without the model.
+
+A saved result is a folder (see ``docs/results.md``) holding
+
+- ``manifest.json``: the format name and version, the result type, the library version, the
+  summary, and every field: scalars, strings, lists and dicts as JSON; nested dataclasses
+  (``Criterion``, ``SinkSet``, ...) as ``{"$dataclass": "module:Class", "fields": {...}}``;
+  the other values as small tagged objects (``{"$tensor": key}``, ``{"$frame": file}``,
+  ``{"$tuple": [...]}``, ``{"$float": "nan"}``, ...);
+- ``frames/<field>.parquet``: one Parquet file per DataFrame;
+- ``tensors.safetensors``: every tensor, under keys that follow the field path (``sink_z``,
+  ``dims.5``, ``sinks.mask``, ``model.state.blocks.0.attn.W_Q``).
+
+The folder is written under a temporary name beside the target and renamed into place, so a
+crash leaves either the whole result or nothing. :func:`load` finds the result class by the
+name in the manifest, among the classes registered by :class:`~massive_lens.core.results.Result`
+(every subclass registers itself), and nested dataclasses among the ``massive_lens`` modules
+already imported (``import massive_lens`` imports them all); ``core`` imports no analysis.
+
+A class whose fields are not all storable (``TrainRun`` holds a model) overrides
+``_stored_fields`` and ``_from_stored``, the two hooks this module calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import uuid
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from massive_lens.errors import MassiveLensError
+
+FORMAT = "massive_lens.result"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+FRAMES = "frames"
+
+_TYPES: dict[str, type] = {}  # "module.Qualname" -> result class, filled by Result.__init_subclass__
+
+
+def register(cls: type) -> None:
+    """Make ``cls`` loadable by name (called for every subclass of ``Result``).
+
+    Args:
+        cls: the result class.
+
+    Returns:
+        None.
+    """
+    _TYPES[f"{cls.__module__}.{cls.__qualname__}"] = cls
+
+
+def stored_fields(obj: Any) -> dict[str, Any]:
+    """The values a dataclass is saved as: its ``__init__`` fields, or what its
+    ``_stored_fields()`` hook returns.
+
+    Args:
+        obj: a dataclass instance.
+
+    Returns:
+        Field name -> value.
+    """
+    hook = getattr(obj, "_stored_fields", None)
+    if hook is not None:
+        return hook()
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+
+
+def build(cls: type, values: dict[str, Any]) -> Any:
+    """A dataclass rebuilt from saved field values (its ``_from_stored`` hook when it has one).
+
+    Fields saved by another version and unknown to ``cls`` are dropped with a warning;
+    fields missing from ``values`` take their defaults.
+
+    Args:
+        cls: the dataclass.
+        values: field name -> decoded value.
+
+    Returns:
+        The instance.
+
+    Raises:
+        MassiveLensError: if a required field is missing or the class rejects a value.
+    """
+    hook = getattr(cls, "_from_stored", None)
+    if hook is not None:
+        return hook(values)
+    return build_dataclass(cls, values)
+
+
+def build_dataclass(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)`` for the fields ``cls`` knows (see :func:`build`).
+
+    Args:
+        cls: the dataclass.
+        values: field name -> decoded value.
+
+    Returns:
+        The instance.
+
+    Raises:
+        MassiveLensError: if a required field is missing or the class rejects a value.
+    """
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        warnings.warn(f"{cls.__name__}: ignoring saved fields this version does not have: {unknown}", stacklevel=3)
+    missing = sorted(f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise MassiveLensError(f"the saved {cls.__name__} lacks the fields {missing}; was it saved by an "
+                               "older massive_lens? Recompute the result")
+    try:
+        return cls(**{k: v for k, v in values.items() if k in known})
+    except (TypeError, ValueError) as err:
+        raise MassiveLensError(f"cannot rebuild the saved {cls.__name__}: {err}") from err
+
+
+# --------------------------------------------------------------------------------- saving
+
+
+class _Writer:
+    """Collects the tensors and frames met while encoding the fields."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.frames: dict[str, pd.DataFrame] = {}
+        self._storages: set[int] = set()
+        self._frame_stems: dict[str, None] = {}
+
+    def tensor(self, key: str, value: torch.Tensor) -> str:
+        key = _unique(key, self.tensors)
+        t = value.detach().cpu().contiguous()
+        storage = t.untyped_storage().data_ptr()
+        if storage in self._storages or t.numel() == 0:  # safetensors refuses tensors sharing memory
+            t = t.clone()
+        self._storages.add(storage)
+        self.tensors[key] = t
+        return key
+
+    def frame(self, key: str, value: pd.DataFrame) -> str:
+        stem = _unique(re.sub(r"[^A-Za-z0-9_.-]", "_", key), self._frame_stems)
+        self._frame_stems[stem] = None
+        name = f"{FRAMES}/{stem}.parquet"
+        self.frames[name] = value
+        return name
+
+
+def _unique(key: str, taken: dict[str, Any]) -> str:
+    out, n = key, 1
+    while out in taken:
+        n += 1
+        out = f"{key}~{n}"
+    return out
+
+
+def _encode(value: Any, key: str, writer: _Writer) -> Any:
+    """``value`` as JSON, its tensors and frames handed to ``writer`` under ``key``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, np.generic):
+        return _encode(value.item(), key, writer)
+    if isinstance(value, torch.Tensor):
+        return {"$tensor": writer.tensor(key, value)}
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return {"$ndarray": writer.tensor(key, torch.from_numpy(np.ascontiguousarray(value)))}
+    if isinstance(value, pd.DataFrame):
+        return {"$frame": writer.frame(key, value)}
+    if isinstance(value, pd.Series):
+        name = value.name
+        return {"$series": writer.frame(key, value.to_frame("value")), "name": _encode(name, key + ".name", writer)}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, PurePath):
+        return {"$path": str(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        fields = {name: _encode(v, f"{key}.{name}" if key else name, writer)
+                  for name, v in stored_fields(value).items()}
+        return {"$dataclass": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+    if isinstance(value, tuple):
+        return {"$tuple": [_encode(v, f"{key}.{i}", writer) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{key}.{i}", writer) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: _encode(v, f"{key}.{k}", writer) for k, v in value.items()}
+        return {"$dict": [[_encode(k, f"{key}.{k}", writer), _encode(v, f"{key}.{k}", writer)]
+                          for k, v in value.items()]}
+    raise MassiveLensError(
+        f"cannot save the field {key!r}: a {type(value).__name__} is not a tensor, DataFrame, "
+        "dataclass, number, string or container of those"
+    )
+
+
+def _library_version() -> str:
+    try:
+        return importlib.metadata.version("massive_lens")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout not installed
+        return "unknown"
+
+
+def _is_saved_result(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if target.is_file() or target.is_symlink():
+        raise MassiveLensError(f"{target} is a file; save a result to a folder path (it is created)")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not overwrite:
+        raise MassiveLensError(f"{target} exists and is not empty; choose a new folder or pass overwrite=True")
+    if not _is_saved_result(target):
+        raise MassiveLensError(
+            f"{target} holds files that are not a saved result; overwrite=True only replaces a saved "
+            "result, so remove the folder yourself or choose another path"
+        )
+
+
+def _sync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write(result: Any, folder: Path) -> None:
+    writer = _Writer()
+    cls = type(result)
+    fields = {name: _encode(v, name, writer) for name, v in stored_fields(result).items()}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "type": cls.__qualname__,
+        "module": cls.__module__,
+        "library_version": _library_version(),
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "summary": result.summary(),
+        "files": {"tensors": TENSORS if writer.tensors else None, "frames": sorted(writer.frames)},
+        "fields": fields,
+    }
+    if writer.frames:
+        (folder / FRAMES).mkdir()
+    for name, frame in writer.frames.items():
+        try:
+            frame.to_parquet(folder / name)
+        except (ValueError, TypeError, ImportError) as err:  # pyarrow errors derive from these
+            raise MassiveLensError(f"cannot write the table {name} as Parquet: {err}") from err
+        _sync(folder / name)
+    if writer.tensors:
+        from safetensors.torch import save_file
+
+        save_file(writer.tensors, str(folder / TENSORS), metadata={"format": FORMAT})
+        _sync(folder / TENSORS)
+    text = json.dumps(manifest, indent=1, allow_nan=False, ensure_ascii=False)
+    (folder / MANIFEST).write_text(text + "\n", encoding="utf-8")
+    _sync(folder / MANIFEST)
+
+
+def _fresh(target: Path, what: str) -> Path:
+    """A new hidden folder beside ``target`` (same file system, so renames are atomic)."""
+    folder = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.{what}"
+    folder.mkdir()
+    return folder
+
+
+def save_result(result: Any, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Save a result to the folder ``path`` (the format is in the module docstring).
+
+    Args:
+        result: a result (a dataclass; ``Result.save`` calls this).
+        path: the folder to create; missing parents are created.
+        overwrite: replace ``path`` when it already holds a saved result.
+
+    Returns:
+        The folder, as a ``Path``.
+
+    Raises:
+        MassiveLensError: if ``path`` is a file, a non-empty folder (without ``overwrite``),
+            a folder holding something other than a saved result, or a field cannot be saved.
+    """
+    target = Path(path)
+    _check_target(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _fresh(target, "saving")
+    old = None
+    try:
+        _write(result, tmp)
+        if target.is_dir():
+            if any(target.iterdir()):  # a saved result, checked above: move it aside, then drop it
+                old = _fresh(target, "old")
+                os.replace(target, old / "result")
+            else:
+                target.rmdir()
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not target.exists():
+            os.replace(old / "result", target)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+# -------------------------------------------------------------------------------- loading
+
+
+def _attr(module: Any, qualname: str) -> Any:
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _find_class(module: str, qualname: str, what: str, registered: bool = False) -> type:
+    """A registered result class (or, unless ``registered``, a dataclass of a loaded
+    massive_lens module) by module and name; by name alone when the module has moved."""
+    found = _TYPES.get(f"{module}.{qualname}")
+    if found is None and registered:
+        unique = {c for c in _TYPES.values() if c.__qualname__ == qualname and c.__module__.startswith("massive_lens.")}
+        found = unique.pop() if len(unique) == 1 else None
+    elif found is None:
+        candidates = [c for c in _TYPES.values() if c.__qualname__ == qualname]
+        if module.startswith("massive_lens.") or module == "massive_lens":
+            candidates += [_attr(sys.modules.get(module), qualname)]
+        candidates += [_attr(m, qualname) for name, m in list(sys.modules.items())
+                       if name.startswith("massive_lens.") and name != module]
+        unique = {c for c in candidates if isinstance(c, type) and dataclasses.is_dataclass(c)
+                  and c.__module__.startswith("massive_lens.")}
+        found = unique.pop() if len(unique) == 1 else None
+    if found is None:
+        raise MassiveLensError(
+            f"unknown {what} {module}.{qualname} in the saved result; it was saved by a massive_lens "
+            "that has this type: load it with that version (or import the module defining it first)"
+        )
+    return found
+
+
+class _Reader:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if self._tensors is None:
+            path = self.folder / TENSORS
+            if not path.is_file():
+                raise MassiveLensError(f"{path} is missing: the saved result in {self.folder} is incomplete")
+            from safetensors.torch import load_file
+
+            self._tensors = load_file(str(path))
+        if key not in self._tensors:
+            raise MassiveLensError(f"{self.folder / TENSORS} has no tensor {key!r}: the saved result is damaged")
+        return self._tensors[key]
+
+    def frame(self, name: str) -> pd.DataFrame:
+        path = self.folder / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            raise MassiveLensError(f"the manifest in {self.folder} names a table outside its folder: {name!r}")
+        if not path.is_file():
+            raise MassiveLensError(f"{path} is missing: the saved result in {self.folder} is incomplete")
+        return pd.read_parquet(path)
+
+
+def _decode(value: Any, reader: _Reader) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, reader) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "$tensor" in value:
+        return reader.tensor(value["$tensor"])
+    if "$ndarray" in value:
+        return reader.tensor(value["$ndarray"]).numpy()
+    if "$frame" in value:
+        return reader.frame(value["$frame"])
+    if "$series" in value:
+        return reader.frame(value["$series"])["value"].rename(_decode(value.get("name"), reader))
+    if "$float" in value:
+        return float(value["$float"])
+    if "$dtype" in value:
+        return getattr(torch, value["$dtype"])
+    if "$path" in value:
+        return Path(value["$path"])
+    if "$tuple" in value:
+        return tuple(_decode(v, reader) for v in value["$tuple"])
+    if "$dict" in value:
+        return {_hashable(_decode(k, reader)): _decode(v, reader) for k, v in value["$dict"]}
+    if "$dataclass" in value:
+        module, _, qualname = value["$dataclass"].partition(":")
+        cls = _find_class(module, qualname, "dataclass")
+        return build(cls, {k: _decode(v, reader) for k, v in value["fields"].items()})
+    return {k: _decode(v, reader) for k, v in value.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The checked manifest of the saved result in the folder ``path``.
+
+    Args:
+        path: a folder written by ``result.save(path)``.
+
+    Returns:
+        The manifest, as a dict (``type``, ``library_version``, ``summary``, ``fields``, ...).
+
+    Raises:
+        MassiveLensError: if ``path`` holds no saved result or one in a newer format.
+    """
+    folder = Path(path)
+    file = folder / MANIFEST
+    if not file.is_file():
+        what = "does not exist" if not folder.exists() else f"holds no saved result (no {MANIFEST})"
+        raise MassiveLensError(f"{folder} {what}; save a result with result.save(path) and load that folder")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise MassiveLensError(f"{file} is not valid JSON ({err}): the saved result is damaged") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise MassiveLensError(f"{file} is not the manifest of a saved massive_lens result")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise MassiveLensError(f"{file} has no valid format_version: the saved result is damaged")
+    if version > FORMAT_VERSION:
+        raise MassiveLensError(
+            f"{folder} was saved in format version {version} by massive_lens "
+            f"{manifest.get('library_version', '?')}; this massive_lens ({_library_version()}) reads up "
+            f"to version {FORMAT_VERSION}: upgrade massive_lens to load it"
+        )
+    if not isinstance(manifest.get("type"), str) or not isinstance(manifest.get("fields"), dict):
+        raise MassiveLensError(f"{file} names no result type or fields: the saved result is damaged")
+    return manifest
+
+
+def load(path: str | os.PathLike) -> Any:
+    """Load a result saved with ``result.save(path)``; no model is needed.
+
+    The loaded result has the same ``summary()``, ``to_frame()`` and ``plot()`` as the one
+    saved; its tensors are on the CPU. The format is described in ``docs/results.md``.
+
+    Args:
+        path: the folder written by ``result.save(path)``.
+
+    Returns:
+        The result, of the type it was saved as (``MassiveActivations``, ``OriginTrace``, ...).
+
+    Raises:
+        MassiveLensError: if ``path`` holds no saved result, a damaged one, one of a type this
+            version does not know, or one written in a newer format version.
+
+    >>> import tempfile
+    >>> from massive_lens import find_massive, load, tiny_model
+    >>> found = find_massive(tiny_model("llama"), "Hello, world.")
+    >>> folder = found.save(tempfile.mkdtemp() + "/found")
+    >>> again = load(folder)
+    >>> again.summary() == found.summary(), again.to_frame().equals(found.to_frame())
+    (True, True)
+    """
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    module, qualname = manifest.get("module", ""), manifest["type"]
+    cls = _find_class(module, qualname, "result type", registered=True)
+    reader = _Reader(folder)
+    return build(cls, {k: _decode(v, reader) for k, v in manifest["fields"].items()})

@@ -1,0 +1,354 @@
+"""Several models on one page, side by side.
+
+Do two models carry their massive activations the same way? :func:`compare_models` runs the
+report's analyses on each model in turn (a model given by name is loaded, analysed and
+released before the next one is loaded) and writes one page whose tables have one column
+per model:
+
+1. the models (architecture, size, whether texts start with a BOS token);
+2. their massive activations: which dims, at which kinds of token, in which layers, how
+   large, and how often over a corpus, with the layer profiles of all models overlaid on a
+   relative-depth axis (layer / last layer), so models of different depths line up;
+3. where the largest one of the text is born: birth layers and neurons, the candidate super
+   weights, and the writes that account for its peak;
+4. the intervention table (the paper's Table 3) as perplexity ratios.
+
+Every model sees the same text and corpus, each through its own tokenizer. An analysis that
+cannot run on a model leaves its cells empty and says why; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from massive_lens.core.corpora import Corpus
+from massive_lens.core.fmt import num, pct, ratio, short
+from massive_lens.detect import CorpusScan, MassiveActivations, find_massive
+from massive_lens.errors import MassiveLensError
+from massive_lens.interventions import InterventionTable
+from massive_lens.models import load_model
+from massive_lens.origin import OriginTrace
+from massive_lens.report import sections as sec
+from massive_lens.report.render import Section, render_figures, to_html, to_markdown
+from massive_lens.report.write import DEFAULT_TEXT
+from massive_lens.viz import overlay_profiles
+
+INTRO = ("Massive activations (Sun et al., 2024): residual values above 100 and about 1,000x the "
+         "median of their hidden state. This page runs the same analyses on several models and puts "
+         "them side by side, one column per model: where the massive activations sit, where the "
+         "largest one is born, and what removing them costs.")
+_MISSING = "-"
+
+
+@dataclass
+class ModelResults:
+    """What :func:`compare_models` measured on one model (None where an analysis could not run)."""
+
+    name: str
+    facts: dict[str, str]
+    n_layers: int
+    found: MassiveActivations | None = None
+    scan: CorpusScan | None = None
+    trace: OriginTrace | None = None
+    table: InterventionTable | None = None
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (analysis, why it is missing or partial)
+    seconds: float = 0.0
+
+
+def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Corpus = None,
+                   out_dir: str | Path = "report", quick: bool = False, progress: bool = True,
+                   device: str | torch.device | None = None, dtype: torch.dtype | str = torch.float32) -> Path:
+    """Run the report's analyses on each model and write one page comparing them side by side.
+
+    Args:
+        models: two or more models: loaded TransformerLens models, or names and paths for
+            :func:`~massive_lens.load_model` (``None`` or ``"default"`` for the offline
+            default, ``"qwen2.5-coder-1.5b"`` for the offline Qwen2 model, hub ids, folders,
+            ``.gguf`` files). A name is loaded only when its turn comes and released after.
+        text: the text inspected token by token (None: two short sentences).
+        corpus: what the scan and the intervention table read (a file, text, ``hf:`` name;
+            None: the offline default text).
+        out_dir: the output folder (default ``"report"``, created if missing); its
+            ``index.html``, ``report.md`` and ``figures/`` are overwritten.
+        quick: tiny settings (seconds on a tiny model), for tests.
+        progress: show a progress bar over the models.
+        device: where to load models given by name (None: the loader's choice).
+        dtype: the dtype of models given by name (default float32).
+
+    Returns:
+        The path of ``index.html``.
+
+    Raises:
+        MassiveLensError: if fewer than two models are given, ``text`` is empty or not a
+            string, or a model cannot be loaded. An analysis that raises
+            ``MassiveLensError`` on one model leaves that model's cells empty, with a note.
+
+    >>> from massive_lens import tiny_model
+    >>> import tempfile
+    >>> page = compare_models([tiny_model("llama"), tiny_model("qwen2")], out_dir=tempfile.mkdtemp(),
+    ...                       quick=True, progress=False)
+    >>> "tiny-llama" in page.read_text() and "tiny-qwen2" in page.read_text()
+    True
+    """
+    if isinstance(models, (str, Path)) or not isinstance(models, Sequence) or len(models) < 2:
+        raise MassiveLensError("compare_models needs a list of two or more models or names; for one model "
+                               "use write_report")
+    text = DEFAULT_TEXT if text is None else text
+    if not isinstance(text, str) or not text.strip():
+        raise MassiveLensError("text must be a non-empty string")
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = sec.QUICK if quick else sec.FULL
+    started = time.perf_counter()
+    results: list[ModelResults] = []
+    for item in tqdm(models, desc="compare", disable=not progress, unit="model"):
+        model = load_model(item, device=device, dtype=dtype) if item is None or isinstance(item, (str, Path)) else item
+        results.append(analyse(model, text, corpus, settings))
+        del model  # a model loaded here is released before the next one is loaded
+    _unique_names(results)
+    sections = [_models(results, text), _massive(results), _origin(results), _interventions(results),
+                _summaries(results)]
+    render_figures(sections, folder / "figures")
+    title = "massive_lens comparison: " + " vs ".join(r.name for r in results)
+    timing = ", ".join(f"{r.name} {r.seconds:.0f} s" for r in results)
+    footer = (f"Generated by massive_lens in {time.perf_counter() - started:.0f} s ({timing}); "
+              f"settings: {settings}.")
+    (folder / "report.md").write_text(to_markdown(title, INTRO, sections, footer, "figures"), encoding="utf-8")
+    page = folder / "index.html"
+    page.write_text(to_html(title, INTRO, sections, footer), encoding="utf-8")
+    return page
+
+
+def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings) -> ModelResults:
+    """The analyses behind one column of the comparison, each through the report's own helpers
+    (the trace is not verified: the page compares stories, the single-model report checks them)."""
+    start = time.perf_counter()
+    inputs = sec.Inputs(model, text, corpus, settings)
+    view = inputs.view
+    cfg = view.cfg
+    architecture = getattr(cfg, "architecture", None) or type(getattr(model, "original_model", model)).__name__
+    facts = {
+        "architecture": str(architecture),
+        "parameters": f"{sum(p.numel() for p in model.parameters()):,}",
+        "layers": str(view.n_layers),
+        "d_model": str(view.d_model),
+        "heads (key/value heads)": f"{getattr(cfg, 'n_heads', '?')} ({getattr(cfg, 'n_key_value_heads', None) or '='})",
+        "first token": "BOS" if view.tokenize(text).has_bos else "the text's own",
+        "dtype": str(view.dtype).replace("torch.", ""),
+    }
+    r = ModelResults(view.name, facts, view.n_layers)
+
+    def attempt(what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except MassiveLensError as exc:
+            r.notes.append((what, f"{r.name}: {what} did not run: {exc}"))
+            return None
+
+    r.found = attempt("find_massive", lambda: find_massive(model, text))
+    r.scan = attempt("scan_corpus", lambda: sec.corpus_scan(inputs))
+    r.trace = attempt("trace_origin", lambda: sec.trace_top(inputs, r.found, verify=False))
+    table = attempt("interventions", lambda: sec.intervention_table(inputs))
+    if table is not None:
+        r.table, note = table
+        if note:
+            r.notes.append(("interventions", f"{r.name}: {note}"))
+    r.seconds = time.perf_counter() - start
+    return r
+
+
+# --------------------------------------------------------------------------- the sections
+
+
+def _side_by_side(results: list[ModelResults], rows: list[tuple[str, Any]]) -> pd.DataFrame:
+    """One row per (label, cell function), one column per model."""
+    data = {"": [label for label, _ in rows]}
+    for r in results:
+        data[r.name] = [_cell(fn, r) for _, fn in rows]
+    return pd.DataFrame(data)
+
+
+def _cell(fn: Any, r: ModelResults) -> str:
+    """``fn(r)`` as text; a dash where the result it reads is missing (its analysis did not run)."""
+    try:
+        value = fn(r)
+    except (AttributeError, IndexError, KeyError):  # the result it reads is missing
+        return _MISSING
+    return _MISSING if value is None or value == "" else str(value)
+
+
+def _notes(s: Section, results: list[ModelResults], *whats: str) -> None:
+    for r in results:
+        for what, note in r.notes:
+            if what in whats:
+                s.note(note)
+
+
+def _models(results: list[ModelResults], text: str) -> Section:
+    s = Section("Models")
+    labels = list(dict.fromkeys(k for r in results for k in r.facts))
+    s.table(_side_by_side(results, [(k, lambda r, k=k: r.facts.get(k)) for k in labels]))
+    s.text(f"Text inspected token by token: {text!r}")
+    return s
+
+
+def _massive(results: list[ModelResults]) -> Section:
+    s = Section("Massive activations")
+    rows = [
+        ("massive (position, dim) pairs in the text", lambda r: len(r.found.by_dim())),
+        ("massive dims, largest first", lambda r: _listed(r.found.by_dim().dim.drop_duplicates().tolist())),
+        ("token kinds (pairs)", lambda r: _counts(r.found.by_dim().token_kind)),
+        ("tokens", lambda r: _listed([repr(short(t, 20)) for t in r.found.by_dim().token.drop_duplicates()], 4)),
+        ("layers where massive", lambda r: _layers(r.found.layers, r.n_layers)),
+        ("largest |value| (x median)", lambda r: _largest(r.found.by_dim())),
+        ("over the corpus: dim at token kind, share of sequences",
+         lambda r: "; ".join(f"dim {f.dim} at {f.token_kind}: {pct(f.frequency)}"
+                             for f in r.scan.frequency.head(4).itertuples()) or "none"),
+        ("corpus: sequences, tokens", lambda r: f"{r.scan.n_sequences}, {r.scan.n_tokens:,}"),
+    ]
+    s.table(_side_by_side(results, rows), "one column per model (from find_massive on the text and scan_corpus)")
+    scans = {r.name: r.scan for r in results if r.scan is not None}
+    if scans:
+        s.figure(overlay_profiles(scans, relative_depth=True, title="layer profiles, relative depth"),
+                 "top-1 (solid) and median (dashed) |activation| per layer over the corpus, one colour per "
+                 "model; the x axis is layer / last layer so models of different depths line up")
+    _notes(s, results, "find_massive", "scan_corpus")
+    return s
+
+
+def _origin(results: list[ModelResults]) -> Section:
+    s = Section("Origin of the largest massive activation")
+    rows = [
+        ("traced entry", lambda r: _entry(r.trace.targets.iloc[0])),
+        ("peak (layer), final value", lambda r: _peak(r.trace.targets.iloc[0])),
+        ("births", lambda r: _births(r.trace)),
+        ("birth neurons (share of their MLP's write)", lambda r: _neurons(r.trace)),
+        ("candidate super weights", lambda r: _super_weights(r.trace)),
+        ("what accounts for the peak", lambda r: _attribution(r.trace)),
+    ]
+    s.table(_side_by_side(results, rows), "trace_origin of each model's largest massive entry in the text "
+            "(without one: the largest value at the first token); not verified here")
+    _notes(s, results, "trace_origin")
+    return s
+
+
+def _interventions(results: list[ModelResults]) -> Section:
+    s = Section("Interventions (Table 3)")
+    tables = {r.name: r.table.to_frame() for r in results if r.table is not None}
+    if tables:
+        settings = list(dict.fromkeys(name for frame in tables.values() for name in frame.setting))
+        rows: list[tuple[str, Any]] = [("perplexity of the untouched model", lambda r: _original(r.table.to_frame()))]
+        rows += [(name, lambda r, name=name: _ratio(r.table.to_frame(), name)) for name in settings
+                 if name != "original"]
+        s.table(_side_by_side(results, rows), "perplexity ratio to the untouched model [95% bootstrap interval] "
+                "per setting (run_interventions on each model's own tokens of the same corpus)", max_rows=60)
+        first = next(r for r in results if r.table is not None).table.to_frame()
+        if "description" in first:
+            s.table(first[["setting", "description"]], "what each setting does", max_rows=60)
+    _notes(s, results, "interventions")
+    return s
+
+
+def _summaries(results: list[ModelResults]) -> Section:
+    s = Section("Each model's own summaries")
+    for r in results:
+        s.text(r.name)
+        for result in (r.found, r.scan, r.trace, r.table):
+            if result is not None:
+                s.pre(result.summary())
+    return s
+
+
+# --------------------------------------------------------------------------- cells
+
+
+def _listed(items: list[Any], limit: int = 6) -> str:
+    head = ", ".join(str(i) for i in items[:limit])
+    return head + (f" (+{len(items) - limit} more)" if len(items) > limit else "") if items else "none"
+
+
+def _counts(column: pd.Series) -> str:
+    counts = column.value_counts()
+    return ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
+
+
+def _layers(layers: Sequence[int], n_layers: int) -> str:
+    return f"{min(layers)}-{max(layers)} of 0-{n_layers - 1}" if layers else "none"
+
+
+def _largest(rows: pd.DataFrame) -> str | None:
+    if rows.empty:
+        return "none"
+    top = rows.loc[rows.value.abs().idxmax()]
+    return f"{num(top.value)} ({num(top.ratio)}x), dim {top.dim} at {short(top.token, 20)!r}"
+
+
+def _entry(t: Any) -> str:
+    kind = f"{t.token_kind}, " if "token_kind" in t else ""
+    return f"dim {t.dim} at {short(t.token, 20)!r} ({kind}pos {t.pos})" + ("" if t.massive else ", not massive")
+
+
+def _peak(t: Any) -> str:
+    return f"{num(t.peak)} (layer {t.peak_layer}), {num(t.final)}"
+
+
+def _of_target(frame: pd.DataFrame, t: Any) -> pd.DataFrame:
+    return frame[(frame.pos == t.pos) & (frame.dim == t.dim)]
+
+
+def _births(trace: OriginTrace) -> str:
+    births = _of_target(trace.births, trace.targets.iloc[0])
+    return "; ".join(f"{b.component} {b.layer}: {'+' if b.contribution >= 0 else ''}{num(b.contribution)}"
+                     for b in births.itertuples()) or "none"
+
+
+def _neurons(trace: OriginTrace) -> str:
+    t = trace.targets.iloc[0]
+    neurons = _of_target(trace.neurons, t)
+    neurons = neurons[neurons.kind == "birth"] if "kind" in neurons else neurons
+    parts = [f"MLP {layer}: " + ", ".join(f"{n.neuron} ({pct(n.share)})" for n in group.head(3).itertuples())
+             for layer, group in neurons.groupby("layer", sort=True)]
+    return "; ".join(parts) or "none"
+
+
+def _super_weights(trace: OriginTrace) -> str:
+    weights = _of_target(trace.super_weights, trace.targets.iloc[0])
+    weights = weights.reindex(weights.zscore.abs().sort_values(ascending=False).index).head(2)
+    return "; ".join(f"{w.hf_param}[{w.hf_row}, {w.hf_col}] = {num(w.value)} (z = {num(w.zscore)})"
+                     for w in weights.itertuples()) or "none"
+
+
+def _attribution(trace: OriginTrace) -> str:
+    frame = _of_target(trace.attribution, trace.targets.iloc[0])
+    frame = frame[frame.target == "peak"] if "target" in frame else frame
+    frame = frame.reindex(frame.share.abs().sort_values(ascending=False).index)
+    return ", ".join(f"{a.label} {pct(a.share)}" for a in frame.head(5).itertuples()) or "none"
+
+
+def _original(frame: pd.DataFrame) -> str:
+    rows = frame[frame.setting == "original"]
+    return num(float(rows.perplexity.iloc[0])) if not rows.empty else _MISSING
+
+
+def _ratio(frame: pd.DataFrame, setting: str) -> str:
+    rows = frame[frame.setting == setting]
+    if rows.empty:
+        return _MISSING
+    r = rows.iloc[0]
+    return f"x{ratio(r.ratio)} [{ratio(r.ratio_low)}, {ratio(r.ratio_high)}]"
+
+
+def _unique_names(results: list[ModelResults]) -> None:
+    seen: dict[str, int] = {}
+    for r in results:
+        seen[r.name] = seen.get(r.name, 0) + 1
+        if seen[r.name] > 1:
+            r.name = f"{r.name} ({seen[r.name]})"

