@@ -98,3 +98,15 @@ def test_state_space_block_is_a_clear_error():
     with pytest.raises(MassiveLensError, match="MambaForCausalLM.*block 0"):
         trace_origin(b.model, b.tokens, dim=DIM, pos=0)
     assert torch.isfinite(b.model(b.tokens)).all()
+
+
+@pytest.mark.parametrize(("arch", "live"), [("LlamaForCausalLM", True), ("OPTForCausalLM", False),
+                                            ("GPTJForCausalLM", False)])
+def test_pattern_edits_apply_probe(arch, live):
+    """Some bridges fire hook_pattern after the HF module used it: reading is exact, editing is
+    not. The probe says which (for the interventions that edit the pattern)."""
+    from massive_lens.core.model_view import ModelView
+
+    b = build(arch)
+    with untouched(b.model):
+        assert ModelView(b.model).pattern_edits_apply(1) is live
