@@ -158,7 +158,7 @@ def sink_hooks(view: ModelView, evidence: SinkEvidence) -> list[tuple[str, Any]]
     without an attention pattern, as in recurrent or hybrid models, give only the former)."""
     hooks = []
     for layer in range(view.n_layers):
-        if f"blocks.{layer}.attn.hook_pattern" in view.model.hook_dict:
+        if f"blocks.{layer}.attn.hook_pattern" in view.hook_names:
             hooks.append((view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, evidence=evidence)))
         hooks.append((view.hook_name(layer, "resid_post"), partial(_add_resid, evidence=evidence, layer=layer)))
     return hooks
@@ -526,7 +526,7 @@ def _output_hook(view: ModelView, layer: int) -> str:
     """Where the attention output is read: the output projection's own hook (``attn.o.hook_out``:
     ``z @ W_O + b_O`` and nothing else) where there is one, else ``attn.hook_out`` (which on some
     bridges, e.g. BLOOM's, also holds the residual added inside the HF attention module)."""
-    return "attn.o.hook_out" if f"blocks.{layer}.attn.o.hook_out" in view.model.hook_dict else "attn.hook_out"
+    return "attn.o.hook_out" if f"blocks.{layer}.attn.o.hook_out" in view.hook_names else "attn.hook_out"
 
 
 def _output_weights(view: ModelView, layer: int) -> tuple[Tensor, Tensor | None]:

@@ -83,6 +83,7 @@ class ModelView:
             )
         self.model = model
         self.cfg = model.cfg
+        self._hook_names: frozenset[str] | None = None
 
     # ------------------------------------------------------------------ facts
     @property
@@ -121,13 +122,21 @@ class ModelView:
         params = embed.parameters() if embed is not None else self.model.parameters()
         return next(iter(params)).device
 
+    @property
+    def hook_names(self) -> frozenset[str]:
+        """The model's hook names, read once per view (a bridge rebuilds ``hook_dict`` on
+        every access, which cost more than the forward pass in ``trace_origin``)."""
+        if self._hook_names is None:
+            self._hook_names = frozenset(self.model.hook_dict)
+        return self._hook_names
+
     def hook_name(self, layer: int, hook: str) -> str:
         """``blocks.{layer}.hook_{hook}``, checked to exist on this model."""
         if not 0 <= layer < self.n_layers:
             raise MassiveLensError(f"layer {layer} out of range: {self.name} has {self.n_layers}")
         name = f"blocks.{layer}.{hook if hook.startswith(('hook_', 'attn.', 'mlp.', 'ln')) else 'hook_' + hook}"
-        if name not in self.model.hook_dict:
-            near = sorted(n.split(".", 2)[2] for n in self.model.hook_dict if n.startswith("blocks.0."))
+        if name not in self.hook_names:
+            near = sorted(n.split(".", 2)[2] for n in self.hook_names if n.startswith("blocks.0."))
             raise MassiveLensError(f"{self.name} has no hook {name!r}; per-block hooks: {near}")
         return name
 
@@ -239,7 +248,7 @@ class ModelView:
         instead of running with (or adding) hooks of its own. A hook name the model does not
         have is a :class:`MassiveLensError` (TransformerLens raises a bare ``KeyError``).
         """
-        missing = [name for name, _ in fwd_hooks if isinstance(name, str) and name not in self.model.hook_dict]
+        missing = [name for name, _ in fwd_hooks if isinstance(name, str) and name not in self.hook_names]
         if missing:
             raise MassiveLensError(f"{self.name} has no hook {missing[0]!r}; see model.hook_dict for the "
                                    "hooks it has")

@@ -174,7 +174,7 @@ def massive_entries(resid: Float[Tensor, "batch pos d_model"], dims: Tensor, cri
 
 def rotated_hook(view: ModelView, layer: int, kind: str) -> str:
     rot = f"attn.hook_rot_{kind}"
-    return view.hook_name(layer, rot if f"blocks.{layer}.{rot}" in view.model.hook_dict else f"attn.hook_{kind}")
+    return view.hook_name(layer, rot if f"blocks.{layer}.{rot}" in view.hook_names else f"attn.hook_{kind}")
 
 
 def calibrate(

@@ -88,7 +88,7 @@ class Capture:
 
 
 def _has(view: ModelView, name: str) -> bool:
-    return name in view.model.hook_dict
+    return name in view.hook_names
 
 
 def _weights(mlp: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -151,7 +151,7 @@ def block_plan(view: ModelView, layer: int) -> BlockPlan:
 
 
 def is_post_norm(view: ModelView) -> bool:
-    return "blocks.0.ln2_post.hook_out" in view.model.hook_dict
+    return "blocks.0.ln2_post.hook_out" in view.hook_names
 
 
 def is_gated(view: ModelView) -> bool:
@@ -191,7 +191,7 @@ def capture(
         return hook
 
     hooks = [("hook_embed", grab("embed", -1)), ("blocks.0.hook_resid_pre", grab("resid_pre0", -1))]
-    if "hook_pos_embed" in view.model.hook_dict:
+    if "hook_pos_embed" in view.hook_names:
         hooks.append(("hook_pos_embed", grab("pos_embed", -1)))
     for plan in plans:
         hooks += [(name, grab(key, plan.layer)) for key, name in plan.hooks.items()]
