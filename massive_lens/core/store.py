@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from safetensors.torch import load_file, save_file
 
 from massive_lens.errors import MassiveLensError
 
@@ -268,8 +269,6 @@ def _write(result: Any, folder: Path) -> None:
             raise MassiveLensError(f"cannot write the table {name} as Parquet: {err}") from err
         _sync(folder / name)
     if writer.tensors:
-        from safetensors.torch import save_file
-
         save_file(writer.tensors, str(folder / TENSORS), metadata={"format": FORMAT})
         _sync(folder / TENSORS)
     text = json.dumps(manifest, indent=1, allow_nan=False, ensure_ascii=False)
@@ -368,8 +367,6 @@ class _Reader:
             path = self.folder / TENSORS
             if not path.is_file():
                 raise MassiveLensError(f"{path} is missing: the saved result in {self.folder} is incomplete")
-            from safetensors.torch import load_file
-
             self._tensors = load_file(str(path))
         if key not in self._tensors:
             raise MassiveLensError(f"{self.folder / TENSORS} has no tensor {key!r}: the saved result is damaged")
