@@ -27,6 +27,7 @@ tokenize``, see below), memory-mapped, so start-up costs neither RAM nor tokeniz
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -79,6 +80,12 @@ class TrainConfig:
             )
         if self.tokenizer not in ("byte", "default"):
             raise MassiveLensError(f"tokenizer must be 'byte' or 'default', got {self.tokenizer!r}")
+        rates = dict(lr=self.lr, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, beta1=self.beta1,
+                     beta2=self.beta2, grad_clip=self.grad_clip, val_fraction=self.val_fraction)
+        bad = {k: v for k, v in rates.items() if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0}
+        if bad or self.lr == 0 or self.grad_clip == 0 or not (self.beta1 < 1 and self.beta2 < 1):
+            raise MassiveLensError(f"optimizer settings must be finite numbers >= 0 (lr and grad_clip > 0, betas < 1); "
+                                   f"got {bad or rates}")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -24,7 +24,6 @@ can form exactly where analyses look for it; ``prepend_bos=False`` trains on bar
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -41,9 +40,17 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from massive_lens.core.outputs import check_out_dir
 from massive_lens.core.render import curve_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
+from massive_lens.train.checkpoint import (
+    CKPT,
+    interrupt_after,
+    read_checkpoint,
+    save_checkpoint,
+    updates_applied,
+)
 from massive_lens.train.data import (
     Stream,
     get_tokenizer,
@@ -56,7 +63,6 @@ from massive_lens.train.model import MassiveLM, MassiveLMConfig
 from massive_lens.train.presets import TrainConfig, get_preset
 
 log = logging.getLogger(__name__)
-CKPT = "checkpoint.pt"
 
 
 @dataclass(frozen=True)
@@ -172,8 +178,10 @@ def train_model(
 
     Raises:
         MassiveLensError: for an unknown preset, an invalid override or attention variant,
-            data too short for the context, a micro-batch not divisible by the DDP ranks, or
-            a checkpoint in ``out_dir`` made with another configuration.
+            data too short for the context, a micro-batch not divisible by the DDP ranks, an
+            ``out_dir`` that cannot be written (checked before training), or a checkpoint in
+            ``out_dir`` that is damaged or made with another configuration. A Ctrl-C saves a
+            checkpoint labelled with the updates the optimizer applied, then re-raises.
 
     >>> train_model("smoke", steps=2, progress=False, data="a. b. " * 500).steps
     2
@@ -181,6 +189,7 @@ def train_model(
     if attention is not None:
         overrides["model"] = {**overrides.get("model", {}), "attention": attention}
     cfg = get_preset(preset, **overrides)
+    out = check_out_dir(out_dir)  # an unwritable folder fails now, not after training
     rank, world, dev = _setup_distributed(device)
     tokenizer = get_tokenizer(cfg.tokenizer)
     stream = token_stream(cfg.data, tokenizer, cfg.max_chars)  # before the model: bad data fails fast
@@ -190,7 +199,6 @@ def train_model(
         model._init_weights()
     model.to(dev)
     optimizer = make_optimizer(model, cfg)
-    out = Path(out_dir) if out_dir is not None else None
     start, history = 0, []
     if out is not None and resume and (out / CKPT).is_file():
         start, history = _load_checkpoint(out / CKPT, model, optimizer, cfg)
@@ -214,7 +222,7 @@ def train_model(
         raise MassiveLensError(f"micro-batch {micro} is not divisible by {world} DDP ranks")
     bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
     t0, tokens_seen = time.perf_counter(), 0
-    step = start
+    applied_at_start = updates_applied(optimizer)  # the checkpointed step is read from the optimizer
     try:
         for step in range(start, stop):
             for group in optimizer.param_groups:
@@ -230,7 +238,8 @@ def train_model(
                 loss.backward()
                 loss_sum += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
+            with interrupt_after():  # a Ctrl-C here waits until the update is whole
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens_seen += batch.numel()
             bar.update(1)
@@ -245,11 +254,10 @@ def train_model(
                 ))
                 bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
             if out is not None and rank == 0 and (done % cfg.ckpt_every == 0 or done == stop):
-                _save(out, model, optimizer, cfg, done, history)
+                save_checkpoint(out, model, optimizer, cfg.to_dict(), done, history)
     except KeyboardInterrupt:
-        if out is not None and rank == 0 and step > start:
-            log.warning("interrupted at step %d; saving a checkpoint in %s", step, out)
-            _save(out, model, optimizer, cfg, step, history)
+        if out is not None and rank == 0:
+            _save_interrupted(out, model, optimizer, cfg, start, applied_at_start, history)
         raise
     finally:
         bar.close()
@@ -273,7 +281,7 @@ def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM
     path = Path(out_dir) / CKPT
     if not path.is_file():
         raise MassiveLensError(f"no checkpoint at {path}; train with train_model(out_dir=...) first")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read_checkpoint(path)
     cfg = TrainConfig(**state["config"])
     tokenizer = get_tokenizer(cfg.tokenizer)
     model = MassiveLM(MassiveLMConfig.from_dict(state["model_cfg"]), tokenizer)
@@ -336,27 +344,23 @@ def _wrap_ddp(model: MassiveLM, world: int, dev: torch.device) -> Any:
     return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
-def _save(out: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig, step: int, history: list) -> None:
-    """Write the checkpoint and logs to temporary files, then rename them into place."""
-    out.mkdir(parents=True, exist_ok=True)
-    state = dict(
-        model=model.state_dict(), optimizer=optimizer.state_dict(), step=step,
-        config=cfg.to_dict(), model_cfg=model.cfg.to_dict(), history=history,
-    )
-    _atomic(out / CKPT, lambda p: torch.save(state, p))
-    _atomic(out / "log.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
-    summary = dict(config=cfg.to_dict(), step=step, last=history[-1] if history else None)
-    _atomic(out / "run.json", lambda p: Path(p).write_text(json.dumps(summary, indent=1)))
-
-
-def _atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+def _save_interrupted(out: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig, start: int,
+                      applied_at_start: int | None, history: list) -> None:
+    """On Ctrl-C: save the state labelled with the updates the optimizer really applied
+    (history rows of later steps than that are dropped); nothing when no update was applied
+    since the start, or when an update stopped half-way (the last checkpoint stays)."""
+    applied = updates_applied(optimizer)
+    if applied is None or applied_at_start is None:
+        log.warning("interrupted inside an optimizer update; keeping the last checkpoint in %s", out)
+        return
+    done = start + applied - applied_at_start
+    if done > start:
+        log.warning("interrupted after step %d; saving a checkpoint in %s", done, out)
+        save_checkpoint(out, model, optimizer, cfg.to_dict(), done, [h for h in history if h["step"] <= done])
 
 
 def _load_checkpoint(path: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig) -> tuple[int, list]:
-    state = torch.load(path, map_location=model.W_E.device, weights_only=False)
+    state = read_checkpoint(path, map_location=model.W_E.device)
     def key(train: dict, model_cfg: dict) -> tuple:
         rest = {k: v for k, v in train.items() if k not in ("steps", "model")}
         return rest, {k: v for k, v in model_cfg.items() if k != "device"}
