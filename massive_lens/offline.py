@@ -50,12 +50,21 @@ CACHE_VERSION = 1
 
 
 def cache_dir() -> Path:
-    """Where massive_lens caches converted weights (``$MASSIVE_LENS_CACHE`` moves it)."""
+    """Where massive_lens caches converted weights (``$MASSIVE_LENS_CACHE`` moves it); a
+    :class:`MassiveLensError` when that path is a file (or lies under one)."""
     root = os.environ.get("MASSIVE_LENS_CACHE")
     if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "massive_lens"
+        folder = Path(root).expanduser()
+    else:
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "massive_lens"
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        where = "MASSIVE_LENS_CACHE" if root else "the cache folder"
+        raise MassiveLensError(f"{where} {str(folder)!r} is {'' if existing == folder else 'under '}a file "
+                               f"({str(existing)!r}), not a folder; point MASSIVE_LENS_CACHE at a folder")
+    return folder
 
 
 # --------------------------------------------------------------------------- where a GGUF file comes from
