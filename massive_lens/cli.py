@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from massive_lens.core.criterion import Criterion
+from massive_lens.core.outputs import check_out_file
 from massive_lens.detect import find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import run_interventions
@@ -41,7 +43,7 @@ def _model_args(parser: argparse.ArgumentParser, several: bool = False) -> None:
     else:
         parser.add_argument("--model", default=None, help=what)
     parser.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cpu)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
 
 
 def _criterion_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +61,8 @@ def _criterion(args: argparse.Namespace):
 
 
 def cmd_scan(args: argparse.Namespace) -> None:
+    if args.csv:
+        check_out_file(args.csv, "--csv")  # before the scan, not after it
     model = _load(args)
     found = find_massive(model, args.text, criterion=_criterion(args))
     print(found.summary(), end="\n\n")
@@ -92,20 +96,48 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     print(f"wrote {path} ({path.stat().st_size:,} bytes); train on it with data={str(path)!r}")
 
 
+def report_options() -> list[str]:
+    """The options of :func:`write_report` (all but ``model``): ``massive-lens report`` has a
+    flag for each, of the same name and default, and passes them all on."""
+    return [name for name in inspect.signature(write_report).parameters if name != "model"]
+
+
+def _report_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--text", default=None, help="text to inspect token by token (default: two short sentences)")
+    add("--calibration", default=None,
+        help="text file where intervention means and sinks are measured (default: the corpus sequences after "
+             "the evaluation ones)")
+    add("--out-dir", "--out", dest="out_dir", default="report", help="output folder (default ./report)")
+    for flag, what, full, quick in (("--seq-len", "tokens per corpus sequence", 128, 32),
+                                    ("--n-seqs", "evaluation sequences", 8, 2),
+                                    ("--scan-seqs", "corpus sequences the scan reads", 8, 4),
+                                    ("--calib-seqs", "calibration sequences", 4, 2)):
+        add(flag, type=int, default=None, help=f"{what} (default {full}; {quick} with --quick)")
+    add("--verify", action=argparse.BooleanOptionalAction, default=None,
+        help="check the origin causally by zero-ablation (default on; off with --quick)")
+    add("--dim", type=int, default=None, help="trace this hidden dimension (default: the largest massive entry's)")
+    add("--pos", type=int, default=None, help="trace this token position (default: the largest massive entry's)")
+    add("--layer", type=int, default=None,
+        help="layer of the landscape, attention and magnitude figures (default: the first massive layer)")
+    add("--quick", action="store_true", help="small settings: seconds on a tiny model")
+    add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add("--no-tables", dest="tables", action="store_false", help="do not write the tables as CSV files")
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     models = args.model or [None]
+    options = {name: getattr(args, name) for name in report_options()}
     if len(models) == 1:
-        model = load_model(models[0], device=args.device, dtype=args.dtype)
-        path = write_report(model, text=args.text, corpus=args.corpus, out_dir=args.out_dir, quick=args.quick)
+        path = write_report(models[0], **options)
     else:
-        path = compare_models(models, text=args.text, corpus=args.corpus, out_dir=args.out_dir, quick=args.quick,
-                              device=args.device, dtype=args.dtype)
+        path = compare_models(models, **options)
     print(f"wrote {path}")
 
 
 def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     """``key=value`` pairs to a dict; a value is a Python literal when it parses as one
-    (``3``, ``3e-4``, ``True``, ``[1, 2]``, ``{"a": 1}``), else the string itself.
+    (``3``, ``3e-4``, ``True``, ``[1, 2]``, ``{"a": 1}``) or ``nan``/``inf``, else the string itself.
 
     >>> parse_overrides(["steps=3", "data=fineweb-edu-10BT.bin", "lr=3e-4", "compile=False"])
     {'steps': 3, 'data': 'fineweb-edu-10BT.bin', 'lr': 0.0003, 'compile': False}
@@ -117,8 +149,8 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
             raise MassiveLensError(f"expected key=value, got {pair!r} (e.g. steps=100 data=input.txt)")
         try:
             out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
+        except (ValueError, SyntaxError):  # nan and inf are numbers too (and refused as such)
+            out[key] = float(value) if value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity") else value
     return out
 
 
@@ -152,16 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("report", "scan", "trace", "intervene"):
         _model_args(cmd[name], several=name == "report")
         cmd[name].add_argument("--corpus", default=None, help=corpus_help)
-    for name in ("report", "scan", "trace"):
+    for name in ("scan", "trace"):
         cmd[name].add_argument("--text", default=EXAMPLE_TEXT, help="text to inspect token by token")
     for name in ("scan", "trace"):
         _criterion_args(cmd[name])
     for name, seq_len in (("scan", 256), ("intervene", 128)):
         cmd[name].add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
         cmd[name].add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default 4)")
-    cmd["report"].add_argument("--out-dir", "--out", dest="out_dir", default="report",
-                               help="output folder (default ./report)")
-    cmd["report"].add_argument("--quick", action="store_true", help="small settings: seconds on a tiny model")
+    _report_args(cmd["report"])
     cmd["scan"].add_argument("--max-tokens", type=int, default=16_384, help="tokens to scan (default 16384)")
     cmd["scan"].add_argument("--csv", default=None, help="also write the frequency table to this CSV file")
     cmd["trace"].add_argument("--dim", type=int, default=None, help="trace this residual dimension")

@@ -8,17 +8,21 @@ overflows (``overflow``), built once per module. Rows marked ``typed`` pass a va
 annotations already refuse, so the tests' type-checking import hook would stop them first:
 they run, as source text, in a fresh interpreter without it (once for all of them).
 
-Beside the table: the corpus-path rule's accepted cases, two threads on one model, and the
-command line.
+The table covers the API and the command line (``cli-`` rows run ``massive-lens`` and expect
+exit 2 with the message on stderr). Accepted inputs, threads, Ctrl-C in the command line and
+the cache manifest are in ``test_bad_inputs_accepted.py``; Ctrl-C during training in
+``train/test_interrupt.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import re
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,9 +45,9 @@ from massive_lens import (
     trace_origin,
 )
 from massive_lens.cli import main
-from massive_lens.core.corpora import iter_texts
 from massive_lens.interventions import calibrate, remove_sink_attention
-from massive_lens.train import compare_variants
+from massive_lens.report import compare_models, write_report
+from massive_lens.train import compare_variants, load_run, train_model
 
 TEXT = "The cat sat on the mat. The dog ran. " * 2
 CORPUS = "a b c d e f g h " * 40
@@ -90,10 +94,52 @@ def models() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
+    """A folder of bad files: binary text, a folder, a plain file (to write onto or under),
+    damaged checkpoints, and a tiny model saved for the command line."""
+    from massive_lens.models import byte_tokenizer
+
     folder = tmp_path_factory.mktemp("bad_inputs")
     (folder / "binary.txt").write_bytes(b"\x00\x01\x02 not text \x00" * 50)
     (folder / "a_folder").mkdir()
+    (folder / "a_file").write_text("not a folder")
+    (folder / "garbage_run").mkdir()
+    (folder / "garbage_run" / "checkpoint.pt").write_bytes(b"not a checkpoint" * 8)
+    run = train_model("smoke", out_dir=folder / "truncated_run", progress=False, **TRAIN)
+    checkpoint = folder / "truncated_run" / "checkpoint.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
+    assert run.steps == TRAIN["steps"]
+    _hf_model().save_pretrained(folder / "tiny")
+    byte_tokenizer().save_pretrained(folder / "tiny")
     return folder
+
+
+TRAIN = dict(steps=1, data=CORPUS, tokenizer="byte", model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16))
+
+
+def _cli(*argv: Any) -> None:
+    """Run ``massive-lens ARGV``; a failure (exit 2) becomes the MassiveLensError the table expects,
+    with the one line the user saw; any other exit code is returned for the row to fail on."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse refusing a flag's value
+            code = exc.code
+    if code == 2:
+        raise MassiveLensError(err.getvalue())
+    raise AssertionError(f"massive-lens {' '.join(map(str, argv))} exited {code}, not 2: {err.getvalue()[-500:]}")
+
+
+def _with_cache_at(path: Path) -> None:
+    old = os.environ.get("MASSIVE_LENS_CACHE")
+    os.environ["MASSIVE_LENS_CACHE"] = str(path)
+    try:
+        load_model()
+    finally:
+        if old is None:
+            del os.environ["MASSIVE_LENS_CACHE"]
+        else:
+            os.environ["MASSIVE_LENS_CACHE"] = old
 
 
 def row(model: str, call: Any, expected: str, name: str) -> Any:
@@ -202,6 +248,85 @@ CASES = [
         "perplexity-overflow"),
     row("overflow", lambda m, d: measure_outliers(m, CORPUS, seq_len=16, n_seqs=2), "holds NaN or inf",
         "measure_outliers-overflow"),
+    # --- training: non-finite settings, output folders checked before training, damaged checkpoints
+    row("tiny", lambda m, d: train_model("smoke", lr=float("nan"), progress=False, **TRAIN), "finite numbers",
+        "train_model-lr-nan"),
+    row("tiny", lambda m, d: train_model("smoke", lr=float("inf"), progress=False, **TRAIN), "finite numbers",
+        "train_model-lr-inf"),
+    row("tiny", lambda m, d: train_model("smoke", weight_decay=float("nan"), progress=False, **TRAIN),
+        "finite numbers", "train_model-weight_decay-nan"),
+    row("tiny", lambda m, d: train_model("smoke", grad_clip=-1.0, progress=False, **TRAIN), "grad_clip > 0",
+        "train_model-grad_clip-negative"),
+    row("tiny", lambda m, d: train_model("smoke", beta2=1.5, progress=False, **TRAIN), "betas < 1",
+        "train_model-beta-above-1"),
+    row("tiny", lambda m, d: train_model("smoke", out_dir=d / "a_file", progress=False, **TRAIN),
+        "is a file, not a folder", "train_model-out_dir-is-a-file"),
+    row("tiny", lambda m, d: train_model("smoke", out_dir=d / "a_file" / "run", progress=False, **TRAIN),
+        "lies under the file", "train_model-out_dir-under-a-file"),
+    row("tiny", lambda m, d: train_model("smoke", out_dir=d / "garbage_run", progress=False, **TRAIN),
+        "not a readable checkpoint", "train_model-resume-garbage-checkpoint"),
+    row("tiny", lambda m, d: load_run(d / "garbage_run"), "not a readable checkpoint", "load_run-garbage"),
+    row("tiny", lambda m, d: load_run(d / "truncated_run"), "not a readable checkpoint", "load_run-truncated"),
+    row("tiny", lambda m, d: load_run(d / "a_folder"), "no checkpoint at", "load_run-no-checkpoint"),
+    row("typed", "compare_variants(['softmax'], 'smoke', seeds=['x'], progress=False)", "whole numbers",
+        "compare_variants-seed-not-a-number"),
+    row("tiny", lambda m, d: compare_variants(["softmax"], "smoke", out_dir=d / "a_file", progress=False),
+        "is a file", "compare_variants-out_dir-is-a-file"),
+    # --- the report: options, corpus files and the output folder, all before any work
+    row("tiny", lambda m, d: write_report(m, out_dir=d / "a_file", quick=True, progress=False),
+        "is a file, not a folder", "write_report-out_dir-is-a-file"),
+    row("tiny", lambda m, d: write_report(m, out_dir=d / "a_file" / "r", quick=True, progress=False),
+        "lies under the file", "write_report-out_dir-under-a-file"),
+    row("tiny", lambda m, d: write_report(m, corpus="missing.txt", out_dir=d / "r", progress=False),
+        "no such corpus file", "write_report-missing-corpus"),
+    row("tiny", lambda m, d: write_report(m, corpus=d / "binary.txt", out_dir=d / "r", progress=False), "is binary",
+        "write_report-binary-corpus"),
+    row("tiny", lambda m, d: write_report(m, calibration=d / "a_folder", out_dir=d / "r", progress=False),
+        "is a folder", "write_report-calibration-folder"),
+    row("tiny", lambda m, d: write_report(m, n_seqs=0, out_dir=d / "r", progress=False), ">= 1",
+        "write_report-n_seqs-zero"),
+    row("tiny", lambda m, d: write_report(m, layer=99, out_dir=d / "r", progress=False), "layer=99 is out of range",
+        "write_report-layer-out-of-range"),
+    row("tiny", lambda m, d: write_report(m, dim=10**6, out_dir=d / "r", progress=False), "out of range",
+        "write_report-dim-out-of-range"),
+    row("tiny", lambda m, d: write_report(m, dtype="float16", out_dir=d / "r", progress=False), "would be ignored",
+        "write_report-dtype-of-a-loaded-model"),
+    row("tiny", lambda m, d: compare_models([m, m], verify=True, out_dir=d / "r", progress=False),
+        "one-model report", "compare_models-verify"),
+    # --- the offline cache
+    row("tiny", lambda m, d: _with_cache_at(d / "a_file"), "not a folder", "MASSIVE_LENS_CACHE-is-a-file"),
+    row("tiny", lambda m, d: _with_cache_at(d / "a_file" / "cache"), "under a file",
+        "MASSIVE_LENS_CACHE-under-a-file"),
+    # --- the command line: one line on stderr and exit 2, before any work
+    row("tiny", lambda m, d: _cli("report", "--out", d / "a_file"), "is a file, not a folder", "cli-report-out-file"),
+    row("tiny", lambda m, d: _cli("report", "--out", d / "a_file" / "r"), "lies under the file",
+        "cli-report-out-under-file"),
+    row("tiny", lambda m, d: _cli("report", "--corpus", "missing.txt", "--out", d / "r"), "no such corpus file",
+        "cli-report-missing-corpus"),
+    row("tiny", lambda m, d: _cli("report", "--seq-len", "1", "--out", d / "r"), "seq_len >= 2",
+        "cli-report-seq-len-1"),
+    row("tiny", lambda m, d: _cli("report", "--n-seqs", "x"), "invalid int value", "cli-report-n-seqs-not-a-number"),
+    row("tiny", lambda m, d: _cli("report", "--model", d / "tiny", "--layer", "7", "--out", d / "r"),
+        "layer=7 is out of range", "cli-report-layer-out-of-range"),
+    row("tiny", lambda m, d: _cli("report", "--model", d / "tiny", "--model", d / "tiny", "--verify", "--out",
+                                  d / "r"), "one-model report", "cli-compare-verify"),
+    row("tiny", lambda m, d: _cli("report", "--dtype", "int8", "--model", d / "tiny", "--out", d / "r"),
+        "unknown dtype", "cli-report-dtype-int8"),
+    row("tiny", lambda m, d: _cli("scan", "--model", d / "tiny", "--csv", d / "missing" / "f.csv"), "does not exist",
+        "cli-scan-csv-missing-folder"),
+    row("tiny", lambda m, d: _cli("scan", "--model", d / "tiny", "--csv", d / "a_folder"), "is a folder",
+        "cli-scan-csv-is-a-folder"),
+    row("tiny", lambda m, d: _cli("scan", "--model", d / "tiny", "--batch-size", "0"), "batch_size >= 1",
+        "cli-scan-batch-size-zero"),
+    row("tiny", lambda m, d: _cli("scan", "--model", d / "tiny", "--corpus", d / "binary.txt"), "is binary",
+        "cli-scan-binary-corpus"),
+    row("tiny", lambda m, d: _cli("train-compare", "--seeds", "x", "--out", d / "tc"), "whole numbers",
+        "cli-train-compare-seeds-x"),
+    row("tiny", lambda m, d: _cli("train-compare", "--out", d / "a_file"), "is a file", "cli-train-compare-out-file"),
+    row("tiny", lambda m, d: _cli("train", "smoke", d / "a_file"), "is a file", "cli-train-out-file"),
+    row("tiny", lambda m, d: _cli("train", "smoke", d / "run", "lr=nan"), "finite numbers", "cli-train-lr-nan"),
+    row("tiny", lambda m, d: _cli("tokenize", "default", d / "t.bin", "--tokenizer", "bogus"), "invalid choice",
+        "cli-tokenize-unknown-tokenizer"),
 ]
 
 
@@ -214,6 +339,7 @@ _UNTYPED = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
 from massive_lens import MassiveLensError, find_massive, scan_corpus, tiny_model
+from massive_lens.train import compare_variants
 m = tiny_model("llama")
 out = {}
 for code in json.loads(sys.argv[1]):
@@ -252,139 +378,5 @@ def test_bad_input_is_a_clear_error(request, files, model_key, call, expected):
 
 
 def test_the_table_is_long_enough():
-    assert len(CASES) >= 50
-
-
-# --------------------------------------------------------------------------- accepted inputs
-
-
-def test_corpus_path_rule(tmp_path, monkeypatch):
-    """Existing paths are files; a list item, text with spaces, or a number is text."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "notes.txt").write_text("file contents\n")
-    assert list(iter_texts("notes.txt")) == ["file contents\n"]
-    assert list(iter_texts(tmp_path / "notes.txt")) == ["file contents\n"]
-    assert list(iter_texts(["missing.csv"])) == ["missing.csv"]  # list items are always text
-    assert list(iter_texts("see data/file.txt for more")) == ["see data/file.txt for more"]
-    assert list(iter_texts("3.14")) == ["3.14"]
-
-
-def test_an_intervention_is_reusable_one_with_at_a_time(models):
-    model = models["tiny"]
-    tokens = torch.tensor([[256, 72, 105, 33]])
-    fx = _intervention(model)
-    with untouched(model):
-        with fx:
-            first = model(tokens)
-        with fx:
-            again = model(tokens)
-        assert not fx.active
-        via_hooks = perplexity(model, CORPUS, seq_len=16, n_seqs=2, hooks=fx, progress=False)
-    assert torch.equal(first, again) and via_hooks.loss > 0
-
-
-def test_load_model_passes_a_model_through_when_arguments_match(models):
-    model = models["tiny"]
-    assert load_model(model) is model
-    assert load_model(model, dtype="float32", device="cpu") is model
-
-
-def test_load_model_says_it_takes_over_a_hugging_face_model():
-    from massive_lens.models import byte_tokenizer
-
-    hf = _hf_model().train()
-    with pytest.warns(UserWarning, match="takes over the LlamaForCausalLM"):
-        bridge = load_model(hf, tokenizer=byte_tokenizer())
-    assert not hf.training and not bridge.training  # what the warning says happened
-
-
-def test_whole_number_ids_of_any_integer_dtype_are_accepted(models):
-    model = models["tiny"]
-    as_long = find_massive(model, torch.tensor([[256, 72, 105]])).profile
-    as_int32 = find_massive(model, torch.tensor([[256, 72, 105]], dtype=torch.int32)).profile
-    assert as_long.equals(as_int32)
-
-
-def test_fewer_sequences_than_asked_is_said(models):
-    with pytest.warns(UserWarning, match="only 1 of the 5 sequences"):
-        result = perplexity(models["tiny"], "abc def ghi", seq_len=8, n_seqs=5, progress=False)
-    assert len(result.per_seq) == 1
-
-
-# --------------------------------------------------------------------------- threads
-
-
-def test_two_threads_on_one_model_get_the_serial_answers(models):
-    """find_massive and perplexity at once on one model: each thread's hooks stay its own."""
-    model = models["tiny"]
-    expected_find = find_massive(model, TEXT).profile
-    expected_ppl = perplexity(model, CORPUS, seq_len=16, n_seqs=4, progress=False).per_seq
-    problems: list[str] = []
-    start = threading.Barrier(2)
-
-    def finds() -> None:
-        start.wait()
-        for _ in range(15):
-            try:
-                if not find_massive(model, TEXT).profile.equals(expected_find):
-                    problems.append("find_massive differs")
-            except Exception as exc:  # noqa: BLE001 - any crash is a failure to report
-                problems.append(repr(exc))
-
-    def perplexities() -> None:
-        start.wait()
-        for _ in range(15):
-            try:
-                if not torch.equal(perplexity(model, CORPUS, seq_len=16, n_seqs=4, progress=False).per_seq,
-                                   expected_ppl):
-                    problems.append("perplexity differs")
-            except Exception as exc:  # noqa: BLE001
-                problems.append(repr(exc))
-
-    with untouched(model):
-        threads = [threading.Thread(target=finds), threading.Thread(target=perplexities)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not problems, problems[:3]
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def test_cli_unknown_tokenizer_is_refused(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["tokenize", "default", str(tmp_path / "tokens.bin"), "--tokenizer", "bogus"])
-    assert exit_info.value.code == 2
-    assert "invalid choice: 'bogus'" in capsys.readouterr().err
-    assert not (tmp_path / "tokens.bin").exists()
-
-
-def test_cli_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
-    import massive_lens.cli as cli
-
-    def interrupted(args: Any) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setitem(cli.COMMANDS, "scan", (interrupted, cli.COMMANDS["scan"][1]))
-    assert main(["scan"]) == 130
-    err = capsys.readouterr().err
-    assert err.strip() == "massive-lens scan: interrupted" and "Traceback" not in err
-
-
-# --------------------------------------------------------------------------- the offline cache
-
-
-@pytest.mark.parametrize("manifest", ["[]", '{"version": 1}', '{"version": 1, "files": []}',
-                                      '{"version": 1, "files": {"model.safetensors": {}}}',
-                                      '{"version": 1, "files": {"model.safetensors": 3}}', '"text"'])
-def test_an_odd_cache_manifest_means_a_rebuild_not_a_crash(tmp_path, manifest):
-    from massive_lens.models import byte_tokenizer
-    from massive_lens.offline import cache_is_valid, write_cache
-
-    folder = tmp_path / "cache"
-    write_cache(folder, _hf_model(), byte_tokenizer())
-    assert cache_is_valid(folder)
-    (folder / "manifest.json").write_text(manifest)
-    assert cache_is_valid(folder) is False
+    assert len(CASES) >= 80
+    assert sum(p.id.startswith("cli-") for p in CASES) >= 15

@@ -68,3 +68,78 @@ def test_a_bug_in_a_section_is_not_hidden(tmp_path, monkeypatch):
 def test_bad_text_is_refused(tmp_path):
     with pytest.raises(MassiveLensError, match="non-empty"):
         rep.write_report(tiny_model("gpt2"), text="   ", out_dir=tmp_path, quick=True, progress=False)
+
+
+# --------------------------------------------------------------------------- options (issue #14)
+
+
+def test_the_cli_and_compare_models_take_every_write_report_option():
+    """Same names, same defaults: ``massive-lens report`` and ``compare_models`` pass them all on."""
+    import inspect
+
+    from massive_lens.cli import build_parser, report_options
+    from massive_lens.report import compare_models
+
+    params = inspect.signature(rep.write_report).parameters
+    options = report_options()
+    assert set(options) == set(params) - {"model"}
+    assert {"corpus", "seq_len", "n_seqs", "calib_seqs", "dim", "pos", "layer", "device", "dtype"} <= set(options)
+    args = build_parser().parse_args(["report"])
+    assert args.model is None  # --model, repeated for the comparison page
+    for name in options:
+        assert getattr(args, name) == params[name].default, name
+    compare = inspect.signature(compare_models).parameters
+    for name in options:
+        assert name in compare and compare[name].default == params[name].default, name
+
+
+def test_every_option_steers_the_report_and_the_report_names_what_it_used(tmp_path):
+    corpus, calibration = tmp_path / "eval.txt", tmp_path / "calib.txt"
+    corpus.write_text("The first corpus line. It has words.\n" * 60)
+    calibration.write_text("Calibration prose, another text.\n" * 60)
+    path = rep.write_report(tiny_model("llama"), corpus=corpus, calibration=calibration, out_dir=tmp_path / "out",
+                            seq_len=24, n_seqs=3, scan_seqs=5, calib_seqs=2, verify=True, dim=4, pos=1, layer=1,
+                            quick=True, progress=False, tables=False)
+    md = (path.parent / "report.md").read_text()
+    assert f"Evaluation: 3 sequences of 24 tokens from {corpus}" in md
+    assert f"calibration: 2 sequences from {calibration}" in md  # the table's own header
+    assert "5 sequences, 120 tokens" in md  # the corpus scan
+    assert "dim 4" in md and "pos 1" in md and "layer 1" in md
+    assert "Causal check: perplexity with and without each ablation on the first 3 evaluation sequences" in md
+    assert "without a corpus" not in md and "Skipped" not in md
+    assert re.search(r"peak memory [\d.]+ GiB resident while the report ran", md)
+    assert "seq_len=24, n_seqs=3, scan_seqs=5, calib_seqs=2, verify=True, dim=4, pos=1, layer=1" in md
+    assert not (path.parent / "tables").exists()
+
+
+def test_the_calibration_count_is_the_one_used(planted_report):
+    md = (planted_report.parent / "report.md").read_text()
+    assert "Calibration (the means and sinks the settings use): 2 sequences from the offline default text, the " \
+           "ones after the evaluation sequences" in md
+    assert "calibration: 2 sequences from the offline default text" in md
+
+
+def test_summaries_wrap_and_carry_no_notebook_hints(planted_report):
+    html = planted_report.read_text()
+    assert "white-space: pre-wrap" in html and "overflow-x: auto" not in html.split("pre {")[1].split("}")[0]
+    assert ".by_dim()" not in html and "(see ." not in html
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    (dict(seq_len=1), "seq_len >= 2"), (dict(n_seqs=0), ">= 1"), (dict(calib_seqs=-2), ">= 1"),
+    (dict(layer=-1), "layer must be >= 0"), (dict(corpus="missing.txt"), "no such corpus file"),
+    (dict(calibration="calib/missing.txt"), "no such corpus file"),
+])
+def test_bad_options_fail_before_any_work(tmp_path, options, expected):
+    with pytest.raises(MassiveLensError, match=re.escape(expected)):
+        rep.write_report(tiny_model("gpt2"), out_dir=tmp_path / "out", quick=True, progress=False, **options)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["onto a file", "under a file"])
+def test_an_unwritable_out_dir_fails_before_any_work(tmp_path, where):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" if where == "onto a file" else tmp_path / "file" / "report"
+    expected = "is a file, not a folder" if where == "onto a file" else "under the file"
+    with pytest.raises(MassiveLensError, match=expected):
+        rep.write_report(tiny_model("gpt2"), out_dir=out, quick=True, progress=False)

@@ -31,14 +31,16 @@ from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import Corpus
 from massive_lens.core.fmt import num, pct, ratio, short
+from massive_lens.core.outputs import check_out_dir
 from massive_lens.detect import CorpusScan, MassiveActivations, find_massive
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import InterventionTable
 from massive_lens.models import load_model
 from massive_lens.origin import OriginTrace
 from massive_lens.report import sections as sec
-from massive_lens.report.render import Section, render_figures, to_html, to_markdown
-from massive_lens.report.write import DEFAULT_TEXT
+from massive_lens.report.memory import PeakMemory, weight_bytes
+from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
+from massive_lens.report.write import check_inputs, settings_for
 from massive_lens.viz import overlay_profiles
 
 INTRO = ("Massive activations (Sun et al., 2024): residual values above 100 and about 1,000x the "
@@ -61,12 +63,22 @@ class ModelResults:
     table: InterventionTable | None = None
     notes: list[tuple[str, str]] = field(default_factory=list)  # (analysis, why it is missing or partial)
     seconds: float = 0.0
+    weight_bytes: int = 0
 
 
 def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Corpus = None,
-                   out_dir: str | Path = "report", quick: bool = False, progress: bool = True,
-                   device: str | torch.device | None = None, dtype: torch.dtype | str = torch.float32) -> Path:
+                   calibration: Corpus = None, out_dir: str | Path = "report", seq_len: int | None = None,
+                   n_seqs: int | None = None, scan_seqs: int | None = None, calib_seqs: int | None = None,
+                   verify: bool | None = None, dim: int | None = None, pos: int | None = None,
+                   layer: int | None = None, device: str | torch.device | None = None,
+                   dtype: torch.dtype | str | None = None, quick: bool = False, progress: bool = True,
+                   tables: bool = True) -> Path:
     """Run the report's analyses on each model and write one page comparing them side by side.
+
+    The options are :func:`~massive_lens.write_report`'s, with the same names and defaults
+    (``massive-lens report --model A --model B`` passes its flags here); those not listed
+    below mean what they mean there. ``verify`` and ``layer`` do not apply to this page (the
+    trace is compared, not verified; it draws no per-layer figures) and must be left None.
 
     Args:
         models: two or more models: loaded TransformerLens models, or names and paths for
@@ -76,12 +88,13 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
         text: the text inspected token by token (None: two short sentences).
         corpus: what the scan and the intervention table read (a file, text, ``hf:`` name;
             None: the offline default text).
-        out_dir: the output folder (default ``"report"``, created if missing); its
-            ``index.html``, ``report.md`` and ``figures/`` are overwritten.
+        out_dir: the output folder (default ``"report"``, created if missing and checked
+            before any work); its ``index.html``, ``report.md``, ``figures/`` and ``tables/``
+            are overwritten.
         quick: tiny settings (seconds on a tiny model), for tests.
         progress: show a progress bar over the models.
         device: where to load models given by name (None: the loader's choice).
-        dtype: the dtype of models given by name (default float32).
+        dtype: the dtype of models given by name (None: float32).
 
     Returns:
         The path of ``index.html``.
@@ -101,37 +114,44 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     if isinstance(models, (str, Path)) or not isinstance(models, Sequence) or len(models) < 2:
         raise MassiveLensError("compare_models needs a list of two or more models or names; for one model "
                                "use write_report")
-    text = DEFAULT_TEXT if text is None else text
-    if not isinstance(text, str) or not text.strip():
-        raise MassiveLensError("text must be a non-empty string")
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    settings = sec.QUICK if quick else sec.FULL
+    if verify or layer is not None:
+        raise MassiveLensError("verify and layer apply to the one-model report (write_report), not to the "
+                               "comparison page; leave them None")
+    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs, calib_seqs=calib_seqs,
+                            verify=False, dim=dim, pos=pos)
+    text = check_inputs(text, corpus, calibration)
+    folder = check_out_dir(out_dir)
     started = time.perf_counter()
     results: list[ModelResults] = []
-    for item in tqdm(models, desc="compare", disable=not progress, unit="model"):
-        model = load_model(item, device=device, dtype=dtype) if item is None or isinstance(item, (str, Path)) else item
-        results.append(analyse(model, text, corpus, settings))
-        del model  # a model loaded here is released before the next one is loaded
-    _unique_names(results)
-    sections = [_models(results, text), _massive(results), _origin(results), _interventions(results),
-                _summaries(results)]
-    render_figures(sections, folder / "figures")
+    with PeakMemory() as peak:
+        for item in tqdm(models, desc="compare", disable=not progress, unit="model"):
+            model = load_model(item, device=device, dtype=dtype)
+            results.append(analyse(model, text, corpus, settings, calibration))
+            del model  # a model loaded here is released before the next one is loaded
+        _unique_names(results)
+        sections = [_models(results, text), _massive(results), _origin(results), _interventions(results),
+                    _summaries(results)]
+        render_figures(sections, folder / "figures")
+    if tables:
+        write_tables(sections, folder / "tables")
     title = "massive_lens comparison: " + " vs ".join(r.name for r in results)
     timing = ", ".join(f"{r.name} {r.seconds:.0f} s" for r in results)
+    weights = ", ".join(f"{r.name} {r.facts['weights']}" for r in results)
     footer = (f"Generated by massive_lens in {time.perf_counter() - started:.0f} s ({timing}); "
-              f"settings: {settings}.")
+              f"{peak.describe(max(r.weight_bytes for r in results))} (the largest model's; weights: {weights}); "
+              f"settings: {settings}; corpus: {sec.describe(corpus)}; "
+              f"calibration: {sec.describe(calibration) if calibration is not None else 'from the corpus'}.")
     (folder / "report.md").write_text(to_markdown(title, INTRO, sections, footer, "figures"), encoding="utf-8")
     page = folder / "index.html"
     page.write_text(to_html(title, INTRO, sections, footer), encoding="utf-8")
     return page
 
 
-def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings) -> ModelResults:
+def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings, calibration: Corpus = None) -> ModelResults:
     """The analyses behind one column of the comparison, each through the report's own helpers
     (the trace is not verified: the page compares stories, the single-model report checks them)."""
     start = time.perf_counter()
-    inputs = sec.Inputs(model, text, corpus, settings)
+    inputs = sec.Inputs(model, text, corpus, settings, calibration)
     view = inputs.view
     cfg = view.cfg
     architecture = getattr(cfg, "architecture", None) or type(getattr(model, "original_model", model)).__name__
@@ -143,8 +163,9 @@ def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings) -> Mo
         "heads (key/value heads)": f"{getattr(cfg, 'n_heads', '?')} ({getattr(cfg, 'n_key_value_heads', None) or '='})",
         "first token": "BOS" if view.tokenize(text).has_bos else "the text's own",
         "dtype": str(view.dtype).replace("torch.", ""),
+        "weights": f"{weight_bytes(model) / 2**30:.2f} GiB",
     }
-    r = ModelResults(view.name, facts, view.n_layers)
+    r = ModelResults(view.name, facts, view.n_layers, weight_bytes=weight_bytes(model))
 
     def attempt(what: str, fn: Any) -> Any:
         try:

@@ -24,12 +24,15 @@ from massive_lens.core.fmt import cell as _fmt
 from massive_lens.core.render import figure_of
 from massive_lens.viz.views import bundle_tag
 
+_NOTEBOOK_HINT = re.compile(r" ?\((?:see|See) `?\.\w+\(\)`?[^)]*\)")
 _CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; max-width: 1100px;
        margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
 h1 { border-bottom: 2px solid #444; } h2 { margin-top: 2em; border-bottom: 1px solid #ccc; }
-pre { background: #f6f8fa; padding: .8em; overflow-x: auto; font-size: 12px; }
-table { border-collapse: collapse; font-size: 12px; margin: .5em 0 1em; }
+pre { background: #f6f8fa; padding: .8em; font-size: 12px; white-space: pre-wrap; overflow-wrap: anywhere; }
+table { border-collapse: collapse; font-size: 12px; margin: .5em 0 1em; display: block; max-width: 100%;
+        overflow-x: auto; }
+td { overflow-wrap: anywhere; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
 th { background: #f0f0f0; } img { max-width: 100%; height: auto; }
 figure { margin: 1em 0; } figcaption { font-size: 12px; color: #555; }
@@ -61,7 +64,9 @@ class Section:
         self.blocks.append(("note", value, ""))
 
     def pre(self, value: str) -> None:
-        self.blocks.append(("pre", value, ""))
+        """A preformatted summary, without the notebook hints that point at methods
+        (``(see .by_dim())``): the report shows those tables itself."""
+        self.blocks.append(("pre", _NOTEBOOK_HINT.sub("", value), ""))
 
     def table(self, frame: pd.DataFrame, caption: str = "", max_rows: int = 30) -> None:
         self.blocks.append(("table", frame.head(max_rows), caption))

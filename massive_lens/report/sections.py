@@ -10,9 +10,11 @@ report then shows why and later sections fall back to what they can do without i
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -20,59 +22,145 @@ from torch import Tensor
 
 from massive_lens.attention import decompose_attention, sink_attention
 from massive_lens.core.corpora import sequences
+from massive_lens.core.fmt import short
 from massive_lens.core.model_view import ModelView
 from massive_lens.detect import CorpusScan, MassiveActivations, find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
 from massive_lens.origin import OriginTrace, trace_origin
 from massive_lens.quantize import measure_outliers
+from massive_lens.report.memory import release_free_memory
 from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view
 
 log = logging.getLogger(__name__)
 SECOND_TEXT = "Another text, on another topic.\nIt has two lines."
+VERIFY_SEQS = 4  # evaluation sequences the origin's causal check measures perplexity on
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Sizes of every analysis (tokens per sequence, sequences, ...)."""
+    """What the report runs, and on how much text; every field is a
+    :func:`~massive_lens.write_report` option of the same name (and a ``massive-lens report``
+    flag).
 
+    Attributes:
+        seq_len: tokens per corpus sequence (scan, evaluation and calibration).
+        n_seqs: evaluation sequences: the intervention table, quantization, and the causal
+            check of the origin (its first ``min(4, n_seqs)``).
+        scan_seqs: corpus sequences the scan reads.
+        calib_seqs: calibration sequences (intervention means and sinks, quantization scales).
+        verify: check the origin story causally (zero the named neurons and weights).
+        dim: the hidden dimension to trace (None: that of the text's largest massive entry).
+        pos: the token position to trace (None: that of the text's largest massive entry).
+        layer: the layer of the landscape, attention and magnitude figures (None: the first
+            layer with a massive activation, and the layer after it for attention).
+    """
+
+    seq_len: int = 128
+    n_seqs: int = 8
     scan_seqs: int = 8
-    eval_seq_len: int = 128
-    eval_seqs: int = 8
     calib_seqs: int = 4
     verify: bool = True
+    dim: int | None = None
+    pos: int | None = None
+    layer: int | None = None
+
+    def __post_init__(self) -> None:
+        sizes = dict(seq_len=self.seq_len, n_seqs=self.n_seqs, scan_seqs=self.scan_seqs, calib_seqs=self.calib_seqs)
+        bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad or self.seq_len < 2:
+            raise MassiveLensError(f"report sizes must be whole numbers >= 1 (seq_len >= 2), got {bad or sizes}")
+        for name in ("dim", "pos", "layer"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise MassiveLensError(f"{name} must be an int or None, got {value!r}")
+        if self.layer is not None and self.layer < 0:
+            raise MassiveLensError(f"layer must be >= 0, got {self.layer}")
 
 
 FULL = Settings()
-QUICK = Settings(scan_seqs=4, eval_seq_len=32, eval_seqs=2, calib_seqs=2, verify=False)
+QUICK = Settings(seq_len=32, n_seqs=2, scan_seqs=4, calib_seqs=2, verify=False)
+
+
+def describe(corpus: Any) -> str:
+    """A short name for a corpus: its file name, ``hf:`` spec, "the offline default text",
+    "a token tensor", or the start of a literal text."""
+    if corpus is None:
+        return "the offline default text"
+    if isinstance(corpus, Tensor):
+        return "a token tensor"
+    if isinstance(corpus, os.PathLike) or (isinstance(corpus, str) and (corpus.startswith("hf:") or _is_file(corpus))):
+        return str(corpus)
+    if isinstance(corpus, str):
+        return f"the text {short(corpus, 30)!r}"
+    return f"a {type(corpus).__name__} of texts"
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return "\n" not in text and len(text) < 4096 and Path(text).expanduser().is_file()
+    except (OSError, ValueError):
+        return False
 
 
 class Inputs:
-    """What every section reads: the model, the text, the corpus and the settings."""
+    """What every section reads: the model, the text, the corpus, the calibration corpus and
+    the settings."""
 
-    def __init__(self, model: Any, text: str, corpus: Any, settings: Settings):
+    def __init__(self, model: Any, text: str, corpus: Any, settings: Settings, calibration: Any = None):
         self.model, self.text, self.corpus, self.settings = model, text, corpus, settings
+        self.calibration = calibration
         self.view = ModelView(model)
+        view = self.view
+        for name, value, size in (("layer", settings.layer, view.n_layers), ("dim", settings.dim, view.d_model)):
+            if value is not None and not 0 <= value < size:
+                raise MassiveLensError(f"{name}={value} is out of range for {self.view.name}: 0 <= {name} < {size}")
 
     @cached_property
     def tokens(self) -> Tensor:
-        """Evaluation sequences followed by calibration sequences (disjoint text); the corpus
-        scan reads the first ``scan_seqs`` of them (the corpus is tokenized once)."""
+        """The corpus sequences, tokenized once: evaluation sequences first, then (without a
+        separate calibration corpus) the calibration ones (disjoint text); the scan reads the
+        first ``scan_seqs``."""
         s = self.settings
-        return sequences(self.view, self.corpus, s.eval_seq_len, max(s.scan_seqs, s.eval_seqs + s.calib_seqs))
+        calib = s.calib_seqs if self.calibration is None else 0
+        return sequences(self.view, self.corpus, s.seq_len, max(s.scan_seqs, s.n_seqs + calib))
 
     @property
     def eval_tokens(self) -> Tensor:
-        return self.tokens[: self.settings.eval_seqs]
+        return self.tokens[: self.settings.n_seqs]
+
+    @cached_property
+    def calib_tokens(self) -> Tensor:
+        s = self.settings
+        if self.calibration is not None:
+            return sequences(self.view, self.calibration, s.seq_len, s.calib_seqs)
+        calib = self.tokens[s.n_seqs: s.n_seqs + s.calib_seqs]
+        if len(calib) == 0:
+            raise MassiveLensError(f"the corpus gives {len(self.tokens)} sequences of {s.seq_len} tokens, none left "
+                                   f"for calibration after the {s.n_seqs} evaluation ones; give more text, lower "
+                                   "n_seqs or seq_len, or pass calibration=")
+        return calib
 
     @property
-    def calib_tokens(self) -> Tensor:
-        return self.tokens[self.settings.eval_seqs:]
+    def eval_source(self) -> str:
+        """What the evaluation sequences are, in words (counts as really used)."""
+        return f"{len(self.eval_tokens)} sequences of {self.settings.seq_len} tokens from {describe(self.corpus)}"
+
+    @property
+    def calib_source(self) -> str:
+        """What the calibration sequences are, in words (counts as really used)."""
+        if self.calibration is not None:
+            return f"{len(self.calib_tokens)} sequences from {describe(self.calibration)}"
+        return (f"{len(self.calib_tokens)} sequences from {describe(self.corpus)}, the ones after the evaluation "
+                "sequences (disjoint text)")
 
 
 def _massive_layer(found: MassiveActivations | None, inputs: Inputs) -> int:
-    """First layer with a massive activation, else the layer of the largest top-1/median."""
+    """The ``layer`` setting; else the first layer with a massive activation, else the layer
+    of the largest top-1/median."""
+    if inputs.settings.layer is not None:  # checked against the model by Inputs
+        return inputs.settings.layer
     if found is None:
         return inputs.view.n_layers // 2
     return found.layers[0] if found.layers else found.peak_layer
@@ -104,15 +192,19 @@ def massive_section(inputs: Inputs, s: Section) -> MassiveActivations:
 
 def corpus_scan(inputs: Inputs) -> CorpusScan:
     """How often each dim is massive over the first ``scan_seqs`` corpus sequences."""
-    return scan_corpus(inputs.model, inputs.tokens[: inputs.settings.scan_seqs], seq_len=inputs.settings.eval_seq_len,
+    return scan_corpus(inputs.model, inputs.tokens[: inputs.settings.scan_seqs], seq_len=inputs.settings.seq_len,
                        batch_size=4, max_tokens=None, progress=False)
 
 
 def trace_top(inputs: Inputs, found: MassiveActivations | None, verify: bool) -> OriginTrace:
-    """The largest massive entry of the text traced (without one: the largest value at the
-    first token), with the causal check on a few evaluation sequences when ``verify``."""
+    """The entry of the ``dim``/``pos`` settings traced, else the text's largest massive entry
+    (without one: the largest value at the first token), with the causal check on the first
+    (up to 4) evaluation sequences when ``verify``."""
+    s = inputs.settings
     rows = found.by_dim() if found is not None else pd.DataFrame()
-    corpus = inputs.eval_tokens[: 4] if verify else None
+    corpus = inputs.eval_tokens[: VERIFY_SEQS] if verify else None
+    if s.dim is not None or s.pos is not None:
+        return trace_origin(inputs.model, inputs.text, dim=s.dim, pos=s.pos, verify=verify, corpus=corpus)
     if rows.empty:
         return trace_origin(inputs.model, inputs.text, pos=0, verify=verify, corpus=corpus)
     top = rows.iloc[0]
@@ -122,7 +214,7 @@ def trace_top(inputs: Inputs, found: MassiveActivations | None, verify: bool) ->
 def intervention_table(inputs: Inputs) -> tuple[InterventionTable, str | None]:
     """Table 3 on the evaluation sequences, calibrated on the calibration sequences, and a note
     when the calibration text has no massive activations (only the sink settings then run)."""
-    calib = calibrate(inputs.model, inputs.calib_tokens, seq_len=inputs.settings.eval_seq_len,
+    calib = calibrate(inputs.model, inputs.calib_tokens, seq_len=inputs.settings.seq_len,
                       n_seqs=inputs.settings.calib_seqs, progress=False)
     settings, note = list(SETTINGS), None
     if not calib.dims:
@@ -130,14 +222,18 @@ def intervention_table(inputs: Inputs) -> tuple[InterventionTable, str | None]:
         note = ("No massive activations in the calibration text: only the sink interventions "
                 "(sinks fall back to the first token) are run.")
     table = run_interventions(inputs.model, inputs.eval_tokens, calibration=calib, settings=settings, progress=False)
-    return table, note
+    # the table names what the report really used: the file, and the calibration count
+    return replace(table, corpus=describe(inputs.corpus), calibration=inputs.calib_source), note
 
 
 def origin_section(inputs: Inputs, s: Section, found: MassiveActivations | None) -> None:
-    verify = inputs.settings.verify
-    if found is None or found.by_dim().empty:
+    verify, chosen = inputs.settings.verify, inputs.settings.dim is not None or inputs.settings.pos is not None
+    if not chosen and (found is None or found.by_dim().empty):
         s.note("No massive activation in the text; tracing the largest value at the first token instead.")
     trace = trace_top(inputs, found, verify)
+    if verify:
+        s.text(f"Causal check: perplexity with and without each ablation on the first "
+               f"{min(VERIFY_SEQS, len(inputs.eval_tokens))} evaluation sequences ({inputs.eval_source}).")
     s.pre(trace.summary())
     s.figure(trace.plot(), "origin ledger: each component's write into the traced dim, layer by layer")
     if not trace.events.empty:
@@ -147,7 +243,7 @@ def origin_section(inputs: Inputs, s: Section, found: MassiveActivations | None)
     if not trace.verification.empty:
         s.table(trace.verification, "causal check: zero-ablating the named neurons or weights")
     elif not verify:
-        s.note("Causal verification skipped in quick mode.")
+        s.note("Causal verification not run (verify=False; quick mode turns it off).")
 
 
 def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | None) -> None:
@@ -161,7 +257,7 @@ def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | No
                 "(by_attention) or carry a massive activation that persists across layers (by_massive)")
     s.figure(sinks.plot(), "attention mass on the sink tokens per layer")
     massive_layer = _massive_layer(found, inputs)
-    layer = min(massive_layer + 1, inputs.view.n_layers - 1)
+    layer = massive_layer if inputs.settings.layer is not None else min(massive_layer + 1, inputs.view.n_layers - 1)
     positions = sinks.sinks.mask[0].nonzero().flatten().tolist() if sinks.sinks is not None else None
     s.figure(attention_maps(model, text, layer, max_heads=8, sinks=positions),
              f"attention patterns of layer {layer}; sink columns outlined in red")
@@ -174,6 +270,8 @@ def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | No
 
 def intervention_section(inputs: Inputs, s: Section) -> None:
     table, note = intervention_table(inputs)
+    s.text(f"Evaluation: {inputs.eval_source}. Calibration (the means and sinks the settings use): "
+           f"{inputs.calib_source}.")
     if note:
         s.note(note)
     s.pre(table.summary())
@@ -207,5 +305,6 @@ def run_section(title: str, fn: Any, inputs: Inputs, *earlier: Any) -> tuple[Sec
         section.note(f"Skipped: {exc}")
         result = None
     section.seconds = time.perf_counter() - start
+    release_free_memory()  # what this section freed is not held while the next one runs
     log.info("report section %r took %.1f s", title, section.seconds)
     return section, result

@@ -16,22 +16,29 @@ its figures under ``DIR/figures/``:
 6. what the outliers cost under W8A8 quantization (measure_outliers).
 
 Settings are small so the default model finishes in a few minutes on 2 CPU cores;
-``quick=True`` shrinks them further for tests on tiny models. A section that cannot run on
-a model is replaced by a note that says why; nothing is faked.
+``quick=True`` shrinks them further for tests on tiny models, and every size, the traced
+entry and the layer shown can be set (the options are those of :class:`Settings`, and the
+same flags of ``massive-lens report``). The report states what it used (corpus and
+calibration files, sequence counts) and its own peak memory next to the model's weights.
+A section that cannot run on a model is replaced by a note that says why; nothing is faked.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
-from massive_lens.core.corpora import Corpus
+from massive_lens.core.corpora import Corpus, iter_texts
+from massive_lens.core.outputs import check_out_dir
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import load_model
 from massive_lens.report import sections as sec
+from massive_lens.report.memory import PeakMemory, weight_bytes
 from massive_lens.report.render import render_figures, to_html, to_markdown, write_tables
 
 DEFAULT_TEXT = "Summer is warm. Winter is cold.\nThe cat sat on the mat, and the dog slept."
@@ -51,20 +58,41 @@ INTRO = ("Massive activations (Sun et al., 2024): residual values above 100 and 
          "what they cost under 8-bit quantization.")
 
 
-def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus = None,
-                 out_dir: str | Path = "report", quick: bool = False, progress: bool = True,
-                 tables: bool = True) -> Path:
+def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus = None, calibration: Corpus = None,
+                 out_dir: str | Path = "report", seq_len: int | None = None, n_seqs: int | None = None,
+                 scan_seqs: int | None = None, calib_seqs: int | None = None, verify: bool | None = None,
+                 dim: int | None = None, pos: int | None = None, layer: int | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
+                 quick: bool = False, progress: bool = True, tables: bool = True) -> Path:
     """Run the analyses and write ``out_dir/index.html`` and ``out_dir/report.md``.
+
+    ``massive-lens report`` takes the same options, as flags of the same names
+    (``--seq-len``, ``--n-seqs``, ...).
 
     Args:
         model: a loaded model, a name or path (``str`` or ``Path``) for
             :func:`~massive_lens.load_model`, or None for the offline default.
         text: the text inspected token by token (None: two short sentences).
-        corpus: what the scan, perplexity and quantization read (a file, text, ``hf:`` name;
-            None: the offline default text).
-        out_dir: the output folder (default ``"report"``, created if missing); existing
-            files of the same names are overwritten.
-        quick: tiny settings (seconds on a tiny model), for tests.
+        corpus: what the scan, the intervention table, quantization and the causal check
+            read (a file, text, ``hf:`` name, token tensor; None: the offline default text).
+        calibration: where intervention means, sinks and quantization scales are measured
+            (None: the corpus sequences after the evaluation ones, disjoint text).
+        out_dir: the output folder (default ``"report"``, created if missing; checked before
+            any work); existing files of the same names are overwritten.
+        seq_len: tokens per corpus sequence (None: 128; 32 with ``quick``).
+        n_seqs: evaluation sequences (None: 8; 2 with ``quick``).
+        scan_seqs: corpus sequences the scan reads (None: 8; 4 with ``quick``).
+        calib_seqs: calibration sequences (None: 4; 2 with ``quick``).
+        verify: check the origin story causally (None: True; False with ``quick``).
+        dim: the hidden dimension to trace (None: that of the text's largest massive entry).
+        pos: the token position to trace (None: that of the largest massive entry).
+        layer: the layer of the landscape, attention and magnitude figures (None: the first
+            layer with a massive activation).
+        device: where to load a model given by name (None: the loader's choice); for a
+            loaded model it must match (:func:`~massive_lens.load_model` never moves one).
+        dtype: the dtype of a model given by name (None: float32); for a loaded model
+            None, or its own dtype.
+        quick: tiny defaults (seconds on a tiny model), for tests.
         progress: show a progress bar over the sections.
         tables: also write every table, whole, as CSV under ``out_dir/tables/`` (named
             ``NN-<section>-<caption>.csv``).
@@ -73,9 +101,10 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         The path of ``index.html``.
 
     Raises:
-        MassiveLensError: if ``text`` is empty or not a string, or ``model`` is not a
-            TransformerLens model or names one :func:`~massive_lens.load_model` cannot load.
-            A section that raises ``MassiveLensError`` is replaced by a note saying why.
+        MassiveLensError: if ``text`` is empty or not a string, a size is below 1, ``out_dir``
+            cannot be written, the corpus or calibration file does not exist, or ``model`` is
+            not a TransformerLens model or names one :func:`~massive_lens.load_model` cannot
+            load. A section that raises ``MassiveLensError`` is replaced by a note saying why.
 
     >>> from massive_lens import tiny_model
     >>> import re, tempfile
@@ -83,30 +112,57 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     >>> path.name, re.findall("(?:src|href)=.?https?:", path.read_text())
     ('index.html', [])
     """
-    if model is None or isinstance(model, (str, Path)):
-        model = load_model(None if model is None else str(model))
-    text = DEFAULT_TEXT if text is None else text
-    if not isinstance(text, str) or not text.strip():
-        raise MassiveLensError("text must be a non-empty string")
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    inputs = sec.Inputs(model, text, corpus, sec.QUICK if quick else sec.FULL)
-    started = time.perf_counter()
-    sections, results = [], {}
-    with tqdm(total=len(SECTIONS), desc="report", disable=not progress, unit="section") as bar:
-        for title, fn, takes in SECTIONS:
-            bar.set_postfix_str(title[:30])
-            section, results[title] = sec.run_section(title, fn, inputs, *(results.get(t) for t in takes))
-            sections.append(section)
-            bar.update()
-    render_figures(sections, folder / "figures")
-    if tables:
-        write_tables(sections, folder / "tables")
+    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs, calib_seqs=calib_seqs,
+                            verify=verify, dim=dim, pos=pos, layer=layer)
+    text = check_inputs(text, corpus, calibration)
+    folder = check_out_dir(out_dir)
+    with PeakMemory() as peak:
+        model = load_model(None if model is None else model, device=device, dtype=dtype)
+        inputs = sec.Inputs(model, text, corpus, settings, calibration)
+        started = time.perf_counter()
+        sections, results = [], {}
+        with tqdm(total=len(SECTIONS), desc="report", disable=not progress, unit="section") as bar:
+            for title, fn, takes in SECTIONS:
+                bar.set_postfix_str(title[:30])
+                section, results[title] = sec.run_section(title, fn, inputs, *(results.get(t) for t in takes))
+                sections.append(section)
+                bar.update()
+        del results
+        render_figures(sections, folder / "figures")
     title = f"massive_lens report: {inputs.view.name}"
     timing = ", ".join(f"{s.title.split()[0].lower()} {s.seconds:.0f} s" for s in sections)
     footer = (f"Generated by massive_lens in {time.perf_counter() - started:.0f} s ({timing}); "
-              f"settings: {inputs.settings}.")
+              f"{peak.describe(weight_bytes(model))}; settings: {settings}; corpus: {sec.describe(corpus)}; "
+              f"calibration: {sec.describe(calibration) if calibration is not None else 'from the corpus'}.")
+    sections[0].text(peak.describe(weight_bytes(model)).capitalize() + ".")
+    if tables:
+        write_tables(sections, folder / "tables")
     (folder / "report.md").write_text(to_markdown(title, INTRO, sections, footer, "figures"), encoding="utf-8")
     page = folder / "index.html"
     page.write_text(to_html(title, INTRO, sections, footer), encoding="utf-8")
     return page
+
+
+def settings_for(quick: bool, **options: Any) -> sec.Settings:
+    """The report's :class:`Settings`: the quick or full defaults, with every option that is
+    not None in its place.
+
+    >>> settings_for(True, seq_len=64).seq_len, settings_for(False).seq_len
+    (64, 128)
+    """
+    unknown = set(options) - {f.name for f in fields(sec.Settings)}
+    if unknown:
+        raise MassiveLensError(f"unknown report options {sorted(unknown)}")
+    return replace(sec.QUICK if quick else sec.FULL, **{k: v for k, v in options.items() if v is not None})
+
+
+def check_inputs(text: Any, corpus: Corpus, calibration: Corpus) -> str:
+    """The text to inspect (the default for None), after checking that it is a non-empty string
+    and that a corpus or calibration file exists (read lazily, it would fail sections later)."""
+    text = DEFAULT_TEXT if text is None else text
+    if not isinstance(text, str) or not text.strip():
+        raise MassiveLensError("text must be a non-empty string")
+    for source in (corpus, calibration):
+        if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
+            next(iter(iter_texts(source)), None)  # a missing, folder or binary file raises here
+    return text

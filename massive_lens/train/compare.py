@@ -20,6 +20,7 @@ summary says so in words.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from typing import Any
 import pandas as pd
 
 from massive_lens.core.criterion import Criterion
+from massive_lens.core.outputs import check_out_dir
 from massive_lens.core.render import curve_axes, save_figure
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
@@ -140,7 +142,8 @@ def compare_variants(
 
     Raises:
         MassiveLensError: if ``variants`` is empty or names an unknown variant, ``seeds`` is
-            empty, the preset is unknown, an override is invalid, or the data is too short.
+            empty or not whole numbers, ``out_dir`` cannot be written, the preset is unknown,
+            an override is invalid, or the data is too short.
 
     >>> result = compare_variants(["softmax", "kv_bias"], "smoke", progress=False, steps=2,
     ...                           data="One. Two, three.\\n" * 100, measure_seqs=1,
@@ -153,6 +156,9 @@ def compare_variants(
         raise MassiveLensError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if not list(seeds):
         raise MassiveLensError("seeds is empty; pass at least one seed, e.g. seeds=[0]")
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in seeds):
+        raise MassiveLensError(f"seeds must be whole numbers, got {list(seeds)}")
+    check_out_dir(out_dir)  # before training: an unwritable folder fails now
     base = get_preset(preset, **overrides)
     tokenizer = get_tokenizer(base.tokenizer)
     stream = token_stream(base.data, tokenizer, base.max_chars)
@@ -210,11 +216,15 @@ def compare_main(
         The comparison's summary text (:meth:`Comparison.summary`).
 
     Raises:
-        MassiveLensError: as :func:`compare_variants`.
-        ValueError: if a seed in a string is not an integer.
+        MassiveLensError: as :func:`compare_variants`, and if a seed in a string is not a
+            whole number or ``out_dir`` cannot be written (checked before training).
     """
     names = variants.split(",") if isinstance(variants, str) else list(variants)
-    seed_list = [int(s) for s in seeds.split(",")] if isinstance(seeds, str) else list(seeds)
+    try:
+        seed_list = [int(s) for s in seeds.split(",")] if isinstance(seeds, str) else list(seeds)
+    except ValueError as exc:
+        raise MassiveLensError(f"seeds must be comma-separated whole numbers, e.g. '0,1,2'; got {seeds!r}") from exc
+    check_out_dir(out_dir)
     result = compare_variants([n.strip() for n in names], preset, seed_list, out_dir=out_dir,
                               until_step=until_step, progress=progress)
     out = Path(out_dir)

@@ -1,0 +1,109 @@
+"""How much memory the report took, stated in the report itself.
+
+The number that matters to a user is the process's peak resident memory while the report
+ran (model included), next to the size of the model's weights: a report that peaks at 1.2x
+its model's weights fits wherever the model fits. On Linux the kernel's high-water mark is
+reset at the start (``/proc/self/clear_refs``) and read at the end, so the peak is the
+report's own, not the model loading's before it; elsewhere the process's lifetime peak
+(``resource.getrusage``) is given, and said to be that. On a GPU the peak of allocated
+CUDA memory is added.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters and buffers (each tensor once, tied weights too).
+
+    >>> weight_bytes(torch.nn.Linear(4, 2))  # 4 * 2 weights and 2 biases in float32
+    40
+    """
+    seen, total = set(), 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type == "meta" or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand the allocator's freed pages back to the system (glibc's
+    ``malloc_trim``), so that memory one section freed is not still counted, unused, while
+    the next one runs; a no-op where there is no glibc.
+
+    >>> release_free_memory()
+    """
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl without it, Windows)
+        pass
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+class PeakMemory:
+    """Measure the peak resident memory of a block: ``with PeakMemory() as peak: ...``, then
+    ``peak.describe(weights)``.
+
+    >>> with PeakMemory() as peak:
+    ...     _ = torch.ones(1000)
+    >>> peak.peak_bytes > 0
+    True
+    """
+
+    def __enter__(self) -> PeakMemory:
+        self.own_peak = False
+        try:  # reset the kernel's high-water mark of this process to its current size
+            Path("/proc/self/clear_refs").write_text("5")
+            self.own_peak = _status_kib("VmHWM") is not None
+        except OSError:
+            pass
+        self.start_bytes = (_status_kib("VmRSS") or 0) * 1024
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.own_peak:
+            self.peak_bytes = (_status_kib("VmHWM") or 0) * 1024
+        else:
+            import resource  # Unix only; ru_maxrss is KiB on Linux, bytes on macOS
+
+            scale = 1 if __import__("sys").platform == "darwin" else 1024
+            self.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        self.cuda_peak_bytes = torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def describe(self, weights: int) -> str:
+        """The peak in words, against the weights' size."""
+        when = "while the report ran" if self.own_peak else "since the process started (its lifetime peak)"
+        text = (f"peak memory {_gb(self.peak_bytes)} resident {when}, model included "
+                f"({_gb(self.start_bytes)} at the start); the model's weights: {_gb(weights)}, "
+                f"so the peak is {self.peak_bytes / max(weights, 1):.2f}x the weights")
+        if self.cuda_peak_bytes:
+            text += f"; peak CUDA memory allocated: {_gb(self.cuda_peak_bytes)}"
+        return text
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
