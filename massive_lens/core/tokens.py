@@ -1,0 +1,141 @@
+"""Tokens: the right-padded :class:`Batch`, token ids checked against a vocabulary, and the
+kind of every position (``bos``, ``first``, ``delimiter``, ``other``).
+
+Massive activations live at a few kinds of position: the first token of a sequence (BOS
+where the tokenizer has one), and delimiters such as ``.``, ``,`` or a newline. Every
+analysis labels positions with one of :data:`TOKEN_KINDS`, computed here once per tokenizer.
+
+>>> from massive_lens.models import byte_tokenizer
+>>> tok = byte_tokenizer()
+>>> ids = torch.tensor([[tok.bos_token_id, *text_ids(tok, "Hi. Yo")]])
+>>> batch = Batch(ids, torch.ones_like(ids, dtype=torch.bool), has_bos=True)
+>>> [TOKEN_KINDS[k] for k in token_kinds(batch, tok)[0].tolist()]
+['bos', 'first', 'other', 'delimiter', 'other', 'other', 'other']
+"""
+
+from __future__ import annotations
+
+import string
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from massive_lens.errors import MassiveLensError
+
+TOKEN_KINDS = ("bos", "first", "delimiter", "other")
+_DELIMITER_CHARS = set(string.punctuation) | {"\n", "\r"}
+_DELIMITER_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> table
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded tokens with a mask of real (non-pad) positions."""
+
+    tokens: Int[Tensor, "batch pos"]
+    mask: Bool[Tensor, "batch pos"]
+    has_bos: bool
+
+    @property
+    def lengths(self) -> Int[Tensor, " batch"]:
+        return self.mask.sum(-1)
+
+
+def delimiter_table(tokenizer: Any) -> Bool[Tensor, " d_vocab"]:
+    """Which vocabulary ids are delimiters; decoded once per tokenizer (~1 s for 49k ids)."""
+    table = _DELIMITER_TABLES.get(tokenizer)
+    if table is None or len(table) != len(tokenizer):
+        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        special = set(tokenizer.all_special_ids)
+        flags = [i not in special and _is_delimiter(piece) for i, piece in enumerate(pieces)]
+        table = _DELIMITER_TABLES[tokenizer] = torch.tensor(flags, dtype=torch.bool)
+    return table
+
+
+def token_kinds(batch: Batch, tokenizer: Any) -> Int[Tensor, "batch pos"]:
+    """Index into ``TOKEN_KINDS`` for every position of ``batch`` (pads get ``other``)."""
+    table = delimiter_table(tokenizer)
+    ids = batch.tokens.clamp(0, len(table) - 1)
+    kinds = torch.full_like(batch.tokens, TOKEN_KINDS.index("other"))
+    kinds[table[ids] & batch.mask] = TOKEN_KINDS.index("delimiter")
+    first = 1 if batch.has_bos else 0
+    if batch.has_bos:
+        kinds[:, 0] = TOKEN_KINDS.index("bos")
+    if batch.tokens.shape[1] > first:
+        kinds[:, first] = torch.where(batch.mask[:, first], TOKEN_KINDS.index("first"), kinds[:, first])
+    return kinds
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids of ``text`` (no special tokens added). Text that is not valid Unicode (a lone
+    surrogate, left by a bad decode) is a ``MassiveLensError``, not a tokenizer traceback.
+
+    >>> by_char = lambda text, add_special_tokens: {"input_ids": [ord(c) for c in text]}
+    >>> text_ids(by_char, "Hi")
+    [72, 105]
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MassiveLensError(
+            f"the text holds {text[exc.start]!r} at character {exc.start}, a lone surrogate that is not valid "
+            "Unicode; fix how it was decoded (e.g. bytes.decode('utf-8', errors='replace'))"
+        ) from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_token_ids(
+    tokens: Any, vocab: int | None, model_name: str = "the model", extra: Sequence[int] = ()
+) -> Int[Tensor, "..."]:
+    """The one check of token ids given by a caller: an integer tensor, not empty, every id
+    in ``[0, vocab)`` (or one of ``extra``). Returns it as ``torch.long``; anything else is a
+    :class:`MassiveLensError` saying what was wrong. Float ids are refused, never rounded.
+
+    >>> check_token_ids(torch.tensor([[1, 2, 3]], dtype=torch.int32), 10).dtype
+    torch.int64
+    >>> check_token_ids(torch.tensor([[1.0, 72.7]]), 100)
+    Traceback (most recent call last):
+    ...
+    massive_lens.errors.MassiveLensError: token ids must be integers, got a torch.float32 tensor ...
+    """
+    if not isinstance(tokens, Tensor):
+        raise MassiveLensError(f"token ids must be a torch tensor of integers, got {type(tokens).__name__}")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        finite = tokens.is_complex() or tokens.dtype == torch.bool or bool(torch.isfinite(tokens).all())
+        detail = "" if finite else " holding NaN or inf"
+        if finite and tokens.is_floating_point() and not bool((tokens == tokens.round()).all()):
+            detail = " holding fractional ids"
+        raise MassiveLensError(
+            f"token ids must be integers, got a {tokens.dtype} tensor{detail}; ids are never rounded. "
+            "Tokenize text with the model's tokenizer (or pass a string), or convert whole-number ids "
+            "with tokens.long()"
+        )
+    if tokens.numel() == 0:
+        raise MassiveLensError(f"got an empty token tensor of shape {tuple(tokens.shape)}; pass at least one token")
+    tokens = tokens.long()
+    low, high = int(tokens.min()), int(tokens.max())
+    bad = tokens < 0
+    if vocab is not None:
+        bad = bad | (tokens >= vocab)
+    for allowed in extra:
+        bad = bad & (tokens != allowed)
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        span = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise MassiveLensError(
+            f"token ids must lie in {span} for {model_name}; got ids from {low} to {high} "
+            f"(the first bad one, {int(tokens[tuple(first)])}, at index {tuple(first)}). "
+            "Tokenize text with this model's tokenizer"
+        )
+    return tokens
+
+
+def _is_delimiter(piece: str) -> bool:
+    stripped = piece.strip(" \t")
+    if not stripped:
+        return False
+    return all(c in _DELIMITER_CHARS or c.isspace() for c in stripped)
