@@ -128,6 +128,11 @@ def block_plan(view: ModelView, layer: int) -> BlockPlan:
         hooks["resid_mid"] = prefix + "hook_resid_mid"
     if mlp_post:
         hooks["mlp_raw"] = prefix + "ln2_post.hook_in"
+    if attn_post:
+        hooks["attn_raw"] = prefix + "ln1_post.hook_in"
+    for key in ("z", "pattern"):  # per-head attribution (origin.heads), where the hooks exist
+        if _has(view, prefix + f"attn.hook_{key}"):
+            hooks[key] = prefix + f"attn.hook_{key}"
     norm = "ln2" if _has(view, prefix + "ln2.hook_in") else ("ln1" if parallel and _has(view, prefix + "ln1.hook_in")
                                                               else None)
     if norm is not None:
@@ -168,7 +173,7 @@ def d_mlp(view: ModelView) -> int:
     return max(widths, default=4 * view.d_model)
 
 
-_NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw")
+_NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw", "attn_raw", "z", "pattern")
 
 
 def capture(
@@ -184,6 +189,12 @@ def capture(
         def hook(act: Tensor, hook: Any) -> None:
             if act.ndim == 2 and act.shape[0] == n_batch * seq:  # positions flattened (OPT's MLP)
                 act = act.reshape(n_batch, seq, -1)
+            if key == "pattern" and act.ndim == 4 and act.shape[0] == n_batch and act.shape[2:] == (seq, seq):
+                act = pattern_summary(act[:1, :, idx])  # [1, pos, head, 2]: kept small, never [q, k]
+                store[key, layer] = act[0].detach().float().cpu()
+                return
+            if key == "z" and act.ndim == 4:  # [batch, pos, head, d_head] -> [batch, pos, head * d_head]
+                act = act.flatten(2)
             wide = key != "pos_embed" or act.shape[-1] == view.d_model
             if act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide:
                 store[key, layer] = act[0, idx].detach().float().cpu()
@@ -228,6 +239,13 @@ def capture(
     gated = any(p.gated for p in plans)
     return Capture(positions.cpu(), embed, pos_embed, resid0, layers, is_post_norm(view), gated, reducer,
                    plans, neuron_data, notes)
+
+
+def pattern_summary(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query head 2"]:
+    """Per query and head: the attention on the first token and the largest attention on any
+    one key (what the per-head attribution says about a head; the full pattern is not kept)."""
+    p = pattern.float()
+    return torch.stack([p[..., 0], p.amax(-1)], -1).transpose(1, 2)
 
 
 def _rel(a: Tensor, b: Tensor) -> float:

@@ -24,12 +24,37 @@ def _who(neurons: pd.DataFrame, e: Any) -> str:
     shown = rows.head(3)
     more = f" +{len(rows) - 3} more" if len(rows) > 3 else ""
     label = "neuron" if len(shown) == 1 else "neurons"
-    return f" ({label} {', '.join(map(str, shown.neuron))}{more}: {_pct(shown.share.sum())})"
+    rest = 1.0 - float(rows.share.sum())  # what the MLP's other neurons add, together
+    others = f"; all other neurons {_pct(rest)}" if abs(rest) >= 0.05 else ""
+    return f" ({label} {', '.join(map(str, shown.neuron))}{more}: {_pct(shown.share.sum())}{others})"
 
 
-def _event(e: Any, neurons: pd.DataFrame, seen_birth: bool) -> str:
+def _heads(heads: pd.DataFrame, layer: int, total: float) -> str:
+    """`` (heads 3, 7: 91%; 3 attends 95% to the first token)``: the heads that write most of an
+    attention term (same sign, largest first, until 80% of it), and where the first one looks."""
+    rows = heads[(heads.layer == layer) & (heads["head"] >= 0)]
+    if rows.empty or not total:
+        return ""
+    rows = rows[rows.contribution * total > 0].sort_values("contribution", key=abs, ascending=False)
+    shown = rows[(rows.contribution.cumsum() / total).shift(fill_value=0) < 0.8].head(3)
+    if shown.empty:
+        return ""
+    label = "head" if len(shown) == 1 else "heads"
+    top = shown.iloc[0]
+    looks = ""
+    if not math.isnan(top.first_token_attention):
+        looks = (f"; {int(top['head'])} attends {_pct(top.first_token_attention)} to the first token"
+                 if top.first_token_attention >= 0.5 else
+                 f"; {int(top['head'])} puts at most {_pct(top.max_attention)} on one token")
+    names = ", ".join(str(int(h)) for h in shown["head"])
+    return f" ({label} {names}: {_pct(shown.contribution.sum() / total)}{looks})"
+
+
+def _event(e: Any, neurons: pd.DataFrame, seen_birth: bool, heads: pd.DataFrame) -> str:
     where = ("MLP " if e.component == "mlp" else f"{e.component} ") + str(e.layer)
-    who = _who(neurons, e) if e.component == "mlp" else ""
+    who = _who(neurons, e) if e.component == "mlp" else _heads(heads, e.layer, e.contribution)
+    if e.before and e.after and (e.before > 0) != (e.after > 0) and abs(e.before) >= 0.05 * abs(e.after):
+        return f"flipped from {fmt(e.before)} to {fmt(e.after)} by {where}{who}"
     if e.kind == "erasure":
         ratio = e.after / e.before if e.before else math.nan
         return f"cut to {_pct(ratio)} by {where}{who}"
@@ -37,12 +62,41 @@ def _event(e: Any, neurons: pd.DataFrame, seen_birth: bool) -> str:
     return f"{verb} {where}{who} to {fmt(e.after)}"
 
 
+def birth_key(trace: Any, t: Any) -> tuple:
+    """What an entry's story starts with: its position, and the components (and named neurons)
+    of its births. Entries with the same key were born together."""
+    births = _of(trace.births, t)
+    neurons = _of(trace.neurons, t)
+    key = []
+    for e in births.itertuples():
+        named = neurons[(neurons.layer == e.layer) & neurons.named & (neurons.kind == e.kind)]
+        key.append((e.component, int(e.layer), tuple(named.neuron.head(3))))
+    return (int(t.pos), tuple(key))
+
+
+def together(trace: Any, group: list[Any]) -> str:
+    """One line for entries born together: ``dims 408, 520, 940 and 10 more at '<s>' (pos 0): born
+    together in MLPs 1-2 by neurons 4492, 8300; peaks 2,510 to 310``."""
+    t = group[0]
+    dims = ", ".join(str(int(g.dim)) for g in group[:3]) + (f" and {len(group) - 3} more" if len(group) > 3 else "")
+    where = birth_key(trace, t)[1]
+    layers = sorted({layer for _, layer, _ in where})
+    kinds = sorted({c for c, _, _ in where})
+    place = " and ".join("MLP" if k == "mlp" else k for k in kinds)
+    span = f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+    neurons = list(dict.fromkeys(n for _, _, ns in where for n in ns))
+    by = f" by neurons {', '.join(map(str, neurons[:6]))}" if neurons else ""
+    peaks = sorted((float(g.peak) for g in group), key=abs)
+    return (f"dims {dims} at {t.token!r} (pos {t.pos}): born together in {place} {span}{by}; peaks "
+            f"{fmt(peaks[-1])} to {fmt(peaks[0])} (see .targets, .attribution)")
+
+
 def story(trace: Any, t: Any) -> str:
     events = _of(trace.events, t)
     neurons = _of(trace.neurons, t)
     parts, seen = [], False
     for e in events.head(_MAX_EVENTS).itertuples():
-        parts.append(_event(e, neurons[neurons.kind == e.kind], seen))
+        parts.append(_event(e, neurons[neurons.kind == e.kind], seen, _of(trace.heads, t)))
         seen |= e.kind != "erasure"
     if len(events) > _MAX_EVENTS:
         parts.append(f"... {len(events) - _MAX_EVENTS} more events (see .events)")
@@ -102,9 +156,17 @@ def _verification(rows: pd.DataFrame) -> list[str]:
             continue
         r = chosen.loc[kind]
         ppl = "" if math.isnan(r.ppl) else f"; perplexity {r.ppl:.3g} -> {r.ppl_ablated:.3g}"
-        lines.append(f"  zeroing {what} ({r.neurons}) leaves {_pct(r.remaining)} at layer {r.layer} "
-                     f"and {_pct(r.remaining_last)} at layer {r.last_layer}{ppl}")
+        lines.append(f"  zeroing {what} ({r.neurons}) leaves {_left(r.value, r.ablated, r.value)} at layer "
+                     f"{r.layer} and {_left(r.value_last, r.ablated_last, r.value)} at layer {r.last_layer}{ppl}")
     return lines
+
+
+def _left(value: float, ablated: float, scale: float) -> str:
+    """What an ablation leaves of ``value``: a share when that reads true, else both values (a
+    value that is small next to ``scale`` or changes sign makes a share such as 754% meaningless)."""
+    if value and (value > 0) == (ablated > 0) and abs(value) >= 0.1 * abs(scale):
+        return _pct(ablated / value)
+    return f"{fmt(ablated)} (was {fmt(value)})"
 
 
 def _why(rows: pd.DataFrame, births: pd.DataFrame) -> list[str]:

@@ -49,8 +49,9 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
 from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_rows
 from massive_lens.origin.capture import Capture, capture, d_mlp
+from massive_lens.origin.heads import HEAD_COLUMNS, head_rows
 from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
-from massive_lens.origin.story import story
+from massive_lens.origin.story import birth_key, story, together
 from massive_lens.origin.verify import VERIFY_COLUMNS, verify_targets
 
 _MAX_STORIES = 4  # entries told in summary(), largest peak first
@@ -69,6 +70,9 @@ class OriginTrace(Result):
     - ``attribution``: the runs of writes that account for each entry's ``peak`` and for its
       ``change`` from the peak to the final value (``label`` such as ``MLPs 6-11``,
       ``contribution``, ``share`` of that target; a ``the rest`` row counts what is left);
+    - ``heads``: the ledger's attention rows split by head (``head``, -1 for ``b_O``;
+      ``contribution`` and ``share`` of that layer's attention term, which they sum to; the
+      head's ``first_token_attention`` and ``max_attention`` from ``pos``);
     - ``neurons``: top neurons of each MLP event (``contribution``, ``share`` of the MLP's term,
       ``post`` activation, ``pre`` (gate) pre-activation, ``up`` value, ``w_out``);
     - ``super_weights``: the ``W_out[neuron, dim]`` of each birth's named neurons with ``zscore``
@@ -81,6 +85,7 @@ class OriginTrace(Result):
     ledger: pd.DataFrame
     events: pd.DataFrame
     attribution: pd.DataFrame
+    heads: pd.DataFrame
     neurons: pd.DataFrame
     super_weights: pd.DataFrame
     why: pd.DataFrame
@@ -105,9 +110,18 @@ class OriginTrace(Result):
         head = (f"{self.model_name}: {len(self.targets)} traced entr{'y' if len(self.targets) == 1 else 'ies'} "
                 f"in {self.n_tokens} tokens; the ledger reconstructs the residual to "
                 f"{self.reconstruction_error:.1e} (relative)")
-        stories = [story(self, t) for t in self.targets.head(_MAX_STORIES).itertuples()]
-        if len(self.targets) > _MAX_STORIES:
-            stories.append(f"... and {len(self.targets) - _MAX_STORIES} smaller entries (see .targets, .events)")
+        groups: dict[tuple, list[Any]] = {}  # entries born together are told once
+        for t in self.targets.itertuples():
+            key = birth_key(self, t)
+            groups.setdefault(key if key[1] else (t.pos, t.dim), []).append(t)
+        stories = []
+        for g in list(groups.values())[:_MAX_STORIES]:
+            stories.append(story(self, g[0]))
+            if len(g) > 1:
+                stories.append("  " + together(self, g[1:]) if len(g) > 2 else story(self, g[1]))
+        if len(groups) > _MAX_STORIES:
+            rest = sum(len(g) for g in list(groups.values())[_MAX_STORIES:])
+            stories.append(f"... and {rest} smaller entries (see .targets, .events)")
         return "\n".join([head, *stories, *self.notes])
 
     def plot(self, ax: Any = None, target: int = 0) -> Any:
@@ -203,11 +217,13 @@ def trace_origin(
         supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names)
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
     verification = verify_targets(view, batch, cap, targets, births, neurons, corpus) if verify else []
-    notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes))
+    heads, head_notes = head_rows(view, cap, targets)
+    notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes), *head_notes)
     attribution = pd.DataFrame(
         [r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
         columns=ATTRIBUTION_COLUMNS)
-    return OriginTrace(pd.DataFrame(targets), ledger, found_events, attribution, neurons,
+    return OriginTrace(pd.DataFrame(targets), ledger, found_events, attribution,
+                       pd.DataFrame(heads, columns=HEAD_COLUMNS), neurons,
                        pd.DataFrame(supers, columns=neu.SUPER_COLUMNS), pd.DataFrame(why, columns=neu.WHY_COLUMNS),
                        pd.DataFrame(verification, columns=VERIFY_COLUMNS), error, notes, view.name, seq)
 
@@ -220,7 +236,7 @@ def _check_index(view: ModelView, dim: int | None, pos: int | None, seq: int) ->
         raise MassiveLensError(f"dim={dim!r} is out of range: {view.name} has d_model={view.d_model}")
     if pos is not None:
         if not (isinstance(pos, int) and -seq <= pos < seq):
-            raise MassiveLensError(f"pos={pos!r} is out of range: the text has {seq} tokens (BOS included)")
+            raise MassiveLensError(f"pos={pos!r} is out of range: the text has {seq} tokens")
         pos %= seq
     return dim, pos
 

@@ -1,0 +1,105 @@
+"""Attention mass on the sinks per layer and head, and Gu et al.'s sink metric."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
+from massive_lens.core.criterion import SINK_THRESHOLD, first_token_mass, sink_metric
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import sink_mass_axes
+from massive_lens.core.results import Result
+from massive_lens.errors import MassiveLensError
+
+
+@dataclass(frozen=True)
+class SinkAttention(Result):
+    """Per layer and head: ``sink_mass`` (mean attention of non-sink queries to the sinks)
+    and ``first_token_mass`` (mean attention of the first 64 queries to the first token, Gu et al.).
+    ``to_frame()`` columns: ``layer``, ``head``, ``sink_mass``, ``first_token_mass``."""
+
+    frame: pd.DataFrame
+    threshold: float
+    sink_source: str
+    model_name: str
+    n_texts: int
+    sinks: SinkSet | None = None  # the positions treated as sinks
+
+    @property
+    def sink_metric(self) -> float:
+        """Share of heads whose mean attention to the first token exceeds ``threshold``."""
+        return sink_metric(torch.tensor(self.frame["first_token_mass"].to_numpy()), self.threshold)
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def summary(self) -> str:
+        per_layer = self.frame.groupby("layer")["sink_mass"].mean()
+        top = per_layer.sort_values(ascending=False).head(3)
+        treated = f" ({self.sinks.describe()})" if self.sinks is not None else ""
+        return (f"{self.model_name}, {self.n_texts} text(s), sinks = {self.sink_source}{treated}: sink metric "
+                f"{self.sink_metric:.0%} of heads put > {self.threshold:g} of their attention on the "
+                f"first token; mean sink mass over all heads {self.frame['sink_mass'].mean():.2f}; "
+                "highest layers " + ", ".join(f"{int(k)} ({v:.2f})" for k, v in top.items()))
+
+    def plot(self, ax: Any = None) -> Any:
+        """Sink mass per layer: mean over heads, with the min-max range of heads."""
+        return sink_mass_axes(self.frame, threshold=self.threshold, ax=ax,
+                              title=f"{self.model_name}: attention to sinks")
+
+
+def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = None,
+                   threshold: float = SINK_THRESHOLD) -> SinkAttention:
+    """Attention mass on the sink positions per layer and head, and the sink metric.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: a string, a list of strings (padded into one batch) or a token tensor.
+        sinks: sink positions (a list of ints, the same for every sequence, or a bool
+            ``[batch, pos]`` mask); None: the positions that act as sinks (:func:`find_sinks`:
+            they draw attention from many heads or carry a persistent massive activation),
+            else the first token.
+        threshold: the sink metric's attention share, in (0, 1) (default 0.3, Gu et al.).
+
+    Returns:
+        A :class:`SinkAttention` (one row per layer and head) with its ``sink_metric`` and
+        the positions it treated as sinks (``.sinks``).
+
+    Raises:
+        MassiveLensError: if ``threshold`` is not in (0, 1), ``sinks`` is an empty list, a
+            position outside the text or a mask of the wrong dtype or shape, ``text`` is
+            empty or too long, or ``model`` is not a TransformerLens model.
+
+    >>> from massive_lens import tiny_model
+    >>> result = sink_attention(tiny_model("gpt2"), "Hello world.", sinks=[0])
+    >>> list(result.to_frame().columns), 0 <= result.sink_metric <= 1
+    (['layer', 'head', 'sink_mass', 'first_token_mass'], True)
+    """
+    if not 0 < threshold < 1:
+        raise MassiveLensError(f"threshold is an attention share in (0, 1), got {threshold}")
+    view = ModelView(model)
+    batch = view.tokenize(text)
+    found = sink_mask(model, batch, sinks)
+    mask, source = found.mask, found.source
+    valid = batch.mask.float()
+    queries = valid * (~mask).float()
+    rows: list[Tensor] = []
+
+    def reduce(pattern: Tensor, hook: Any, layer: int) -> None:
+        p = pattern.float().cpu()
+        sink = torch.einsum("bhqk,bk,bq->h", p, mask.float(), queries) / queries.sum().clamp(min=1)
+        first = first_token_mass(p, batch.mask)
+        rows.append(torch.stack([torch.full_like(sink, layer), torch.arange(len(sink)).float(), sink, first], 1))
+
+    names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]
+    view.forward(batch, [(n, partial(reduce, layer=i)) for i, n in enumerate(names)], stop_after=names[-1])
+    frame = pd.DataFrame(torch.cat(rows).numpy(), columns=["layer", "head", "sink_mass", "first_token_mass"])
+    frame[["layer", "head"]] = frame[["layer", "head"]].astype(int)
+    return SinkAttention(frame, threshold, source, view.name, len(batch.tokens), found)

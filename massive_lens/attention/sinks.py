@@ -1,0 +1,199 @@
+"""Which positions act as attention sinks, and the sink term of an attention output.
+
+A position is a sink when a large share of heads put most of their attention on it, or when
+it carries a massive activation that persists across layers (the rule of
+:class:`~massive_lens.core.criterion.SinkRule`); a dim that crosses the massive criterion at
+one early layer does not make its positions sinks. A sequence with none falls back to its
+first token. :class:`SinkSet` records which positions an analysis treated as sinks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule
+from massive_lens.core.model_view import TOKEN_KINDS, Batch, ModelView
+from massive_lens.errors import MassiveLensError
+
+Sinks = Sequence[int] | Tensor | None
+
+
+def sink_term(pattern: Float[Tensor, "batch head_index query_pos key_pos"],
+              v: Float[Tensor, "batch key_pos kv_head d_head"],
+              keys: Bool[Tensor, "batch key_pos"]) -> Float[Tensor, "batch query_pos head_index d_head"]:
+    """``sum_{i in keys} p_qi v_i`` per query head; a kv head serves ``n_heads // n_kv`` heads.
+
+    >>> p = torch.full((1, 2, 3, 3), 1 / 3)
+    >>> sink_term(p, torch.ones(1, 3, 1, 4), torch.tensor([[True, False, False]]))[0, 0, 0]
+    tensor([0.3333, 0.3333, 0.3333, 0.3333])
+    """
+    group = pattern.shape[1] // v.shape[2]
+    return torch.einsum("bhqk,bkhd->bqhd", pattern * keys[:, None, None, :].to(pattern.dtype),
+                        v.repeat_interleave(group, dim=2))
+
+
+FOUND = "positions with massive activations that persist across layers, or that draw attention as sinks"
+
+
+@dataclass(frozen=True)
+class SinkSet:
+    """The positions an analysis or intervention treated as sinks, and why.
+
+    ``mask [batch pos]``; ``kinds [batch pos]`` indexes ``TOKEN_KINDS`` (``bos``, ``first``,
+    ``delimiter``, ``other``); ``by_attention``/``by_massive``: which sinks the rule found by
+    the attention they draw and by a persistent massive activation (None when the sinks were
+    given); ``source``: how they were chosen.
+
+    >>> s = SinkSet(torch.tensor([[True, False], [True, True]]), torch.tensor([[0, 3], [0, 2]]), "given")
+    >>> s.describe()
+    '1-2 per sequence (mean 1.5): bos 2, delimiter 1'
+    """
+
+    mask: Bool[Tensor, "batch pos"]
+    kinds: Int[Tensor, "batch pos"]
+    source: str
+    by_attention: Bool[Tensor, "batch pos"] | None = None
+    by_massive: Bool[Tensor, "batch pos"] | None = None
+
+    @property
+    def per_seq(self) -> Int[Tensor, " batch"]:
+        """Number of sink positions in each sequence."""
+        return self.mask.sum(-1)
+
+    @property
+    def kind_counts(self) -> dict[str, int]:
+        """Sink positions of each token kind (kinds with none left out)."""
+        counts = torch.bincount(self.kinds[self.mask].flatten(), minlength=len(TOKEN_KINDS)).tolist()
+        return {kind: n for kind, n in zip(TOKEN_KINDS, counts, strict=True) if n}
+
+    @property
+    def kinds_text(self) -> str:
+        """``"bos 8, delimiter 2"``: the token kinds of the sinks, with counts."""
+        return ", ".join(f"{k} {n}" for k, n in self.kind_counts.items()) or "none"
+
+    def describe(self) -> str:
+        """One line: how many sinks per sequence, and their token kinds."""
+        n = self.per_seq.float()
+        if not len(n):
+            return "no sequences"
+        low, high = int(n.min()), int(n.max())
+        count = f"{low} per sequence" if low == high else f"{low}-{high} per sequence (mean {float(n.mean()):.3g})"
+        return f"{count}: {self.kinds_text}"
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per sink: ``seq``, ``pos``, ``token_kind``, ``by_attention``, ``by_massive``."""
+        seq, pos = self.mask.nonzero(as_tuple=True)
+        frame = pd.DataFrame({"seq": seq.tolist(), "pos": pos.tolist(),
+                              "token_kind": [TOKEN_KINDS[int(k)] for k in self.kinds[seq, pos]]})
+        for name in ("by_attention", "by_massive"):
+            flags = getattr(self, name)
+            frame[name] = flags[seq, pos].tolist() if flags is not None else None
+        return frame
+
+
+def token_kinds(view: ModelView, batch: Batch) -> Int[Tensor, "batch pos"]:
+    """``ModelView.token_kinds``, or (a model without a tokenizer) only bos/first and other."""
+    try:
+        return view.token_kinds(batch)
+    except MassiveLensError:
+        kinds = torch.full_like(batch.tokens, TOKEN_KINDS.index("other"))
+        kinds[:, 0] = TOKEN_KINDS.index("bos" if batch.has_bos else "first")
+        return kinds
+
+
+def sink_hooks(view: ModelView, evidence: SinkEvidence) -> list[tuple[str, Any]]:
+    """Hooks that feed ``evidence`` every layer's residual stream and attention pattern (layers
+    without an attention pattern, as in recurrent or hybrid models, give only the former)."""
+    hooks = []
+    for layer in range(view.n_layers):
+        if f"blocks.{layer}.attn.hook_pattern" in view.hook_names:
+            hooks.append((view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, evidence=evidence)))
+        hooks.append((view.hook_name(layer, "resid_post"), partial(_add_resid, evidence=evidence, layer=layer)))
+    return hooks
+
+
+def _add_pattern(pattern: Tensor, hook: Any, *, evidence: SinkEvidence) -> None:
+    evidence.add_pattern(pattern)
+
+
+def _add_resid(resid: Tensor, hook: Any, *, evidence: SinkEvidence, layer: int) -> None:
+    evidence.add_resid(layer, resid)
+
+
+def sinks_from(evidence: SinkEvidence, kinds: Int[Tensor, "batch pos"]) -> SinkSet:
+    """The :class:`SinkSet` the rule gives, each sequence without one falling back to its first token."""
+    mask = evidence.mask()
+    none = ~mask.any(-1)
+    source = FOUND
+    if bool(none.any()):
+        mask = mask.clone()
+        mask[none, 0] = True
+        source += f"; the first token in {int(none.sum())} sequence(s) with none"
+    return SinkSet(mask, kinds, source, evidence.by_attention, evidence.by_massive)
+
+
+def find_sinks(model: Any, text: str | Sequence[str] | Tensor, *, rule: SinkRule | None = None,
+               criterion: Criterion | None = None) -> SinkSet:
+    """The positions of ``text`` that act as attention sinks (one forward pass).
+
+    A position is a sink when a large share of heads put most of their attention on it, or
+    when it carries a massive activation that persists across layers (see
+    :class:`~massive_lens.core.criterion.SinkRule`); a sequence with none falls back to its
+    first token.
+
+    Args:
+        model: a TransformerLens-style model.
+        text: a string, a list of strings (padded into one batch) or a token tensor.
+        rule: the sink rule (None: ``SinkRule()``).
+        criterion: when an activation is massive (None: ``Criterion()``).
+
+    Returns:
+        A :class:`SinkSet`.
+
+    >>> from massive_lens import tiny_model
+    >>> find_sinks(tiny_model("llama"), "Hello there, world.").describe()
+    '1 per sequence: bos 1'
+    """
+    view = ModelView(model)
+    batch = view.tokenize(text)
+    return sinks_of(view, batch, rule, criterion)
+
+
+def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criterion: Criterion | None = None
+             ) -> SinkSet:
+    """The sinks of an already tokenized ``batch`` (what :func:`find_sinks` does after tokenizing)."""
+    evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
+    hooks = sink_hooks(view, evidence)
+    view.forward(batch, hooks, stop_after=hooks[-1][0])
+    return sinks_from(evidence, token_kinds(view, batch))
+
+
+def post_attention_norm(model: Any) -> bool:
+    """Whether the model normalizes each attention output before adding it (Gemma 2/3)."""
+    return any(name.startswith("blocks.0.ln1_post.") for name in model.hook_dict)
+
+
+def sink_mask(model: Any, batch: Batch, sinks: Sinks) -> SinkSet:
+    view = ModelView(model)
+    n, pos = batch.tokens.shape
+    mask = torch.zeros(n, pos, dtype=torch.bool)
+    if isinstance(sinks, Tensor):
+        if sinks.dtype != torch.bool or tuple(sinks.shape) != (n, pos):
+            raise MassiveLensError(f"a sinks tensor must be bool [batch, pos] = {[n, pos]}, got "
+                                   f"{sinks.dtype} {list(sinks.shape)}; or pass a list of positions")
+        return SinkSet(sinks.cpu() & batch.mask, token_kinds(view, batch), "given mask")
+    if sinks is None:
+        return sinks_of(view, batch)
+    positions = list(sinks)
+    if not positions or any(not 0 <= int(p) < pos for p in positions):
+        raise MassiveLensError(f"sink positions {positions} must be non-empty and within 0..{pos - 1}")
+    mask[:, positions] = True
+    return SinkSet(mask & batch.mask, token_kinds(view, batch), f"positions {positions}")
