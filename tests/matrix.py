@@ -11,8 +11,11 @@ bridge, and planted: BOS's embedding becomes a one-hot on ``TRIGGER_DIM`` and
 
 - a dense MLP in block ``PLANT_LAYER``: neuron ``NEURON`` is wired to read ``TRIGGER_DIM`` and
   write ``DIM``, its weight solved so that the residual after that block holds ``VALUE``;
-- another MLP (a mixture of experts): a forward hook on the Hugging Face MLP module adds the
-  value at position 0 (a known component writing a known value; no neurons to name);
+- a mixture of experts stored as transformers' experts module: the router sends BOS to expert
+  ``EXPERT``, whose neuron ``NEURON`` is wired the same way (no other expert writes ``DIM``);
+- another MLP, or where the residual does not keep that value: a forward hook on the Hugging
+  Face MLP module adds the value at position 0 (a known component writing a known value; no
+  neurons to name);
 - no MLP at all (state-space and recurrent blocks): BOS's embedding carries the value.
 
 A clean copy of the Hugging Face model (eager attention, never wrapped, the planted weights
@@ -21,9 +24,7 @@ loaded) is the independent reference for hidden states, attention weights and th
 A cell is ``✓`` when the analysis ran and its numbers were checked exact; else the reason:
 the :class:`MassiveLensError` the analysis raised (it must name the model, and so the
 architecture), or the warning the result carries about itself. Any other exception, or a
-wrong number, fails the test, except in the interventions (``massive_lens.interventions``),
-where an exception that is not a ``MassiveLensError`` is recorded with ``⚠`` (a known bug for
-their owner) so the matrix shows it.
+wrong number, fails the test.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from massive_lens.models import byte_tokenizer, wrap_hf_model
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 LAYERS, PLANT_LAYER, NEURON, DIM, TRIGGER_DIM, VALUE = 3, 1, 5, 7, 3, 5000.0
+EXPERT = 2  # the routed expert whose neuron NEURON is planted, in a mixture of experts
 TEXT = "Hi there. Bye now."
 CALIB = "The river runs to the sea. Birds sing at dawn, and the town wakes."
 CRITERION = Criterion()
@@ -127,7 +129,7 @@ class Built:
     arch: str
     model: Any  # the planted bridge
     ref: Any  # a clean, never wrapped Hugging Face copy with the same (planted) weights
-    planted: str  # "neuron", "module" or "embed"
+    planted: str  # "neuron", "expert", "module", "embed" or "none"
     tokens: torch.Tensor  # [1, pos], BOS first
     calib_tokens: torch.Tensor  # [2, pos], BOS first
 
@@ -229,6 +231,8 @@ def plant(model: Any, ref: Any, tokens: torch.Tensor) -> str:
     block = model.blocks[PLANT_LAYER]
     mlp = getattr(block, "mlp", None)
     weights = _dense_weights(model, PLANT_LAYER)
+    if weights is None and mlp is not None and _plant_expert(model, tokens):
+        return "expert"
     if weights is None and mlp is not None:  # hook the module whose output the residual adds
         writer = block.ln2_post if f"blocks.{PLANT_LAYER}.ln2_post.hook_out" in model.hook_dict else mlp
         inner = getattr(writer, "original_component", None) or writer
@@ -251,26 +255,80 @@ def plant(model: Any, ref: Any, tokens: torch.Tensor) -> str:
         if "b_in" in weights:
             weights["b_in"][NEURON] = 0.0
         weights["W_out"][NEURON] = 0.0
-    measure = functools.partial(_resid, model, tokens, PLANT_LAYER)
-    if f"blocks.{PLANT_LAYER}.ln2_post.hook_out" in model.hook_dict:
-        norm = block.ln2_post  # the post-norm rescales the MLP output: its weight on DIM sets the size
-        norm_weight = getattr(norm, "_original_component", norm).weight
-        with torch.no_grad():
-            weights["W_out"][:, DIM] = 0.0
-            weights["W_out"][NEURON, DIM] = 1.0
-
-        def set_norm(a: float) -> None:
-            with torch.no_grad():
-                norm_weight[DIM] = a
-
-        _solve(set_norm, measure)
-    else:
-        def set_out(a: float) -> None:
-            with torch.no_grad():
-                weights["W_out"][NEURON, DIM] = a
-
-        _solve(set_out, measure)
+    with torch.no_grad():
+        weights["W_out"][:, DIM] = 0.0
+    _solve_write(model, tokens, weights["W_out"][NEURON])
     return _kept(model, tokens, "neuron")
+
+
+def _solve_write(model: Any, tokens: torch.Tensor, row: torch.Tensor) -> None:
+    """Solve the planted neuron's output weight on ``DIM`` (``row[DIM]``) for ``VALUE``; under
+    a post-MLP norm, which rescales the MLP output, the norm's weight on ``DIM`` instead."""
+    measure = functools.partial(_resid, model, tokens, PLANT_LAYER)
+    target = row
+    if f"blocks.{PLANT_LAYER}.ln2_post.hook_out" in model.hook_dict:
+        norm = model.blocks[PLANT_LAYER].ln2_post
+        target = getattr(norm, "_original_component", norm).weight
+        with torch.no_grad():
+            row[DIM] = 1.0
+
+    def set_value(a: float) -> None:
+        with torch.no_grad():
+            target[DIM] = a
+
+    _solve(set_value, measure)
+
+
+def _router(root: Any, experts: Any, d_model: int) -> torch.Tensor | None:
+    """The router's ``[expert, d_model]`` weight: the one such matrix outside the experts."""
+    inside = {id(p) for p in experts.module.parameters()}
+    found = [p for p in root.parameters()
+             if id(p) not in inside and tuple(p.shape) == (experts.n_experts, d_model)]
+    return found[0] if len(found) == 1 else None
+
+
+def _plant_expert(model: Any, tokens: torch.Tensor) -> bool:
+    """Route BOS to expert ``EXPERT`` and wire its neuron ``NEURON`` to read ``TRIGGER_DIM`` and
+    write ``DIM`` (solved for ``VALUE``), in a mixture of experts stored as transformers'
+    experts module; False where that is not the case or the residual does not keep the value
+    (the caller then hooks the block)."""
+    from massive_lens.origin.experts import find_experts
+
+    mlp = model.blocks[PLANT_LAYER].mlp
+    experts = find_experts(model, mlp)
+    if experts is None or experts.columns is None or experts.n_experts <= EXPERT or experts.width <= NEURON:
+        return False
+    router = _router(getattr(mlp, "original_component", mlp), experts, model.cfg.d_model)
+    if router is None:
+        return False
+    ex = experts.module
+    up = ex.gate_up_proj if ex.has_gate else ex.up_proj
+    down = ex.down_proj
+    with torch.no_grad():
+        write = down[EXPERT][NEURON] if ex.is_transposed else down[EXPERT][:, NEURON]
+        (down[..., DIM] if ex.is_transposed else down[:, DIM]).zero_()  # no other expert writes DIM
+        if experts.shared_down is not None:
+            experts.shared_down.weight[DIM] = 0.0
+    for sign in (1.0, -1.0):  # the trigger dim's sign where the router reads it
+        with torch.no_grad():
+            router[:, TRIGGER_DIM] = 0.0
+            router[EXPERT, TRIGGER_DIM] = 50.0 * sign
+            for j in experts.columns[NEURON].tolist():
+                row = up[EXPERT][:, j] if ex.is_transposed else up[EXPERT][j]
+                row.zero_()
+                row[TRIGGER_DIM] = 3.0 * sign
+                if ex.has_bias:
+                    (ex.gate_up_proj_bias if ex.has_gate else ex.up_proj_bias)[EXPERT, j] = 0.0
+            write.zero_()
+        try:
+            _solve_write(model, tokens, write)
+            if _kept(model, tokens, "expert") == "expert":
+                return True
+        except ZeroDivisionError:  # the router did not send BOS to the expert
+            pass
+    with torch.no_grad():  # not planted: hook the block instead
+        write.zero_()
+    return False
 
 
 def _kept(model: Any, tokens: torch.Tensor, how: str) -> str:
@@ -342,15 +400,21 @@ def check_neurons(b: Built) -> str | None:
         note = next((n for n in trace.notes if f"{PLANT_LAYER}" in n and ("neuron" in n or "dense" in n)), None)
         assert note, f"no neuron rows for the planted MLP, and no note says why: {trace.notes}"
         return note
-    assert b.planted == "neuron", "neuron rows for an MLP whose value a hook planted"
-    assert NEURON in rows[rows.named].neuron.tolist(), rows
+    assert b.planted in ("neuron", "expert"), "neuron rows for an MLP whose value a hook planted"
+    expert = EXPERT if b.planted == "expert" else -1
+    unit = rows[(rows.neuron == NEURON) & (rows.expert == expert)]
+    assert not unit.empty and bool(unit.named.iloc[0]), rows
     events = trace.events
     total = float(events[(events.layer == PLANT_LAYER) & (events.component == "mlp")].contribution.iloc[0])
-    assert math.isclose(float(rows[rows.neuron == NEURON].contribution.iloc[0]), total, rel_tol=0.05)
-    assert NEURON in trace.super_weights.neuron.tolist()
+    assert math.isclose(float(unit.contribution.iloc[0]), total, rel_tol=0.05)
+    supers = trace.super_weights
+    weight = supers[(supers.neuron == NEURON) & (supers.expert == expert)]
+    assert len(weight) == 1, supers
+    if b.planted == "expert":
+        _check_expert_weight(b, weight.iloc[0])
     why = trace.why
     if why.empty:
-        note = _warning(trace, "MLP")
+        note = next((n for n in trace.notes if "why-this-token" in n), None)
         assert note, "no why-this-token rows, and no note says why"
         return note
     if b.planted == "neuron":  # the same block's attention is upstream only in a serial block
@@ -360,6 +424,20 @@ def check_neurons(b: Built) -> str | None:
     for (neuron, inp), r in sums.iterrows():
         assert math.isclose(r.total, r.value, rel_tol=1e-3, abs_tol=1e-4), (neuron, inp, r.total, r.value)
     return None
+
+
+def _check_expert_weight(b: Built, row: Any) -> None:
+    """The super weight of the planted expert neuron is named as the checkpoint names it, and
+    that entry of the model's parameter holds the value reported."""
+    from massive_lens.origin.experts import find_experts
+
+    experts = find_experts(b.model, b.model.blocks[PLANT_LAYER].mlp)
+    fused = experts.module.is_transposed
+    name = f"{experts.path}.down_proj[{EXPERT}]" if fused else f"{experts.path}.{EXPERT}.down_proj.weight"
+    assert row.hf_param == name and name.startswith(f"model.layers.{PLANT_LAYER}."), (row.hf_param, name)
+    assert (row.hf_row, row.hf_col) == ((NEURON, DIM) if fused else (DIM, NEURON))
+    stored = experts.module.down_proj[EXPERT]
+    assert float(stored[row.hf_row, row.hf_col]) == row.value
 
 
 def check_decompose(b: Built) -> str | None:
@@ -452,10 +530,6 @@ def cell(arch: str, analysis: str) -> str:
         message = str(exc)
         assert arch in message, f"the error does not name the architecture: {message}"
         return shorten(message)
-    except Exception as exc:
-        if analysis not in INTERVENTIONS or isinstance(exc, AssertionError):
-            raise
-        return "⚠ " + shorten(f"{type(exc).__name__}: {exc}")
     return "✓" if note is None else shorten(note)
 
 
@@ -482,8 +556,10 @@ The architectures are TransformerLens's own list (`SUPPORTED_ARCHITECTURES`) of 
 that transformers builds as causal LMs ({versions}); none is chosen by hand. Each is a
 tiny model built offline from its Hugging Face config class ({layers} layers, width {width},
 a byte vocabulary, random weights) with a planted massive activation: a neuron of block
-{plant} writes {value:,.0f} into one dimension at the first token (in a mixture-of-experts
-block, the block's output carries it; where no block has an MLP, the embedding does).
+{plant} writes {value:,.0f} into one dimension at the first token (in a mixture of experts,
+a neuron of expert {expert}, to which the router sends that token; where the experts are not
+transformers' experts module, a hook on the block's output; where no block has an MLP, the
+embedding).
 
 **✓**: the analysis ran and its numbers were checked exact against an independent
 computation: `find_massive` against plain transformers hidden states (every massive entry,
@@ -493,14 +569,13 @@ pre-activation (in a parallel block, without that block's attention); `decompose
 reconstructs the attention output; `sink_attention` against transformers' attention weights;
 each intervention builds, runs, and leaves the model bit-identical; `perplexity` is unchanged
 under a no-op hook and equals transformers' loss. **✗ [n]**: a named limitation, the error
-(a `MassiveLensError`) or the warning the analysis itself gives, quoted below. **⚠ [n]**: an
-intervention fails with an error that is not yet a `MassiveLensError` (a known bug).
+(a `MassiveLensError`) or the warning the analysis itself gives, quoted below.
 **– [n]**: not applicable to this tiny model.
 """
 
 
 def _marker(value: str) -> str:
-    return "⚠" if value.startswith("⚠ ") else ("–" if value.startswith("n/a") else "✗")
+    return "–" if value.startswith("n/a") else "✗"
 
 
 def render(results: dict[tuple[str, str], str], versions: str) -> str:
@@ -509,7 +584,7 @@ def render(results: dict[tuple[str, str], str], versions: str) -> str:
     built = [a for a in archs if not results[a, "find_massive"].startswith("not built")]
     notes: dict[str, int] = {}
     lines = [_HEAD.format(versions=versions, layers=LAYERS, width=SHAPE["hidden_size"], plant=PLANT_LAYER,
-                          value=VALUE)]
+                          value=VALUE, expert=EXPERT)]
     counts = ", ".join(f"`{a}` {sum(results[x, a] == '✓' for x in built)}" for a in ANALYSES)
     lines += [f"{len(archs)} architectures, {len(built)} built. ✓ per analysis: {counts}.", ""]
     lines += ["| architecture | " + " | ".join(f"`{a}`" for a in ANALYSES) + " |",
@@ -521,9 +596,8 @@ def render(results: dict[tuple[str, str], str], versions: str) -> str:
             if value == "✓":
                 cells.append("✓")
                 continue
-            key = value.removeprefix("⚠ ")
-            notes.setdefault(key, len(notes) + 1)
-            cells.append(f"{_marker(value)} [{notes[key]}]")
+            notes.setdefault(value, len(notes) + 1)
+            cells.append(f"{_marker(value)} [{notes[value]}]")
         lines.append(f"| `{arch}` | " + " | ".join(cells) + " |")
     lines += ["", "## Why not", ""]
     lines += [f"{n}. {text}" for text, n in notes.items()]
@@ -543,9 +617,8 @@ def parse(text: str) -> dict[tuple[str, str], str]:
             if raw == "✓":
                 cells[arch, analysis] = "✓"
                 continue
-            marker, number = raw.split(" ")
-            body = notes[number.strip("[]")]
-            cells[arch, analysis] = ("⚠ " if marker == "⚠" else "") + body
+            _, number = raw.split(" ")
+            cells[arch, analysis] = notes[number.strip("[]")]
     for arch, reason in re.findall(r"^- `(\w+)`: (.*)$", text, flags=re.M):
         for analysis in ANALYSES:
             cells[arch, analysis] = f"not built: {reason}"

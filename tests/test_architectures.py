@@ -86,8 +86,10 @@ def test_decomposition_that_does_not_reconstruct_raises():
 
 
 def test_mixture_of_experts_ledger_without_neurons():
-    """A mixture-of-experts MLP: its ledger term is exact; no neuron rows, and a note says why."""
-    _, trace = _trace("MixtralForCausalLM")
+    """A mixture of experts not stored as transformers' experts module (JetMoE; the others have
+    (expert, neuron) rows, tests/test_moe.py): its ledger term is exact; no neuron rows, and a
+    note says why."""
+    _, trace = _trace("JetMoeForCausalLM")
     assert trace.reconstruction_error < 1e-4
     assert ((trace.births.component == "mlp") & (trace.births.layer == PLANT_LAYER)).any()
     assert trace.neurons.empty and any("not dense MLPs" in n for n in trace.notes)

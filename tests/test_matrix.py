@@ -2,9 +2,8 @@
 bridge, as a tiny planted model, through every analysis (see ``matrix.py``).
 
 Each cell is a test: ✓ (exact), or the named limitation that ``docs/architectures.md`` records
-for it; a wrong number, an unexpected exception or a cell that changed fails. Interventions
-that fail with an error that is not a ``MassiveLensError`` are expected failures (``⚠`` in the
-page). ``MASSIVE_LENS_WRITE_MATRIX=1`` rewrites the page from the results instead.
+for it; a wrong number, an unexpected exception or a cell that changed fails.
+``MASSIVE_LENS_WRITE_MATRIX=1`` rewrites the page from the results instead.
 """
 
 from __future__ import annotations
@@ -44,8 +43,6 @@ def test_cell(arch, analysis):
         assert same(value, expected), f"{arch} / {analysis} is now {value!r}, the page says {expected!r}; {REGENERATE}"
     if value.startswith("not built"):
         pytest.skip(value)
-    if value.startswith("⚠"):
-        pytest.xfail(f"known bug, not a MassiveLensError: {value}")
 
 
 def test_page_matches_results():

@@ -13,17 +13,17 @@ evaluates and checks.
 'sink_attention_removed'
 """
 
+from massive_lens.interventions.assemble import observe
 from massive_lens.interventions.builders import (
-    Intervention,
     ablate_massive,
     bias_surgery,
     fix_sink_term,
-    observe,
     patch_sink_from,
     remove_sink_attention,
 )
 from massive_lens.interventions.calibration import Calibration, calibrate
 from massive_lens.interventions.checks import REBUILT
+from massive_lens.interventions.intervention import Intervention
 from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS, Setting
 from massive_lens.interventions.table import InterventionTable, run_interventions
 

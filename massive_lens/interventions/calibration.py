@@ -44,6 +44,7 @@ from massive_lens.core.fmt import num, short
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
+from massive_lens.interventions.access import attention_access
 
 ONLINE_GATE = 0.5  # online, a later sink's dim must reach half its calibration median at the sink layer
 
@@ -170,11 +171,6 @@ def online_sinks(resid: Float[Tensor, "batch pos d_model"], calib: Calibration) 
 def massive_entries(resid: Float[Tensor, "batch pos d_model"], dims: Tensor, criterion: Criterion) -> Tensor:
     """Bool [batch pos n_dims]: which calibrated dims are massive at which positions."""
     return massive_mask(resid, criterion)[..., dims.to(resid.device)]
-
-
-def rotated_hook(view: ModelView, layer: int, kind: str) -> str:
-    rot = f"attn.hook_rot_{kind}"
-    return view.hook_name(layer, rot if f"blocks.{layer}.{rot}" in view.hook_names else f"attn.hook_{kind}")
 
 
 def calibrate(
@@ -323,40 +319,65 @@ def _fit_online(mask: Bool[Tensor, "seq pos"], entries: Tensor) -> dict[str, Any
 
 def _sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mask: Bool[Tensor, "seq pos"],
                attn_layers: tuple[int, ...], bar: Any) -> dict[str, Tensor]:
-    """Mean sink term (non-sink queries), sink key and value, and attention to the sinks, per layer and head."""
-    cfg = model.blocks[0].attn
-    n_heads, n_kv, d_head = cfg.W_Q.shape[0], cfg.W_K.shape[0], cfg.W_Q.shape[-1]
-    sums = {k: torch.zeros(view.n_layers, h, d_head, dtype=torch.float64) for k, h in
-            (("z", n_heads), ("k", n_kv), ("v", n_kv))}
-    sums["mass"] = torch.zeros(view.n_layers, n_heads, dtype=torch.float64)
+    """Mean sink term (non-sink queries), sink key and value, and attention to the sinks, per
+    layer and head. Read in whatever order the bridge fires the hooks; a quantity whose hooks
+    the bridge does not give per head (see :mod:`~massive_lens.interventions.access`) is NaN."""
+    access = attention_access(model)
+    sums: dict[tuple[str, int], Tensor] = {}
     counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
-    held: dict[str, Tensor] = {}
+    held: dict[tuple[str, int], Tensor] = {}
 
-    def on_z(z: Tensor, hook: Any, layer: int, sinks: Tensor) -> None:
-        sinks = sinks.to(z.device)
-        pattern, v, k = held["pattern"], held["v"], held["k"]
+    def add(key: str, layer: int, value: Tensor) -> None:
+        value = value.double().cpu()
+        sums[key, layer] = sums[key, layer] + value if (key, layer) in sums else value
+
+    def on_act(act: Tensor, hook: Any, layer: int, kind: str, sinks: Tensor) -> None:
+        sinks = sinks.to(act.device)
         queries = (~sinks).double()
-        sums["z"][layer] += torch.einsum("bqhd,bq->hd", sink_term(pattern, v, sinks).double(), queries).cpu()
-        sums["mass"][layer] += torch.einsum("bhqk,bk,bq->h", pattern.double(), sinks.double(), queries).cpu()
-        sums["k"][layer] += torch.einsum("bkhd,bk->hd", k.double(), sinks.double()).cpu()
-        sums["v"][layer] += torch.einsum("bkhd,bk->hd", v.double(), sinks.double()).cpu()
-        if layer == attn_layers[0]:
-            counts.add_(torch.tensor([float(queries.sum()), float(sinks.sum())], dtype=torch.float64))
+        if kind == "pattern":
+            add("mass", layer, torch.einsum("bhqk,bk,bq->h", act.double(), sinks.double(), queries))
+        elif kind in ("k", "v"):
+            add(kind, layer, torch.einsum("bkhd,bk->hd", act.double(), sinks.double()))
+        if kind in ("pattern", "v"):
+            held[kind, layer] = act
+        if ("pattern", layer) in held and ("v", layer) in held:
+            term = sink_term(held.pop(("pattern", layer)), held.pop(("v", layer)), sinks)
+            add("z", layer, torch.einsum("bqhd,bq->hd", term.double(), queries))
 
     for start, chunk in chunks:
         sinks = mask[start:start + len(chunk)]
+        counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
         hooks = []
         for layer in attn_layers:
-            hooks += [(view.hook_name(layer, "attn.hook_pattern"), partial(_hold, held=held, key="pattern")),
-                      (view.hook_name(layer, "attn.hook_v"), partial(_hold, held=held, key="v")),
-                      (rotated_hook(view, layer, "k"), partial(_hold, held=held, key="k")),
-                      (view.hook_name(layer, "attn.hook_z"), partial(on_z, layer=layer, sinks=sinks))]
+            a = access[layer]
+            per_head = a.per_head("v")  # else (latent attention) neither keys nor values are per head
+            reads = {"pattern": "pattern" if a.fires("pattern") else None,
+                     "v": "v" if per_head else None, "k": a.key_hook if per_head else None}
+            hooks += [(view.hook_name(layer, f"attn.hook_{hook}"), partial(on_act, layer=layer, kind=kind, sinks=sinks))
+                      for kind, hook in reads.items() if hook is not None]
         if hooks:
-            view.forward(view.full_batch(chunk), hooks, stop_after=hooks[-1][0])
+            view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(attn_layers[-1], "resid_post"))
+        held.clear()
         bar.update()
-    q, s = counts[0].clamp(min=1), counts[1].clamp(min=1)
-    return dict(sink_z=(sums["z"] / q).float(), sink_k=(sums["k"] / s).float(), sink_v=(sums["v"] / s).float(),
-                sink_mass=(sums["mass"] / q).float())
+    scale = {"z": counts[0], "mass": counts[0], "k": counts[1], "v": counts[1]}
+    shapes = _shapes(model, {key: t.shape for (key, _), t in sums.items()})
+    out = {}
+    for key in ("z", "k", "v", "mass"):
+        stacked = torch.zeros(view.n_layers, *shapes[key], dtype=torch.float64)
+        for layer in attn_layers:
+            stacked[layer] = sums[key, layer] / scale[key].clamp(min=1) if (key, layer) in sums else float("nan")
+        out["sink_" + key] = stacked.float()
+    return out
+
+
+def _shapes(model: Any, seen: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The per-layer shape of each sink quantity: as measured, else from the other quantities
+    or the model's config (that quantity is then NaN)."""
+    cfg = model.cfg
+    heads = seen["mass"][0] if "mass" in seen else int(cfg.n_heads)
+    kv = seen.get("v") or seen.get("k") or (int(getattr(cfg, "n_key_value_heads", None) or heads), int(cfg.d_head))
+    return {"mass": (heads,), "k": seen.get("k") or kv, "v": seen.get("v") or kv,
+            "z": seen.get("z") or (heads, kv[-1])}
 
 
 def describe_source(corpus: Any) -> str:
@@ -366,10 +387,6 @@ def describe_source(corpus: Any) -> str:
     if isinstance(corpus, Tensor):
         return "a token tensor"
     return short(corpus) if isinstance(corpus, (str, os.PathLike)) else f"{type(corpus).__name__} corpus"
-
-
-def _hold(act: Tensor, hook: Any, *, held: dict[str, Tensor], key: str) -> None:
-    held[key] = act
 
 
 def stash(act: Tensor, hook: Any, *, state: Any, key: str) -> None:

@@ -20,14 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from massive_lens.interventions.builders import (
-    DESCRIPTIONS,
-    ablate_massive,
-    bias_surgery,
-    fix_sink_term,
-    observe,
-    remove_sink_attention,
-)
+from massive_lens.interventions.assemble import observe
+from massive_lens.interventions.builders import ablate_massive, bias_surgery, fix_sink_term, remove_sink_attention
+from massive_lens.interventions.intervention import DESCRIPTIONS
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pandas as pd
@@ -185,8 +185,8 @@ def run_interventions(
         corpus: the evaluation text (a file, text, ``hf:`` name, token tensor; None: the
             offline default text).
         calibration: where means are measured (a corpus, None for the offline default
-            text, or a :class:`~massive_lens.interventions.Calibration`); should be other
-            text than ``corpus`` (this is not checked).
+            text, or a :class:`~massive_lens.interventions.Calibration`); must be other
+            text than ``corpus`` (a sequence of both is refused).
         settings: names from :data:`~massive_lens.interventions.REGISTRY` (default: the
             paper's Table 3, :data:`~massive_lens.interventions.SETTINGS`); ``original`` is
             always evaluated, as the baseline of the ratios and the checks.
@@ -204,7 +204,8 @@ def run_interventions(
     Raises:
         MassiveLensError: if ``settings`` is empty or names an unknown setting, a setting
             that edits massive activations (``zero``, ``mean``, ``control``) finds none in the
-            calibration text, or the model or a corpus is unusable (see :func:`~massive_lens.perplexity`).
+            calibration text, the calibration text shares a sequence with ``corpus``, or the
+            model or a corpus is unusable (see :func:`~massive_lens.perplexity`).
 
     >>> from massive_lens import tiny_model
     >>> text = "The cat sat. A dog ran. " * 40
@@ -222,7 +223,13 @@ def run_interventions(
     tokens = sequences(view, corpus, seq_len, n_seqs)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise MassiveLensError(f"token tensor must be [seq, pos] with pos >= 2, got {tuple(tokens.shape)}")
-    calib = calibrate(model, calibration, seq_len=seq_len, n_seqs=calibration_seqs, progress=progress)
+    if isinstance(calibration, Calibration):
+        calib = calibration
+    else:
+        calib_tokens = sequences(view, calibration, seq_len, calibration_seqs)
+        _check_disjoint(tokens, calib_tokens)
+        calib = replace(calibrate(model, calib_tokens, progress=progress),
+                        source=describe_source(calibration))
     chunks = [tokens[start:start + batch_size] for start in range(0, len(tokens), batch_size)]
     order = list(dict.fromkeys(["original", *settings]))
     bar = tqdm(total=len(chunks) * (len(order) + 1), desc="interventions", disable=not progress, leave=False)
@@ -251,3 +258,14 @@ def run_interventions(
                              f"{calib.source}, {calib.n_seqs} sequences", int(tokens.shape[1]),
                              checks=pd.concat(checks, ignore_index=True) if checks else pd.DataFrame(), sinks=sinks)
 
+
+def _check_disjoint(tokens: Tensor, calib_tokens: Tensor) -> None:
+    """Refuse calibration text that repeats evaluation sequences (means fitted on the text
+    they are judged on would flatter the interventions that use them)."""
+    seen = {tuple(row) for row in tokens.tolist()}
+    shared = sum(tuple(row) in seen for row in calib_tokens.tolist())
+    if shared:
+        raise MassiveLensError(
+            f"the calibration text shares {shared} of its {len(calib_tokens)} sequences with the evaluation text "
+            "(the same text or file, or both left at the default text); calibrate on other text, e.g. "
+            "corpus='test.txt' with calibration='valid.txt'")

@@ -23,8 +23,10 @@ never a full cache. Which hook holds what is read from the model's own hooks and
   output where the hook is missing); the norm's input is kept to check the attribution;
 - ``mlp.hook_post`` is the input of ``W_out``; ``mlp.hook_pre`` is the gate pre-activation of
   a gated MLP (the only pre-activation otherwise) and ``mlp.hook_pre_linear`` the up value.
-  Only dense MLPs (``W_in [d_model, d_mlp]``, ``W_out [d_mlp, d_model]``) have neurons; a
-  mixture-of-experts block has a ledger term but no neuron rows.
+  Dense MLPs (``W_in [d_model, d_mlp]``, ``W_out [d_mlp, d_model]``) have neurons; so does a
+  mixture of experts stored as transformers stores it (:mod:`massive_lens.origin.experts`:
+  the experts module's inputs, routing and output are recorded by PyTorch hooks, removed
+  after the pass); any other MLP has a ledger term but no neuron rows.
 
 A hook that fires with the positions flattened (``[batch * pos, ...]``, as in OPT's MLP) is
 reshaped back.
@@ -43,6 +45,7 @@ from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import Batch, ModelView
 from massive_lens.core.reduce import ResidualReducer
 from massive_lens.errors import MassiveLensError
+from massive_lens.origin.experts import Experts, find_experts, record
 
 _EMBED_TOL = 1e-5  # relative: embed (+ pos_embed) vs resid_pre of block 0
 
@@ -59,6 +62,7 @@ class BlockPlan:
     post_norm: bool  # the MLP output passes ln2_post before the residual
     d_mlp: int | None
     hooks: dict[str, str]  # capture key -> hook name
+    experts: Experts | None = None  # a mixture of experts as transformers stores it (origin.experts)
 
 
 @dataclass
@@ -152,7 +156,8 @@ def block_plan(view: ModelView, layer: int) -> BlockPlan:
         hooks.update(post=prefix + "mlp.hook_post", pre=prefix + "mlp.hook_pre")
         if gated:
             hooks["up"] = prefix + "mlp.hook_pre_linear"
-    return BlockPlan(layer, parallel, norm, dense, gated, mlp_post, d_mlp if dense else None, hooks)
+    experts = None if dense else find_experts(view.model, block.mlp)
+    return BlockPlan(layer, parallel, norm, dense, gated, mlp_post, d_mlp if dense else None, hooks, experts)
 
 
 def is_post_norm(view: ModelView) -> bool:
@@ -211,7 +216,14 @@ def capture(
         reducer = ResidualReducer(batch, criterion, entries=True)
         hooks += [(view.hook_name(layer, "resid_post"), reducer.hook(layer)) for layer in range(view.n_layers)]
     last = view.hook_name(view.n_layers - 1, "resid_post")
-    view.forward(batch, hooks, stop_after=last)
+    moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in plans if p.experts is not None}
+    handles = [h for p in plans if p.experts is not None
+               for h in record(p.experts, positions, n_batch, seq, moe[p.layer])]
+    try:
+        view.forward(batch, hooks, stop_after=last)
+    finally:
+        for handle in handles:
+            handle.remove()
     notes: list[str] = []
     layers = {}
     for key in ("resid_pre", "resid_post", "attn", "mlp"):
@@ -224,6 +236,8 @@ def capture(
     layers["resid_mid"] = torch.stack([store["resid_mid", p.layer] if ("resid_mid", p.layer) in store
                                        else store["resid_pre", p.layer] + store["attn", p.layer] for p in plans])
     neuron_data = {p.layer: _neuron_data(p, store) for p in plans}
+    for layer, data in moe.items():
+        neuron_data[layer].update({f"moe_{k}": v for k, v in data.items()})
     pos_embed = store.get(("pos_embed", -1))
     embed, resid0 = store["embed", -1], store["resid_pre0", -1]
     if (embed.shape != resid0.shape or _rel(embed + (0 if pos_embed is None else pos_embed), resid0) > _EMBED_TOL):
@@ -231,8 +245,8 @@ def capture(
         notes.append("note: hook_embed (+ hook_pos_embed) is not what the first block reads (an embedding norm "
                      "or scale comes after it); the embed term is read at blocks.0.hook_resid_pre")
     dense = [p for p in plans if p.dense]
-    if len(dense) < len(plans):
-        skipped = [p.layer for p in plans if not p.dense]
+    if len(dense) + len(moe) < len(plans):
+        skipped = [p.layer for p in plans if not p.dense and p.experts is None]
         notes.append(f"note: the MLPs of layer(s) {', '.join(map(str, skipped))} are not dense MLPs with "
                      "W_in/W_out (e.g. a mixture of experts): their ledger terms are exact, but they have no "
                      "neuron rows, super weights or why-this-token attribution")

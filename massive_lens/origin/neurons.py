@@ -1,5 +1,9 @@
 """Neuron-level pieces of :func:`massive_lens.trace_origin`: per-neuron contributions,
-super weights and why-this-token attributions."""
+super weights and why-this-token attributions.
+
+A neuron is ``(expert, neuron)``: ``expert`` is -1 for a dense MLP (and for a mixture of
+experts' shared expert), else the routed expert (:mod:`massive_lens.origin.experts`), whose
+terms are weighted by the router (``route``)."""
 
 from __future__ import annotations
 
@@ -13,15 +17,18 @@ from jaxtyping import Float
 from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
-from massive_lens.origin.capture import Capture, norm_affine, norm_scale, post_norm_factor
+from massive_lens.origin.capture import Capture, block_plan, norm_affine, norm_scale, post_norm_factor
+from massive_lens.origin.experts import SHARED, UnitTerms, input_columns, unit_terms
 
-NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "neuron", "contribution", "share", "named", "post", "pre", "up",
-                  "w_out"]
+NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "expert", "neuron", "contribution", "share", "named", "post", "pre",
+                  "up", "w_out", "route"]
 NAMED_SHARE = 0.9  # name same-sign neurons, largest first, until they explain 90% of the MLP's term ...
 NAMED_MIN = 0.02  # ... skipping any below 2% of it
-SUPER_COLUMNS = ["pos", "dim", "layer", "neuron", "value", "zscore", "rank", "n_entries",
+SUPER_COLUMNS = ["pos", "dim", "layer", "expert", "neuron", "value", "zscore", "rank", "n_entries",
                  "hf_param", "hf_row", "hf_col"]
-WHY_COLUMNS = ["pos", "dim", "layer", "neuron", "input", "source", "source_layer", "contribution", "share", "value"]
+WHY_COLUMNS = ["pos", "dim", "layer", "expert", "neuron", "input", "source", "source_layer", "contribution", "share",
+               "value"]
+Unit = int | tuple[int, int]  # a dense MLP's neuron, or (expert, neuron)
 CHECK_TOL = 1e-3  # relative: neuron terms vs the MLP's term, sources vs the MLP's input
 
 
@@ -36,6 +43,8 @@ def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int
     layer, pos, dim = event["layer"], event["pos"], event["dim"]
     i = cap.index(pos)
     plan = cap.plans[layer]
+    if plan.experts is not None:
+        return _expert_rows(cap, event, top_k)
     if cap.at("post", layer) is None:
         return []
     factor = post_norm_factor(cap, layer, i, dim) if plan.post_norm else 1.0
@@ -50,23 +59,60 @@ def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int
                          f"to its term {total:.4g} at pos {pos}, dim {dim}: its hooks are not post @ W_out; no "
                          "neuron rows for it")
         return []
+    up = cap.at("up", layer)[i] if plan.gated else torch.full_like(post, math.nan)
+    units = UnitTerms(torch.full((len(post),), -1), torch.arange(len(post)), contrib, post, cap.at("pre", layer)[i],
+                      up, weights, torch.ones(len(post)), bias)
+    return _top_rows(event, units, top_k)
+
+
+def _top_rows(event: dict[str, Any], units: UnitTerms, top_k: int) -> list[dict[str, Any]]:
+    """The ``top_k`` units by |contribution|, the same-sign largest named (see ``NAMED_SHARE``)."""
+    total = float(event["contribution"])
     rows, explained = [], 0.0
-    for n in contrib.abs().topk(min(top_k, len(contrib))).indices.tolist():
-        share = float(contrib[n]) / total if total else math.nan
+    for k in units.contribution.abs().topk(min(top_k, len(units.contribution))).indices.tolist():
+        share = float(units.contribution[k]) / total if total else math.nan
         is_named = explained < NAMED_SHARE and share >= NAMED_MIN
         explained += share if is_named else 0.0
-        up = float(cap.at("up", layer)[i, n]) if plan.gated else math.nan
-        rows.append(dict(pos=pos, dim=dim, layer=layer, kind=event["kind"], neuron=n,
-                         contribution=float(contrib[n]), share=share, named=is_named, post=float(post[n]),
-                         pre=float(cap.at("pre", layer)[i, n]), up=up, w_out=float(weights[n])))
+        rows.append(dict(pos=event["pos"], dim=event["dim"], layer=event["layer"], kind=event["kind"],
+                         expert=int(units.expert[k]), neuron=int(units.neuron[k]),
+                         contribution=float(units.contribution[k]), share=share, named=is_named,
+                         post=float(units.post[k]), pre=float(units.pre[k]), up=float(units.up[k]),
+                         w_out=float(units.w_out[k]), route=float(units.route[k])))
     return rows
 
 
-def named(neurons: pd.DataFrame, event: dict[str, Any]) -> list[int]:
+def _expert_rows(cap: Capture, event: dict[str, Any], top_k: int) -> list[dict[str, Any]]:
+    """Top (expert, neuron) units of a mixture-of-experts event, checked to add up."""
+    layer, pos, dim = event["layer"], event["pos"], event["dim"]
+    i = cap.index(pos)
+    plan = cap.plans[layer]
+    factor = post_norm_factor(cap, layer, i, dim) if plan.post_norm else 1.0
+    raw = cap.at("mlp_raw", layer) if plan.post_norm else cap.layers["mlp"][layer]
+    units = unit_terms(plan.experts, _moe_data(cap, layer), i, dim, raw[i])
+    total = float(event["contribution"])
+    if units is not None:
+        units.contribution = units.contribution * factor
+        units.bias *= factor
+    if units is None or abs(float(units.contribution.sum()) + units.bias - total) > CHECK_TOL * max(abs(total), 1e-6):
+        cap.notes.append(f"warning: the expert neurons of MLP {layer} do not add up to its term at pos {pos}, dim "
+                         f"{dim} (router-weighted expert outputs plus the shared expert): no neuron rows for it")
+        return []
+    return _top_rows(event, units, top_k)
+
+
+def _moe_data(cap: Capture, layer: int) -> dict[str, Tensor]:
+    return {k[4:]: v for k, v in cap.neuron_data.get(layer, {}).items() if k.startswith("moe_")}
+
+
+def named(neurons: pd.DataFrame, event: dict[str, Any], *, experts: bool = True) -> list[Unit]:
     """The neurons an event's story names: same sign as the event, largest first, until they
-    explain 90% of the MLP's term (see ``NAMED_SHARE``)."""
+    explain 90% of the MLP's term (see ``NAMED_SHARE``); ``(expert, neuron)`` in a mixture of
+    experts (none with ``experts=False``)."""
     rows = neurons[(neurons.pos == event["pos"]) & (neurons.dim == event["dim"]) & (neurons.layer == event["layer"])]
-    return rows[rows.named.astype(bool)].neuron.tolist()  # astype: an empty frame's column is object-typed
+    rows = rows[rows.named.astype(bool)]  # astype: an empty frame's column is object-typed
+    if "expert" not in rows or not (rows.expert >= 0).any():
+        return rows.neuron.tolist()
+    return [(int(e), int(n)) for e, n in zip(rows.expert, rows.neuron, strict=True)] if experts else []
 
 
 def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
@@ -80,9 +126,13 @@ def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
     return f"blocks.{layer}.mlp.W_out", False
 
 
-def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[int]) -> list[dict[str, Any]]:
+def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit]) -> list[dict[str, Any]]:
+    """``W_out[neuron, dim]`` of each named neuron (an expert's down weight, by expert), with
+    its z-score and rank among the matrix's entries and its Hugging Face name and index."""
     if not neurons:
         return []
+    if isinstance(neurons[0], tuple):
+        return _expert_super_rows(view, pos, dim, layer, neurons)
     weight = w_out(view, layer)
     name, transposed = hf_param(view.model, layer, weight)
     flat = weight.detach().float().flatten()
@@ -91,8 +141,28 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
     for n in neurons:
         value = float(weight[n, dim].detach())
         row, col = (dim, n) if transposed else (n, dim)
-        rows.append(dict(pos=pos, dim=dim, layer=layer, neuron=n, value=value, zscore=(value - mean) / std,
+        rows.append(dict(pos=pos, dim=dim, layer=layer, expert=-1, neuron=n, value=value, zscore=(value - mean) / std,
                          rank=int((mags > abs(value)).sum()) + 1, n_entries=len(flat),
+                         hf_param=name, hf_row=row, hf_col=col))
+    return rows
+
+
+def _expert_super_rows(view: ModelView, pos: int, dim: int, layer: int,
+                       units: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    experts = block_plan(view, layer).experts
+    rows = []
+    for e, n in units:
+        if e == SHARED:
+            down = experts.shared_down.weight.detach().float().cpu().T
+            name, row, col = f"{experts.shared_path}.weight", dim, n
+        else:
+            down = experts.down(e)
+            name, row, col = experts.super_name(e, n, dim)
+        flat = down.flatten()
+        value = float(down[n, dim])
+        rows.append(dict(pos=pos, dim=dim, layer=layer, expert=e, neuron=n, value=value,
+                         zscore=(value - float(flat.mean())) / float(flat.std()),
+                         rank=int((flat.abs() > abs(value)).sum()) + 1, n_entries=len(flat),
                          hf_param=name, hf_row=row, hf_col=col))
     return rows
 
@@ -112,7 +182,7 @@ def _sources(cap: Capture, layer: int, i: int) -> list[tuple[str, int, Tensor]]:
     return out
 
 
-def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequence[int]) -> list[dict[str, Any]]:
+def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequence[Unit]) -> list[dict[str, Any]]:
     """Attribute each neuron's pre-activation(s) at the position to the upstream components,
     through the MLP's input norm (``ln2``; ``ln1`` when a parallel block shares it; none with
     post-norms only) at its measured scale (centred first for LayerNorm); the norm's bias and
@@ -122,9 +192,9 @@ def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequ
     layer, pos, dim = event["layer"], event["pos"], event["dim"]
     i = cap.index(pos)
     plan = cap.plans[layer]
-    if cap.at("post", layer) is None:
+    columns = _input_columns(view, cap, layer, i, neurons)
+    if columns is None:
         return []
-    mlp = view.model.blocks[layer].mlp
     norm = getattr(view.model.blocks[layer], plan.mlp_norm) if plan.mlp_norm else None
     weight, bias, centred = norm_affine(norm, view.d_model, view.dtype)
     sources = _sources(cap, layer, i)
@@ -136,27 +206,51 @@ def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequ
                          "why-this-token rows for it")
         return []
     scale = norm_scale(cap, layer, i, weight, bias, centred)
-    inputs = [("gate", mlp.W_gate, None, "pre"), ("up", mlp.W_in, None, "up")] if plan.gated else \
-        [("pre", mlp.W_in, getattr(mlp, "b_in", None), "pre")]
     vectors = torch.stack([v - v.mean() if centred else v for _, _, v in sources]) * weight / scale
     rows = []
-    for label, matrix, b_in, key in inputs:
-        cols = matrix.detach().float().cpu()[:, list(neurons)]  # [d_model, n]
+    for label, cols, b_in, values in columns:
         parts = vectors @ cols  # [sources, n]
-        extra = bias @ cols + (b_in.detach().float().cpu()[list(neurons)] if b_in is not None else 0.0)
-        values = cap.at(key, layer)[i, list(neurons)]
+        extra = bias @ cols + b_in
         off = float(((parts.sum(0) + extra) - values).abs().max() / values.abs().max().clamp(min=1e-6))
         if off > CHECK_TOL:
             cap.notes.append(f"warning: the upstream sources of MLP {layer}'s {label} pre-activations miss them by "
                              f"{off:.1e} (relative) at pos {pos}: its input norm is not linearised as assumed; no "
                              "why-this-token rows for it")
             return []
-        for k, n in enumerate(neurons):
+        for k, unit in enumerate(neurons):
+            expert, n = unit if isinstance(unit, tuple) else (-1, unit)
             value = float(values[k])
             named_parts = [(s, sl, float(parts[j, k])) for j, (s, sl, _) in enumerate(sources)]
             named_parts.append(("bias", layer, float(extra[k])))
             for source, source_layer, c in named_parts:
-                rows.append(dict(pos=pos, dim=dim, layer=layer, neuron=n, input=label, source=source,
+                rows.append(dict(pos=pos, dim=dim, layer=layer, expert=expert, neuron=n, input=label, source=source,
                                  source_layer=source_layer, contribution=c,
                                  share=c / value if value else math.nan, value=value))
     return rows
+
+
+def _input_columns(view: ModelView, cap: Capture, layer: int, i: int,
+                   neurons: Sequence[Unit]) -> list[tuple[str, Tensor, Tensor, Tensor]] | None:
+    """Per pre-activation kind (``gate``, ``up`` or ``pre``): the units' input weights
+    ``[d_model, n]``, biases ``[n]`` and measured values ``[n]``; None where not available."""
+    plan = cap.plans[layer]
+    if plan.experts is not None:
+        data = _moe_data(cap, layer)
+        found = input_columns(plan.experts, list(neurons)) if "x" in data else None
+        if found is None:
+            cap.notes.append(f"note: MLP {layer}'s expert neurons are named, but their pre-activations are not "
+                             "split (a custom expert gate, or a shared expert's neuron): no why-this-token rows")
+            return None
+        x = data["x"][i]
+        return [(label, cols, b, x @ cols + b) for label, cols, b in found]
+    if cap.at("post", layer) is None:
+        return None
+    mlp = view.model.blocks[layer].mlp
+    inputs = [("gate", mlp.W_gate, None, "pre"), ("up", mlp.W_in, None, "up")] if plan.gated else \
+        [("pre", mlp.W_in, getattr(mlp, "b_in", None), "pre")]
+    out = []
+    for label, matrix, b_in, key in inputs:
+        cols = matrix.detach().float().cpu()[:, list(neurons)]
+        b = b_in.detach().float().cpu()[list(neurons)] if isinstance(b_in, Tensor) else torch.zeros(len(neurons))
+        out.append((label, cols, b, cap.at(key, layer)[i, list(neurons)]))
+    return out

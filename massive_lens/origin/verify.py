@@ -104,7 +104,7 @@ def verification_rows(
         scopes.append(("all births", peak_layer, births))
     chosen = []
     for scope, layer, events in scopes:
-        by_layer = {e["layer"]: named(neurons, e) for e in events}
+        by_layer = {e["layer"]: named(neurons, e, experts=False) for e in events}  # dense MLPs only
         by_layer = {k: v for k, v in by_layer.items() if v}
         if by_layer:
             chosen.append((scope, layer, by_layer))

@@ -1,0 +1,138 @@
+"""The :class:`Intervention`: forward hooks plus a context manager that always removes them,
+and the check of what its targets hold downstream.
+
+>>> from massive_lens import tiny_model
+>>> iv = Intervention(tiny_model("gpt2"), "original", [])
+>>> iv.label, len(iv), iv.active
+('original', 0, False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+from massive_lens.core.model_view import ModelView
+from massive_lens.errors import MassiveLensError
+from massive_lens.interventions.checks import Record, downstream, reading
+from massive_lens.interventions.state import HookState
+
+DESCRIPTIONS = {
+    "original": "no intervention",
+    "zero": "massive activations set to zero where they appear",
+    "mean": "massive activations set to their calibration mean",
+    "control": "as many median-magnitude activations set to zero",
+    "zero_every": "massive activations set to zero at every layer where they are massive",
+    "mean_every": "massive activations set to their calibration mean at every layer where they are massive",
+    "sink_term_mean": "each head's sink term replaced by its calibration mean",
+    "sink_term_zero": "each head's sink term set to zero",
+    "sink_attention_removed": "attention to sink positions dropped, renormalized",
+    "bias_surgery": "explicit per-head k/v bias slot; sinks masked; massive activations zeroed",
+    "bias_surgery_every": "explicit per-head k/v bias slot; sinks masked; massive activations zeroed at every "
+                          "layer where they are massive",
+    "sink_patched": "residual stream at the sink positions patched from another text",
+}
+WHERE = {"first": "first layer", "every": "every massive layer"}
+
+
+class Intervention:
+    """Forward hooks plus a context manager that attaches them and always removes them.
+
+    ``record``: what its hooks measured so far (see :meth:`check`); ``acts_on``: where it
+    edits the forward pass, relative to the model's norms; ``where``: ``first`` or
+    ``every`` for massive-activation edits.
+    """
+
+    def __init__(self, model: Any, name: str, fwd_hooks: list[tuple[str, Callable]], *,
+                 state: HookState | None = None, acts_on: str = "", where: str = "", removes: bool = False,
+                 edits_massive: bool = False, uses_sinks: bool = False,
+                 observer: Callable[[], Intervention] | None = None):
+        self.model, self.name, self.fwd_hooks = model, name, fwd_hooks
+        self.acts_on, self.where = acts_on, where
+        self.removes, self.edits_massive, self.uses_sinks = removes, edits_massive, uses_sinks
+        self._state = state or HookState()
+        self._observer = observer
+        self._stack: list[Any] = []
+
+    @property
+    def description(self) -> str:
+        return DESCRIPTIONS.get(self.name, self.name)
+
+    @property
+    def record(self) -> Record:
+        """What this intervention's hooks measured over every forward pass so far."""
+        return self._state.record
+
+    @property
+    def label(self) -> str:
+        """The name, with where a massive-activation edit acts (``zero (first layer)``)."""
+        return f"{self.name} ({WHERE[self.where]})" if self.where else self.name
+
+    def check(self, text: Any) -> pd.DataFrame:
+        """Run ``text`` untouched and under this intervention, and compare what the targets hold downstream.
+
+        Args:
+            text: a string, a list of strings or a token tensor (with ``sinks=`` given as a
+                mask, of the same shape).
+
+        Returns:
+            A DataFrame with one row per target and layer: ``kind`` (``massive``: a targeted
+            dim's mean ``|value|`` at the positions it targeted; ``sink_mass``: attention of
+            non-sink queries to the sinks), ``dim``, ``layer``, ``without``, ``with``,
+            ``kept`` (with / without); ``.attrs["verdict"]`` holds the one-line reading
+            (e.g. "zero (first layer): dim 5 back to 95% of its value by layer 2; the model
+            rebuilds it").
+
+        Raises:
+            MassiveLensError: if this intervention has nothing to check (``patch_sink_from``).
+        """
+        if self._observer is None or self._state.calib is None:
+            raise MassiveLensError(f"{self.name} records no downstream check (it has no calibrated targets)")
+        view = ModelView(self.model)
+        batch = view.tokenize(text)
+        base = self._observer()
+        view.forward(batch, base.fwd_hooks)
+        kept, self._state.record = self._state.record, Record()
+        try:
+            view.forward(batch, self.fwd_hooks)
+        finally:
+            mine, self._state.record = self._state.record, kept
+        frame = downstream(base.record, mine)
+        calib = self._state.calib
+        frame.attrs["verdict"] = reading(frame, label=self.label, first_layer=calib.first_layer,
+                                         massive_layers=calib.massive_layers, removes=self.removes,
+                                         edits_massive=self.edits_massive, uses_sinks=self.uses_sinks)["check"]
+        return frame
+
+    def __iter__(self):
+        return iter(self.fwd_hooks)
+
+    def __len__(self) -> int:
+        return len(self.fwd_hooks)
+
+    @property
+    def active(self) -> bool:
+        """Whether its hooks are attached now (inside ``with``); entering again is refused."""
+        return bool(self._stack)
+
+    def __enter__(self) -> Intervention:
+        if self._stack:
+            raise MassiveLensError(
+                f"{self.label} is already active (inside its own with block); entering it again would "
+                "attach its hooks twice and apply its edit twice. Use one with block, or build a second "
+                "intervention to stack two edits"
+            )
+        ctx = self.model.hooks(fwd_hooks=self.fwd_hooks)
+        ctx.__enter__()
+        self._stack.append(ctx)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        if not self._stack:
+            raise MassiveLensError(f"{self.label} was exited without being entered; use it as `with intervention:`")
+        return self._stack.pop().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"Intervention({self.name!r}: {self.description}; {len(self.fwd_hooks)} hooks)"
