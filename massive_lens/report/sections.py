@@ -29,7 +29,7 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
 from massive_lens.origin import OriginTrace, trace_origin
 from massive_lens.quantize import measure_outliers
-from massive_lens.report.memory import release_free_memory
+from massive_lens.report.memory import release_free_memory, weight_bytes
 from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view
 
@@ -126,6 +126,13 @@ class Inputs:
         calib = s.calib_seqs if self.calibration is None else 0
         return sequences(self.view, self.corpus, s.seq_len, max(s.scan_seqs, s.n_seqs + calib))
 
+    @cached_property
+    def batch_size(self) -> int:
+        """Sequences per forward pass: as many (1 to 8) as keep one pass's float32 logits under
+        a tenth of the weights' size, so the report's peak memory stays near the weights."""
+        logits = self.settings.seq_len * int(getattr(self.view.cfg, "d_vocab", 0) or 1) * 4
+        return max(1, min(8, weight_bytes(self.model) // (10 * logits)))
+
     @property
     def eval_tokens(self) -> Tensor:
         return self.tokens[: self.settings.n_seqs]
@@ -193,7 +200,7 @@ def massive_section(inputs: Inputs, s: Section) -> MassiveActivations:
 def corpus_scan(inputs: Inputs) -> CorpusScan:
     """How often each dim is massive over the first ``scan_seqs`` corpus sequences."""
     return scan_corpus(inputs.model, inputs.tokens[: inputs.settings.scan_seqs], seq_len=inputs.settings.seq_len,
-                       batch_size=4, max_tokens=None, progress=False)
+                       batch_size=inputs.batch_size, max_tokens=None, progress=False)
 
 
 def trace_top(inputs: Inputs, found: MassiveActivations | None, verify: bool) -> OriginTrace:
@@ -215,13 +222,14 @@ def intervention_table(inputs: Inputs) -> tuple[InterventionTable, str | None]:
     """Table 3 on the evaluation sequences, calibrated on the calibration sequences, and a note
     when the calibration text has no massive activations (only the sink settings then run)."""
     calib = calibrate(inputs.model, inputs.calib_tokens, seq_len=inputs.settings.seq_len,
-                      n_seqs=inputs.settings.calib_seqs, progress=False)
+                      n_seqs=inputs.settings.calib_seqs, batch_size=inputs.batch_size, progress=False)
     settings, note = list(SETTINGS), None
     if not calib.dims:
         settings = [name for name in SETTINGS if not REGISTRY[name].needs_massive]
         note = ("No massive activations in the calibration text: only the sink interventions "
                 "(sinks fall back to the first token) are run.")
-    table = run_interventions(inputs.model, inputs.eval_tokens, calibration=calib, settings=settings, progress=False)
+    table = run_interventions(inputs.model, inputs.eval_tokens, calibration=calib, settings=settings,
+                              batch_size=inputs.batch_size, progress=False)
     # the table names what the report really used: the file, and the calibration count
     return replace(table, corpus=describe(inputs.corpus), calibration=inputs.calib_source), note
 
