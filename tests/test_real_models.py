@@ -93,6 +93,27 @@ def test_ledger_reconstructs_the_residual(trace):
         assert float((total - rows.resid).abs().max()) < 1e-4 * float(rows.resid.abs().max())
 
 
+def test_every_peak_is_accounted_for(trace):
+    """The attribution behind the summary: its rows sum to each traced peak, and the named runs
+    of writes (not ``the rest``) explain at least 90% of it."""
+    for t in trace.targets.itertuples():
+        rows = trace.attribution[(trace.attribution.pos == t.pos) & (trace.attribution.dim == t.dim)
+                                 & (trace.attribution.target == "peak")]
+        assert float(rows.contribution.sum()) == pytest.approx(t.peak, rel=1e-4)
+        named = float(rows[rows.component != "rest"].contribution.sum())
+        assert named / t.peak >= 0.9, (t, rows)
+
+
+def test_heads_sum_to_the_attention_terms(trace):
+    """Per-head attribution on a real model: every attention term of the ledger is split, and
+    the heads (with b_O) sum to it."""
+    attn = trace.ledger[trace.ledger.component == "attn"].set_index(["pos", "dim", "layer"]).contribution.sort_index()
+    sums = trace.heads.groupby(["pos", "dim", "layer"]).contribution.sum()
+    assert sums.index.equals(attn.index)
+    scale = trace.ledger.resid.abs().max()
+    assert float((sums - attn).abs().max()) <= 1e-5 * scale
+
+
 def test_ledger_residual_matches_plain_transformers(real_model, trace):
     """The ledger's measured residual after each layer equals the HF model's hidden state
     (``output_hidden_states``, no TransformerLens hooks)."""

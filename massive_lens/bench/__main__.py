@@ -13,13 +13,13 @@ import traceback
 
 import torch
 
-from massive_lens.bench import attention, detect, harness, origin, train
+from massive_lens.bench import attention, detect, harness, origin, report, train
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
 from massive_lens.models import load_model
 
-AREAS = ("detect", "origin", "attention", "train")
-MODEL_AREAS = ("detect", "origin", "attention")  # run on each model; train needs none
+AREAS = ("detect", "origin", "attention", "report", "train")
+MODEL_AREAS = ("detect", "origin", "attention", "report")  # on each model; train needs none
 MODELS = ("default", "qwen2.5-coder-1.5b")  # the two offline models
 
 
@@ -27,11 +27,13 @@ def _tokens(model) -> torch.Tensor:
     return next(token_batches(ModelView(model), None, seq_len=detect.SEQ_LEN, batch_size=2 * detect.N_SEQS))
 
 
-def _memory(spec: str, model_name: str) -> float:
+def _memory(spec: str, model_name: str) -> float | dict[str, float]:
     area, case = spec.split(":")
-    if area != "detect":
+    if area not in ("detect", "report"):
         raise SystemExit(f"no memory cases in area {area!r}")
     model = load_model(model_name)
+    if area == "report":
+        return {**report.measure(model), "model": ModelView(model).name}
     tokens = detect.batch(model, _tokens(model))
     calls = detect.cases(model, tokens)
     detect.cases(model, tokens[:1, :8])["plain_forward"]()  # wire lazy state with a tiny pass
@@ -49,7 +51,8 @@ def _model_rows(name: str, areas: list[str], repeats: int, failed: list[str]) ->
     tokens = _tokens(model)
     runs = {"detect": lambda: detect.rows(model, tokens, repeats),
             "origin": lambda: origin.rows(model, tokens, repeats),
-            "attention": lambda: attention.rows(model, tokens, repeats)}
+            "attention": lambda: attention.rows(model, tokens, repeats),
+            "report": lambda: report.rows(name)}
     rows = []
     for area in areas:
         try:

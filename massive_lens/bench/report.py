@@ -1,0 +1,44 @@
+"""The report's peak memory against the model's weights (goal: at most 1.5x), and its time.
+
+Each model's report runs in a fresh interpreter (``python -m massive_lens.bench --memory
+report:write_report --models NAME``) so that nothing earlier counts. The peak is the
+process's resident high-water mark while the report ran, model included (what
+:class:`~massive_lens.report.memory.PeakMemory` states in the report itself), so on a small
+model the interpreter and its libraries (several hundred MB) weigh more than the weights do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from massive_lens.bench.harness import Row
+from massive_lens.report import write_report
+from massive_lens.report.memory import PeakMemory, weight_bytes
+
+GOAL = 1.5
+
+
+def measure(model: Any) -> dict[str, float]:
+    """Write the default report of ``model`` into a temporary folder; its peak and time."""
+    with tempfile.TemporaryDirectory() as out, PeakMemory() as peak:
+        start = time.perf_counter()
+        write_report(model, out_dir=out, progress=False, tables=False)
+        seconds = time.perf_counter() - start
+    return {"peak": float(peak.peak_bytes), "weights": float(weight_bytes(model)), "seconds": seconds}
+
+
+def rows(model_name: str) -> list[Row]:
+    out = subprocess.run([sys.executable, "-m", "massive_lens.bench", "--memory", "report:write_report",
+                          "--models", model_name], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"the report on {model_name} failed:\n{out.stderr[-2000:]}")
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    gb = 1024 ** 3
+    return [Row("report", "write_report peak resident memory (model included) / weights", m["peak"] / m["weights"],
+                GOAL, f"{m['peak'] / gb:.2f} GB peak vs {m['weights'] / gb:.2f} GB weights; the report took "
+                f"{m['seconds']:.0f} s", m.get("model", model_name))]
