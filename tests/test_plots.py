@@ -74,8 +74,10 @@ def test_overlay_profiles_from_results_and_variant_frames(llama, tmp_path):
 
 
 def test_attention_maps_outline_sink_columns(tmp_path):
-    fig = plots.attention_maps(tiny_model("qwen2"), "Hi there.", layer=1, sinks=[0, 3])
+    ax = plots.attention_maps(tiny_model("qwen2"), "Hi there.", layer=1, sinks=[0, 3])
+    fig = ax.figure
     titles = [a.get_title() for a in fig.axes if a.get_title()]
+    assert any(a.get_ylabel() == "attention weight" for a in fig.axes)  # the colorbar
     assert titles == ["L1H0", "L1H1", "L1H2", "L1H3"]
     assert len(fig.axes[0].patches) == 2  # one red outline per sink column
     assert fig.get_supxlabel().startswith("key token")
@@ -123,3 +125,14 @@ def test_save_figure_accepts_axes_arrays(tmp_path):
     _, axes = plt.subplots(1, 2)
     axes[0].plot([0, 1], [1, 2])
     assert len(_saved(axes, tmp_path)) == 2
+
+
+def test_intervention_bars_read_as_ratios():
+    """Log-scale ratio ticks read x1, x2, ...: never in the 6x10^0 form."""
+    frame = pd.DataFrame({"setting": ["original", "mean", "zero"], "ratio": [1.0, 1.05, 6.0],
+                          "ratio_low": [1.0, 1.0, 5.0], "ratio_high": [1.0, 1.1, 7.0]})
+    ax = plots.intervention_bars(frame)
+    ax.figure.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=True) + ax.get_yticklabels() if t.get_text()]
+    assert labels and all(label.startswith("x") for label in labels), labels
+    assert "x6" in labels or "x5" in labels

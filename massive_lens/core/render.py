@@ -216,6 +216,10 @@ def intervention_bars(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
     ax.bar(frame["setting"], ratio, yerr=[low, high], capsize=3, color=colors, alpha=0.8)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_yscale("log")
+    readable = matplotlib.ticker.FuncFormatter(lambda v, _: f"x{v:g}")  # x1, x2, x50: not 6x10^0
+    ax.yaxis.set_major_formatter(readable)
+    ax.yaxis.set_minor_formatter(readable if ratio.max() / max(ratio.min(), 1e-12) < 100
+                                 else matplotlib.ticker.NullFormatter())
     ax.set_ylabel("perplexity / original (95% interval)")
     ax.tick_params(axis="x", rotation=30)
     ax.set_title(title)
@@ -276,9 +280,12 @@ def landscape_axes(
     for pos in range(mag.shape[0]):
         color = "tab:red" if pos in label_tokens else cmap(pos / max(1, mag.shape[0] - 1))
         ax.plot(dims, np.full_like(dims, pos), mag[pos], color=color, lw=0.8)
-    for dim in label_dims:
+    placed: list[tuple[int, int]] = []  # labels near each other (same token, close dims) stack upwards
+    for dim in sorted(label_dims, key=lambda d: -mag[:, d].max()):
         pos = int(mag[:, dim].argmax())
-        ax.text(dim, pos, mag[pos, dim], f"dim {dim}", color="tab:red", fontsize=8)
+        near = sum(p == pos and abs(d - dim) < 0.08 * len(dims) for d, p in placed)
+        ax.text(dim, pos, mag[pos, dim] + near * 0.08 * mag.max(), f"dim {dim}", color="tab:red", fontsize=8)
+        placed.append((dim, pos))
     step = max(1, len(tokens) // 20)
     ticks = list(range(0, len(tokens), step))
     ax.set_yticks(ticks, [tick_label(tokens[i]) for i in ticks], fontsize=7)

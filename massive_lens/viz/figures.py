@@ -87,8 +87,8 @@ def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax:
 def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | None = None,
                    sinks: Sequence[int] | None = None, max_heads: int = 12) -> Any:
     """Per-head attention maps of one layer (query x key, token strings as ticks) with the sink
-    key columns outlined in red. ``sinks`` default to the positions with massive activations
-    (first token if none). Returns the Figure.
+    key columns outlined in red and one colorbar for all panels. ``sinks`` default to the
+    positions with massive activations (first token if none).
 
     Args:
         model: a TransformerLens-style model.
@@ -100,15 +100,16 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
         max_heads: how many heads to draw when ``heads`` is None (default 12).
 
     Returns:
-        The matplotlib Figure, one panel per head, up to four per row.
+        The first panel's matplotlib Axes, as every plot function returns; the Figure
+        (``ax.figure``) holds one panel per head, up to four per row, and the colorbar.
 
     Raises:
         MassiveLensError: if ``text`` is empty or too long or ``layer`` is out of range.
 
     >>> from massive_lens import tiny_model
-    >>> fig = attention_maps(tiny_model("gpt2"), "Hi there.", layer=0, heads=[0, 1])
-    >>> fig.axes[1].get_title()
-    'L0H1'
+    >>> ax = attention_maps(tiny_model("gpt2"), "Hi there.", layer=0, heads=[0, 1])
+    >>> ax.get_title(), ax.figure.axes[1].get_title()
+    ('L0H0', 'L0H1')
     """
     pattern, tokens = capture_one(model, text, layer, "attn.hook_pattern")
     chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else list(heads)
@@ -118,8 +119,9 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
     rows = -(-len(chosen) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
     labels = [tick_label(t, 8) for t in tokens]
+    image = None
     for ax, head in zip(axes.flat, chosen, strict=False):
-        ax.imshow(pattern[head].numpy(), cmap="Blues", vmin=0, vmax=1)
+        image = ax.imshow(pattern[head].numpy(), cmap="Blues", vmin=0, vmax=1)
         for s in sinks:
             ax.add_patch(Rectangle((s - 0.5, -0.5), 1, len(tokens), fill=False, ec="tab:red", lw=1.5))
         ax.set_title(f"L{layer}H{head}")
@@ -130,4 +132,5 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
         ax.axis("off")
     fig.supxlabel("key token (attended to); red: sink columns")
     fig.supylabel("query token")
-    return fig
+    fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
+    return axes.flat[0]
