@@ -31,6 +31,9 @@ from massive_lens.report import compare_models, write_report
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
 from massive_lens.train.compare import compare_main
 from massive_lens.train.data import TOKENIZERS, write_token_file
+from massive_lens.train.retrofit_cli import HELP as RETROFIT_HELP
+from massive_lens.train.retrofit_cli import add_arguments as retrofit_arguments
+from massive_lens.train.retrofit_cli import cmd_retrofit
 from massive_lens.train.trainer import run_and_exit
 
 
@@ -168,6 +171,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "train-compare": (cmd_train_compare,
                       "train small models with softmax, softmax1 and other attention variants and compare"),
     "tokenize": (cmd_tokenize, "tokenize a corpus once into a .bin token file that training reads by memmap"),
+    "retrofit": (cmd_retrofit, RETROFIT_HELP),
 }
 
 
@@ -218,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("out_dir", help="run folder (checkpoints, log.csv, run.json); an existing run resumes")
     one.add_argument("overrides", nargs="*", help="TrainConfig fields as key=value (Python literals or strings)")
     tok.add_argument("--max-chars", type=int, default=None, help="stop after this many characters")
+    retrofit_arguments(cmd["retrofit"])
     return parser
 
 

@@ -9,12 +9,14 @@ activations, attention sinks and int8 cost. See ``docs/training.md``.
 
 from massive_lens.train.attention import VARIANTS, VariantConfig
 from massive_lens.train.compare import Comparison, compare_main, compare_variants
+from massive_lens.train.hf_attention import swap_attention
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
 from massive_lens.train.presets import PRESETS, TrainConfig, get_preset
+from massive_lens.train.retrofit import Retrofit, retrofit
 from massive_lens.train.trainer import TrainRun, load_run, train_model
 
 __all__ = [
     "VARIANTS", "VariantConfig", "MassiveLM", "MassiveLMConfig", "TrainConfig", "PRESETS",
     "get_preset", "train_model", "load_run", "TrainRun", "compare_variants", "compare_main",
-    "Comparison",
+    "Comparison", "retrofit", "Retrofit", "swap_attention",
 ]

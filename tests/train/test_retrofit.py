@@ -1,0 +1,146 @@
+"""Retrofit: attention swapped into a Hugging Face model, removal of massive activations, fine-tuning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from helpers import untouched
+from planting import BIRTH, SINK_DIM, TEXT, plant_sink
+
+from massive_lens import find_massive, tiny_model
+from massive_lens.errors import MassiveLensError
+from massive_lens.train import MassiveLM, MassiveLMConfig, VariantConfig
+from massive_lens.train.hf_attention import (
+    attention_modules,
+    bridge_hooks,
+    load_into_bridge,
+    plain_copy,
+    swap_attention,
+    variant_of,
+)
+from massive_lens.train.model import lm_loss
+from massive_lens.train.retrofit import Retrofit, retrofit
+from massive_lens.train.retrofit_parts import analysis_bridge, parse_setting, tracked_eval
+
+VARIANTS = [VariantConfig("softmax"), VariantConfig("softmax1"), VariantConfig("softmax_n", n=3),
+            VariantConfig("learned_sink"), VariantConfig("kv_bias"), VariantConfig("k_bias")]
+
+
+def _llama_twin(cfg: MassiveLMConfig, lm: MassiveLM) -> torch.nn.Module:
+    """A Hugging Face Llama holding ``lm``'s weights (an independent implementation of the same net)."""
+    h, kv, d, m = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads, cfg.d_head, cfg.d_model
+    config = tf.LlamaConfig(vocab_size=cfg.d_vocab, hidden_size=m, intermediate_size=cfg.d_mlp,
+                            num_hidden_layers=cfg.n_layers, num_attention_heads=h, num_key_value_heads=kv,
+                            head_dim=d, rms_norm_eps=cfg.eps, max_position_embeddings=cfg.n_ctx + 1,
+                            rope_theta=cfg.rotary_base, tie_word_embeddings=False)
+    hf = tf.LlamaForCausalLM(config).to(lm.W_E.dtype).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(lm.W_E)
+        hf.model.norm.weight.copy_(lm.ln_final.w)
+        hf.lm_head.weight.copy_(lm.W_U.T)
+        for block, layer in zip(lm.blocks, hf.model.layers, strict=True):
+            a, f = block.attn, block.mlp
+            layer.input_layernorm.weight.copy_(block.ln1.w)
+            layer.post_attention_layernorm.weight.copy_(block.ln2.w)
+            for W, proj in ((a.W_Q, layer.self_attn.q_proj), (a.W_K, layer.self_attn.k_proj),
+                            (a.W_V, layer.self_attn.v_proj)):
+                proj.weight.copy_(W.permute(0, 2, 1).reshape(-1, m))
+            layer.self_attn.o_proj.weight.copy_(a.W_O.reshape(-1, m).T)
+            layer.mlp.gate_proj.weight.copy_(f.W_gate.T)
+            layer.mlp.up_proj.weight.copy_(f.W_in.T)
+            layer.mlp.down_proj.weight.copy_(f.W_out.T)
+    return hf
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name + (f"{v.n}" if v.name == "softmax_n" else ""))
+def test_swapped_variant_matches_massive_lm(variant):
+    cfg = MassiveLMConfig(n_layers=2, d_model=32, n_heads=4, n_key_value_heads=2, n_ctx=24, init_range=0.3,
+                          attention=variant)
+    lm = MassiveLM(cfg).eval()
+    with torch.no_grad():
+        for block in lm.blocks:
+            for p in block.attn.variant.parameters():
+                p.normal_(0, 1.0)
+    lm = lm.to(torch.float64)  # float64 on both sides: 1e-5 then measures the implementations, not rounding
+    hf = swap_attention(_llama_twin(cfg, lm).to(torch.float64), variant)
+    for block, module in zip(lm.blocks, attention_modules(hf), strict=True):
+        module.ml_variant.load_state_dict(block.attn.variant.state_dict())
+    tokens = torch.randint(0, cfg.d_vocab, (3, 20))
+    expected = lm(tokens)
+    assert torch.allclose(hf(tokens, use_cache=False).logits, expected, atol=1e-5, rtol=0)
+    loss, rows = tracked_eval(hf, tokens, [0], lm_loss)  # the explicit (recording) path gives the same loss
+    assert loss == pytest.approx(float(lm(tokens, return_type="loss")), abs=1e-5)
+    has_slot = variant.name != "softmax"
+    assert all((r["slot_mass"] > 0) == has_slot and 0 < r["first_mass"] < 1 for r in rows)
+
+
+@pytest.mark.parametrize("name", ["softmax1", "learned_sink", "kv_bias"])
+def test_bridge_with_hooks_computes_the_swapped_model(name):
+    bridge = tiny_model("llama")
+    hf = swap_attention(plain_copy(bridge), name)
+    with torch.no_grad():
+        for module in attention_modules(hf):
+            for p in module.ml_variant.parameters():
+                p.normal_(0, 1.0)
+    tokens = torch.tensor([[256, 72, 105, 33, 44, 50, 51]])
+    assert variant_of(hf) == name
+    with untouched(bridge):
+        plain = bridge(tokens)
+        load_into_bridge(bridge, hf)  # same weights as before: the bridge is unchanged
+        with bridge.hooks(fwd_hooks=bridge_hooks(bridge, hf)):
+            swapped = bridge(tokens)
+    expected = hf(tokens, use_cache=False).logits
+    assert torch.allclose(swapped, expected, atol=1e-5)
+    assert not torch.allclose(plain, expected, atol=1e-3)  # the slots matter
+    analysed = analysis_bridge(hf, bridge.tokenizer)
+    assert torch.allclose(analysed(tokens), expected, atol=1e-5)
+    assert find_massive(analysed, tokens).to_frame() is not None
+
+
+def test_bad_settings_and_variants():
+    assert parse_setting("kv_bias-removed-held").hold
+    for bad in ("softmax", "gated-removed", "softmax-kept-held", "softmax-gone"):
+        with pytest.raises(MassiveLensError):
+            parse_setting(bad)
+    with pytest.raises(MassiveLensError, match="cannot be swapped"):
+        swap_attention(plain_copy(tiny_model("llama")), "gated")
+    with pytest.raises(MassiveLensError, match="nothing in this .* is massive"):
+        retrofit(tiny_model("llama"), ["softmax-removed"], steps=1, batch_size=1, seq_len=16, data=TEXT,
+                 eval_data=TEXT, progress=False, measure=False)
+
+
+def test_smoke_removal_swap_and_loss_falls(tmp_path):
+    model = tiny_model("llama")
+    plant_sink(model)
+    models: dict = {}
+    with untouched(model):
+        result = retrofit(model, ["softmax-kept", "softmax1-removed", "kv_bias-removed-held"], steps=6,
+                          batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, data=TEXT, eval_data=TEXT,
+                          eval_every=3, eval_seqs=2, out_dir=tmp_path, progress=False, models=models)
+    assert result.dims == [SINK_DIM] and BIRTH in set(result.super_weights.neuron)
+    start = result.layers[result.layers.step == 0].groupby("setting").dims_max.max()
+    assert start["softmax-kept"] > 1000 > 10 * start["softmax1-removed"]  # removal took the planted value away
+    frame = result.to_frame().set_index("setting")
+    assert (frame.val_loss < frame.val_loss_start).all()  # every setting learns
+    assert frame.loc["kv_bias-removed-held", "slot_mass"] > 0 == frame.loc["softmax-kept", "slot_mass"]
+    assert frame["gap"].notna().all()
+    assert variant_of(models["softmax1-removed/seed0"]) == "softmax1"
+    loaded = Retrofit.load(tmp_path / "result") if hasattr(Retrofit, "load") else None
+    from massive_lens import load
+
+    loaded = load(tmp_path / "result")
+    assert loaded.summary() == result.summary()
+    assert (tmp_path / "loss.png").is_file() and (tmp_path / "activations.png").is_file()
+
+
+@pytest.mark.slow
+def test_default_model_few_steps(default_model, tmp_path):
+    with untouched(default_model):
+        result = retrofit(default_model, ["softmax-removed", "softmax1-removed"], steps=2, batch_size=2,
+                          seq_len=64, eval_every=2, eval_seqs=2, measure=False, progress=False)
+    assert result.dims and len(result.super_weights)
+    frame = result.to_frame().set_index("setting")
+    kept = result.layers[result.layers.step == 0].dims_max.max()
+    assert kept < 100  # the removal takes the massive activations away at step 0
+    assert (frame.val_loss < frame.val_loss_start).all()
