@@ -104,7 +104,8 @@ def load_model(
         backend: ``"bridge"`` (a ``TransformerBridge``) or ``"hooked"`` (a ``HookedTransformer``
             with no weight processing; TransformerLens 3.x only): see :mod:`massive_lens.backends`.
             None: ``"hooked"`` where the installed TransformerLens has it (3.x), falling back to
-            the bridge for an architecture it cannot convert; ``"bridge"`` on 4.x. Both give
+            the bridge for an architecture it cannot convert or with ``device_map``; ``"bridge"``
+            on 4.x. Both give
             the same numbers. A TransformerLens model passed in keeps its kind.
         name: the name results and the report print for this model (sets ``cfg.model_name``);
             None: the offline model's name, the hub id, or the folder's or file's name.
@@ -130,7 +131,7 @@ def load_model(
     """
     asked = None if dtype is None else as_dtype(dtype)
     dtype = asked or torch.float32
-    kind = check_backend(backend)
+    kind = check_backend(backend) if backend is not None or device_map is None else "bridge"  # device_map: a bridge
     if kind == "hooked" and device_map is not None:
         raise MassiveLensError("device_map dispatches a TransformerBridge's Hugging Face model; a HookedTransformer "
                                "loads on one device: pass device= (or backend='bridge' to keep device_map)")
