@@ -107,7 +107,8 @@ def test_every_option_steers_the_report_and_the_report_names_what_it_used(tmp_pa
     assert "dim 4" in md and "pos 1" in md and "layer 1" in md
     assert "Causal check: perplexity with and without each ablation on the first 3 evaluation sequences" in md
     assert "without a corpus" not in md and "Skipped" not in md
-    assert re.search(r"peak memory [\d.]+ GiB resident while the report ran", md)
+    assert re.search(r"Peak memory [\d.]+ [GM]iB resident while the report ran, model included", md)
+    assert re.search(r"the model's weights: \d+ MiB, so the peak is [\d.]+x the weights", md)
     assert "seq_len=24, n_seqs=3, scan_seqs=5, calib_seqs=2, verify=True, dim=4, pos=1, layer=1" in md
     assert not (path.parent / "tables").exists()
 

@@ -98,12 +98,13 @@ class PeakMemory:
         """The peak in words, against the weights' size."""
         when = "while the report ran" if self.own_peak else "since the process started (its lifetime peak)"
         text = (f"peak memory {_gb(self.peak_bytes)} resident {when}, model included "
-                f"({_gb(self.start_bytes)} at the start); the model's weights: {_gb(weights)}, "
-                f"so the peak is {self.peak_bytes / max(weights, 1):.2f}x the weights")
+                f"({_gb(self.start_bytes)} at the start, +{_gb(max(self.peak_bytes - self.start_bytes, 0))}); "
+                f"the model's weights: {_gb(weights)}, so the peak is {self.peak_bytes / max(weights, 1):.2f}x "
+                "the weights")
         if self.cuda_peak_bytes:
             text += f"; peak CUDA memory allocated: {_gb(self.cuda_peak_bytes)}"
         return text
 
 
 def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
