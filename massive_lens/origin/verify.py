@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import Batch, ModelView
@@ -142,7 +143,8 @@ def verify_targets(view: ModelView, batch: Batch, cap: Capture, targets: list[di
     tokens = None if corpus is None else sequences(view, corpus, VERIFY_SEQ_LEN, VERIFY_SEQS)
     base_ppl = ppl(view.model, tokens, [])
     rows = []
-    for t in targets:
+    # with a corpus each target costs perplexity runs (seconds to minutes): show progress
+    for t in tqdm(targets, desc="verifying (perplexity on the corpus)", disable=tokens is None, leave=False):
         mine = [b for b in births if b["pos"] == t["pos"] and b["dim"] == t["dim"]]
         base = cap.layers["resid_post"][:, cap.index(t["pos"]), t["dim"]]
         rows += verification_rows(view, batch, base, mine, neurons, t["peak_layer"], tokens, base_ppl)
