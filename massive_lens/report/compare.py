@@ -76,9 +76,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     """Run the report's analyses on each model and write one page comparing them side by side.
 
     The options are :func:`~massive_lens.write_report`'s, with the same names and defaults
-    (``massive-lens report --model A --model B`` passes its flags here); those not listed
-    below mean what they mean there. ``verify`` and ``layer`` do not apply to this page (the
-    trace is compared, not verified; it draws no per-layer figures) and must be left None.
+    (``massive-lens report --model A --model B`` passes its flags here).
 
     Args:
         models: two or more models: loaded TransformerLens models, or names and paths for
@@ -88,20 +86,32 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
         text: the text inspected token by token (None: two short sentences).
         corpus: what the scan and the intervention table read (a file, text, ``hf:`` name;
             None: the offline default text).
+        calibration: where the intervention means and sinks are measured (None: the corpus
+            sequences after the evaluation ones).
         out_dir: the output folder (default ``"report"``, created if missing and checked
             before any work); its ``index.html``, ``report.md``, ``figures/`` and ``tables/``
             are overwritten.
-        quick: tiny settings (seconds on a tiny model), for tests.
-        progress: show a progress bar over the models.
+        seq_len: tokens per corpus sequence (None: 128; 32 with ``quick``).
+        n_seqs: evaluation sequences (None: 8; 2 with ``quick``).
+        scan_seqs: corpus sequences the scan reads (None: 8; 4 with ``quick``).
+        calib_seqs: calibration sequences (None: 4; 2 with ``quick``).
+        verify: must be None or False: the page compares the traces, it does not verify them.
+        dim: the hidden dimension to trace in every model (None: each one's largest entry's).
+        pos: the token position to trace (None: each model's largest massive entry's).
+        layer: must be None: the page draws no per-layer figures.
         device: where to load models given by name (None: the loader's choice).
         dtype: the dtype of models given by name (None: float32).
+        quick: tiny settings (seconds on a tiny model), for tests.
+        progress: show a progress bar over the models.
+        tables: also write every table as CSV under ``out_dir/tables/``.
 
     Returns:
         The path of ``index.html``.
 
     Raises:
         MassiveLensError: if fewer than two models are given, ``text`` is empty or not a
-            string, or a model cannot be loaded. An analysis that raises
+            string, an option is out of range or does not apply (``verify``, ``layer``),
+            ``out_dir`` or a corpus file is unusable, or a model cannot be loaded. An analysis that raises
             ``MassiveLensError`` on one model leaves that model's cells empty, with a note.
 
     >>> from massive_lens import tiny_model
