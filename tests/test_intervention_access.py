@@ -88,3 +88,18 @@ def test_calibration_equal_to_evaluation_text_is_refused():
     with untouched(model), pytest.raises(MassiveLensError, match="shares 2 of its 2 sequences"):
         run_interventions(model, text, calibration=text, seq_len=16, n_seqs=2, calibration_seqs=2,
                           settings=["original"], progress=False)
+
+
+def test_pattern_edit_probe_is_not_fooled_by_a_zero_padding_embedding():
+    """Gemma's padding embedding is zero: a probe on padding tokens would see no effect of a
+    pattern edit. On real tokens the edit applies, and remove_sink_attention changes the output."""
+    from massive_lens.interventions.access import pattern_edits_apply
+
+    b, calib = _calibrated("Gemma2ForCausalLM")
+    assert all(pattern_edits_apply(b.model, layer) for layer in calib.attn_layers)
+    assert not pattern_edits_apply(build("OPTForCausalLM").model, 1)
+    with untouched(b.model), torch.no_grad():
+        base = b.model(b.tokens)
+        with remove_sink_attention(b.model, calibration=calib):
+            edited = b.model(b.tokens)
+    assert not torch.equal(base, edited)

@@ -36,6 +36,7 @@ from massive_lens.errors import MassiveLensError
 
 HOOKS = ("q", "k", "v", "rot_q", "rot_k", "cos", "sin", "attn_scores", "pattern", "z")
 _PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {layer: Access}
+_EDITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {layer: a pattern edit applies}
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,43 @@ def attention_access(model: Any) -> dict[int, Access]:
     hooks = [(f"blocks.{layer}.attn.hook_{h}", partial(seen, layer=layer, name=h))
              for layer, hooks in named.items() for h in sorted(hooks)]
     if hooks:
-        view.forward(view.full_batch(torch.zeros(1, pos, dtype=torch.long)), hooks, check_finite=False)
+        view.forward(view.full_batch(probe_tokens(model, pos)), hooks, check_finite=False)
     found = {layer: Access(layer, pos, named[layer], tuple(dict.fromkeys(order[layer])), shapes[layer])
              for layer in named}
     _PROBED[model] = found
     return found
+
+
+def probe_tokens(model: Any, pos: int) -> Tensor:
+    """``[1, pos]`` distinct token ids, none of them padding (a padding id's embedding may be
+    zero, and with it every value: an edit would then change nothing)."""
+    vocab = int(getattr(model.cfg, "d_vocab", 0) or 2 * pos + 2)
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    ids = [i for i in range(1, vocab) if i != pad][:pos]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def pattern_edits_apply(model: Any, layer: int) -> bool:
+    """Whether zeroing ``attn.hook_pattern`` of ``layer`` changes that block's ``resid_post``
+    (probed once per model and layer, on the probe's tokens): a bridge that fires the hook
+    after the Hugging Face module used the pattern discards the edit. (Unlike
+    ``ModelView.pattern_edits_apply``, it probes with non-padding tokens: Gemma's and Cohere's
+    padding embedding is zero, which hides the edit.)"""
+    cache = _EDITS.setdefault(model, {})
+    if layer not in cache:
+        view = ModelView(model)
+        pattern, after = view.hook_name(layer, "attn.hook_pattern"), view.hook_name(layer, "resid_post")
+        batch = view.full_batch(probe_tokens(model, attention_access(model)[layer].pos))
+        seen: list[Tensor] = []
+
+        def keep(x: Tensor, hook: Any) -> None:
+            seen.append(x.detach().clone())
+
+        view.forward(batch, [(after, keep)], stop_after=after, check_finite=False)
+        view.forward(batch, [(pattern, lambda p, hook: torch.zeros_like(p)), (after, keep)], stop_after=after,
+                     check_finite=False)
+        cache[layer] = not torch.equal(seen[0], seen[1])
+    return cache[layer]
 
 
 def architecture(view: ModelView) -> str:
@@ -157,7 +190,7 @@ def require(model: Any, what: str, layers: Any, *, reads: tuple[str, ...] = (),
                     f"{who}: {what} needs blocks.{layer}.attn.hook_{hook} as [batch, pos, head, d_head]; this "
                     f"attention gives {a.shapes.get(hook, 'nothing')} on {a.pos} tokens (e.g. latent or "
                     "compressed attention)")
-        if edits_pattern and not view.pattern_edits_apply(layer):
+        if edits_pattern and not pattern_edits_apply(model, layer):
             raise MassiveLensError(
                 f"{who}: {what} edits blocks.{layer}.attn.hook_pattern, but this architecture's bridge fires "
                 "that hook after the Hugging Face module used the pattern, so an edit would be discarded; "
