@@ -206,3 +206,19 @@ def test_default_model_hooked_gives_the_bridges_numbers(default_model):
             )
     for key in results["bridge"]:
         assert_frames_close(results["hooked"][key], results["bridge"][key])
+
+
+@tl3
+def test_quick_report_on_a_hooked_transformer(tmp_path):
+    """The report runs on a HookedTransformer: a planted massive activation is found and traced
+    to its neuron, and the model is left as it was."""
+    from helpers import plant_massive
+
+    from massive_lens.report import write_report
+
+    hf, tok = hf_tiny("llama")
+    model = load_model(hf, tokenizer=tok, backend="hooked", name="tiny-hooked")
+    plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=tok.bos_token_id, trigger_dim=3)
+    with untouched(model):
+        html = write_report(model, out_dir=tmp_path, quick=True, progress=False).read_text()
+    assert "tiny-hooked" in html and "born in MLP 1 (neuron 5" in html
