@@ -19,7 +19,9 @@ everything else. This module measures, on any TransformerLens-style model (a
   text). The unembedding is kept in full precision unless ``include_head=True``.
 
 The model is never left changed: hooks are removed and the original weight tensors put
-back on every exit path, exceptions included.
+back on every exit path, exceptions included. Each weight is quantized only while its own
+layer runs (a copy of one layer at a time, never of the whole model), and the loss passes
+are split so that one pass's logits stay small next to the weights.
 
 >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
 >>> report = measure_outliers(MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2)),
@@ -156,11 +158,16 @@ def fake_quantized(
     >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
     >>> m = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
     >>> original = m.blocks[0].mlp.W_in.data_ptr()
+    >>> tokens = m.to_tokens("Now run this.")
+    >>> full = m(tokens)
     >>> with fake_quantized(m, m.to_tokens("Calibrate on this.")):
-    ...     m.blocks[0].mlp.W_in.data_ptr() == original
-    False
+    ...     bool((m(tokens) - full).abs().max() > 0)  # each layer quantized while it runs
+    True
     >>> m.blocks[0].mlp.W_in.data_ptr() == original  # the very same tensor is back
     True
+
+    Each weight is swapped for its int8 version only while its module runs, so the block
+    holds one quantized layer at a time, not a second copy of the model.
     """
     sites = _sites(model, include_head)
     handles: list[Any] = []
@@ -178,12 +185,12 @@ def fake_quantized(
         handles.clear()
         seen: set[int] = set()
         for i, (module, weight, in_dims) in enumerate(sites):
-            if i in ranges:
-                handles.append(module.register_forward_pre_hook(_quantizer(*ranges[i]), with_kwargs=True))
             if id(weight) not in seen:
                 seen.add(id(weight))
-                saved.append((weight, weight.data))
-                weight.data = fake_quant_weight(weight.data, in_dims if per_channel else None)
+                saved.append((weight, weight.data))  # a reference, put back on every exit path
+            pre, post = _weight_swap(weight, in_dims if per_channel else None, ranges.get(i))
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post))
         yield model
     finally:
         for handle in handles:
@@ -256,23 +263,49 @@ def _observer(ranges: dict[int, list[float]], i: int) -> Any:
     return hook
 
 
-def _quantizer(low: float, high: float) -> Any:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _weight_swap(weight: nn.Parameter, in_dims: tuple[int, ...] | None, bounds: list[float] | None
+                 ) -> tuple[Any, Any]:
+    """Hooks that quantize the module's input (where calibrated) and swap in its int8 weight for
+    the length of its forward, then put the full-precision tensor back."""
+    kept: list[Tensor] = []
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        kept.append(weight.data)
+        weight.data = fake_quant_weight(weight.data, in_dims)
+        if bounds is None:
+            return None
+        low, high = bounds
         if args:
             return (fake_quant_activation(args[0], low, high), *args[1:]), kwargs
         key = next(iter(kwargs))
         return args, {**kwargs, key: fake_quant_activation(kwargs[key], low, high)}
 
-    return hook
+    def post(module: nn.Module, args: tuple, output: Any) -> None:
+        weight.data = kept.pop()
+
+    return pre, post
 
 
 def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
+def _chunks(model: Any, tokens: Int[Tensor, "batch pos"]) -> list[Tensor]:
+    """Split a batch so that one pass's logits (and the loss's copies of them) stay under a
+    tenth of the weights."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab = int(getattr(model.cfg, "d_vocab", 0) or 1)
+    per_seq = 3 * tokens.shape[1] * vocab * 4
+    return list(tokens.split(max(1, weights // 10 // per_seq)))
+
+
 def _loss(model: Any, tokens: Int[Tensor, "batch pos"]) -> float:
+    """Mean next-token loss over ``tokens`` (every sequence the same length), in chunks."""
+    total = 0.0
     with torch.no_grad():
-        return float(model(tokens.to(_device(model)), return_type="loss"))
+        for chunk in _chunks(model, tokens):
+            total += float(model(chunk.to(_device(model)), return_type="loss")) * len(chunk)
+    return total / len(tokens)
 
 
 def _eval_and_calibration(
@@ -292,10 +325,12 @@ def _eval_and_calibration(
 
 
 def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float, float]:
-    """Per-layer outlier statistics, the sink metric and the loss, from one forward pass."""
+    """Per-layer outlier statistics, the sink metric and the loss, from one forward pass (in
+    chunks, see :func:`_chunks`; every statistic is a mean over sequences, or a max)."""
     model = view.model
-    rows: dict[int, dict[str, float]] = {}
-    sink_shares: dict[int, Tensor] = {}
+    rows: dict[int, list[dict[str, Any]]] = {}
+    sink_shares: dict[int, list[Tensor]] = {}
+    losses, sizes = [], []
 
     def resid(x: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
         if not bool(torch.isfinite(x).all()):
@@ -308,23 +343,34 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tupl
         kurt = centered.pow(4).mean(-1) / centered.pow(2).mean(-1).pow(2).clamp(min=1e-24)
         norms = x.detach().float().norm(dim=-1)
         first = (norms[:, 0] / norms[:, 1:].median(1).values.clamp(min=1e-12)).mean()
-        rows[layer] = dict(
+        rows.setdefault(layer, []).append(dict(
             layer=layer, max_inf_norm=float(top.max()), top1=float(top.mean()),
             median=float(med.mean()), ratio=float((top / med).mean()),
             kurtosis=float(kurt.mean()), first_token_norm_ratio=float(first),
-        )
+        ))
 
     def pattern(p: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any) -> None:
-        sink_shares[int(hook.name.split(".")[1])] = first_token_mass(p)
+        sink_shares.setdefault(int(hook.name.split(".")[1]), []).append(first_token_mass(p))
 
     hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
              (lambda n: n.endswith("attn.hook_pattern"), pattern)]
     with torch.no_grad(), model_lock(model):
-        loss = model.run_with_hooks(tokens.to(_device(model)), return_type="loss", fwd_hooks=hooks)
+        for chunk in _chunks(model, tokens):
+            losses.append(float(model.run_with_hooks(chunk.to(_device(model)), return_type="loss", fwd_hooks=hooks)))
+            sizes.append(len(chunk))
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
-    frame = pd.DataFrame([rows[k] for k in sorted(rows)])
-    frame["sink_share"] = [sink_metric(sink_shares[k]) if k in sink_shares else float("nan")
-                           for k in frame["layer"]]
-    sink = sink_metric(torch.cat(list(sink_shares.values())) if sink_shares else torch.zeros(0))
-    return frame, sink, float(loss)
+    weights = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+
+    def mean(values: list[Any]) -> Any:
+        return sum(w * v for w, v in zip(weights.tolist(), values, strict=True))
+
+    def combine(key: str, parts: list[dict[str, Any]]) -> Any:
+        values = [r[key] for r in parts]
+        return values[0] if key == "layer" else max(values) if key == "max_inf_norm" else mean(values)
+
+    frame = pd.DataFrame([{key: combine(key, rows[k]) for key in rows[k][0]} for k in sorted(rows)])
+    shares = {k: mean(v) for k, v in sink_shares.items()}
+    frame["sink_share"] = [sink_metric(shares[k]) if k in shares else float("nan") for k in frame["layer"]]
+    sink = sink_metric(torch.cat(list(shares.values())) if shares else torch.zeros(0))
+    return frame, sink, mean(losses)
