@@ -122,6 +122,29 @@ class Retrofit(Result):
         """Held-out loss over steps, one line per setting (mean over seeds)."""
         return curve_axes(self.curves, y=("val_loss",), by="setting", ax=ax, title=f"{self.model_name}: retrofit")
 
+    @classmethod
+    def merge(cls, *results: Retrofit) -> Retrofit:
+        """One result from runs made separately (e.g. settings run in parallel processes)
+        on the same model with the same removal; the budgets' ``wall_s`` are summed.
+
+        Args:
+            *results: :class:`Retrofit` results of the same model.
+
+        Returns:
+            A :class:`Retrofit` holding every run.
+
+        Raises:
+            MassiveLensError: if no result is given, or they differ in model or traced dims.
+        """
+        if not results or len({(r.model_name, tuple(r.dims)) for r in results}) != 1:
+            raise MassiveLensError("merge needs one or more retrofit results of the same model and removal")
+        first = results[0]
+        frames = [pd.concat([getattr(r, name) for r in results if len(getattr(r, name))], ignore_index=True)
+                  for name in ("curves", "layers", "finals")]
+        runs = len(frames[0][["setting", "seed"]].drop_duplicates())
+        budget = dict(first.budget, runs=runs, wall_s=sum(r.budget.get("wall_s", 0) for r in results))
+        return cls(first.model_name, *frames, first.super_weights, list(first.dims), budget)
+
     def plot_activations(self, ax: Any = None) -> Any:
         """The formerly massive dims' largest ``|value|`` (any layer) over steps, per setting:
         anywhere (solid) and at the first token (dashed)."""

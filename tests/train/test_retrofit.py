@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 import transformers as tf
 from helpers import untouched
 from planting import BIRTH, SINK_DIM, TEXT, plant_sink
 
-from massive_lens import find_massive, tiny_model
+from massive_lens import find_massive, load, tiny_model
 from massive_lens.errors import MassiveLensError
 from massive_lens.train import MassiveLM, MassiveLMConfig, VariantConfig
 from massive_lens.train.hf_attention import (
@@ -126,11 +127,13 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
     assert frame.loc["kv_bias-removed-held", "slot_mass"] > 0 == frame.loc["softmax-kept", "slot_mass"]
     assert frame["gap"].notna().all()
     assert variant_of(models["softmax1-removed/seed0"]) == "softmax1"
-    loaded = Retrofit.load(tmp_path / "result") if hasattr(Retrofit, "load") else None
-    from massive_lens import load
-
     loaded = load(tmp_path / "result")
-    assert loaded.summary() == result.summary()
+    assert isinstance(loaded, Retrofit) and loaded.summary() == result.summary()
+    parts = [Retrofit(result.model_name, *(f[f.setting == s] for f in (result.curves, result.layers, result.finals)),
+                      result.super_weights, result.dims, result.budget) for s in result.curves.setting.unique()]
+    pd.testing.assert_frame_equal(Retrofit.merge(*parts).to_frame(), result.to_frame())
+    with pytest.raises(MassiveLensError):
+        Retrofit.merge()
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "activations.png").is_file()
 
 
