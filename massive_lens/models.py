@@ -286,12 +286,33 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
         overrides["n_layer"] = overrides.pop("num_hidden_layers")
     try:
         config = config_cls(**{**fields, **overrides})
-    except (TypeError, ValueError) as exc:
-        raise MassiveLensError(f"bad override for tiny_model({family!r}): {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - configs raise TypeError, ValueError or their own validation errors
+        raise MassiveLensError(f"bad override for tiny_model({family!r}): {str(exc).strip()}") from exc
+    _check_sizes(family, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hf = model_cls(config)
+        try:
+            hf = model_cls(config)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise MassiveLensError(f"tiny_model({family!r}) cannot be built with these sizes: {exc}") from exc
     return wrap_hf_model(hf, tok, name=f"tiny-{family}")
+
+
+def _check_sizes(family: str, config: Any) -> None:
+    """Sizes a model can have: positive integers, heads that divide the width and the key/value heads."""
+    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "max_position_embeddings")
+    sizes = {n: getattr(config, n, None) for n in names}
+    bad = {n: v for n, v in sizes.items() if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1)}
+    if bad:
+        raise MassiveLensError(f"tiny_model({family!r}): sizes must be positive integers, got {bad}")
+    heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if getattr(config, "head_dim", None) is None and sizes["hidden_size"] % heads:
+        raise MassiveLensError(f"tiny_model({family!r}): hidden_size {sizes['hidden_size']} is not a multiple of "
+                               f"num_attention_heads {heads}")
+    if kv is not None and heads % kv:
+        raise MassiveLensError(f"tiny_model({family!r}): num_attention_heads {heads} is not a multiple of "
+                               f"num_key_value_heads {kv}")
 
 
 def byte_tokenizer() -> Any:

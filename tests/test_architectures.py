@@ -103,12 +103,13 @@ def test_state_space_block_is_a_clear_error():
 
 
 @pytest.mark.parametrize(("arch", "live"), [("LlamaForCausalLM", True), ("OPTForCausalLM", False),
-                                            ("GPTJForCausalLM", False)])
+                                            ("GPTJForCausalLM", False), ("Gemma2ForCausalLM", True)])
 def test_pattern_edits_apply_probe(arch, live):
     """Some bridges fire hook_pattern after the HF module used it: reading is exact, editing is
-    not. The probe says which (for the interventions that edit the pattern)."""
-    from massive_lens.core.model_view import ModelView
+    not. The probe says which (for the interventions that edit the pattern); Gemma's zero
+    padding embedding must not hide a live edit."""
+    from massive_lens.interventions.access import pattern_edits_apply
 
     b = build(arch)
     with untouched(b.model):
-        assert ModelView(b.model).pattern_edits_apply(1) is live
+        assert pattern_edits_apply(b.model, 1) is live

@@ -327,6 +327,14 @@ CASES = [
     row("tiny", lambda m, d: _cli("train", "smoke", d / "run", "lr=nan"), "finite numbers", "cli-train-lr-nan"),
     row("tiny", lambda m, d: _cli("tokenize", "default", d / "t.bin", "--tokenizer", "bogus"), "invalid choice",
         "cli-tokenize-unknown-tokenizer"),
+    # --- tiny_model sizes a model cannot have
+    row("tiny", lambda m, d: tiny_model("llama", hidden_size=0), "positive integers", "tiny_model-zero-width"),
+    row("tiny", lambda m, d: tiny_model("gpt2", num_hidden_layers=-2), "positive integers",
+        "tiny_model-negative-layers"),
+    row("tiny", lambda m, d: tiny_model("gpt2", n_head=3, n_embd=32), "not a multiple of num_attention_heads",
+        "tiny_model-heads-not-dividing-width"),
+    row("tiny", lambda m, d: tiny_model("llama", num_key_value_heads=3), "not a multiple of num_key_value_heads",
+        "tiny_model-kv-heads-not-dividing"),
 ]
 
 

@@ -38,7 +38,6 @@ from massive_lens.errors import MassiveLensError
 __all__ = ["TOKEN_KINDS", "Batch", "ModelView", "check_token_ids", "model_lock", "readable_name", "text_ids"]
 
 _MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> RLock
-_PATTERN_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {layer: edits apply}
 _MODEL_LOCKS_BY_ID: dict[int, Any] = {}  # models that take no weak reference
 _MODEL_LOCKS_GUARD = threading.Lock()
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HookedTransformer -> weights checked
@@ -304,29 +303,6 @@ class ModelView:
 
         self.forward(batch, [(name, keep)], stop_after=name)
         return seen["x"]
-
-    def pattern_edits_apply(self, layer: int) -> bool:
-        """Whether an edit to ``attn.hook_pattern`` of ``layer`` changes the attention output.
-
-        Bridges that hand attention to the Hugging Face module fire the pattern hook *after*
-        the module used the weights (OPT, GPT-J, GPT-Neo, XGLM, ... in TransformerLens 4.3):
-        reading it is exact, but an edit is discarded. Probed once per model and layer, with a
-        two-token pass that zeroes the pattern.
-        """
-        cache = _PATTERN_LIVE.setdefault(self.model, {})
-        if layer not in cache:
-            pattern, out = self.hook_name(layer, "attn.hook_pattern"), self.hook_name(layer, "attn.hook_out")
-            batch = self.full_batch(torch.zeros(1, 2, dtype=torch.long))
-            seen: list[Tensor] = []
-
-            def keep(x: Tensor, hook: Any) -> None:
-                seen.append(x.detach().clone())
-
-            self.forward(batch, [(out, keep)], stop_after=out, check_finite=False)
-            self.forward(batch, [(pattern, lambda p, hook: torch.zeros_like(p)), (out, keep)], stop_after=out,
-                         check_finite=False)
-            cache[layer] = not torch.equal(seen[0], seen[1])
-        return cache[layer]
 
     def check_precision(self, peak: float, where: str) -> None:
         """Warn (with numbers) when a half-precision model carries values near its limits."""

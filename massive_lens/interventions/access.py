@@ -125,9 +125,8 @@ def probe_tokens(model: Any, pos: int) -> Tensor:
 def pattern_edits_apply(model: Any, layer: int) -> bool:
     """Whether zeroing ``attn.hook_pattern`` of ``layer`` changes that block's ``resid_post``
     (probed once per model and layer, on the probe's tokens): a bridge that fires the hook
-    after the Hugging Face module used the pattern discards the edit. (Unlike
-    ``ModelView.pattern_edits_apply``, it probes with non-padding tokens: Gemma's and Cohere's
-    padding embedding is zero, which hides the edit.)"""
+    after the Hugging Face module used the pattern discards the edit. The probe's tokens are
+    never padding: Gemma's and Cohere's padding embedding is zero, which would hide the edit."""
     cache = _EDITS.setdefault(model, {})
     if layer not in cache:
         view = ModelView(model)
