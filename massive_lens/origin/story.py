@@ -26,7 +26,9 @@ def _who(neurons: pd.DataFrame, e: Any) -> str:
     label = "neuron" if len(shown) == 1 else "neurons"
     rest = 1.0 - float(rows.share.sum())  # what the MLP's other neurons add, together
     others = f"; all other neurons {_pct(rest)}" if abs(rest) >= 0.05 else ""
-    return f" ({label} {', '.join(map(str, shown.neuron))}{more}: {_pct(shown.share.sum())}{others})"
+    units = zip(shown.expert, shown.neuron, strict=True)
+    names = ", ".join(str(n) if e < 0 else f"{n} of expert {e}" for e, n in units)
+    return f" ({label} {names}{more}: {_pct(shown.share.sum())}{others})"
 
 
 def _heads(heads: pd.DataFrame, layer: int, total: float) -> str:

@@ -74,9 +74,12 @@ class OriginTrace(Result):
       ``contribution`` and ``share`` of that layer's attention term, which they sum to; the
       head's ``first_token_attention`` and ``max_attention`` from ``pos``);
     - ``neurons``: top neurons of each MLP event (``contribution``, ``share`` of the MLP's term,
-      ``post`` activation, ``pre`` (gate) pre-activation, ``up`` value, ``w_out``);
+      ``post`` activation, ``pre`` (gate) pre-activation, ``up`` value, ``w_out``); in a mixture
+      of experts a neuron is (``expert``, ``neuron``) and ``route`` is the router's weight on
+      that expert at this position (``expert`` is -1 and ``route`` 1 in a dense MLP);
     - ``super_weights``: the ``W_out[neuron, dim]`` of each birth's named neurons with ``zscore``
-      and ``rank`` within that matrix and the Hugging Face ``hf_param[hf_row, hf_col]``;
+      and ``rank`` within that matrix and the Hugging Face ``hf_param[hf_row, hf_col]`` (the
+      expert's own ``down_proj`` in a mixture of experts);
     - ``why``: each top birth neuron's pre-activation split over upstream ``source``s;
     - ``verification``: zero-ablation results (empty unless ``verify=True``).
     """
