@@ -15,7 +15,6 @@
 from massive_lens.core.render import (
     curve_axes,
     intervention_bars,
-    landscape_axes,
     loss_axes,
     overlay_profiles,
     profile_axes,
@@ -25,6 +24,7 @@ from massive_lens.core.render import (
     waterfall_axes,
 )
 from massive_lens.viz.figures import activation_landscape, attention_maps, capture_one
+from massive_lens.viz.landscape import landscape_axes
 from massive_lens.viz.views import View, attention_view, magnitude_view, page
 
 __all__ = [

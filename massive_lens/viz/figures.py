@@ -14,9 +14,9 @@ from matplotlib.patches import Rectangle
 from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.render import landscape_axes, tick_label
 from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
+from massive_lens.viz.landscape import landscape_axes, tick_label
 
 
 def capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[Tensor, list[str]]:
