@@ -31,7 +31,7 @@ A tiny random model with a planted massive activation (the BOS token's embedding
 from massive_lens.attention import decompose_attention, sink_attention
 from massive_lens.core.corpora import default_text
 from massive_lens.core.criterion import Criterion
-from massive_lens.core.store import load
+from massive_lens.core.restore import load
 from massive_lens.detect import find_massive, layer_profile, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import calibrate, run_interventions
