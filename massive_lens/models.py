@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 import transformers as tf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformer_lens.model_bridge import TransformerBridge
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from massive_lens.backends import as_dtype, as_found, check_backend, hooked_from_hf, hub_offline, unsupported
 from massive_lens.core.hooked import is_hooked_transformer
 from massive_lens.core.model_view import readable_name
+from massive_lens.core.tokens import byte_tokenizer, mark_bos
 from massive_lens.errors import MassiveLensError
 from massive_lens.offline import (
     DEFAULT,
@@ -219,7 +219,7 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     if tokenizer is None:
         tokenizer = _local_tokenizer(source)
     name = name or source
-    _mark_bos(tokenizer, name)
+    mark_bos(tokenizer, name)
     hf_model.eval()
     try:
         bridge = TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer)
@@ -315,29 +315,6 @@ def _check_sizes(family: str, config: Any) -> None:
                                f"num_key_value_heads {kv}")
 
 
-def byte_tokenizer() -> Any:
-    """A byte-level tokenizer (256 bytes + ``<|bos|>``, ``<|eos|>``, ``<|pad|>``), offline.
-
-    Returns:
-        A ``PreTrainedTokenizerFast`` with 259 tokens: ids 0-255 are the bytes, 256 is
-        ``<|bos|>``, 257 ``<|eos|>`` and 258 ``<|pad|>``; it adds no special tokens itself.
-
-    >>> tok = byte_tokenizer()
-    >>> tok.convert_ids_to_tokens(tok("Hi.").input_ids)
-    ['H', 'i', '.']
-    """
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
-    )
-    _mark_bos(tok, "byte-level")
-    return tok
-
-
 # --------------------------------------------------------------------------- internals
 
 
@@ -383,7 +360,7 @@ def _build(hf: Any, tok: Any, label: str, *, backend: str, explicit: bool, devic
     """A loaded Hugging Face model as the chosen backend; a default (not asked for) hooked
     backend falls back to the bridge for an architecture TransformerLens cannot convert."""
     if backend == "hooked":
-        _mark_bos(tok, label)
+        mark_bos(tok, label)
         try:
             return hooked_from_hf(hf, tok, label, device=device, dtype=dtype)
         except MassiveLensError as exc:
@@ -425,13 +402,6 @@ def _local_tokenizer(name: str) -> Any:
         raise MassiveLensError(
             f"no tokenizer found for {name!r} offline; pass tokenizer= to load_model"
         ) from exc
-
-
-def _mark_bos(tokenizer: Any, name: str) -> None:
-    """Tell TransformerLens the tokenizer is usable as is (it would reload it by name)."""
-    tokenizer.init_kwargs.setdefault("name_or_path", name)
-    if tokenizer.bos_token is not None:
-        tokenizer.init_kwargs["add_bos_token"] = True
 
 
 def _is_hooked(obj: Any) -> bool:

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 from jaxtyping import Bool, Int
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
+from transformers import PreTrainedTokenizerFast
 
 from massive_lens.errors import MassiveLensError
 
@@ -139,3 +141,33 @@ def _is_delimiter(piece: str) -> bool:
     if not stripped:
         return False
     return all(c in _DELIMITER_CHARS or c.isspace() for c in stripped)
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer (256 bytes + ``<|bos|>``, ``<|eos|>``, ``<|pad|>``), offline.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` with 259 tokens: ids 0-255 are the bytes, 256 is
+        ``<|bos|>``, 257 ``<|eos|>`` and 258 ``<|pad|>``; it adds no special tokens itself.
+
+    >>> tok = byte_tokenizer()
+    >>> tok.convert_ids_to_tokens(tok("Hi.").input_ids)
+    ['H', 'i', '.']
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    mark_bos(tok, "byte-level")
+    return tok
+
+
+def mark_bos(tokenizer: Any, name: str) -> None:
+    """Tell TransformerLens the tokenizer is usable as is (it would reload it by name)."""
+    tokenizer.init_kwargs.setdefault("name_or_path", name)
+    if tokenizer.bos_token is not None:
+        tokenizer.init_kwargs["add_bos_token"] = True
