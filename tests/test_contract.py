@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 import torch
+from planting import plant_sink
 
 import massive_lens
 from massive_lens import (
@@ -31,7 +32,7 @@ from massive_lens import (
     trace_origin,
 )
 from massive_lens.core.results import Result
-from massive_lens.train import compare_variants, train_model
+from massive_lens.train import compare_variants, retrofit, train_model
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -69,7 +70,15 @@ def _examples() -> dict[str, object]:
         "TrainRun": train_model("smoke", progress=False, **TINY_TRAIN),
         "Comparison": compare_variants(["softmax"], "smoke", seeds=[0], progress=False, measure_seqs=1,
                                        **TINY_TRAIN),
+        "Retrofit": retrofit(_planted(), ["softmax-kept"], steps=1, batch_size=1, seq_len=16, data=TEXT,
+                             eval_data=TEXT, eval_every=1, eval_seqs=1, measure=False, progress=False),
     }
+
+
+def _planted():
+    model = tiny_model("llama")
+    plant_sink(model)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +93,7 @@ def test_every_result_type_has_an_example(examples):
 
 RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace", "SinkAttention",
                 "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
-                "TrainRun", "Comparison"]
+                "TrainRun", "Comparison", "Retrofit"]
 
 
 @pytest.mark.parametrize("name", RESULT_TYPES)
