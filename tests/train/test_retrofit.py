@@ -144,6 +144,10 @@ def test_default_model_few_steps(default_model, tmp_path):
                           seq_len=64, eval_every=2, eval_seqs=2, measure=False, progress=False)
     assert result.dims and len(result.super_weights)
     frame = result.to_frame().set_index("setting")
-    kept = result.layers[result.layers.step == 0].dims_max.max()
-    assert kept < 100  # the removal takes the massive activations away at step 0
+    # the removal takes the first token's massive activation away at step 0 (the same dims can
+    # stay large at other positions: docs/retrofit.md measures about 2,000 there)
+    untouched_first = find_massive(default_model, "The history of the city begins here.").by_dim()
+    untouched_first = float(untouched_first[untouched_first.pos == 0].value.abs().max())
+    first = result.layers[result.layers.step == 0].first_max.max()
+    assert first < 0.1 * untouched_first, (first, untouched_first)
     assert (frame.val_loss < frame.val_loss_start).all()
