@@ -139,3 +139,24 @@ def test_bad_input(calibrated_planted_llama):
         fix_sink_term(model, "half", calibration=calib)
     with pytest.raises(MassiveLensError, match="no massive activations"):
         ablate_massive(tiny_model("gpt2"), calibration=CALIB)
+
+
+def test_a_tables_calibration_is_reused(calibrated_planted_llama):
+    """``table.calibration`` is the Calibration the table used: handing it back to an
+    intervention reuses it (no second calibration pass) and gives the table's perplexity."""
+    import massive_lens.interventions.assemble as assemble
+    from massive_lens import perplexity, run_interventions
+    from massive_lens.interventions import Calibration
+
+    model, _ = calibrated_planted_llama
+    text = "Summer is warm. Winter is cold. The cat sat on the mat, and the dog slept. " * 6
+    table = run_interventions(model, text, calibration=CALIB, seq_len=32, n_seqs=2, calibration_seqs=4,
+                              settings=["original", "mean"], progress=False)
+    assert isinstance(table.calibration, Calibration) and table.calibration_source in table.summary()
+
+    assert assemble.calibration_of(model, table.calibration) is table.calibration  # reused, not redone
+    with untouched(model):
+        fx = ablate_massive(model, "mean", calibration=table.calibration)
+        ppl = perplexity(model, text, seq_len=32, n_seqs=2, hooks=fx, progress=False).perplexity
+    row = table.to_frame().set_index("setting").loc["mean"]
+    assert ppl == pytest.approx(float(row.perplexity), rel=1e-5)

@@ -68,16 +68,20 @@ class InterventionTable(Result):
       first-layer row was rebuilt; ``check``: the one-line reading.
 
     ``checks``: the long table behind those (``setting``, ``kind``, ``dim``, ``layer``,
-    ``without``, ``with``, ``kept``); ``sinks``: the evaluation batches' sinks.
+    ``without``, ``with``, ``kept``); ``sinks``: the evaluation batches' sinks;
+    ``calibration_source``: where the means were measured; ``calibration``: the
+    :class:`Calibration` itself, which ``ablate_massive(model, "mean",
+    calibration=table.calibration)`` (and ``run_interventions``) reuse as is.
     """
 
     frame: pd.DataFrame
     model_name: str
     corpus: str
-    calibration: str
+    calibration_source: str
     seq_len: int
     checks: pd.DataFrame = field(default_factory=pd.DataFrame)
     sinks: SinkSet | None = None
+    calibration: Calibration | None = None
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
@@ -85,7 +89,7 @@ class InterventionTable(Result):
     def summary(self) -> str:
         n_seqs = int(self.frame["n_seqs"].iloc[0])
         lines = [f"{self.model_name}: interventions judged by perplexity on {self.corpus} "
-                 f"({n_seqs} sequences of {self.seq_len} tokens; calibration: {self.calibration})",
+                 f"({n_seqs} sequences of {self.seq_len} tokens; calibration: {self.calibration_source})",
                  f"{'setting':<24}{'perplexity':>12}{'ratio':>10}{'95% interval':>22}{'accuracy':>10}"]
         for r in self.frame.itertuples():
             interval = f"[{_num(r.ratio_low)}, {_num(r.ratio_high)}]"
@@ -256,7 +260,8 @@ def run_interventions(
             checks.append(check)
     return InterventionTable(pd.DataFrame(rows), view.name, describe_source(corpus),
                              f"{calib.source}, {calib.n_seqs} sequences", int(tokens.shape[1]),
-                             checks=pd.concat(checks, ignore_index=True) if checks else pd.DataFrame(), sinks=sinks)
+                             checks=pd.concat(checks, ignore_index=True) if checks else pd.DataFrame(), sinks=sinks,
+                             calibration=calib)
 
 
 def _check_disjoint(tokens: Tensor, calib_tokens: Tensor) -> None:

@@ -231,7 +231,7 @@ def intervention_table(inputs: Inputs) -> tuple[InterventionTable, str | None]:
     table = run_interventions(inputs.model, inputs.eval_tokens, calibration=calib, settings=settings,
                               batch_size=inputs.batch_size, progress=False)
     # the table names what the report really used: the file, and the calibration count
-    return replace(table, corpus=describe(inputs.corpus), calibration=inputs.calib_source), note
+    return replace(table, corpus=describe(inputs.corpus), calibration_source=inputs.calib_source), note
 
 
 def origin_section(inputs: Inputs, s: Section, found: MassiveActivations | None) -> None:
