@@ -103,18 +103,8 @@ def build(cls: type, values: dict[str, Any]) -> Any:
 
 
 def build_dataclass(cls: type, values: dict[str, Any]) -> Any:
-    """``cls(**values)`` for the fields ``cls`` knows (see :func:`build`).
-
-    Args:
-        cls: the dataclass.
-        values: field name -> decoded value.
-
-    Returns:
-        The instance.
-
-    Raises:
-        MassiveLensError: if a required field is missing or the class rejects a value.
-    """
+    """``cls(**values)`` for the fields ``cls`` knows: :func:`build` without the class's
+    ``_from_stored`` hook (which calls this); same arguments and errors."""
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - known)
     if unknown:

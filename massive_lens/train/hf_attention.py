@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import AttentionInterface
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.attention import AttentionVariant, VariantConfig, make_variant
@@ -117,8 +118,6 @@ def swap_attention(hf_model: nn.Module, variant: str | VariantConfig) -> nn.Modu
     if cfg.name not in SUPPORTED:
         raise MassiveLensError(f"variant {cfg.name!r} cannot be swapped into a pretrained model; "
                                f"choose one of {', '.join(SUPPORTED)}")
-    from transformers import AttentionInterface
-
     name = PREFIX + cfg.name
     AttentionInterface.register(name, _attention)
     config = hf_model.config

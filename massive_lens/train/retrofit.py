@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
@@ -300,8 +301,6 @@ def _final(hf: Any, tokenizer: Any, tokens: torch.Tensor, dims: list[int], hold:
 
 def _write(result: Retrofit, out: Path) -> None:
     """Save the result and the two figures (partial runs included)."""
-    import matplotlib.pyplot as plt
-
     out.mkdir(parents=True, exist_ok=True)
     result.save(out / "result", overwrite=True)
     result.curves.to_csv(out / "curves.csv", index=False)
