@@ -29,6 +29,7 @@ import warnings
 from typing import Any
 
 import torch
+from huggingface_hub import constants as hf_constants
 
 from massive_lens.core.model_view import readable_name
 from massive_lens.errors import MassiveLensError
@@ -156,12 +157,15 @@ def _convert(cls: Any, loading: Any, hf_model: Any, tokenizer: Any, device: Any,
 
 @contextlib.contextmanager
 def hub_offline():
-    """Hugging Face hub calls off (``HF_HUB_OFFLINE=1``) inside the block; restored after."""
-    saved = os.environ.get("HF_HUB_OFFLINE")
+    """Hugging Face hub calls off (``HF_HUB_OFFLINE=1``) inside the block; restored after.
+    huggingface_hub reads the variable once, at import: its flag is switched too."""
+    saved, flag = os.environ.get("HF_HUB_OFFLINE"), hf_constants.HF_HUB_OFFLINE
     os.environ["HF_HUB_OFFLINE"] = "1"
+    hf_constants.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
+        hf_constants.HF_HUB_OFFLINE = flag
         if saved is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:

@@ -57,6 +57,7 @@ _cache_is_valid, _write_cache = cache_is_valid, write_cache  # their names befor
 
 DEFAULT_MODEL = DEFAULT.name
 FAMILIES = ("llama", "gpt2", "gemma3", "qwen2")
+VISION_FAMILIES = ("vit", "deit")  # vision transformers: they read images (see docs/vision.md)
 
 
 def load_model(
@@ -188,14 +189,15 @@ def load_model(
 
 
 def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None) -> Any:
-    """Wrap an already loaded Hugging Face causal LM in a TransformerBridge (no hub call).
+    """Wrap an already loaded Hugging Face causal LM (or ViT) in a TransformerBridge (no hub call).
 
     Args:
-        hf_model: a loaded Hugging Face causal LM (a ``PreTrainedModel``); it is taken
+        hf_model: a loaded Hugging Face causal LM, or a vision transformer (ViT, DeiT: a
+            model whose input is ``pixel_values``), as a ``PreTrainedModel``; it is taken
             over: put in eval mode, its submodules replaced in place by bridge components,
             its weights used as they are (no copy, no processing).
         tokenizer: its tokenizer; None loads one offline (local files only) by the model's
-            name.
+            name. A vision model needs none.
         name: the name the bridge goes by; None: the config's ``_name_or_path`` (a path
             reduced to the name it stands for, e.g. its folder's name), else the architecture
             class name.
@@ -216,13 +218,16 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     if not getattr(config, "architectures", None):
         config.architectures = [type(hf_model).__name__]
     source = _source(hf_model)
-    if tokenizer is None:
+    images = getattr(hf_model, "main_input_name", None) == "pixel_values"
+    if tokenizer is None and not images:
         tokenizer = _local_tokenizer(source)
     name = name or source
-    mark_bos(tokenizer, name)
+    if tokenizer is not None:
+        mark_bos(tokenizer, name)
     hf_model.eval()
     try:
-        bridge = TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer)
+        with hub_offline() if images else contextlib.nullcontext():  # else the bridge looks up an image processor
+            bridge = TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer)
     except Exception as exc:
         raise unsupported(name, config.architectures[0], exc) from exc
     bridge.cfg.model_name = readable_name(name)
@@ -236,9 +241,11 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
     positions, biases), ``gemma3`` (post-sublayer "sandwich" norms, QK-norm) and
     ``qwen2`` (GQA with q/k/v biases). ``overrides`` are Hugging Face config fields, e.g.
     ``num_hidden_layers=4``. All use the byte-level tokenizer of :func:`byte_tokenizer`.
+    The vision families ``vit`` and ``deit`` (:data:`VISION_FAMILIES`) are ViTs that read
+    32x32 RGB images in 8x8 patches (``[CLS]``, for DeiT a distillation token, 16 patches).
 
     Args:
-        family: ``"llama"`` (default), ``"gpt2"``, ``"gemma3"`` or ``"qwen2"``.
+        family: ``"llama"`` (default), ``"gpt2"``, ``"gemma3"``, ``"qwen2"``, ``"vit"`` or ``"deit"``.
         seed: the torch seed of the random weights (the global RNG state is left as it was).
         **overrides: Hugging Face config fields of that family, replacing the defaults
             (4 layers, width 64, 4 heads, 2 key/value heads except in ``gpt2``, 256
@@ -278,9 +285,11 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
             tf.GPT2LMHeadModel,
             dict(n_embd=64, n_layer=4, n_head=4, n_positions=256, **ids),
         ),
+        "vit": (tf.ViTConfig, tf.ViTModel, VISION_SHAPE),
+        "deit": (tf.DeiTConfig, tf.DeiTModel, VISION_SHAPE),
     }
     if family not in builders:
-        raise MassiveLensError(f"unknown tiny_model family {family!r}; choose one of {FAMILIES}")
+        raise MassiveLensError(f"unknown tiny_model family {family!r}; choose one of {FAMILIES + VISION_FAMILIES}")
     config_cls, model_cls, fields = builders[family]
     if family == "gpt2" and "num_hidden_layers" in overrides:
         overrides["n_layer"] = overrides.pop("num_hidden_layers")
@@ -295,7 +304,11 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
             hf = model_cls(config)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise MassiveLensError(f"tiny_model({family!r}) cannot be built with these sizes: {exc}") from exc
-    return wrap_hf_model(hf, tok, name=f"tiny-{family}")
+    return wrap_hf_model(hf, None if family in VISION_FAMILIES else tok, name=f"tiny-{family}")
+
+
+VISION_SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+                    image_size=32, patch_size=8, num_channels=3)
 
 
 def _check_sizes(family: str, config: Any) -> None:

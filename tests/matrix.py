@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import transformers
 from helpers import untouched
+from matrix_vit import cls_trigger, images, is_vision, tiny_vit
 from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -98,7 +99,10 @@ class Unbuildable(Exception):
 
 
 def tiny_hf(arch: str, layers: int = LAYERS, eager: bool = False) -> Any:
-    """A seeded random Hugging Face model of ``arch`` with the shape of ``SHAPE``."""
+    """A seeded random Hugging Face model of ``arch`` with the shape of ``SHAPE`` (a vision
+    transformer: of ``matrix_vit.VISION_SHAPE``)."""
+    if is_vision(arch):
+        return tiny_vit(arch, layers, eager)
     tok = byte_tokenizer()
     cls = getattr(transformers, arch)
     known = cls.config_class().to_dict()
@@ -130,31 +134,35 @@ class Built:
     model: Any  # the planted bridge
     ref: Any  # a clean, never wrapped Hugging Face copy with the same (planted) weights
     planted: str  # "neuron", "expert", "module", "embed" or "none"
-    tokens: torch.Tensor  # [1, pos], BOS first
-    calib_tokens: torch.Tensor  # [2, pos], BOS first
+    tokens: torch.Tensor  # [1, pos], BOS first (a vision transformer: pixel_values of one image)
+    calib_tokens: torch.Tensor  # [2, pos], BOS first (pixel_values of two images)
 
 
 @functools.cache
 def build(arch: str) -> Built:
     """The planted tiny model of ``arch`` (built once per test session)."""
     tok = byte_tokenizer()
+    bos = [tok.bos_token_id]
+    vision = is_vision(arch)
+    if vision:
+        tokens, calib_tokens = images(1), images(2, seed=2)
+    else:
+        tokens = torch.tensor([bos + tok(TEXT, add_special_tokens=False)["input_ids"]])
+        calib = tok(CALIB, add_special_tokens=False)["input_ids"]
+        calib_tokens = torch.tensor([bos + calib[:23], bos + calib[23:46]])
     errors = []
     for layers in (LAYERS, 4):  # a hybrid whose first three layers are all linear attention needs a 4th
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 hf = tiny_hf(arch, layers)
-                model = wrap_hf_model(hf, tok, name=f"tiny-{arch}")
-                model(torch.tensor([[tok.bos_token_id, 72, 105]]))
+                model = wrap_hf_model(hf, None if vision else tok, name=f"tiny-{arch}")
+                model(tokens if vision else torch.tensor([[tok.bos_token_id, 72, 105]]))
             break
         except Exception as exc:  # noqa: BLE001 - any failure to build is a reason to skip
             errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
     else:
         raise Unbuildable(errors[-1])
-    bos = [tok.bos_token_id]
-    tokens = torch.tensor([bos + tok(TEXT, add_special_tokens=False)["input_ids"]])
-    calib = tok(CALIB, add_special_tokens=False)["input_ids"]
-    calib_tokens = torch.tensor([bos + calib[:23], bos + calib[23:46]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = tiny_hf(arch, model.cfg.n_layers, eager=True)
@@ -221,13 +229,16 @@ def _add_at_first(module: Any, args: Any, out: Any) -> Any:
 
 
 def plant(model: Any, ref: Any, tokens: torch.Tensor) -> str:
-    """Plant ``VALUE`` in ``DIM`` at BOS (see the module docstring); returns how."""
-    bos = model.tokenizer.bos_token_id
+    """Plant ``VALUE`` in ``DIM`` at BOS (a ViT's ``[CLS]``; see the module docstring); returns how."""
     if not hasattr(model, "blocks"):
         return "none"  # the bridge exposes no blocks (e.g. HRM's nested H/L stacks)
-    with torch.no_grad():
-        model.W_E[bos].zero_()
-        model.W_E[bos, TRIGGER_DIM] = 1.0
+    if is_vision(getattr(model.cfg, "architecture", "") or ""):
+        cls_trigger(model, TRIGGER_DIM)
+    else:
+        bos = model.tokenizer.bos_token_id
+        with torch.no_grad():
+            model.W_E[bos].zero_()
+            model.W_E[bos, TRIGGER_DIM] = 1.0
     block = model.blocks[PLANT_LAYER]
     mlp = getattr(block, "mlp", None)
     weights = _dense_weights(model, PLANT_LAYER)
@@ -494,7 +505,7 @@ INTERVENTIONS: dict[str, Callable[[Any, Any], Any]] = {
 
 
 def check_perplexity(b: Built) -> str | None:
-    tokens = b.tokens.repeat(2, 1)
+    tokens = torch.cat([b.tokens, b.tokens])
     base = perplexity(b.model, tokens, progress=False)
     noop = perplexity(b.model, tokens, hooks=[("hook_embed", lambda x, hook: x)], progress=False)
     assert base.perplexity == noop.perplexity
@@ -573,6 +584,15 @@ under a no-op hook and equals transformers' loss. **✗ [n]**: a named limitatio
 **– [n]**: not applicable to this tiny model.
 """
 
+_VISION = """## Vision transformers
+
+The architectures of the same list whose Hugging Face class reads images (`pixel_values`):
+ViT and DeiT, with and without a classifier head. Each tiny model reads 32x32 images in 8x8
+patches; the planted neuron fires at the `[CLS]` token, and the inputs are random images.
+The analyses take `pixel_values` where they take text (see [vision.md](vision.md)); what
+needs text (a tokenizer, a corpus) says so.
+"""
+
 
 def _marker(value: str) -> str:
     return "–" if value.startswith("n/a") else "✗"
@@ -582,29 +602,37 @@ def render(results: dict[tuple[str, str], str], versions: str) -> str:
     """The markdown page of a complete set of cells."""
     archs = sorted({a for a, _ in results})
     built = [a for a in archs if not results[a, "find_massive"].startswith("not built")]
+    decoders, vision = [a for a in built if not is_vision(a)], [a for a in built if is_vision(a)]
     notes: dict[str, int] = {}
     lines = [_HEAD.format(versions=versions, layers=LAYERS, width=SHAPE["hidden_size"], plant=PLANT_LAYER,
                           value=VALUE, expert=EXPERT)]
-    counts = ", ".join(f"`{a}` {sum(results[x, a] == '✓' for x in built)}" for a in ANALYSES)
-    lines += [f"{len(archs)} architectures, {len(built)} built. ✓ per analysis: {counts}.", ""]
-    lines += ["| architecture | " + " | ".join(f"`{a}`" for a in ANALYSES) + " |",
-              "|---" * (len(ANALYSES) + 1) + "|"]
-    for arch in built:
-        cells = []
-        for analysis in ANALYSES:
-            value = results[arch, analysis]
-            if value == "✓":
-                cells.append("✓")
-                continue
-            notes.setdefault(value, len(notes) + 1)
-            cells.append(f"{_marker(value)} [{notes[value]}]")
-        lines.append(f"| `{arch}` | " + " | ".join(cells) + " |")
+    n_decoders = sum(not is_vision(a) for a in archs)
+    counts = ", ".join(f"`{a}` {sum(results[x, a] == '✓' for x in decoders)}" for a in ANALYSES)
+    lines += [f"{n_decoders} architectures, {len(decoders)} built. ✓ per analysis: {counts}.", ""]
+    lines += _table(decoders, results, notes)
+    if vision:
+        lines += ["", _VISION, *_table(vision, results, notes)]
     lines += ["", "## Why not", ""]
     lines += [f"{n}. {text}" for text, n in notes.items()]
     lines += ["", "## Not built", "",
               "transformers (or the bridge) cannot build these tiny models offline; their tests are skipped.", ""]
     lines += [f"- `{a}`: {results[a, 'find_massive'].removeprefix('not built: ')}" for a in archs if a not in built]
     return "\n".join(lines) + "\n"
+
+
+def _table(archs: list[str], results: dict[tuple[str, str], str], notes: dict[str, int]) -> list[str]:
+    """The rows of ``archs``; a cell that is not ✓ points to its footnote in ``notes`` (added)."""
+    lines = ["| architecture | " + " | ".join(f"`{a}`" for a in ANALYSES) + " |",
+             "|---" * (len(ANALYSES) + 1) + "|"]
+    for arch in archs:
+        cells = []
+        for analysis in ANALYSES:
+            value = results[arch, analysis]
+            if value != "✓":
+                notes.setdefault(value, len(notes) + 1)
+            cells.append("✓" if value == "✓" else f"{_marker(value)} [{notes[value]}]")
+        lines.append(f"| `{arch}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def parse(text: str) -> dict[tuple[str, str], str]:

@@ -1,5 +1,6 @@
 """The architecture conformance matrix: every decoder-only architecture of TransformerLens's
-bridge, as a tiny planted model, through every analysis (see ``matrix.py``).
+bridge, and every vision transformer (``matrix_vit.py``), as a tiny planted model, through
+every analysis (see ``matrix.py``).
 
 Each cell is a test: ✓ (exact), or the named limitation that ``docs/architectures.md`` records
 for it; a wrong number, an unexpected exception or a cell that changed fails.
@@ -13,9 +14,11 @@ import os
 import pytest
 from matrix import ANALYSES, DOC, build, decoder_architectures, parse, render, same, versions
 from matrix import cell as run_cell
+from matrix_vit import vision_architectures
 
 WRITE = os.environ.get("MASSIVE_LENS_WRITE_MATRIX") == "1"
-ARCHITECTURES = decoder_architectures()
+DECODERS = decoder_architectures()
+ARCHITECTURES = DECODERS + vision_architectures()
 COMMITTED = parse(DOC.read_text()) if DOC.exists() else {}
 RESULTS: dict[tuple[str, str], str] = {}
 REGENERATE = "regenerate it with MASSIVE_LENS_WRITE_MATRIX=1 pytest tests/test_matrix.py"
@@ -29,7 +32,8 @@ def _free_models():
 
 
 def test_enough_architectures():
-    assert len(ARCHITECTURES) >= 40, ARCHITECTURES
+    assert len(DECODERS) >= 40, DECODERS
+    assert len(ARCHITECTURES) > len(DECODERS), "no vision transformer among the bridge's architectures"
 
 
 @pytest.mark.parametrize("analysis", list(ANALYSES))

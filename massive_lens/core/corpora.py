@@ -239,6 +239,7 @@ def sequences(view: Any, corpus: Corpus, seq_len: int, n_seqs: int) -> Int[Tenso
     """The first ``n_seqs`` sequences of ``seq_len`` tokens of a corpus (BOS first when the
     model prepends one). ``view`` is a ``ModelView``; a token tensor is returned whole, as
     ``torch.long``, once its ids are checked."""
+    view.require_text()
     if isinstance(corpus, Tensor):
         if corpus.ndim != 2 or corpus.shape[1] < 2:
             raise MassiveLensError(f"a token corpus must be [n_seqs, pos] with pos >= 2, got {tuple(corpus.shape)}")

@@ -33,6 +33,8 @@ weights themselves) and :data:`PROCESSING` says what each changes in the numbers
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,8 @@ import torch
 from torch import Tensor
 
 from massive_lens.errors import MassiveLensError
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HookedTransformer -> weights checked
 
 PROCESSING = {
     "fold_ln": "the norms' weights are folded into the next linear layers (W_Q, W_K, W_V, W_in, W_gate, W_U), so "
@@ -179,3 +183,20 @@ def _param(module: Any, name: str) -> Tensor | None:
     if not isinstance(value, Tensor):
         value = getattr(module, "_" + name, None)  # grouped-query attention keeps the kv biases as _b_V
     return value if isinstance(value, Tensor) else None
+
+
+def warn_if_processed(model: Any, name: str) -> None:
+    """Warn when a HookedTransformer's weights were processed (:func:`weight_processing`): once per model
+    and state of its weights (a weight changed in place counts as a new state)."""
+    if not is_hooked_transformer(model):
+        return
+    state = (str(getattr(model.cfg, "normalization_type", None)), tuple(p._version for p in model.parameters()))
+    try:
+        if _CHECKED.get(model) == state:
+            return
+        _CHECKED[model] = state
+    except TypeError:  # not weak-referenceable: check every time
+        pass
+    steps = weight_processing(model)
+    if steps:
+        warnings.warn(processing_warning(name, steps), UserWarning, stacklevel=4)

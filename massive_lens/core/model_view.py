@@ -7,6 +7,9 @@ by ``massive_lens.train`` all speak the TransformerLens hook vocabulary
 TransformerLens-style weights (``blocks[l].mlp.W_out``). This module is the one place that
 knows how to tokenize for them, run them with temporary hooks, and classify tokens
 (``bos``, ``first``, ``delimiter``, ``other``), so analyses never special-case a model kind.
+A vision transformer (ViT, DeiT) reads images instead: :meth:`ModelView.tokenize` turns
+``pixel_values`` into a :class:`Batch` and its positions are ``cls``, ``register`` and
+``patch`` (:mod:`massive_lens.core.images`), so the same analyses run on images.
 """
 
 from __future__ import annotations
@@ -25,13 +28,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from massive_lens.core.hooked import (
-    hook_aliases,
-    is_hooked_transformer,
-    processing_warning,
-    translate,
-    weight_processing,
-)
+from massive_lens.core.hooked import hook_aliases, translate, warn_if_processed
+from massive_lens.core.images import ImageLayout, check_not_images, image_batch, image_layout, not_text
 from massive_lens.core.tokens import TOKEN_KINDS, Batch, check_token_ids, text_ids, token_kinds
 from massive_lens.errors import MassiveLensError
 
@@ -40,7 +38,6 @@ __all__ = ["TOKEN_KINDS", "Batch", "ModelView", "check_token_ids", "model_lock",
 _MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> RLock
 _MODEL_LOCKS_BY_ID: dict[int, Any] = {}  # models that take no weak reference
 _MODEL_LOCKS_GUARD = threading.Lock()
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HookedTransformer -> weights checked
 
 
 def model_lock(model: Any) -> Any:
@@ -78,7 +75,8 @@ class ModelView:
         self.cfg = model.cfg
         self._hook_names: frozenset[str] | None = None
         self._aliases: dict | None = None
-        _warn_if_processed(model, self.name)
+        self.image_layout: ImageLayout | None = image_layout(model)  # None: a text model
+        warn_if_processed(model, self.name)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -100,6 +98,7 @@ class ModelView:
 
     @property
     def tokenizer(self) -> Any:
+        self.require_text()
         tok = getattr(self.model, "tokenizer", None)
         if tok is None:
             raise MassiveLensError(
@@ -138,8 +137,19 @@ class ModelView:
         return name
 
     # ------------------------------------------------------------------ tokens
-    def tokenize(self, inputs: str | Sequence[str] | Tensor, prepend_bos: bool | None = None) -> Batch:
-        """Texts (or token ids) to a right-padded batch; errors for empty or too long input."""
+    def require_text(self) -> None:
+        """Error for a vision model: what needs text (a tokenizer, token ids) does not apply."""
+        if self.image_layout is not None:
+            raise not_text(self.name, getattr(self.cfg, "architecture", None) or type(self.model).__name__)
+
+    def tokenize(self, inputs: str | Sequence[str] | Tensor | Batch, prepend_bos: bool | None = None) -> Batch:
+        """Texts, token ids or (for a vision model) ``pixel_values`` to a right-padded batch;
+        errors for empty or too long input. A :class:`Batch` is returned as it is."""
+        if isinstance(inputs, Batch):
+            return inputs
+        if self.image_layout is not None:
+            return image_batch(inputs, self.image_layout, self.name)
+        check_not_images(inputs, self.name)
         if isinstance(inputs, Tensor):
             tokens = inputs[None] if inputs.ndim == 1 else inputs
             if tokens.ndim != 2 or tokens.shape[-1] == 0:
@@ -178,6 +188,7 @@ class ModelView:
     def check_tokens(self, tokens: Any) -> Int[Tensor, "..."]:
         """``tokens`` as a LongTensor, checked by :func:`check_token_ids` against this model's
         vocabulary (a ``MassiveLM``'s sink id counts as valid)."""
+        self.require_text()
         vocab = getattr(self.cfg, "d_vocab", None)
         vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
         sink = getattr(self.model, "sink_id", None)
@@ -195,6 +206,7 @@ class ModelView:
 
     def check_length(self, length: int) -> None:
         """Error when ``length`` tokens exceed the model's context."""
+        self.require_text()
         if self.n_ctx is not None and length > self.n_ctx:
             raise MassiveLensError(
                 f"input has {length} tokens but {self.name} has a context of {self.n_ctx}; "
@@ -202,7 +214,9 @@ class ModelView:
             )
 
     def str_tokens(self, batch: Batch) -> list[list[str]]:
-        """Token strings of each sequence (pads dropped)."""
+        """Token strings of each sequence (pads dropped); an image's position labels."""
+        if batch.pixel_values is not None and self.image_layout is not None:
+            return [self.image_layout.labels for _ in range(len(batch.tokens))]
         tok = self.tokenizer
         return [
             [tok.decode([t]) for t in row[: int(n)].tolist()]
@@ -211,6 +225,8 @@ class ModelView:
 
     def token_kinds(self, batch: Batch) -> Int[Tensor, "batch pos"]:
         """Index into ``TOKEN_KINDS`` for every position (pads get ``other``)."""
+        if batch.pixel_values is not None and self.image_layout is not None:
+            return self.image_layout.kinds().expand_as(batch.tokens).clone()
         return token_kinds(batch, self.tokenizer)
 
     # ------------------------------------------------------------------ running
@@ -244,7 +260,9 @@ class ModelView:
         naming the first hook that saw it, never a quiet NaN in a result. Pass False where a
         non-finite value is itself the answer (the perplexity of an edited model).
         """
-        tokens = batch.tokens.to(self.input_device)
+        if batch.pixel_values is None:
+            self.require_text()
+        inputs = batch.tokens if batch.pixel_values is None else batch.pixel_values
         kwargs: dict[str, Any] = {}
         all_real = bool(batch.mask.all())
         if not all_real:
@@ -258,7 +276,7 @@ class ModelView:
             hooks.append((stop_after, _stop_forward))
         try:
             with torch.no_grad(), self.hooked(hooks):
-                out = self.model(tokens, **kwargs)
+                out = self.model(inputs.to(self.input_device), **kwargs)
         except _StopForward:
             out = None
         except MassiveLensError:
@@ -347,23 +365,6 @@ def readable_name(name: str) -> str:
         return text
     stem = PurePath(text).name
     return stem.removesuffix(".gguf") if stem.endswith(".gguf") else stem
-
-
-def _warn_if_processed(model: Any, name: str) -> None:
-    """Warn when a HookedTransformer's weights were processed (see core.hooked): once per model
-    and state of its weights (a weight changed in place counts as a new state)."""
-    if not is_hooked_transformer(model):
-        return
-    state = (str(getattr(model.cfg, "normalization_type", None)), tuple(p._version for p in model.parameters()))
-    try:
-        if _CHECKED.get(model) == state:
-            return
-        _CHECKED[model] = state
-    except TypeError:  # not weak-referenceable: check every time
-        pass
-    steps = weight_processing(model)
-    if steps:
-        warnings.warn(processing_warning(name, steps), UserWarning, stacklevel=4)
 
 
 def _finite_checked(fn: Any, mask: Any, seen: list[tuple[str, Tensor]]) -> Any:

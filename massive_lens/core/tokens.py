@@ -1,5 +1,6 @@
 """Tokens: the right-padded :class:`Batch`, token ids checked against a vocabulary, and the
-kind of every position (``bos``, ``first``, ``delimiter``, ``other``).
+kind of every position (``bos``, ``first``, ``delimiter``, ``other`` in text; ``cls``,
+``register``, ``patch`` in an image, see :mod:`massive_lens.core.images`).
 
 Massive activations live at a few kinds of position: the first token of a sequence (BOS
 where the tokenizer has one), and delimiters such as ``.``, ``,`` or a newline. Every
@@ -22,29 +23,42 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
 from transformers import PreTrainedTokenizerFast
 
 from massive_lens.errors import MassiveLensError
 
-TOKEN_KINDS = ("bos", "first", "delimiter", "other")
+TOKEN_KINDS = ("bos", "first", "delimiter", "other", "cls", "register", "patch")
 _DELIMITER_CHARS = set(string.punctuation) | {"\n", "\r"}
 _DELIMITER_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> table
 
 
 @dataclass(frozen=True)
 class Batch:
-    """Right-padded tokens with a mask of real (non-pad) positions."""
+    """Right-padded tokens with a mask of real (non-pad) positions; for images, the
+    ``pixel_values`` the model reads, with the position indices as ``tokens``.
+
+    >>> batch = Batch(torch.tensor([[5, 6], [7, 0]]), torch.tensor([[True, True], [True, False]]), False)
+    >>> batch.lengths.tolist(), [b.tokens.tolist() for b in batch.split(1)]
+    ([2, 1], [[[5, 6]], [[7, 0]]])
+    """
 
     tokens: Int[Tensor, "batch pos"]
     mask: Bool[Tensor, "batch pos"]
     has_bos: bool
+    pixel_values: Float[Tensor, "batch channel height width"] | None = None
 
     @property
     def lengths(self) -> Int[Tensor, " batch"]:
         return self.mask.sum(-1)
+
+    def split(self, size: int) -> list[Batch]:
+        """Consecutive sub-batches of at most ``size`` sequences (or images)."""
+        pixels = (None,) * len(self.tokens) if self.pixel_values is None else self.pixel_values.split(size)
+        return [Batch(t, m, self.has_bos, p) for t, m, p in
+                zip(self.tokens.split(size), self.mask.split(size), pixels, strict=False)]
 
 
 def delimiter_table(tokenizer: Any) -> Bool[Tensor, " d_vocab"]:

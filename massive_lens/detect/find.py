@@ -157,7 +157,8 @@ def find_massive(
     Args:
         model: a TransformerLens-style model (see :func:`massive_lens.load_model`).
         text: a string, a list of strings (right-padded into one batch; pads are never
-            massive) or token ids (``[pos]`` or ``[batch, pos]``).
+            massive) or token ids (``[pos]`` or ``[batch, pos]``); for a vision model,
+            ``pixel_values`` (``[batch, channels, height, width]``, see ``docs/vision.md``).
         criterion: when a value is massive (None: ``Criterion()``, Sun et al.'s 100 and
             1000x the median).
         layers: a layer or layers to read (None: all); duplicates are dropped and the
@@ -239,7 +240,8 @@ def layer_profile(
     Args:
         model: a TransformerLens-style model.
         text: a string, a list of strings or a ``[batch, pos]`` token tensor; each string
-            (or row) is one sequence of the mean and std.
+            (or row) is one sequence of the mean and std. For a vision model, ``pixel_values``
+            (each image is one sequence).
         k: how many of the largest magnitudes to keep per layer (default 3).
         batch_size: texts per forward pass (default 8).
         prepend_bos: whether to prepend BOS to text input (None: the model's default).
@@ -266,7 +268,11 @@ def layer_profile(
         raise MassiveLensError("layer_profile got no texts; pass at least one string")
     layers = chosen_layers(view, None)
     sums = ProfileSums(layers, k)
-    for start in range(0, len(texts), batch_size):
-        batch = view.tokenize(texts[start : start + batch_size], prepend_bos)
+    if isinstance(text, Tensor):  # token ids or images: one batch, cut into passes
+        batches = view.tokenize(text, prepend_bos).split(batch_size)
+    else:
+        batches = (view.tokenize(texts[start : start + batch_size], prepend_bos)
+                   for start in range(0, len(texts), batch_size))
+    for batch in batches:
         sums.add(run_reducer(view, batch, Criterion(), hook, layers, k=k))
     return LayerProfile(sums.frame(), view.name, sums.n)

@@ -163,7 +163,8 @@ def trace_origin(
 
     Args:
         model: a TransformerLens-style model.
-        text: one string, or the token ids of one text (``[pos]`` or ``[1, pos]``).
+        text: one string, or the token ids of one text (``[pos]`` or ``[1, pos]``); for a
+            vision model, the ``pixel_values`` of one image.
         dim: the hidden dimension to trace, ``0 <= dim < d_model`` (None: any).
         pos: the position to trace, BOS included; negative counts from the end (None: any).
         criterion: when a value is massive (None: ``Criterion()``).
@@ -193,11 +194,15 @@ def trace_origin(
     view = ModelView(model)
     if top_neurons < 1:
         raise MassiveLensError(f"top_neurons must be >= 1, got {top_neurons}")
-    if isinstance(text, torch.Tensor) and text.ndim == 2 and text.shape[0] != 1:
-        raise MassiveLensError(f"trace_origin traces one text; got a batch of {text.shape[0]} sequences")
     if not isinstance(text, (str, torch.Tensor)):
         raise MassiveLensError(f"text must be one string or a token tensor, got {type(text).__name__}")
     batch = view.tokenize(text, prepend_bos)
+    if verify and batch.pixel_values is not None:
+        raise MassiveLensError(f"{view.name}: trace_origin(verify=True) is not supported for images yet (the "
+                               "ablation passes are built from token ids); trace without verify")
+    if len(batch.tokens) != 1:
+        raise MassiveLensError(f"trace_origin traces one text (or image); got a batch of {len(batch.tokens)} for "
+                               f"{view.name}")
     seq = batch.tokens.shape[1]
     dim, pos = _check_index(view, dim, pos, seq)
     criterion = criterion or Criterion()
@@ -252,7 +257,7 @@ def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, 
         return torch.tensor([pos])
     if seq * d_mlp(view) * view.n_layers * 12 <= _CAPTURE_BUDGET:
         return torch.arange(seq)
-    found = find_massive(view.model, batch.tokens, criterion=criterion).to_frame()
+    found = find_massive(view.model, batch, criterion=criterion).to_frame()
     found = found[found.dim == dim] if dim is not None else found
     if found.empty:
         raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
