@@ -21,6 +21,9 @@ bridge, and planted: BOS's embedding becomes a one-hot on ``TRIGGER_DIM`` and
 A clean copy of the Hugging Face model (eager attention, never wrapped, the planted weights
 loaded) is the independent reference for hidden states, attention weights and the loss.
 
+The vision transformers among the bridge's architectures (``matrix_vit.py``) run through the
+same checks on images, the ``[CLS]`` token in BOS's place; they get their own table.
+
 A cell is ``✓`` when the analysis ran and its numbers were checked exact; else the reason:
 the :class:`MassiveLensError` the analysis raised (it must name the model, and so the
 architecture), or the warning the result carries about itself. Any other exception, or a

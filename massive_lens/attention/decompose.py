@@ -133,7 +133,8 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
 
     Args:
         model: a TransformerLens-style model.
-        text: a string, a list of strings (padded into one batch) or a token tensor.
+        text: a string, a list of strings (padded into one batch) or a token tensor; for a
+            vision model, ``pixel_values`` ``[batch, channels, height, width]``.
         layers: a layer or a sequence of layers to decompose (None: all).
         sinks: sink positions (a list of ints, the same for every sequence, or a bool
             ``[batch, pos]`` mask); None: the positions that act as sinks (:func:`find_sinks`),

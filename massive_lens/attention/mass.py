@@ -61,7 +61,8 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
 
     Args:
         model: a TransformerLens-style model.
-        text: a string, a list of strings (padded into one batch) or a token tensor.
+        text: a string, a list of strings (padded into one batch) or a token tensor; for a
+            vision model, ``pixel_values`` ``[batch, channels, height, width]``.
         sinks: sink positions (a list of ints, the same for every sequence, or a bool
             ``[batch, pos]`` mask); None: the positions that act as sinks (:func:`find_sinks`:
             they draw attention from many heads or carry a persistent massive activation),

@@ -48,9 +48,10 @@ class SinkSet:
     """The positions an analysis or intervention treated as sinks, and why.
 
     ``mask [batch pos]``; ``kinds [batch pos]`` indexes ``TOKEN_KINDS`` (``bos``, ``first``,
-    ``delimiter``, ``other``); ``by_attention``/``by_massive``: which sinks the rule found by
-    the attention they draw and by a persistent massive activation (None when the sinks were
-    given); ``source``: how they were chosen.
+    ``delimiter``, ``other``; in an image ``cls``, ``register``, ``patch``);
+    ``by_attention``/``by_massive``: which sinks the rule found by the attention they draw and
+    by a persistent massive activation (None when the sinks were given); ``source``: how they
+    were chosen.
 
     >>> s = SinkSet(torch.tensor([[True, False], [True, True]]), torch.tensor([[0, 3], [0, 2]]), "given")
     >>> s.describe()
@@ -151,7 +152,8 @@ def find_sinks(model: Any, text: str | Sequence[str] | Tensor, *, rule: SinkRule
 
     Args:
         model: a TransformerLens-style model.
-        text: a string, a list of strings (padded into one batch) or a token tensor.
+        text: a string, a list of strings (padded into one batch) or a token tensor; for a
+            vision model, ``pixel_values`` ``[batch, channels, height, width]``.
         rule: the sink rule (None: ``SinkRule()``).
         criterion: when an activation is massive (None: ``Criterion()``).
 

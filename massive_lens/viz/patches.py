@@ -72,12 +72,13 @@ def patch_grid_axes(values: Any, specials: Sequence[str], grid: tuple[int, int],
     ax.set_ylabel("row", labelpad=1)
     ax.set_title(title)
     if specials:
-        strip = ax.inset_axes([-0.5, 0.0, 0.1, min(1.0, 0.15 * len(specials))])
+        strip = ax.inset_axes([-0.5, 0.0, 0.2, min(1.0, 0.15 * len(specials))])
         strip.imshow(shown[: len(specials), None], cmap="magma", norm=norm, aspect="auto")
         strip.set_xticks([])
         strip.set_yticks(range(len(specials)), list(specials), fontsize=7)
         for i, v in enumerate(vals[: len(specials)]):
-            strip.text(0, i, f"{v:.3g}", ha="center", va="center", fontsize=6, color="tab:cyan")
+            strip.text(0, i, f"{v:.3g}", ha="center", va="center", fontsize=7,
+                       color="black" if norm(max(v, low)) > 0.6 else "white")
     ax.figure.colorbar(image, ax=ax, shrink=0.8, label=label)
     return ax
 
