@@ -30,6 +30,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from massive_lens.core.budget import logit_batches, trim_allocator
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import loss_axes
@@ -134,7 +135,7 @@ def perplexity(
     *,
     seq_len: int = 128,
     n_seqs: int = 32,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     hooks: Any = (),
     progress: bool = True,
 ) -> Perplexity:
@@ -148,7 +149,9 @@ def perplexity(
         seq_len: tokens per sequence (BOS included; default 128), for text input.
         n_seqs: sequences evaluated (the first ``n_seqs`` of the corpus; default 32), for
             text input.
-        batch_size: sequences per forward pass (default 8).
+        batch_size: sequences per forward pass (default None: up to 8, as many as keep one
+            pass's logits small against the weights, see
+            :func:`~massive_lens.core.budget.logit_batches`).
         hooks: ``(hook_name, function)`` pairs, an
             :class:`~massive_lens.interventions.Intervention`, or any object with
             ``fwd_hooks``; attached during every forward pass (default: none).
@@ -175,31 +178,38 @@ def perplexity(
     tokens = sequences(view, corpus, seq_len, n_seqs)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise MassiveLensError(f"token tensor must be [seq, pos] with pos >= 2, got {tuple(tokens.shape)}")
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
     losses, accs = [], []
-    for start in tqdm(range(0, len(tokens), batch_size), desc="perplexity", disable=not progress, leave=False):
-        chunk = tokens[start:start + batch_size]
+    for chunk in tqdm(logit_batches(model, tokens, batch_size), desc="perplexity", disable=not progress,
+                      leave=False):
         logits = view.forward(view.full_batch(chunk), fwd_hooks, check_finite=False)  # an edit may yield inf
-        if not fwd_hooks and not bool(torch.isfinite(logits).all()):
-            raise MassiveLensError(
-                f"{view.name} ({view.dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
-                "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
-            )
-        loss, acc = _next_token_stats(logits, chunk.to(logits.device))
+        loss, acc = next_token_stats(logits, chunk.to(logits.device), view.name, view.dtype, edited=bool(fwd_hooks))
         losses.append(loss.cpu())
         accs.append(acc.cpu())
         del logits
+        trim_allocator()  # the freed logits and loss do not pile up as resident memory
     per_seq = torch.cat(losses)
     if not bool(torch.isfinite(per_seq).all()):
         per_seq = per_seq.nan_to_num(nan=float("inf"))
     return Perplexity(per_seq, torch.cat(accs), int(tokens.shape[0] * (tokens.shape[1] - 1)), view.name)
 
 
-def _next_token_stats(
-    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"]
+def next_token_stats(
+    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], name: str, dtype: torch.dtype,
+    edited: bool,
 ) -> tuple[Float[Tensor, " batch"], Float[Tensor, " batch"]]:
-    pred, target = logits[:, :-1].float(), tokens[:, 1:]
-    loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1), target.flatten(), reduction="none")
-    acc = (pred.argmax(-1) == target).float().mean(-1)
-    return loss.view(target.shape).mean(-1), acc
+    """Each sequence's mean next-token loss and accuracy, one sequence at a time (so the loss
+    never copies the whole batch's logits). Non-finite logits of an unedited model are an
+    overflow, and an error; an edit may give them (its perplexity is then inf)."""
+    losses, accs = [], []
+    for row, ids in zip(logits, tokens, strict=True):
+        pred, target = row[:-1].float(), ids[1:]
+        if not edited and not bool(torch.isfinite(pred).all()):
+            raise MassiveLensError(
+                f"{name} ({dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
+                "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
+            )
+        losses.append(torch.nn.functional.cross_entropy(pred, target))
+        accs.append((pred.argmax(-1) == target).float().mean())
+    return torch.stack(losses), torch.stack(accs)

@@ -42,12 +42,14 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from massive_lens.core.budget import logit_batches, trim_allocator
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, first_token_mass, median_scale, sink_metric
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.core.render import profile_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
+from massive_lens.metrics import next_token_stats
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,8 @@ def fake_quantized(
         for i, (module, _, _) in enumerate(sites):
             handles.append(module.register_forward_pre_hook(_observer(ranges, i), with_kwargs=True))
         with torch.no_grad():
-            model(calibration.to(_device(model)))
+            for batch in logit_batches(model, calibration):  # ranges are min / max: exact in batches
+                model(batch.to(_device(model)))
         for handle in handles:
             handle.remove()
         handles.clear()
@@ -290,22 +293,19 @@ def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def _chunks(model: Any, tokens: Int[Tensor, "batch pos"]) -> list[Tensor]:
-    """Split a batch so that one pass's logits (and the loss's copies of them) stay under a
-    tenth of the weights."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    vocab = int(getattr(model.cfg, "d_vocab", 0) or 1)
-    per_seq = 3 * tokens.shape[1] * vocab * 4
-    return list(tokens.split(max(1, weights // 10 // per_seq)))
-
-
-def _loss(model: Any, tokens: Int[Tensor, "batch pos"]) -> float:
-    """Mean next-token loss over ``tokens`` (every sequence the same length), in chunks."""
-    total = 0.0
+def _loss(model: Any, tokens: Int[Tensor, "batch pos"], fwd_hooks: list[tuple[Any, Any]] = ()) -> float:
+    """Mean next-token loss over ``tokens`` (every sequence the same length), in batches whose
+    logits stay small (:func:`~massive_lens.core.budget.logit_batches`), one sequence's loss
+    at a time."""
+    losses = []
     with torch.no_grad():
-        for chunk in _chunks(model, tokens):
-            total += float(model(chunk.to(_device(model)), return_type="loss")) * len(chunk)
-    return total / len(tokens)
+        for chunk in logit_batches(model, tokens):
+            logits = model.run_with_hooks(chunk.to(_device(model)), fwd_hooks=list(fwd_hooks))
+            losses.append(next_token_stats(logits, chunk.to(logits.device), type(model).__name__, logits.dtype,
+                                           edited=True)[0])
+            del logits
+            trim_allocator()
+    return float(torch.cat(losses).mean())
 
 
 def _eval_and_calibration(
@@ -326,11 +326,11 @@ def _eval_and_calibration(
 
 def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float, float]:
     """Per-layer outlier statistics, the sink metric and the loss, from one forward pass (in
-    chunks, see :func:`_chunks`; every statistic is a mean over sequences, or a max)."""
+    batches, see :func:`_loss`; every statistic is a mean over sequences, or a max)."""
     model = view.model
     rows: dict[int, list[dict[str, Any]]] = {}
     sink_shares: dict[int, list[Tensor]] = {}
-    losses, sizes = [], []
+    sizes = [len(batch) for batch in logit_batches(model, tokens)]  # the batches _loss runs
 
     def resid(x: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
         if not bool(torch.isfinite(x).all()):
@@ -354,10 +354,8 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tupl
 
     hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
              (lambda n: n.endswith("attn.hook_pattern"), pattern)]
-    with torch.no_grad(), model_lock(model):
-        for chunk in _chunks(model, tokens):
-            losses.append(float(model.run_with_hooks(chunk.to(_device(model)), return_type="loss", fwd_hooks=hooks)))
-            sizes.append(len(chunk))
+    with model_lock(model):
+        loss = _loss(model, tokens, hooks)
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
     weights = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
@@ -373,4 +371,4 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tupl
     shares = {k: mean(v) for k, v in sink_shares.items()}
     frame["sink_share"] = [sink_metric(shares[k]) if k in shares else float("nan") for k in frame["layer"]]
     sink = sink_metric(torch.cat(list(shares.values())) if shares else torch.zeros(0))
-    return frame, sink, mean(losses)
+    return frame, sink, loss

