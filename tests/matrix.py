@@ -549,7 +549,7 @@ def cell(arch: str, analysis: str) -> str:
 
 def shorten(message: str) -> str:
     """The first line of a message, the model's name dropped, fit for a table's footnote."""
-    text = re.sub(r"tiny-\w+:?\s*", "", message.splitlines()[0]).strip()
+    text = re.sub(r"tiny-\w+:?\s*(\(\w+\):\s*)?", "", message.splitlines()[0]).strip()  # and "(Arch): "
     text = text.split("; per-block hooks")[0].split(". Supported architecture")[0].replace("|", "/")
     return text if len(text) <= 300 else text[:300].rsplit(" ", 1)[0] + " …"
 

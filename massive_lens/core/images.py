@@ -102,7 +102,7 @@ def image_batch(inputs: Any, layout: ImageLayout, name: str) -> Batch:
 def pixel_batch(pixels: Float[Tensor, "batch channel height width"], layout: ImageLayout) -> Batch:
     """Checked pixels as a :class:`Batch`: every position real, ``tokens`` the position index."""
     n = layout.n_positions
-    tokens = torch.arange(n).expand(len(pixels), n)
+    tokens = torch.arange(n).repeat(len(pixels), 1)
     return Batch(tokens, torch.ones(len(pixels), n, dtype=torch.bool), False, pixels)
 
 
@@ -116,7 +116,7 @@ def check_not_images(inputs: Any, name: str) -> None:
 def not_text(name: str, architecture: str) -> MassiveLensError:
     """The error for what needs text (a tokenizer, token ids, a corpus) on a vision model."""
     return MassiveLensError(
-        f"{name} ({architecture}) is a vision model: it reads images (pixel_values), not text or token ids, so "
+        f"{name} ({architecture}): a vision model reads images (pixel_values), not text or token ids, so "
         "analyses of text (perplexity, corpus scans, interventions calibrated on text) do not apply to it; "
         "find_massive, layer_profile, trace_origin, sink_attention and decompose_attention take its pixel_values")
 
