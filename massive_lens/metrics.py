@@ -199,17 +199,18 @@ def next_token_stats(
     logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], name: str, dtype: torch.dtype,
     edited: bool,
 ) -> tuple[Float[Tensor, " batch"], Float[Tensor, " batch"]]:
-    """Each sequence's mean next-token loss and accuracy, one sequence at a time (so the loss
-    never copies the whole batch's logits). Non-finite logits of an unedited model are an
+    """Each sequence's mean next-token loss and accuracy, one sequence (and 32 positions of it)
+    at a time, so the loss never copies the batch's logits. Non-finite logits of an unedited model are an
     overflow, and an error; an edit may give them (its perplexity is then inf)."""
     losses, accs = [], []
     for row, ids in zip(logits, tokens, strict=True):
         pred, target = row[:-1].float(), ids[1:]
-        if not edited and not bool(torch.isfinite(pred).all()):
+        if not edited and not bool(torch.isfinite(torch.stack(torch.aminmax(pred))).all()):  # NaN propagates
             raise MassiveLensError(
                 f"{name} ({dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
                 "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
             )
-        losses.append(torch.nn.functional.cross_entropy(pred, target))
+        losses.append(sum(torch.nn.functional.cross_entropy(p, t, reduction="sum")  # 32 positions a time: no
+                          for p, t in zip(pred.split(32), target.split(32), strict=True)) / len(target))  # full copy
         accs.append((pred.argmax(-1) == target).float().mean())
     return torch.stack(losses), torch.stack(accs)
