@@ -109,6 +109,14 @@ def test_trace_origin_on_an_image(planted):
     assert 5 in neurons.neuron.tolist()  # matrix.NEURON
 
 
+def test_a_value_born_in_the_embedding_is_told_without_heads():
+    model = tiny_model("vit")
+    with torch.no_grad():
+        model.embed.original_component.cls_token[0, 0, DIM] = 3000.0  # [CLS] carries it from the start
+    text = trace_origin(model, images(1, seed=0)[0]).summary()
+    assert "born in embed to 3,000" in text and "head" not in text  # an embedding has no heads
+
+
 def test_sink_attention_matches_transformers(planted):
     pixels = images(2, seed=7)
     with untouched(planted.model):

@@ -34,7 +34,8 @@ CHANGE_MIN = 0.1  # the change from peak to final is attributed when it is at le
 _PLURAL = {"mlp": "MLPs", "attn": "attn", "embed": "embed", "pos_embed": "pos_embed"}
 
 
-def _label(component: str, first: int, last: int) -> str:
+def label(component: str, first: int, last: int) -> str:
+    """A component over layers ``first``-``last`` for people: ``MLP 3``, ``attn 2-4``, ``embed``."""
     if component in ("embed", "pos_embed"):
         return component
     if first == last:
@@ -91,7 +92,7 @@ def attribute(rows: list[dict[str, Any]], target: float, start: float = 0.0) -> 
         explained += g["contribution"]
     named.sort(key=lambda g: (g["first_layer"], g["component"] == "mlp"))
     for g in named:
-        g["label"] = _label(g["component"], g["first_layer"], g["last_layer"])
+        g["label"] = label(g["component"], g["first_layer"], g["last_layer"])
     rest = target - explained
     n_rest = len(small) + len([g for g in found if g not in named])
     if n_rest and abs(rest) > 1e-9 * scale:

@@ -9,6 +9,7 @@ import pandas as pd
 
 from massive_lens.core.fmt import num as fmt
 from massive_lens.core.fmt import pct as _pct
+from massive_lens.origin.attribution import label as _label
 
 _MAX_EVENTS = 6
 
@@ -53,8 +54,9 @@ def _heads(heads: pd.DataFrame, layer: int, total: float) -> str:
 
 
 def _event(e: Any, neurons: pd.DataFrame, seen_birth: bool, heads: pd.DataFrame) -> str:
-    where = ("MLP " if e.component == "mlp" else f"{e.component} ") + str(e.layer)
-    who = _who(neurons, e) if e.component == "mlp" else _heads(heads, e.layer, e.contribution)
+    where = _label(e.component, e.layer, e.layer)  # "MLP 3", "attn 3", "embed"
+    who = (_who(neurons, e) if e.component == "mlp" else
+           _heads(heads, e.layer, e.contribution) if e.component == "attn" else "")  # no heads in an embedding
     if e.before and e.after and (e.before > 0) != (e.after > 0) and abs(e.before) >= 0.05 * abs(e.after):
         return f"flipped from {fmt(e.before)} to {fmt(e.after)} by {where}{who}"
     if e.kind == "erasure":
