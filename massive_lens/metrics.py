@@ -184,7 +184,12 @@ def perplexity(
     for chunk in tqdm(logit_batches(model, tokens, batch_size), desc="perplexity", disable=not progress,
                       leave=False):
         logits = view.forward(view.full_batch(chunk), fwd_hooks, check_finite=False)  # an edit may yield inf
-        loss, acc = next_token_stats(logits, chunk.to(logits.device), view.name, view.dtype, edited=bool(fwd_hooks))
+        if not fwd_hooks and not bool(torch.isfinite(torch.stack(torch.aminmax(logits))).all()):  # NaN propagates
+            raise MassiveLensError(
+                f"{view.name} ({view.dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
+                "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
+            )
+        loss, acc = next_token_stats(logits, chunk.to(logits.device))
         losses.append(loss.cpu())
         accs.append(acc.cpu())
         del logits
@@ -196,21 +201,14 @@ def perplexity(
 
 
 def next_token_stats(
-    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], name: str, dtype: torch.dtype,
-    edited: bool,
+    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"]
 ) -> tuple[Float[Tensor, " batch"], Float[Tensor, " batch"]]:
     """Each sequence's mean next-token loss and accuracy, one sequence (and 32 positions of it)
-    at a time, so the loss never copies the batch's logits. Non-finite logits of an unedited model are an
-    overflow, and an error; an edit may give them (its perplexity is then inf)."""
+    at a time, so the loss never copies the batch's logits."""
     losses, accs = [], []
     for row, ids in zip(logits, tokens, strict=True):
         pred, target = row[:-1].float(), ids[1:]
-        if not edited and not bool(torch.isfinite(torch.stack(torch.aminmax(pred))).all()):  # NaN propagates
-            raise MassiveLensError(
-                f"{name} ({dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
-                "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
-            )
-        losses.append(sum(torch.nn.functional.cross_entropy(p, t, reduction="sum")  # 32 positions a time: no
-                          for p, t in zip(pred.split(32), target.split(32), strict=True)) / len(target))  # full copy
+        chunks = zip(pred.split(32), target.split(32), strict=True)
+        losses.append(sum(torch.nn.functional.cross_entropy(p, t, reduction="sum") for p, t in chunks) / len(target))
         accs.append((pred.argmax(-1) == target).float().mean())
     return torch.stack(losses), torch.stack(accs)

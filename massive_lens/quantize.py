@@ -301,8 +301,7 @@ def _loss(model: Any, tokens: Int[Tensor, "batch pos"], fwd_hooks: list[tuple[An
     with torch.no_grad():
         for chunk in logit_batches(model, tokens):
             logits = model.run_with_hooks(chunk.to(_device(model)), fwd_hooks=list(fwd_hooks))
-            losses.append(next_token_stats(logits, chunk.to(logits.device), type(model).__name__, logits.dtype,
-                                           edited=True)[0])
+            losses.append(next_token_stats(logits, chunk.to(logits.device))[0])
             del logits
             trim_allocator()
     return float(torch.cat(losses).mean())

@@ -156,3 +156,17 @@ def test_the_default_models_report_peaks_within_1_5x_its_weights():
 
     (row,) = rows("default")
     assert row.ratio <= GOAL, row.detail
+
+
+@pytest.mark.parametrize("loaded_inside, start", [
+    (True, "the interpreter and its libraries; loading the model and the analyses added"),
+    (False, "the model loaded; the analyses added"),
+    (None, "some models loaded; loading the others and the analyses added"),
+])
+def test_the_memory_statement_says_what_the_start_held(loaded_inside, start):
+    from massive_lens.report.memory import PeakMemory
+
+    with PeakMemory() as peak:
+        pass
+    text = peak.describe(2**20, loaded_inside)
+    assert f"at the start: {start} " in text and text.endswith("x the weights")

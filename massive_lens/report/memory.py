@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from massive_lens.core.budget import trim_allocator
+
+try:
+    import resource  # Unix only
+except ImportError:  # Windows: no lifetime peak to report
+    resource = None
 
 _STATUS = Path("/proc/self/status")
 
@@ -69,19 +75,19 @@ class PeakMemory:
         if self.own_peak:
             self.peak_bytes = (_status_kib("VmHWM") or 0) * 1024
         else:
-            import resource  # Unix only; ru_maxrss is KiB on Linux, bytes on macOS
-
-            scale = 1 if __import__("sys").platform == "darwin" else 1024
-            self.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+            scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
+            self.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale if resource else 0
         self.cuda_peak_bytes = torch.cuda.max_memory_allocated() if self.cuda else 0
 
-    def describe(self, weights: int, loaded_inside: bool = False) -> str:
+    def describe(self, weights: int, loaded_inside: bool | None = False) -> str:
         """The peak in words, against the weights' size; ``loaded_inside``: the model was
-        loaded within the block (so the start is the interpreter and its libraries alone)."""
+        loaded within the block, so the start is the interpreter and its libraries alone
+        (False: it was loaded before; None: some models were, some not)."""
         when = "while the report ran" if self.own_peak else "since the process started (its lifetime peak)"
         added = max(self.peak_bytes - self.start_bytes, 0)
-        start = ("the interpreter and its libraries; loading the model and the analyses added" if loaded_inside
-                 else "the model loaded; the analyses added")
+        start = {True: "the interpreter and its libraries; loading the model and the analyses added",
+                 False: "the model loaded; the analyses added",
+                 None: "some models loaded; loading the others and the analyses added"}[loaded_inside]
         text = (f"peak memory {_gb(self.peak_bytes)} resident {when}, model included "
                 f"({_gb(self.start_bytes)} at the start: {start} {_gb(added)}, {added / max(weights, 1):.2f}x "
                 f"the weights); the model's weights: {_gb(weights)}, so the peak is "

@@ -17,6 +17,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from massive_lens.models import load_model
 from massive_lens.train.retrofit import SETTINGS, retrofit
 
 HELP = "fine-tune a pretrained model with its massive activations removed, under softmax or an off-switch"
@@ -44,8 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_retrofit(args: argparse.Namespace) -> None:
     """Run :func:`retrofit` with the parsed options and print its summary."""
-    from massive_lens.models import load_model
-
     model = load_model(args.model) if args.model else load_model()
     result = retrofit(model, [s.strip() for s in args.settings.split(",")], steps=args.steps,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps,

@@ -30,6 +30,7 @@ from jaxtyping import Int
 from torch import Tensor, nn
 
 from massive_lens.errors import MassiveLensError
+from massive_lens.models import wrap_hf_model
 from massive_lens.origin import trace_origin
 from massive_lens.train.hf_attention import SUPPORTED, attention_modules, bridge_hooks
 
@@ -189,8 +190,6 @@ def analysis_bridge(hf_model: nn.Module, tokenizer: Any, *, hold: tuple[list[int
     *permanent* hooks, so every massive_lens analysis run on the returned
     bridge (``find_massive``, ``trace_origin``, ``measure_outliers``...) sees the variant.
     """
-    from massive_lens.models import wrap_hf_model
-
     clone = copy.deepcopy(hf_model)
     for module in attention_modules(clone):  # the bridge runs its own softmax; the hooks add the slots
         del module.ml_variant, module.ml_tap
