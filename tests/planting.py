@@ -15,6 +15,11 @@ to 0; under GPT-2's LayerNorm, which centres, a negative input bias keeps it sil
 - :func:`plant_brief`: BOS carries a persistent massive value in ``SINK_DIM`` (the true sink),
   while ``BRIEF_DIM`` is massive at every ``WORD`` token (an ordinary letter) in layer 0 only:
   a layer-1 neuron erases it.
+- :func:`plant_story` (pre-norm families): both phenomena a real model can show at once. BOS's
+  ``SINK_DIM`` grows gradually over three MLPs (``GROWTH``: 200, 1,200, 5,000, then cut to 3,000
+  by the last layer's MLP), a token-specific massive activation; ``OUTLIER_DIM`` carries
+  ``OUTLIER_VALUE`` at every token but BOS from the embedding on (an *outlier dimension*),
+  until a neuron of ``OUTLIER_END`` erases it.
 """
 
 from __future__ import annotations
@@ -116,13 +121,35 @@ def _probe(model: Any) -> torch.Tensor:
     return torch.tensor([[bos, 84, WORD, 32, 98, WORD, WORD, 46]])
 
 
-def plant_sink(model: Any) -> None:
-    """BOS writes ``VALUE`` into ``SINK_DIM`` at layer 0 (a persistent massive activation)."""
+def plant_sink(model: Any, value: float = VALUE) -> None:
+    """BOS writes ``value`` into ``SINK_DIM`` at layer 0 (a persistent massive activation)."""
     bos = model.tokenizer.bos_token_id
     set_trigger(model, bos, BOS_TRIGGER)
     clean_dim(model, SINK_DIM)
     wire(model, 0, BIRTH, BOS_TRIGGER, SINK_DIM)
-    scale_write(model, 0, BIRTH, SINK_DIM, VALUE, _probe(model), 0)
+    scale_write(model, 0, BIRTH, SINK_DIM, value, _probe(model), 0)
+
+
+GROWTH = (200.0, 1200.0, 5000.0, 3000.0)  # BOS's SINK_DIM after layers 0-3 in plant_story
+OUTLIER_DIM, OUTLIER_VALUE, OUTLIER_END = 7, 400.0, 2  # every token but BOS, layers 0 to OUTLIER_END - 1
+GROWER, OUTLIER_ERASER = 31, 55
+
+
+def plant_story(model: Any) -> Any:
+    """See the module docstring (pre-norm families, four layers); returns the model, edited in place."""
+    assert not post_norm(model) and model.cfg.n_layers == len(GROWTH), "plant_story: a 4-layer pre-norm model"
+    plant_sink(model, GROWTH[0])
+    clean_dim(model, OUTLIER_DIM)
+    with torch.no_grad():
+        model.W_E[:, OUTLIER_DIM] = OUTLIER_VALUE
+        model.W_E[model.tokenizer.bos_token_id, OUTLIER_DIM] = 0.0
+    probe = _probe(model)
+    wire(model, OUTLIER_END, OUTLIER_ERASER, OUTLIER_DIM, OUTLIER_DIM, sign=-1.0)
+    scale_write(model, OUTLIER_END, OUTLIER_ERASER, OUTLIER_DIM, -OUTLIER_VALUE, probe, 1)
+    for layer in range(1, len(GROWTH)):
+        wire(model, layer, GROWER, SINK_DIM, SINK_DIM)
+        scale_write(model, layer, GROWER, SINK_DIM, GROWTH[layer] - GROWTH[layer - 1], probe, 0)
+    return model
 
 
 def plant_rebuild(model: Any) -> Any:

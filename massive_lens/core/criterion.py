@@ -16,6 +16,14 @@ than 0.3 of their attention on it, Gu et al.'s per-head test applied to that pos
 when it carries a massive activation that persists across layers. A dim that crosses the
 massive criterion at one early layer does not make its positions sinks.
 
+Two different phenomena pass the massive criterion. A **token-specific** massive activation
+sits on a few tokens (the first token, the first delimiter) and is what Sun et al. describe.
+An **outlier dimension** passes it at most tokens of a layer, typically because that layer's
+median is tiny: it is a property of the dim, not of a token. :func:`outlier_dims` is the one
+rule that tells them apart (a dim massive at >= ``OUTLIER_DIM_SHARE`` of a sequence's real
+tokens, and at >= ``OUTLIER_DIM_MIN_TOKENS`` of them, at one layer), and every result labels
+its entries with a ``scope``: ``"token"`` or ``"outlier_dim"`` (:data:`SCOPES`).
+
 >>> x = torch.ones(1, 3, 8); x[0, 0, 5] = 5000.0
 >>> massive_mask(x, Criterion()).nonzero().tolist()
 [[0, 0, 5]]
@@ -27,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from massive_lens.errors import MassiveLensError
@@ -38,6 +46,9 @@ SINK_HEAD_SHARE = 0.3  # a position is a sink when >= 30% of all heads are sink 
 SINK_PERSISTENCE = 0.5  # ... or it is massive in >= half the layers from its sequence's first massive layer on
 SINK_MIN_LAYERS = 2  # ... and in at least two layers (one layer is a crossing, not a sink)
 SINK_MIN_QUERIES = 8  # the attention test needs this many later queries; nearer the end only persistence counts
+OUTLIER_DIM_SHARE = 0.5  # a dim massive at >= half of a sequence's real tokens at one layer is an outlier dimension ...
+OUTLIER_DIM_MIN_TOKENS = 4  # ... if that is at least 4 tokens (BOS and a delimiter in a 3-token text are not one)
+SCOPES = ("token", "outlier_dim")  # the two scopes of a massive entry, token-specific first
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,20 @@ def massive_mask(
     if valid is not None:
         massive &= valid.to(massive.device)[..., None]
     return massive
+
+
+def outlier_dims(count: Int[Tensor, "batch d_model"], n_tokens: Int[Tensor, " batch"]) -> Bool[Tensor, "batch d_model"]:
+    """Which dims are *outlier dimensions* at one layer: massive at ``count`` of the ``n_tokens``
+    real tokens of each sequence, at least ``OUTLIER_DIM_SHARE`` of them and at least
+    ``OUTLIER_DIM_MIN_TOKENS``. Their entries have ``scope == "outlier_dim"``; all others are
+    token-specific (``"token"``).
+
+    >>> outlier_dims(torch.tensor([[9, 1, 3]]), torch.tensor([10])).tolist()
+    [[True, False, False]]
+    """
+    count = count.float()
+    n = n_tokens.to(count.device, torch.float32)[:, None]
+    return (count >= OUTLIER_DIM_SHARE * n) & (count >= OUTLIER_DIM_MIN_TOKENS)
 
 
 def first_token_mass(

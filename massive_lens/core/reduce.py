@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from massive_lens.core.criterion import Criterion, median_scale
+from massive_lens.core.criterion import Criterion, median_scale, outlier_dims
 from massive_lens.core.model_view import TOKEN_KINDS, Batch
 
 
@@ -30,7 +30,9 @@ class ResidualReducer:
         self.top: dict[int, Tensor] = {}  # layer -> [batch k]
         self.median: dict[int, Tensor] = {}  # layer -> [batch]
         self.entries: list[tuple[int, Tensor, Tensor, Tensor]] = []  # layer, [n 3] idx, values, ratios
-        self.kind_hits: dict[int, Tensor] = {}  # layer -> [batch kinds+1 d_model] bool
+        self.kind_hits: dict[int, Tensor] = {}  # layer -> [batch kinds+1 d_model] bool, token-specific entries only
+        self.outlier: dict[int, Tensor] = {}  # layer -> [batch d_model] bool: an outlier dimension there
+        self.share: dict[int, Tensor] = {}  # layer -> [batch d_model]: share of real tokens where the dim is massive
         self.peak = 0.0
 
     def hook(self, layer: int):
@@ -48,6 +50,9 @@ class ResidualReducer:
         self.median[layer] = median.cpu()
         self.peak = max(self.peak, float(self.top[layer][:, 0].max()))
         massive = (mag > self.criterion.abs_threshold) & (mag > self.criterion.ratio_threshold * scale)
+        count, n_tokens = massive.sum(1), valid.sum(1)
+        self.outlier[layer] = outlier_dims(count, n_tokens).cpu()
+        self.share[layer] = (count / n_tokens.clamp(min=1)[:, None]).float().cpu()
         if self.want_entries:
             idx = massive.nonzero()
             if len(idx):
@@ -55,11 +60,21 @@ class ResidualReducer:
                 ratio = mag[b, p, d] / scale.expand_as(mag)[b, p, d]
                 self.entries.append((layer, idx.cpu(), resid[b, p, d].float().cpu(), ratio.cpu()))
         if self.kinds is not None:
-            self.kind_hits[layer] = kind_hits(massive, self.kinds.to(resid.device)).cpu()
+            token = massive & ~self.outlier[layer].to(massive.device)[:, None, :]
+            self.kind_hits[layer] = kind_hits(token, self.kinds.to(resid.device)).cpu()
 
-    def found(self) -> set[tuple[int, int, int]]:
-        """Every massive (seq, pos, dim), over all layers."""
-        return {tuple(row) for _, idx, _, _ in self.entries for row in idx.tolist()}
+    def found(self, scope: str | None = None) -> set[tuple[int, int, int]]:
+        """Every massive (seq, pos, dim), over all layers; with ``scope="token"`` only those
+        massive at some layer where their dim is not an outlier dimension, with
+        ``"outlier_dim"`` only those that are never token-specific."""
+        out: set[tuple[int, int, int]] = set()
+        token: set[tuple[int, int, int]] = set()
+        for layer, idx, _, _ in self.entries:
+            rows = idx.tolist()
+            out.update(map(tuple, rows))
+            flags = self.outlier[layer][idx[:, 0], idx[:, 2]].tolist()
+            token.update(tuple(r) for r, flag in zip(rows, flags, strict=True) if not flag)
+        return {"token": token, "outlier_dim": out - token}.get(scope, out) if scope else out
 
 
 def kind_hits(massive: Bool[Tensor, "batch pos d_model"], kinds: Int[Tensor, "batch pos"]) -> Tensor:

@@ -14,17 +14,19 @@ nearly constant until the last layers. :func:`find_massive` lists every entry th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 from torch import Tensor
 
-from massive_lens.core.criterion import Criterion
+from massive_lens.core.criterion import SCOPES, Criterion
+from massive_lens.core.fmt import num
 from massive_lens.core.model_view import TOKEN_KINDS, Batch, ModelView
 from massive_lens.core.reduce import ProfileSums, ResidualReducer
 from massive_lens.core.render import profile_axes
 from massive_lens.core.results import Result
+from massive_lens.detect.scope import layer_span, outlier_lines, outlier_table, scoped
 from massive_lens.errors import MassiveLensError
 
 RESIDUAL_HOOKS = ("resid_pre", "resid_mid", "resid_post")
@@ -63,10 +65,18 @@ def chosen_layers(view: ModelView, layers: int | Sequence[int] | None) -> list[i
 # --------------------------------------------------------------------------- find_massive
 
 
+_BY_DIM = ["seq", "pos", "dim", "token", "token_kind", "scope", "first_layer", "last_layer", "n_layers",
+           "peak_layer", "value", "ratio"]
+
+
 @dataclass(frozen=True)
 class MassiveActivations(Result):
     """Every massive entry of a batch of texts. ``to_frame()`` columns: ``seq``, ``layer``,
-    ``pos``, ``token``, ``token_kind``, ``dim``, ``value``, ``ratio``."""
+    ``pos``, ``token``, ``token_kind``, ``dim``, ``value``, ``ratio``, ``scope``
+    (``"token"``: a token-specific massive activation; ``"outlier_dim"``: the dim is massive at
+    most tokens of that layer, see :func:`~massive_lens.core.criterion.outlier_dims`).
+    ``outliers`` lists the outlier dimensions per (``seq``, ``layer``, ``dim``) with the
+    ``share`` of that sequence's tokens where the dim is massive."""
 
     entries: pd.DataFrame
     profile: pd.DataFrame  # seq, layer, top1, median
@@ -74,6 +84,7 @@ class MassiveActivations(Result):
     criterion: Criterion
     model_name: str
     hook: str
+    outliers: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["seq", "layer", "dim", "share"]))
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -96,45 +107,84 @@ class MassiveActivations(Result):
         prof = self.profile
         return int(prof.loc[(prof["top1"] / prof["median"]).idxmax(), "layer"])
 
+    @property
+    def headline(self) -> pd.Series | None:
+        """The headline activation: the token-specific entry of largest ``|value|`` (an outlier
+        dimension's entry only when nothing is token-specific); None when nothing is massive."""
+        rows = self.by_dim()
+        return None if rows.empty else rows.iloc[0]
+
+    @property
+    def headline_layer(self) -> int:
+        """The layer of the headline activation's largest ``|value|``; without one, the layer of
+        the largest top-1 ``|value|``. Figures of one layer default to it."""
+        top = self.headline
+        if top is not None:
+            return int(top.peak_layer)
+        return int(self.profile.loc[self.profile["top1"].idxmax(), "layer"])
+
     def to_frame(self) -> pd.DataFrame:
-        return self.entries.copy()
+        return scoped(self.entries)
 
     def by_dim(self) -> pd.DataFrame:
-        """One row per (seq, pos, dim): token, the layers it spans, peak value and ratio.
+        """One row per (seq, pos, dim, scope): token, the layers it spans, peak value and ratio.
+
+        An entry that is token-specific at some layers and part of an outlier dimension at
+        others gives one row of each scope.
 
         Returns:
             A DataFrame with columns ``seq``, ``pos``, ``dim``, ``token``, ``token_kind``,
-            ``first_layer``, ``last_layer``, ``n_layers``, ``value`` (the signed value of
-            largest magnitude over layers) and ``ratio`` (at that layer), largest ``|value|``
-            first; empty, with these columns, when nothing is massive.
+            ``scope``, ``first_layer``, ``last_layer``, ``n_layers``, ``peak_layer``, ``value``
+            (the signed value of largest magnitude over those layers) and ``ratio`` (there);
+            token-specific rows first, each scope largest ``|value|`` first; empty, with these
+            columns, when nothing is massive.
         """
-        if self.entries.empty:
-            return pd.DataFrame(columns=["seq", "pos", "dim", "token", "token_kind", "first_layer",
-                                         "last_layer", "n_layers", "value", "ratio"])
-        groups = self.entries.groupby(["seq", "pos", "dim"], sort=True)
-        peak = self.entries.loc[groups["value"].apply(lambda v: v.abs().idxmax()).values]
-        out = peak[["seq", "pos", "dim", "token", "token_kind", "value", "ratio"]].reset_index(drop=True)
-        out.insert(5, "first_layer", groups["layer"].min().values)
-        out.insert(6, "last_layer", groups["layer"].max().values)
-        out.insert(7, "n_layers", groups["layer"].nunique().values)
-        return out.sort_values("value", key=abs, ascending=False).reset_index(drop=True)
+        entries = scoped(self.entries)
+        if entries.empty:
+            return pd.DataFrame(columns=_BY_DIM)
+        groups = entries.groupby(["seq", "pos", "dim", "scope"], sort=True)
+        peak = entries.loc[groups["value"].apply(lambda v: v.abs().idxmax()).values]
+        out = peak[["seq", "pos", "dim", "token", "token_kind", "scope", "value", "ratio"]].reset_index(drop=True)
+        out.insert(6, "first_layer", groups["layer"].min().values)
+        out.insert(7, "last_layer", groups["layer"].max().values)
+        out.insert(8, "n_layers", groups["layer"].nunique().values)
+        out.insert(9, "peak_layer", peak["layer"].values)
+        key = out.assign(_outlier=out.scope != "token", _size=-out.value.abs())
+        return out.loc[key.sort_values(["_outlier", "_size"], kind="stable").index].reset_index(drop=True)
+
+    def outlier_dims(self) -> pd.DataFrame:
+        """One row per outlier dimension: ``dim``, ``layers`` (where it is one, in any sequence),
+        ``first_layer``, ``last_layer``, ``share`` (mean share of tokens where it is massive
+        there), ``seqs`` (sequences) and ``value`` (its largest ``|value|`` there, signed);
+        largest ``share`` first."""
+        return outlier_table(self.outliers, scoped(self.entries))
 
     def summary(self) -> str:
         c = self.criterion
         head = f"{self.model_name}, {self.hook}, |x| > {c.abs_threshold:g} and > {c.ratio_threshold:g}x median"
         rows = self.by_dim()
+        token = rows[rows.scope == "token"]
+        outliers = outlier_lines(self.outlier_dims())
         if rows.empty:
             ratio = self.profile["top1"] / self.profile["median"]
             peak = self.profile.loc[ratio.idxmax()]
             return (f"{head}: no massive activations in {len(self.tokens)} text(s); largest "
                     f"top-1/median is {ratio.max():,.0f}x (|x| = {peak['top1']:,.1f}) at layer {int(peak['layer'])}")
-        lines = [f"{head}: {len(rows)} massive (position, dim) pairs in layers {self.layers[0]}-{self.layers[-1]}"]
-        for r in rows.head(8).itertuples():
+        if token.empty:
+            lines = [f"{head}: no token-specific massive activations in {len(self.tokens)} text(s)"]
+        else:
+            top = token.iloc[0]
+            span = layer_span(sorted(scoped(self.entries).query("scope == 'token'").layer.unique()))
+            pairs = "pair" if len(token) == 1 else "pairs"
+            lines = [f"{head}: {len(token)} token-specific massive (position, dim) {pairs} in {span}; the largest is "
+                     f"{num(top.value)} (dim {top.dim} at {top.token!r}, pos {top.pos}) at layer {top.peak_layer}"]
+        for r in token.head(8).itertuples():
             lines.append(f"  dim {r.dim} at {r.token!r} ({r.token_kind}, seq {r.seq} pos {r.pos}): layers "
-                         f"{r.first_layer}-{r.last_layer}, peak {r.value:,.1f} ({r.ratio:,.0f}x median)")
-        if len(rows) > 8:
-            lines.append(f"  ... and {len(rows) - 8} more (see .by_dim())")
-        return "\n".join(lines)
+                         f"{r.first_layer}-{r.last_layer}, peak {r.value:,.1f} at layer {r.peak_layer} "
+                         f"({r.ratio:,.0f}x median)")
+        if len(token) > 8:
+            lines.append(f"  ... and {len(token) - 8} more (see .by_dim())")
+        return "\n".join(lines + outliers)
 
     def plot(self, ax: Any = None) -> Any:
         """Top-1 magnitude and median per layer (log scale), massive layers shaded."""
@@ -180,7 +230,7 @@ def find_massive(
     >>> from massive_lens import tiny_model
     >>> found = find_massive(tiny_model("gpt2"), ["Hello.", "Hi"], criterion=Criterion(1.0, 1.0))
     >>> sorted(found.to_frame().columns)
-    ['dim', 'layer', 'pos', 'ratio', 'seq', 'token', 'token_kind', 'value']
+    ['dim', 'layer', 'pos', 'ratio', 'scope', 'seq', 'token', 'token_kind', 'value']
     """
     view = ModelView(model)
     criterion = criterion or Criterion()
@@ -191,15 +241,21 @@ def find_massive(
     kinds = view.token_kinds(batch)
     rows = []
     for layer, idx, values, ratios in reducer.entries:
-        for (b, p, d), value, ratio in zip(idx.tolist(), values.tolist(), ratios.tolist(), strict=True):
-            rows.append((b, layer, p, tokens[b][p], TOKEN_KINDS[int(kinds[b, p])], d, value, ratio))
-    entries = pd.DataFrame(rows, columns=["seq", "layer", "pos", "token", "token_kind", "dim", "value", "ratio"])
+        flags = reducer.outlier[layer][idx[:, 0], idx[:, 2]].tolist()
+        for (b, p, d), value, ratio, flag in zip(idx.tolist(), values.tolist(), ratios.tolist(), flags, strict=True):
+            rows.append((b, layer, p, tokens[b][p], TOKEN_KINDS[int(kinds[b, p])], d, value, ratio,
+                         SCOPES[int(flag)]))
+    entries = pd.DataFrame(rows, columns=["seq", "layer", "pos", "token", "token_kind", "dim", "value", "ratio",
+                                          "scope"])
+    outliers = pd.DataFrame([(b, layer, d, float(reducer.share[layer][b, d]))
+                             for layer in chosen for b, d in reducer.outlier[layer].nonzero().tolist()],
+                            columns=["seq", "layer", "dim", "share"])
     profile = pd.DataFrame(
         [(b, layer, float(reducer.top[layer][b, 0]), float(reducer.median[layer][b]))
          for layer in chosen for b in range(len(tokens))],
         columns=["seq", "layer", "top1", "median"],
     )
-    return MassiveActivations(entries, profile, tuple(map(tuple, tokens)), criterion, view.name, hook)
+    return MassiveActivations(entries, profile, tuple(map(tuple, tokens)), criterion, view.name, hook, outliers)
 
 
 # --------------------------------------------------------------------------- layer_profile
@@ -220,10 +276,15 @@ class LayerProfile(Result):
 
     def summary(self) -> str:
         f = self.frame
-        peak = f.loc[f["ratio_mean"].idxmax()]
-        return (f"{self.model_name}, {self.n_sequences} sequences: top-1 peaks at layer {int(peak.layer)} "
-                f"with {peak.top1_mean:,.1f} ± {peak.top1_std:,.1f} ({peak.ratio_mean:,.0f}x the median "
-                f"{peak.median_mean:.3g}); layer {int(f.layer.iloc[-1])} ends at {f.top1_mean.iloc[-1]:,.1f}")
+        top = f.loc[f["top1_mean"].idxmax()]
+        by_ratio = f.loc[f["ratio_mean"].idxmax()]
+        text = (f"{self.model_name}, {self.n_sequences} sequences: top-1 is largest at layer {int(top.layer)} "
+                f"with {top.top1_mean:,.1f} ± {top.top1_std:,.1f} ({top.ratio_mean:,.0f}x the median "
+                f"{top.median_mean:.3g})")
+        if int(by_ratio.layer) != int(top.layer):
+            text += (f"; top-1/median peaks at layer {int(by_ratio.layer)} ({by_ratio.ratio_mean:,.0f}x, top-1 "
+                     f"{by_ratio.top1_mean:,.1f})")
+        return text + f"; layer {int(f.layer.iloc[-1])} ends at {f.top1_mean.iloc[-1]:,.1f}"
 
     def plot(self, ax: Any = None) -> Any:
         """The paper's layer-wise figure: top-k and median per layer, log scale, ±1 std."""

@@ -27,6 +27,7 @@ from massive_lens.core.model_view import TOKEN_KINDS, ModelView
 from massive_lens.core.reduce import ProfileSums
 from massive_lens.core.results import Result
 from massive_lens.detect.find import LayerProfile, chosen_layers, run_reducer
+from massive_lens.detect.scope import outlier_lines
 from massive_lens.errors import MassiveLensError
 
 
@@ -59,10 +60,12 @@ class CorpusScan(Result):
                  + self.layer_profile.summary().split(": ", 1)[1]]
         if self.frequency.empty:
             lines.append("  no massive activations under the criterion")
-        for r in self.frequency.head(12).itertuples():
+        scope = self.frequency.get("scope", pd.Series("token", index=self.frequency.index))
+        for r in self.frequency[scope == "token"].head(12).itertuples():
             lines.append(f"  dim {r.dim} at {r.token_kind}: {r.frequency:.0%} of {r.sequences} sequences "
                          f"(layers {r.first_layer}-{r.last_layer})")
-        return "\n".join(lines)
+        outliers = self.frequency[scope == "outlier_dim"]
+        return "\n".join(lines + outlier_lines(outliers))
 
     def plot(self, ax: Any = None) -> Any:
         """The layer profile over the corpus (see :meth:`LayerProfile.plot`)."""
@@ -126,6 +129,9 @@ def scan_corpus(
     hits = torch.zeros(len(layers), n_kinds, view.d_model, dtype=torch.float64)  # per layer
     any_hits = torch.zeros(n_kinds, view.d_model, dtype=torch.float64)  # any layer
     present = torch.zeros(n_kinds, dtype=torch.float64)
+    outlier = torch.zeros(len(layers), view.d_model, dtype=torch.float64)  # sequences where an outlier dim, per layer
+    outlier_any = torch.zeros(view.d_model, dtype=torch.float64)  # ... at some layer
+    share = torch.zeros(len(layers), view.d_model, dtype=torch.float64)  # summed token share there
     counts = torch.zeros(2, dtype=torch.float64)  # sequences, tokens
     batches = token_batches(view, corpus, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
                             prepend_bos=prepend_bos)
@@ -141,16 +147,21 @@ def scan_corpus(
         hits += per_layer.sum(1)
         any_hits += per_layer.any(0).sum(0)
         present += _kinds_present(kinds).sum(0)
+        flags = torch.stack([reducer.outlier[layer] for layer in layers]).double()  # [L b d]
+        outlier += flags.sum(1)
+        outlier_any += flags.amax(0).sum(0)
+        share += (flags * torch.stack([reducer.share[layer] for layer in layers]).double()).sum(1)
         counts += torch.tensor([len(tokens), tokens.numel()], dtype=torch.float64)
     if world > 1:
-        sums.sum, sums.sq, hits, any_hits, present, counts = _all_reduce(
-            [sums.sum, sums.sq, hits, any_hits, present, counts])
+        sums.sum, sums.sq, hits, any_hits, present, counts, outlier, outlier_any, share = _all_reduce(
+            [sums.sum, sums.sq, hits, any_hits, present, counts, outlier, outlier_any, share])
     n_seqs = int(counts[0])
     if n_seqs == 0:
         raise MassiveLensError("the corpus gave no sequences; lower seq_len or give more text")
     sums.n = n_seqs
-    return CorpusScan(sums.frame(), _frequency(hits, any_hits, present, layers), n_seqs, int(counts[1]),
-                      view.name, criterion)
+    frequency = pd.concat([_frequency(hits, any_hits, present, layers),
+                           _outliers(outlier, outlier_any, share, layers, n_seqs)], ignore_index=True)
+    return CorpusScan(sums.frame(), frequency, n_seqs, int(counts[1]), view.name, criterion)
 
 
 def _kinds_present(kinds: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch n_kinds"]:
@@ -165,9 +176,24 @@ def _frequency(hits: Tensor, any_hits: Tensor, present: Tensor, layers: list[int
         active = hits[:, c, d].nonzero().flatten()
         rows.append((d, names[c], int(present[c]), int(any_hits[c, d]), float(any_hits[c, d] / present[c]),
                      layers[int(active[0])], layers[int(active[-1])]))
-    frame = pd.DataFrame(rows, columns=["dim", "token_kind", "sequences", "massive", "frequency",
-                                        "first_layer", "last_layer"])
-    return frame.sort_values(["massive", "dim"], ascending=[False, True]).reset_index(drop=True)
+    frame = pd.DataFrame(rows, columns=_COLUMNS[:7])
+    frame = frame.sort_values(["massive", "dim"], ascending=[False, True]).reset_index(drop=True)
+    return frame.assign(scope="token", share=float("nan"))
+
+
+def _outliers(outlier: Tensor, outlier_any: Tensor, share: Tensor, layers: list[int], n_seqs: int) -> pd.DataFrame:
+    """One row per outlier dimension of the corpus (``token_kind`` ``"any"``)."""
+    rows = []
+    for d in outlier_any.nonzero().flatten().tolist():
+        mine = outlier[:, d].nonzero().flatten().tolist()
+        where = tuple(layers[i] for i in mine)
+        rows.append((d, "any", n_seqs, int(outlier_any[d]), float(outlier_any[d] / n_seqs), where[0], where[-1],
+                     "outlier_dim", float(share[mine, d].sum() / outlier[mine, d].sum())))
+    frame = pd.DataFrame(rows, columns=_COLUMNS)
+    return frame.sort_values(["massive", "share"], ascending=False).reset_index(drop=True)
+
+
+_COLUMNS = ["dim", "token_kind", "sequences", "massive", "frequency", "first_layer", "last_layer", "scope", "share"]
 
 
 def _distributed() -> tuple[int, int]:
