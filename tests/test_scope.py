@@ -7,14 +7,19 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
+
 import pandas as pd
 import pytest
-from helpers import untouched
+from helpers import plant_massive, untouched
 from planting import GROWTH, OUTLIER_DIM, OUTLIER_END, SINK_DIM, TEXT, plant_story
 
-from massive_lens import find_massive, scan_corpus, tiny_model
+from massive_lens import MassiveLensError, find_massive, scan_corpus, tiny_model, trace_origin
 from massive_lens.core.criterion import OUTLIER_DIM_MIN_TOKENS, OUTLIER_DIM_SHARE, outlier_dims
 from massive_lens.detect import LayerProfile
+from massive_lens.origin.story import BIRTH_SHARE, _heads
+from massive_lens.origin.trace import VERIFY_TOP
 
 STORY_TEXT = "The cat sat on the mat. It was warm, and the dog slept by the door."
 PEAK_LAYER = max(range(len(GROWTH)), key=lambda i: abs(GROWTH[i]))
@@ -41,7 +46,7 @@ def test_scope_labels(story_model):
     frame = found.to_frame()
     assert set(frame.scope) == {"token", "outlier_dim"}
     token, outlier = frame[frame.scope == "token"], frame[frame.scope == "outlier_dim"]
-    assert set(zip(token.pos, token.dim)) == {(0, SINK_DIM)}
+    assert set(zip(token.pos, token.dim, strict=True)) == {(0, SINK_DIM)}
     assert set(outlier.dim) == {OUTLIER_DIM} and set(outlier.layer) == set(range(OUTLIER_END))
     assert 0 not in set(outlier.pos)
     dims = found.outlier_dims()
@@ -85,3 +90,65 @@ def test_profile_names_the_ratio_layer_when_it_differs():
     assert "top-1/median peaks at layer 0 (50,000x" in text
     same = LayerProfile(frame.assign(ratio_mean=[1.0, 2.0, 3.0]), "m", 3).summary()
     assert "peaks at" not in same
+
+
+# --------------------------------------------------------------------------- trace_origin
+
+
+def test_trace_defaults_to_token_specific_entries(story_model):
+    trace = trace_origin(story_model, STORY_TEXT, prepend_bos=True)
+    assert trace.targets[["pos", "dim"]].values.tolist() == [[0, SINK_DIM]]
+    assert trace.targets.scope.tolist() == ["token"]
+    assert any("outlier dimensions" in n and "not traced" in n for n in trace.notes)
+    chosen = trace_origin(story_model, STORY_TEXT, dim=OUTLIER_DIM, pos=3, prepend_bos=True)
+    assert chosen.targets.scope.tolist() == ["outlier_dim"]
+
+
+def test_birth_is_named_at_a_share_of_the_peak(story_model):
+    """The first write passes the absolute threshold but is a small share of the peak: it is
+    'written by'; the birth is the first write that brings the value to BIRTH_SHARE of it."""
+    text = trace_origin(story_model, STORY_TEXT, prepend_bos=True).summary()
+    born = next(i for i, g in enumerate(GROWTH) if abs(g) >= BIRTH_SHARE * abs(GROWTH[PEAK_LAYER]))
+    assert GROWTH[0] > 100 and born > 0  # the fixture tests what it means to
+    assert "written by MLP 0 " in text and f"born in MLP {born} " in text and "of the peak)" in text
+    lines = text.splitlines()
+    story = next(i for i, line in enumerate(lines) if line.startswith(f"dim {SINK_DIM} at"))
+    assert lines[story + 1].strip().startswith("the peak")  # the attribution leads, events follow
+    assert any(line.strip().startswith("events: ") for line in lines[story + 2:])
+
+
+def test_first_query_has_no_attention_claim():
+    heads = pd.DataFrame(dict(layer=[0], head=[0], contribution=[5.0], first_token_attention=[1.0],
+                              max_attention=[1.0]))
+    assert "attends 100% to the first token" in _heads(heads, 0, 5.0)
+    assert "attends" not in _heads(heads, 0, 5.0, first_query=True)
+
+
+@pytest.fixture(scope="module")
+def many_entries():
+    """The story model plus four more token-specific entries (rare letters, each its own dim)."""
+    model = plant_story(tiny_model("llama"))
+    for i, char in enumerate("xqzj"):
+        token = model.tokenizer(char, add_special_tokens=False)["input_ids"][0]
+        plant_massive(model, layer=1, neuron=60 + i, dim=20 + i, value=300.0 + 100 * i, trigger=token,
+                      trigger_dim=30 + i)
+    return model
+
+
+def test_verification_is_bounded_and_estimated(many_entries, caplog):
+    text = "x marks it. q, z and j are rare letters here."
+    with caplog.at_level(logging.INFO, logger="massive_lens.origin.trace"):
+        trace = trace_origin(many_entries, text, verify=True, prepend_bos=True)
+    n = len(trace.targets)
+    assert n > VERIFY_TOP
+    verified = trace.verification[["pos", "dim"]].drop_duplicates()
+    largest = trace.targets.head(VERIFY_TOP)
+    assert set(map(tuple, verified.values.tolist())) <= set(map(tuple, largest[["pos", "dim"]].values.tolist()))
+    assert any(f"{n - VERIFY_TOP} skipped" in note for note in trace.notes)
+    assert any("estimated" in r.getMessage() and "verifying" in r.getMessage() for r in caplog.records)
+
+
+def test_verify_must_be_a_bool(story_model):
+    untyped = inspect.unwrap(trace_origin)  # what a caller without the test-time type checker runs
+    with pytest.raises(MassiveLensError, match="verify must be True or False"):
+        untyped(story_model, STORY_TEXT, verify="no")

@@ -1,4 +1,12 @@
-"""The few-line story that :meth:`OriginTrace.summary` tells for each traced entry."""
+"""The few-line story that :meth:`OriginTrace.summary` tells for each traced entry.
+
+The attribution lines lead (which runs of writes make the peak, and what changes it after);
+the events follow. An entry is **born** where a component first brings its value to at least
+``BIRTH_SHARE`` (10%) of its peak: earlier events that only pass the criterion's absolute
+threshold are "written by" (a write of 113 into a dim that peaks at 100,000 is not its
+birth), later ones "raised by". The first query of a text can attend only to itself, so
+no story says where it looks.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from massive_lens.core.fmt import pct as _pct
 from massive_lens.origin.attribution import label as _label
 
 _MAX_EVENTS = 6
+BIRTH_SHARE = 0.1  # an entry is born where a component first brings it to >= 10% of its peak
 
 
 def _of(frame: pd.DataFrame, t: Any) -> pd.DataFrame:
@@ -32,9 +41,10 @@ def _who(neurons: pd.DataFrame, e: Any) -> str:
     return f" ({label} {names}{more}: {_pct(shown.share.sum())}{others})"
 
 
-def _heads(heads: pd.DataFrame, layer: int, total: float) -> str:
+def _heads(heads: pd.DataFrame, layer: int, total: float, first_query: bool = False) -> str:
     """`` (heads 3, 7: 91%; 3 attends 95% to the first token)``: the heads that write most of an
-    attention term (same sign, largest first, until 80% of it), and where the first one looks."""
+    attention term (same sign, largest first, until 80% of it), and where the first one looks
+    (not for the first query, which can attend only to itself)."""
     rows = heads[(heads.layer == layer) & (heads["head"] >= 0)]
     if rows.empty or not total:
         return ""
@@ -45,7 +55,7 @@ def _heads(heads: pd.DataFrame, layer: int, total: float) -> str:
     label = "head" if len(shown) == 1 else "heads"
     top = shown.iloc[0]
     looks = ""
-    if not math.isnan(top.first_token_attention):
+    if not first_query and not math.isnan(top.first_token_attention):
         looks = (f"; {int(top['head'])} attends {_pct(top.first_token_attention)} to the first token"
                  if top.first_token_attention >= 0.5 else
                  f"; {int(top['head'])} puts at most {_pct(top.max_attention)} on one token")
@@ -53,17 +63,38 @@ def _heads(heads: pd.DataFrame, layer: int, total: float) -> str:
     return f" ({label} {names}: {_pct(shown.contribution.sum() / total)}{looks})"
 
 
-def _event(e: Any, neurons: pd.DataFrame, seen_birth: bool, heads: pd.DataFrame) -> str:
+def _event(e: Any, neurons: pd.DataFrame, verb: str, heads: pd.DataFrame, peak: float) -> str:
     where = _label(e.component, e.layer, e.layer)  # "MLP 3", "attn 3", "embed"
     who = (_who(neurons, e) if e.component == "mlp" else
-           _heads(heads, e.layer, e.contribution) if e.component == "attn" else "")  # no heads in an embedding
-    if e.before and e.after and (e.before > 0) != (e.after > 0) and abs(e.before) >= 0.05 * abs(e.after):
+           _heads(heads, e.layer, e.contribution, e.pos == 0) if e.component == "attn" else "")  # no heads in embed
+    if e.before and e.after and (e.before > 0) != (e.after > 0) \
+            and min(abs(e.before), abs(e.after)) >= 0.05 * max(abs(e.before), abs(e.after)):
         return f"flipped from {fmt(e.before)} to {fmt(e.after)} by {where}{who}"
     if e.kind == "erasure":
         ratio = e.after / e.before if e.before else math.nan
         return f"cut to {_pct(ratio)} by {where}{who}"
-    verb = {"rebirth": "rewritten by", "birth": "raised by" if seen_birth else "born in"}[e.kind]
-    return f"{verb} {where}{who} to {fmt(e.after)}"
+    share = f" ({_pct(e.after / peak)} of the peak)" if verb == "born in" and peak else ""
+    return f"{verb} {where}{who} to {fmt(e.after)}{share}"
+
+
+def _verbs(events: pd.DataFrame, peak: float) -> list[str]:
+    """Each event's verb: ``written by`` before the birth (the first birth event that brings the
+    value to ``BIRTH_SHARE`` of the peak), ``born in``, then ``raised by``; ``rewritten by`` for a
+    rebirth, ``cut`` for an erasure."""
+    verbs, born = [], False
+    for e in events.itertuples():
+        if e.kind == "rebirth":
+            verbs.append("rewritten by")
+        elif e.kind == "erasure":
+            verbs.append("cut")
+        elif born:
+            verbs.append("raised by")
+        elif abs(e.after) >= BIRTH_SHARE * abs(peak):
+            verbs.append("born in")
+            born = True
+        else:
+            verbs.append("written by")
+    return verbs
 
 
 def birth_key(trace: Any, t: Any) -> tuple:
@@ -98,18 +129,18 @@ def together(trace: Any, group: list[Any]) -> str:
 def story(trace: Any, t: Any) -> str:
     events = _of(trace.events, t)
     neurons = _of(trace.neurons, t)
-    parts, seen = [], False
-    for e in events.head(_MAX_EVENTS).itertuples():
-        parts.append(_event(e, neurons[neurons.kind == e.kind], seen, _of(trace.heads, t)))
-        seen |= e.kind != "erasure"
+    verbs = _verbs(events, t.peak)
+    parts = [_event(e, neurons[neurons.kind == e.kind], verb, _of(trace.heads, t), t.peak)
+             for e, verb in zip(events.head(_MAX_EVENTS).itertuples(), verbs, strict=False)]
     if len(events) > _MAX_EVENTS:
         parts.append(f"... {len(events) - _MAX_EVENTS} more events (see .events)")
     last = int(trace.ledger.layer.max())
     flag = "" if t.massive else " [below the criterion]"
-    lines = [f"dim {t.dim} at {t.token!r} ({t.token_kind}, pos {t.pos}){flag}: "
-             + ("; ".join(parts) or "no single component writes a large share")
-             + f"; peak {fmt(t.peak)} at layer {t.peak_layer}, {fmt(t.final)} at layer {last}"]
+    scope = " [an outlier dimension's entry]" if getattr(t, "scope", "token") == "outlier_dim" else ""
+    lines = [f"dim {t.dim} at {t.token!r} ({t.token_kind}, pos {t.pos}){flag}{scope}: peak {fmt(t.peak)} at "
+             f"layer {t.peak_layer}, {fmt(t.final)} at layer {last}"]
     lines += _attribution(_of(trace.attribution, t), t, last)
+    lines.append("  events: " + ("; ".join(parts) or "no single component writes a large share"))
     lines += _verification(_of(trace.verification, t))
     lines += _why(_of(trace.why, t), _of(trace.births, t))
     supers = _of(trace.super_weights, t)

@@ -33,6 +33,8 @@ slices each hook at the traced positions (no full cache).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +54,12 @@ from massive_lens.origin.capture import Capture, capture, d_mlp
 from massive_lens.origin.heads import HEAD_COLUMNS, head_rows
 from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
 from massive_lens.origin.story import birth_key, story, together
-from massive_lens.origin.verify import VERIFY_COLUMNS, verify_targets
+from massive_lens.origin.verify import VERIFY_COLUMNS, VERIFY_SEQ_LEN, VERIFY_SEQS, verify_targets
 
+log = logging.getLogger(__name__)
 _MAX_STORIES = 4  # entries told in summary(), largest peak first
+VERIFY_TOP = 3  # verify=True without dim/pos verifies this many entries, largest |peak| first
+VERIFY_WARN_S = 60.0  # the time estimate is a warning (else INFO) above this many seconds
 _CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
 
 
@@ -63,7 +68,8 @@ class OriginTrace(Result):
     """The traced story of one or more massive (pos, dim) entries of one text.
 
     - ``targets``: ``pos``, ``dim``, ``token``, ``token_kind``, ``massive`` (met the criterion),
-      ``peak``, ``peak_layer``, ``final``; largest ``|peak|`` first;
+      ``scope`` (``"token"``, or ``"outlier_dim"`` for an entry that is massive only where its
+      dim is an outlier dimension), ``peak``, ``peak_layer``, ``final``; largest ``|peak|`` first;
     - ``ledger`` (also ``to_frame()``): per component, in forward order, its ``contribution``
       and the measured residual ``resid`` right after it (``layer`` is 0 for embeddings);
     - ``events``: births, erasures and rebirths (``kind``) with the value ``before``/``after``;
@@ -156,10 +162,14 @@ def trace_origin(
 ) -> OriginTrace:
     """Trace where the massive activations of ``text`` are born, erased and reborn.
 
-    Without ``dim``/``pos`` every massive (pos, dim) that :func:`find_massive` finds under
-    ``criterion`` is traced; with both, that entry is traced even if it is not massive; with
-    one of them, the massive entries there (or the largest one if none is massive).
-    ``verify=True`` adds zero-ablation checks (and perplexity on ``corpus`` if given).
+    Without ``dim``/``pos`` every token-specific massive (pos, dim) that :func:`find_massive`
+    finds under ``criterion`` is traced (entries of outlier dimensions, massive at most tokens of
+    a layer, only when there is no token-specific one; see ``docs/detection.md``); with both,
+    that entry is traced even if it is not massive; with one of them, the massive entries there
+    (or the largest one if none is massive). ``verify=True`` adds zero-ablation checks (and
+    perplexity on ``corpus`` if given): of the given entry, or without ``dim``/``pos`` of the
+    ``VERIFY_TOP`` (3) entries of largest ``|peak|``; the summary says how many were skipped,
+    and the estimated time is logged before it starts (a warning above ``VERIFY_WARN_S``, 60 s).
 
     Args:
         model: a TransformerLens-style model.
@@ -170,7 +180,8 @@ def trace_origin(
         criterion: when a value is massive (None: ``Criterion()``).
         top_neurons: how many neurons to name per MLP event (default 5).
         verify: also zero the named neurons (and, separately, their ``W_out`` weights) and
-            measure what is left of each traced value.
+            measure what is left of each traced value (at most ``VERIFY_TOP`` entries without
+            ``dim``/``pos``). Must be a bool.
         corpus: with ``verify``, also measure perplexity with and without the ablation on
             this corpus (see :func:`~massive_lens.perplexity`); ignored otherwise.
         prepend_bos: whether to prepend BOS to text input (None: the model's default).
@@ -192,6 +203,8 @@ def trace_origin(
     [[0, 0, False]]
     """
     view = ModelView(model)
+    if not isinstance(verify, bool):
+        raise MassiveLensError(f"verify must be True or False, got {verify!r}")
     if top_neurons < 1:
         raise MassiveLensError(f"top_neurons must be >= 1, got {top_neurons}")
     if not isinstance(text, (str, torch.Tensor)):
@@ -207,9 +220,11 @@ def trace_origin(
     dim, pos = _check_index(view, dim, pos, seq)
     criterion = criterion or Criterion()
     positions = _positions(view, batch, pos, dim, criterion)
+    started = time.perf_counter()
     cap = capture(view, batch, positions, criterion)
+    pass_seconds = time.perf_counter() - started
     tokens = view.str_tokens(batch)[0]
-    targets = _targets(view, batch, cap, dim, pos, tokens, criterion)
+    targets, scope_note = _targets(view, batch, cap, dim, pos, tokens, criterion)
     ledger = pd.DataFrame([r for t in targets for r in ledger_rows(cap, t["pos"], t["dim"], tokens)],
                           columns=LEDGER_COLUMNS)
     error = reconstruction_error(ledger)
@@ -224,9 +239,13 @@ def trace_origin(
         names = neu.named(neurons, e)
         supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names)
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
-    verification = verify_targets(view, batch, cap, targets, births, neurons, corpus) if verify else []
+    verified, verify_note = _bounded(targets, dim is None and pos is None) if verify else ([], "")
+    if verified:
+        _log_estimate(view, verified, births, pass_seconds, seq, corpus is not None)
+    verification = verify_targets(view, batch, cap, verified, births, neurons, corpus) if verified else []
     heads, head_notes = head_rows(view, cap, targets)
-    notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes), *head_notes)
+    notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes), *head_notes, scope_note, verify_note)
+    notes = tuple(n for n in notes if n)
     attribution = pd.DataFrame(
         [r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
         columns=ATTRIBUTION_COLUMNS)
@@ -259,14 +278,29 @@ def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, 
         return torch.arange(seq)
     found = find_massive(view.model, batch, criterion=criterion).to_frame()
     found = found[found.dim == dim] if dim is not None else found
+    if dim is None and (found.scope == "token").any():  # outlier dimensions are traced only when asked
+        found = found[found.scope == "token"]
     if found.empty:
         raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
     return torch.tensor(sorted(found.pos.unique().tolist()))
 
 
 def _targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: int | None,
-             tokens: list[str], criterion: Criterion) -> list[dict[str, Any]]:
-    found = {(p, d) for _, p, d in cap.reducer.found()} if cap.reducer is not None else set()
+             tokens: list[str], criterion: Criterion) -> tuple[list[dict[str, Any]], str]:
+    """The entries to trace, largest ``|peak|`` first, and a note when the default had to trace
+    outlier dimensions (no token-specific entry) or left them out."""
+    reducer = cap.reducer
+    found = {(p, d) for _, p, d in reducer.found()} if reducer is not None else set()
+    token = {(p, d) for _, p, d in reducer.found("token")} if reducer is not None else set()
+    note = ""
+    if dim is None and pos is None and found:
+        n_out = len(found - token)
+        if token and n_out:
+            note = (f"note: {n_out} entr{'y' if n_out == 1 else 'ies'} of outlier dimensions (massive at most tokens "
+                    "of a layer) not traced; pass dim= (and pos=) to trace one")
+        elif not token:
+            note = "note: no token-specific massive activation; tracing the entries of outlier dimensions"
+        found = token or found
     chosen = sorted((p, d) for p, d in found if (pos is None or p == pos) and (dim is None or d == dim))
     if not chosen:
         resid = cap.layers["resid_post"].abs()  # [layer, pos, d_model]
@@ -287,13 +321,42 @@ def _targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: 
     for p, d in chosen:
         values = cap.layers["resid_post"][:, cap.index(p), d]
         peak_layer = int(values.abs().argmax())
+        scope = "token" if (p, d) in token or (p, d) not in found else "outlier_dim"
         out.append(dict(pos=p, dim=d, token=tokens[p], token_kind=TOKEN_KINDS[int(kinds[p])],
-                        massive=(p, d) in found, peak=float(values[peak_layer]), peak_layer=peak_layer,
+                        massive=(p, d) in found, scope=scope, peak=float(values[peak_layer]), peak_layer=peak_layer,
                         final=float(values[-1])))
-    return sorted(out, key=lambda t: -abs(t["peak"]))
+    return sorted(out, key=lambda t: -abs(t["peak"])), note
 
 
 # --------------------------------------------------------------------------- verification and notes
+
+
+def _bounded(targets: list[dict[str, Any]], default: bool) -> tuple[list[dict[str, Any]], str]:
+    """The targets to verify: all when the caller chose the entry, else the ``VERIFY_TOP`` of
+    largest ``|peak|`` (targets come sorted), with a note naming how many were skipped."""
+    if not default or len(targets) <= VERIFY_TOP:
+        return targets, ""
+    skipped = len(targets) - VERIFY_TOP
+    return targets[:VERIFY_TOP], (f"verified the {VERIFY_TOP} largest of {len(targets)} traced entries; {skipped} "
+                                  "skipped (pass dim= and pos= to verify one of them)")
+
+
+def _log_estimate(view: ModelView, targets: list[dict[str, Any]], births: list[dict[str, Any]],
+                  pass_seconds: float, n_tokens: int, with_corpus: bool) -> None:
+    """Log how long verification will take, from the capture pass's time per token: per target,
+    one batched pass and per ablation scope one pass, plus two perplexity runs with a corpus."""
+    per_token = pass_seconds / max(n_tokens, 1)
+    passes, ppl_runs = 0, 1 if with_corpus else 0
+    for t in targets:
+        scopes = sum(b["pos"] == t["pos"] and b["dim"] == t["dim"] for b in births)
+        scopes += scopes > 1
+        passes += 1 + scopes
+        ppl_runs += 2 * scopes if with_corpus else 0
+    seconds = per_token * (passes * n_tokens + ppl_runs * VERIFY_SEQS * VERIFY_SEQ_LEN)
+    level = logging.WARNING if seconds > VERIFY_WARN_S else logging.INFO
+    log.log(level, "%s: verifying %d traced entr%s: %d passes over the text and %d perplexity runs of %d x %d tokens; "
+             "estimated %.0f s", view.name, len(targets), "y" if len(targets) == 1 else "ies", passes, ppl_runs,
+             VERIFY_SEQS, VERIFY_SEQ_LEN, seconds)
 
 
 def _notes(cap: Capture, error: float, verify: bool, corpus: Corpus) -> tuple[str, ...]:
