@@ -17,6 +17,9 @@ everything else. This module measures, on any TransformerLens-style model (a
   (symmetric, per output channel or per tensor), and its input to int8 (asymmetric,
   per tensor, min-max calibrated on held-out text that is disjoint from the evaluation
   text). The unembedding is kept in full precision unless ``include_head=True``.
+* **the low-bit grid** (:func:`lowbit_grid`): the loss at W8A8, W4A16, W4A4 (any
+  ``W<w>A<a>``), round-to-nearest with per-channel weights and per-token activations, and its
+  gap to full precision. The rounding itself lives in :mod:`massive_lens.lowbit`.
 
 The model is never left changed: hooks are removed and the original weight tensors put
 back on every exit path, exceptions included. Each weight is quantized only while its own
@@ -32,15 +35,15 @@ are split so that one pass's logits stay small next to the weights.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
-from torch import Tensor, nn
+from torch import Tensor
 
 from massive_lens.core.budget import logit_batches, trim_allocator
 from massive_lens.core.corpora import Corpus, sequences
@@ -49,6 +52,10 @@ from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.core.render import profile_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
+from massive_lens.lowbit import fake_quant_activation, fake_quant_weight, fake_quantized
+
+__all__ = ["GRID", "LowBitGrid", "OutlierReport", "fake_quant_activation", "fake_quant_weight", "fake_quantized",
+           "lowbit_grid", "measure_outliers", "parse_bits"]
 from massive_lens.metrics import next_token_stats
 
 
@@ -150,143 +157,109 @@ def measure_outliers(
     return OutlierReport(view.name, layers, sink, fp, w8a8, per_channel)
 
 
-@contextlib.contextmanager
-def fake_quantized(
-    model: Any, calibration: Int[Tensor, "batch pos"], *, per_channel: bool = True,
-    include_head: bool = False,
-) -> Iterator[Any]:
-    """Inside the block, ``model`` computes in simulated W8A8 (see the module docstring).
+GRID = ("W8A8", "W4A16", "W4A4")
 
-    >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
-    >>> m = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
-    >>> original = m.blocks[0].mlp.W_in.data_ptr()
-    >>> tokens = m.to_tokens("Now run this.")
-    >>> full = m(tokens)
-    >>> with fake_quantized(m, m.to_tokens("Calibrate on this.")):
-    ...     bool((m(tokens) - full).abs().max() > 0)  # each layer quantized while it runs
-    True
-    >>> m.blocks[0].mlp.W_in.data_ptr() == original  # the very same tensor is back
-    True
 
-    Each weight is swapped for its int8 version only while its module runs, so the block
-    holds one quantized layer at a time, not a second copy of the model.
+@dataclass(frozen=True)
+class LowBitGrid(Result):
+    """Loss of one model under round-to-nearest fake quantization at several bit widths.
+
+    ``to_frame()``: one row per setting: ``setting`` (``"W<w>A<a>"``, 16 = not quantized),
+    ``w_bits``, ``a_bits``, ``activations`` (``"per-token"`` or ``"per-tensor"``), ``loss``,
+    ``fp_loss`` and ``gap`` (loss minus full precision, nats per token).
     """
-    sites = _sites(model, include_head)
-    handles: list[Any] = []
-    saved: list[tuple[nn.Parameter, Tensor]] = []
-    lock = model_lock(model)  # other threads' analyses wait until the weights are back
-    lock.acquire()
-    try:
-        ranges: dict[int, list[float]] = {}
-        for i, (module, _, _) in enumerate(sites):
-            handles.append(module.register_forward_pre_hook(_observer(ranges, i), with_kwargs=True))
-        with torch.no_grad():
-            for batch in logit_batches(model, calibration):  # ranges are min / max: exact in batches
-                model(batch.to(_device(model)))
-        for handle in handles:
-            handle.remove()
-        handles.clear()
-        seen: set[int] = set()
-        for i, (module, weight, in_dims) in enumerate(sites):
-            if id(weight) not in seen:
-                seen.add(id(weight))
-                saved.append((weight, weight.data))  # a reference, put back on every exit path
-            pre, post = _weight_swap(weight, in_dims if per_channel else None, ranges.get(i))
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(post))
-        yield model
-    finally:
-        for handle in handles:
-            handle.remove()
-        for weight, data in saved:
-            weight.data = data
-        lock.release()
+
+    model_name: str
+    frame: pd.DataFrame
+    fp_loss: float
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def gaps(self) -> dict[str, float]:
+        """``{setting: gap}``."""
+        return dict(zip(self.frame.setting, self.frame.gap, strict=True))
+
+    def summary(self) -> str:
+        kind = self.frame.activations.iloc[0] if len(self.frame) else "-"
+        parts = ", ".join(f"{r.setting} {r.loss:.3f} ({r.gap:+.3f})" for r in self.frame.itertuples())
+        return (f"{self.model_name}: loss {self.fp_loss:.3f} in full precision; round-to-nearest, per-channel "
+                f"weights, {kind} activations: {parts}")
+
+    def plot(self, ax: Any = None) -> Any:
+        """The gap to full precision per setting (a bar each)."""
+        import matplotlib.pyplot as plt
+
+        ax = ax if ax is not None else plt.subplots(figsize=(5, 3))[1]
+        ax.bar(self.frame.setting, self.frame.gap)
+        ax.set_ylabel("loss - full-precision loss (nats)")
+        ax.set_title(f"{self.model_name}: round-to-nearest fake quantization")
+        return ax
 
 
-def fake_quant_weight(w: Tensor, in_dims: tuple[int, ...] | None = None) -> Tensor:
-    """Symmetric int8: per tensor, or per output channel (max over the ``in_dims`` axes).
+def parse_bits(setting: str) -> tuple[int, int]:
+    """``"W4A16"`` -> ``(4, 16)``.
 
-    >>> fake_quant_weight(torch.tensor([1.0, -0.5, 0.001])).tolist()
-    [1.0, -0.5039370059967041, 0.0]
+    Raises:
+        MassiveLensError: for another form or a width outside 2-16.
     """
-    amax = w.abs().amax() if in_dims is None else w.abs().amax(dim=in_dims, keepdim=True)
-    scale = amax.clamp(min=1e-12) / 127
-    return (w / scale).round().clamp(-127, 127) * scale
+    match = re.fullmatch(r"W(\d+)A(\d+)", setting.strip().upper())
+    if match is None or not all(2 <= int(b) <= 16 for b in match.groups()):
+        raise MassiveLensError(f"bad quantization setting {setting!r}: write W<bits>A<bits> with widths 2-16 "
+                               "(16: full precision), e.g. W8A8, W4A16, W4A4")
+    return int(match.group(1)), int(match.group(2))
 
 
-def fake_quant_activation(x: Tensor, low: float, high: float) -> Tensor:
-    """Asymmetric int8 on the calibrated range ``[low, high]`` (values outside are clipped).
+def lowbit_grid(
+    model: Any,
+    corpus: Corpus = None,
+    *,
+    settings: Sequence[str] = GRID,
+    seq_len: int = 128,
+    n_seqs: int = 8,
+    per_token: bool = True,
+    calibration: Any = None,
+) -> LowBitGrid:
+    """Loss at each weight/activation bit width, and its gap to full precision.
 
-    >>> [round(v, 4) for v in fake_quant_activation(torch.tensor([0.0, 0.5, 2.0]), 0.0, 1.0).tolist()]
-    [0.0, 0.498, 1.0]
+    Round-to-nearest (:mod:`massive_lens.lowbit`): symmetric per-output-channel weights; activations
+    (every linear layer's input) dynamic symmetric per token (default) or static per tensor
+    calibrated on held-out text (``per_token=False``, as :func:`measure_outliers`' W8A8). No
+    rotation, no smoothing, no GPTQ; the unembedding stays in full precision.
+
+    Args:
+        model: a TransformerLens-style model (a bridge, a HookedTransformer or a MassiveLM).
+        corpus: evaluation text, split as in :func:`measure_outliers` (first ``n_seqs`` sequences
+            evaluated, the next calibrate).
+        settings: ``"W<w>A<a>"`` names (default :data:`GRID`: W8A8, W4A16, W4A4).
+        seq_len, n_seqs, calibration: as in :func:`measure_outliers`.
+        per_token: per-token activations (default), else static per-tensor ranges.
+
+    Returns:
+        A :class:`LowBitGrid`.
+
+    Raises:
+        MassiveLensError: for a bad setting name, or as :func:`measure_outliers`.
+
+    >>> from massive_lens import tiny_model
+    >>> grid = lowbit_grid(tiny_model("llama"), "One. Two. Three. " * 40, settings=["W8A16", "W16A16"],
+    ...                    seq_len=32, n_seqs=2)
+    >>> grid.gaps()["W16A16"]
+    0.0
     """
-    low, high = min(low, 0.0), max(high, 0.0)
-    scale = max(high - low, 1e-12) / 255
-    zero = round(-low / scale) - 128
-    q = (x / scale).round() + zero
-    return (q.clamp(-128, 127) - zero) * scale
-
-
-# --------------------------------------------------------------------------- internals
-
-
-def _sites(model: Any, include_head: bool) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
-    """(module whose first input is the linear input, weight, input axes of the weight).
-
-    A model that knows its own linear layers (``MassiveLM``) lists them with
-    ``quantization_sites(include_head)``; for a Hugging Face model (or a bridge over one)
-    every ``nn.Linear`` is a site."""
-    own = getattr(model, "quantization_sites", None)
-    if own is not None:
-        return own(include_head)
-    hf = getattr(model, "original_model", model)
-    if not isinstance(hf, nn.Module):
-        raise MassiveLensError(
-            f"fake_quantized needs a MassiveLM, a TransformerBridge or an nn.Module; got "
-            f"{type(model).__name__}"
-        )
-    head = getattr(hf, "get_output_embeddings", lambda: None)()
-    head_ids = {id(m) for m in head.modules()} if head is not None and not include_head else set()
-    sites = [
-        (m, m.weight, (1,)) for m in hf.modules()
-        if isinstance(m, nn.Linear) and id(m) not in head_ids
-    ]
-    if not sites:
-        raise MassiveLensError(f"found no nn.Linear layers to quantize in {type(hf).__name__}")
-    return sites
-
-
-def _observer(ranges: dict[int, list[float]], i: int) -> Any:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = args[0] if args else next(iter(kwargs.values()))
-        low, high = float(x.min()), float(x.max())
-        old = ranges.get(i, [low, high])
-        ranges[i] = [min(old[0], low), max(old[1], high)]
-
-    return hook
-
-
-def _weight_swap(weight: nn.Parameter, in_dims: tuple[int, ...] | None, bounds: list[float] | None
-                 ) -> tuple[Any, Any]:
-    """Hooks that quantize the module's input (where calibrated) and swap in its int8 weight for
-    the length of its forward, then put the full-precision tensor back."""
-    kept: list[Tensor] = []
-
-    def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        kept.append(weight.data)
-        weight.data = fake_quant_weight(weight.data, in_dims)
-        if bounds is None:
-            return None
-        low, high = bounds
-        if args:
-            return (fake_quant_activation(args[0], low, high), *args[1:]), kwargs
-        key = next(iter(kwargs))
-        return args, {**kwargs, key: fake_quant_activation(kwargs[key], low, high)}
-
-    def post(module: nn.Module, args: tuple, output: Any) -> None:
-        weight.data = kept.pop()
-
-    return pre, post
+    bits = [parse_bits(s) for s in settings]
+    view = ModelView(model)
+    tokens, calib = _eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
+    with model_lock(model):
+        fp = _loss(model, tokens)
+    rows = []
+    for w, a in bits:
+        with fake_quantized(model, calib, w_bits=w, a_bits=a, per_token=per_token):
+            loss = _loss(model, tokens)
+        rows.append(dict(setting=f"W{w}A{a}", w_bits=w, a_bits=a,
+                         activations="per-token" if per_token else "per-tensor",
+                         loss=loss, fp_loss=fp, gap=loss - fp))
+    return LowBitGrid(view.name, pd.DataFrame(rows), fp)
 
 
 def _device(model: Any) -> torch.device:

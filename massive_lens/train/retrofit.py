@@ -51,6 +51,8 @@ from massive_lens.train.retrofit_parts import (
     find_super_weights,
     hold_dims,
     parse_setting,
+    save_retrofitted,
+    seed_slots,
     sink_keys_values,
     tracked_eval,
     zero_super_weights,
@@ -58,7 +60,8 @@ from massive_lens.train.retrofit_parts import (
 from massive_lens.train.trainer import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
-SETTINGS = ("softmax-kept", "softmax-removed", "softmax1-removed", "kv_bias-removed")
+SETTINGS = ("softmax-kept", "softmax-removed", "softmax1-removed", "kv_bias-removed", "learned_sink-removed",
+            "softmax-removed-held", "softmax1-removed-held")
 FINALS = ["fp_loss", "w8a8_loss", "gap", "mean_kurtosis", "max_inf_norm", "max_ratio"]
 
 
@@ -175,6 +178,7 @@ def retrofit(
     out_dir: str | os.PathLike | None = None,
     progress: bool = True,
     models: dict[str, Any] | None = None,
+    save_models: str | os.PathLike | None = None,
 ) -> Retrofit:
     """Fine-tune copies of ``model`` in each setting on the same batches and track what regrows.
 
@@ -187,7 +191,9 @@ def retrofit(
         seq_len: tokens per sequence, BOS included (default 128).
         lr: AdamW peak learning rate (default 1e-4), linear warmup then cosine decay.
         warmup_steps: warmup steps (default 4).
-        seeds: one run per setting and seed; the seed fixes the batches (default ``(0,)``).
+        seeds: one run per setting and seed; the seed fixes the batch order and the slot
+            initialisation noise (:func:`~massive_lens.train.retrofit_parts.seed_slots`), nothing
+            else (default ``(0,)``). Runs go seed-major: every setting of the first seed first.
         data: training text (a file; None: WikiText-2 valid).
         eval_data: held-out text (None: WikiText-2 test).
         eval_every: steps between tracked evaluations (step 0 always, and the last).
@@ -196,22 +202,33 @@ def retrofit(
         out_dir: save the result and two figures here after every evaluation (None: no files).
         progress: log progress at INFO level.
         models: a dict that receives each fine-tuned Hugging Face model by ``"<setting>/seed<s>"``.
+        save_models: save each fine-tuned model (safetensors) to ``<save_models>/<setting>_seed<s>/``
+            (:func:`~massive_lens.train.retrofit_parts.save_retrofitted`; None: not saved).
 
     Returns:
         A :class:`Retrofit`.
 
     Raises:
         MassiveLensError: for a bad setting, ``steps``/``batch_size``/``eval_every`` below 1,
+            ``seq_len`` below 2 or beyond the model's context, data shorter than one sequence,
             a model without a Hugging Face model inside, or nothing to remove.
     """
     parsed = [parse_setting(s) for s in settings]
     if min(steps, batch_size, eval_every, eval_seqs) < 1 or not parsed or not list(seeds):
         raise MassiveLensError("steps, batch_size, eval_every and eval_seqs must be >= 1 and settings and seeds "
                                "non-empty")
+    n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
+    if seq_len < 2 or (n_ctx is not None and seq_len > n_ctx):
+        raise MassiveLensError(f"seq_len {seq_len} must be at least 2 (BOS and one token to predict) and at most "
+                               f"the model's context ({n_ctx})")
     tokenizer = model.tokenizer
     bos = start_token(tokenizer)
     train = token_stream(data or data_file("wikitext-2/valid.txt"), tokenizer)
     held = token_stream(eval_data or data_file("wikitext-2/test.txt"), tokenizer)
+    for what, stream in (("training data", train), ("held-out data", held)):
+        if len(stream) < seq_len:
+            raise MassiveLensError(f"the {what} holds {len(stream)} tokens, fewer than one sequence of {seq_len}: "
+                                   "give a longer text or a smaller seq_len")
     eval_tokens = sample_batch(held, eval_seqs, seq_len, bos, seed=12345, step=0)
     probe = sample_batch(train, 1, min(seq_len, 64), bos, seed=999, step=0)
     supers, dims = _removal(model, probe, any(p.remove for p in parsed))
@@ -236,6 +253,7 @@ def retrofit(
             hf = swap_attention(plain_copy(model), setting.variant)
             if setting.variant in ("kv_bias", "k_bias"):
                 init_slots(hf, sink_k, sink_v)
+            seed_slots(hf, seed)
             handles = []
             if setting.remove:
                 zero_super_weights(hf, supers)
@@ -265,6 +283,10 @@ def retrofit(
                                    **_final(hf, tokenizer, eval_tokens, dims, setting.hold, supers)))
             if models is not None:
                 models[f"{setting.name}/seed{seed}"] = hf
+            if save_models is not None:
+                save_retrofitted(hf, Path(save_models) / f"{setting.name}_seed{seed}",
+                                 dict(setting=setting.name, seed=seed, steps=steps, dims=dims,
+                                      hold_start=int(supers.layer.min()) if setting.hold else None), tokenizer)
             del hf, optimizer
             snapshot()
     return snapshot()

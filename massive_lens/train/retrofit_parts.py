@@ -19,20 +19,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 from jaxtyping import Int
+from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import wrap_hf_model
 from massive_lens.origin import trace_origin
-from massive_lens.train.hf_attention import SUPPORTED, attention_modules, bridge_hooks
+from massive_lens.train.hf_attention import SUPPORTED, attention_modules, bridge_hooks, swap_attention, variant_of
 
 
 @dataclass(frozen=True)
@@ -209,3 +214,56 @@ def _zero_dims(resid: Tensor, hook: Any, *, dims: list[int]) -> Tensor:
     resid = resid.clone()
     resid[..., dims] = 0.0
     return resid
+
+
+SLOT_NOISE = 0.02
+"""Standard deviation of the seeded Gaussian noise added to every slot parameter at the start
+(``kv_bias``/``k_bias`` keys and values, ``learned_sink`` logits), so that a seed changes the
+slot initialisation as well as the batch order."""
+
+
+def seed_slots(hf_model: nn.Module, seed: int, scale: float = SLOT_NOISE) -> None:
+    """Add ``N(0, scale^2)`` noise, drawn from a generator seeded by ``seed``, to every slot
+    parameter of a swapped model (in place; a variant without parameters is left as it is)."""
+    gen = torch.Generator().manual_seed(10_007 * seed + 1)
+    with torch.no_grad():
+        for module in attention_modules(hf_model):
+            for p in module.ml_variant.parameters():
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype) * scale)
+
+
+def save_retrofitted(hf_model: nn.Module, path: str | os.PathLike, meta: dict[str, Any], tokenizer: Any = None
+                     ) -> Path:
+    """Save a fine-tuned, swapped model to the folder ``path``: ``model.safetensors`` (weights and
+    slots), ``config.json``, the tokenizer's files (if given) and ``retrofit.json`` (``meta``:
+    setting, seed, held dims...), written last. Safetensors and JSON only: no pickle.
+    :func:`load_retrofitted` reads it back."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    save_model(hf_model, str(out / "model.safetensors"))
+    hf_model.config.to_json_file(out / "config.json")
+    (out / "retrofit.json").write_text(json.dumps(dict(meta, variant=variant_of(hf_model)), indent=1) + "\n")
+    return out
+
+
+def load_retrofitted(path: str | os.PathLike) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """A model saved by :func:`save_retrofitted`, swapped to its variant, its tokenizer (None if
+    none was saved) and its ``meta``.
+
+    Raises:
+        MassiveLensError: if the folder lacks one of the three files.
+    """
+    folder = Path(path)
+    files = [folder / n for n in ("model.safetensors", "config.json", "retrofit.json")]
+    if not all(f.is_file() for f in files):
+        raise MassiveLensError(f"{folder} is not a folder written by save_retrofitted (needs "
+                               "model.safetensors, config.json and retrofit.json)")
+    meta = json.loads(files[2].read_text())
+    config = AutoConfig.from_pretrained(folder)
+    config._attn_implementation = "eager"
+    hf = swap_attention(AutoModelForCausalLM.from_config(config), meta["variant"])
+    load_model(hf, str(files[0]))
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    return hf.eval(), tokenizer, meta

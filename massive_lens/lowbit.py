@@ -1,0 +1,223 @@
+"""Round-to-nearest fake quantization at 8 or 4 bits: the machinery behind W8A8 and the low-bit grid.
+
+Fake quantization rounds a tensor onto a b-bit integer grid and scales it back, so the model
+computes in floating point with exactly the values a b-bit kernel would see. What rounds:
+
+* **weights**: symmetric, ``2^(b-1) - 1`` levels each side, one scale per output channel
+  (the largest ``|w|`` over the input axes) or per tensor;
+* **activations** (the input of every linear layer), either
+  * *static per tensor* (``per_token=False``, what :func:`~massive_lens.measure_outliers` calls
+    W8A8): asymmetric on the ``[min, max]`` range calibrated on held-out text; an outlier
+    stretches the one range and every other value loses its levels; or
+  * *dynamic per token* (``per_token=True``): symmetric, one scale per token from its own
+    largest ``|x|``; an outlier costs only the other entries of its own token.
+
+``bits=None`` (or 16) leaves that side in full precision. Plain round-to-nearest: no rotation
+(QuaRot, SpinQuant), no smoothing, no GPTQ-style error correction; the unembedding stays in
+full precision unless ``include_head=True``.
+
+>>> fake_quant_weight(torch.tensor([1.0, -0.6, 0.001]), bits=4).tolist()
+[1.0, -0.5714285969734192, 0.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+
+from massive_lens.core.budget import logit_batches
+from massive_lens.core.model_view import model_lock
+from massive_lens.errors import MassiveLensError
+
+FULL = (None, 16)  # bit widths that mean "not quantized"
+
+
+def fake_quant_weight(w: Tensor, in_dims: tuple[int, ...] | None = None, bits: int = 8) -> Tensor:
+    """Symmetric ``bits``-bit: per tensor, or per output channel (max over the ``in_dims`` axes).
+
+    >>> fake_quant_weight(torch.tensor([1.0, -0.5, 0.001])).tolist()
+    [1.0, -0.5039370059967041, 0.0]
+    """
+    qmax = 2 ** (bits - 1) - 1
+    amax = w.abs().amax() if in_dims is None else w.abs().amax(dim=in_dims, keepdim=True)
+    scale = amax.clamp(min=1e-12) / qmax
+    return (w / scale).round().clamp(-qmax, qmax) * scale
+
+
+def fake_quant_activation(x: Tensor, low: float, high: float, bits: int = 8) -> Tensor:
+    """Asymmetric ``bits``-bit on the calibrated range ``[low, high]`` (values outside are clipped).
+
+    >>> [round(v, 4) for v in fake_quant_activation(torch.tensor([0.0, 0.5, 2.0]), 0.0, 1.0).tolist()]
+    [0.0, 0.498, 1.0]
+    """
+    low, high = min(low, 0.0), max(high, 0.0)
+    levels = 2 ** bits - 1
+    scale = max(high - low, 1e-12) / levels
+    zero = round(-low / scale) - 2 ** (bits - 1)
+    q = (x / scale).round() + zero
+    return (q.clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) - zero) * scale
+
+
+def fake_quant_tokens(x: Tensor, bits: int = 8) -> Tensor:
+    """Symmetric ``bits``-bit with one scale per token: the largest ``|x|`` over every axis after
+    ``[batch, pos]`` (the last axis of a 2-D input).
+
+    >>> fake_quant_tokens(torch.tensor([[1.0, 0.3], [100.0, 0.3]]), bits=4).tolist()
+    [[1.0, 0.2857142984867096], [100.0, 0.0]]
+    """
+    qmax = 2 ** (bits - 1) - 1
+    start = 2 if x.ndim >= 3 else x.ndim - 1
+    amax = x.abs().flatten(start).amax(-1).reshape(*x.shape[:start], *[1] * (x.ndim - start))
+    scale = amax.clamp(min=1e-12) / qmax
+    return (x / scale).round().clamp(-qmax, qmax) * scale
+
+
+@contextlib.contextmanager
+def fake_quantized(
+    model: Any, calibration: Int[Tensor, "batch pos"] | None = None, *, per_channel: bool = True,
+    include_head: bool = False, w_bits: int | None = 8, a_bits: int | None = 8, per_token: bool = False,
+) -> Iterator[Any]:
+    """Inside the block, ``model`` computes with fake-quantized linear layers (module docstring).
+
+    Args:
+        model: a MassiveLM, a TransformerBridge or a Hugging Face ``nn.Module``.
+        calibration: tokens whose ``[min, max]`` calibrate static per-tensor activation ranges
+            (needed only for ``per_token=False`` with ``a_bits`` below 16).
+        per_channel: weights per output channel (default), else per tensor.
+        include_head: also quantize the unembedding (default False).
+        w_bits, a_bits: 8 or 4 (or any width from 2); None or 16: that side not quantized.
+        per_token: dynamic per-token activations instead of static per-tensor ranges.
+
+    >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
+    >>> m = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
+    >>> original = m.blocks[0].mlp.W_in.data_ptr()
+    >>> tokens = m.to_tokens("Now run this.")
+    >>> full = m(tokens)
+    >>> with fake_quantized(m, m.to_tokens("Calibrate on this.")):
+    ...     bool((m(tokens) - full).abs().max() > 0)  # each layer quantized while it runs
+    True
+    >>> m.blocks[0].mlp.W_in.data_ptr() == original  # the very same tensor is back
+    True
+
+    Each weight is swapped for its quantized version only while its module runs, so the block
+    holds one quantized layer at a time, not a second copy of the model.
+
+    Raises:
+        MassiveLensError: for a bit width below 2, static activations without ``calibration``,
+            or a model with no linear layers.
+    """
+    w_bits, a_bits = (None if b in FULL else b for b in (w_bits, a_bits))
+    if any(b is not None and b < 2 for b in (w_bits, a_bits)):
+        raise MassiveLensError(f"bit widths must be at least 2 (or None/16 for full precision); got W{w_bits}A{a_bits}")
+    static = a_bits is not None and not per_token
+    if static and calibration is None:
+        raise MassiveLensError("static per-tensor activation ranges need calibration tokens (or per_token=True)")
+    sites = _sites(model, include_head)
+    handles: list[Any] = []
+    saved: list[tuple[nn.Parameter, Tensor]] = []
+    lock = model_lock(model)  # other threads' analyses wait until the weights are back
+    lock.acquire()
+    try:
+        ranges: dict[int, list[float]] = {}
+        if static:
+            for i, (module, _, _) in enumerate(sites):
+                handles.append(module.register_forward_pre_hook(_observer(ranges, i), with_kwargs=True))
+            with torch.no_grad():
+                for batch in logit_batches(model, calibration):  # ranges are min / max: exact in batches
+                    model(batch.to(next(model.parameters()).device))
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+        seen: set[int] = set()
+        for i, (module, weight, in_dims) in enumerate(sites):
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                saved.append((weight, weight.data))  # a reference, put back on every exit path
+            if a_bits is None:
+                act = None
+            elif per_token:
+                act = lambda x: fake_quant_tokens(x, a_bits)  # noqa: E731
+            else:
+                act = _static(ranges[i], a_bits) if i in ranges else None
+            pre, post = _weight_swap(weight, in_dims if per_channel else None, w_bits, act)
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post))
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        for weight, data in saved:
+            weight.data = data
+        lock.release()
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _sites(model: Any, include_head: bool) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
+    """(module whose first input is the linear input, weight, input axes of the weight).
+
+    A model that knows its own linear layers (``MassiveLM``) lists them with
+    ``quantization_sites(include_head)``; for a Hugging Face model (or a bridge over one)
+    every ``nn.Linear`` is a site."""
+    own = getattr(model, "quantization_sites", None)
+    if own is not None:
+        return own(include_head)
+    hf = getattr(model, "original_model", model)
+    if not isinstance(hf, nn.Module):
+        raise MassiveLensError(
+            f"fake_quantized needs a MassiveLM, a TransformerBridge or an nn.Module; got "
+            f"{type(model).__name__}"
+        )
+    head = getattr(hf, "get_output_embeddings", lambda: None)()
+    head_ids = {id(m) for m in head.modules()} if head is not None and not include_head else set()
+    sites = [
+        (m, m.weight, (1,)) for m in hf.modules()
+        if isinstance(m, nn.Linear) and id(m) not in head_ids
+    ]
+    if not sites:
+        raise MassiveLensError(f"found no nn.Linear layers to quantize in {type(hf).__name__}")
+    return sites
+
+
+def _observer(ranges: dict[int, list[float]], i: int) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else next(iter(kwargs.values()))
+        low, high = float(x.min()), float(x.max())
+        old = ranges.get(i, [low, high])
+        ranges[i] = [min(old[0], low), max(old[1], high)]
+
+    return hook
+
+
+def _static(bounds: list[float], bits: int) -> Any:
+    low, high = bounds
+    return lambda x: fake_quant_activation(x, low, high, bits)
+
+
+def _weight_swap(weight: nn.Parameter, in_dims: tuple[int, ...] | None, w_bits: int | None, act: Any
+                 ) -> tuple[Any, Any]:
+    """Hooks that quantize the module's input (``act``, if any) and swap in its quantized weight
+    for the length of its forward, then put the full-precision tensor back."""
+    kept: list[Tensor] = []
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        kept.append(weight.data)
+        if w_bits is not None:
+            weight.data = fake_quant_weight(weight.data, in_dims, w_bits)
+        if act is None:
+            return None
+        if args:
+            return (act(args[0]), *args[1:]), kwargs
+        key = next(iter(kwargs))
+        return args, {**kwargs, key: act(kwargs[key])}
+
+    def post(module: nn.Module, args: tuple, output: Any) -> None:
+        weight.data = kept.pop()
+
+    return pre, post
