@@ -1,4 +1,4 @@
-"""Outlier statistics and W8A8 simulation on MassiveLM and on a TransformerBridge."""
+"""Outlier statistics, W8A8 simulation and the low-bit grid on MassiveLM and on a TransformerBridge."""
 
 from __future__ import annotations
 
@@ -7,13 +7,18 @@ import pytest
 import torch
 from helpers import hook_count, tiny_lm, untouched
 
+from massive_lens import load
 from massive_lens.errors import MassiveLensError
+from massive_lens.lowbit import fake_quant_tokens
 from massive_lens.models import tiny_model
 from massive_lens.quantize import (
+    LowBitGrid,
     fake_quant_activation,
     fake_quant_weight,
     fake_quantized,
+    lowbit_grid,
     measure_outliers,
+    parse_bits,
 )
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
 
@@ -109,3 +114,69 @@ def test_bad_inputs_raise():
     with pytest.raises(MassiveLensError):
         with fake_quantized(object(), torch.zeros(1, 2).long()):
             pass
+
+
+# --------------------------------------------------------------------------- the low-bit grid
+
+
+def test_fewer_bits_round_coarser():
+    w, x = torch.randn(16, 64), torch.randn(3, 5, 64)
+    for quant, data in ((lambda t, b: fake_quant_weight(t, (1,), b), w), (fake_quant_tokens, x),
+                        (lambda t, b: fake_quant_activation(t, float(t.min()), float(t.max()), b), x)):
+        err8, err4 = ((quant(data, b) - data).abs().mean() for b in (8, 4))
+        assert 0 < err8 < err4 / 4  # about 16x fewer levels
+        assert len(quant(data, 4).reshape(-1, 64)[0].unique()) <= 16  # one row shares one scale
+    levels = fake_quant_weight(w, (1,), 4) / (w.abs().amax(1, keepdim=True) / 7)
+    torch.testing.assert_close(levels, levels.round(), rtol=0, atol=1e-4)
+
+
+def test_per_token_activations_confine_an_outlier_to_its_token():
+    x = torch.randn(1, 6, 32)
+    x[0, 0, 3] = 1000.0  # a massive activation at the first token
+    per_token = (fake_quant_tokens(x, 8) - x).abs()[0, 1:].max()
+    per_tensor = (fake_quant_activation(x, float(x.min()), float(x.max()), 8) - x).abs()[0, 1:].max()
+    assert per_token < 0.05 < per_tensor  # the per-tensor grid's step is about 4 here
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_sixteen_bits_is_full_precision_and_four_bits_hurt_more(bridge, per_token):
+    tokens = torch.randint(0, 200, (4, 32))
+    with torch.no_grad():
+        full = bridge(tokens)
+        with untouched(bridge):
+            with fake_quantized(bridge, tokens, w_bits=16, a_bits=None, per_token=per_token):
+                assert torch.equal(bridge(tokens), full)
+            errors = {}
+            for w, a in ((8, 8), (4, 16), (4, 4)):
+                with fake_quantized(bridge, tokens, w_bits=w, a_bits=a, per_token=per_token):
+                    errors[w, a] = float((bridge(tokens) - full).abs().mean())
+    assert 0 < errors[8, 8] < errors[4, 16] < errors[4, 4]
+
+
+def test_lowbit_grid_result(bridge, tmp_path):
+    tokens = torch.randint(0, 200, (4, 32))
+    with untouched(bridge):
+        grid = lowbit_grid(bridge, tokens, settings=["W16A16", "W8A8", "W4A16", "W4A4"])
+    frame = grid.to_frame().set_index("setting")
+    with torch.no_grad():
+        plain = float(bridge(tokens[:2], return_type="loss"))
+    assert grid.fp_loss == pytest.approx(plain, rel=1e-5)
+    assert frame.loc["W16A16", "gap"] == 0.0
+    assert (frame.loss - frame.fp_loss == frame.gap).all() and (frame.activations == "per-token").all()
+    assert abs(frame.loc["W8A8", "gap"]) < abs(frame.loc["W4A4", "gap"])
+    static = lowbit_grid(bridge, tokens, settings=["W8A8"], per_token=False)
+    assert static.gaps()["W8A8"] == pytest.approx(measure_outliers(bridge, tokens).gap, abs=1e-6)  # one W8A8
+    loaded = load(grid.save(tmp_path / "grid"))
+    assert isinstance(loaded, LowBitGrid) and loaded.summary() == grid.summary()
+    assert "W4A4" in grid.summary() and grid.plot() is not None
+
+
+def test_bad_bit_widths_raise(bridge):
+    assert parse_bits("w4a16") == (4, 16)
+    for bad in ("W4", "W1A8", "W8A32", "int4"):
+        with pytest.raises(MassiveLensError, match="W<bits>A<bits>"):
+            parse_bits(bad)
+    with pytest.raises(MassiveLensError, match="at least 2"), fake_quantized(bridge, w_bits=1, a_bits=None):
+        pass
+    with pytest.raises(MassiveLensError, match="calibration"), fake_quantized(bridge, a_bits=8):
+        pass
