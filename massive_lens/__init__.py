@@ -28,19 +28,27 @@ A tiny random model with a planted massive activation (the BOS token's embedding
 ((5,), (0,), (0, 1, 2, 3))
 """
 
-from massive_lens.attention import decompose_attention, sink_attention
-from massive_lens.core.corpora import default_text
-from massive_lens.core.criterion import Criterion
-from massive_lens.core.restore import load
-from massive_lens.detect import find_massive, layer_profile, scan_corpus
-from massive_lens.errors import MassiveLensError
-from massive_lens.interventions import calibrate, run_interventions
-from massive_lens.metrics import perplexity
-from massive_lens.models import load_model, tiny_model
-from massive_lens.origin import trace_origin
-from massive_lens.quantize import measure_outliers
-from massive_lens.report import compare_models, write_report
-from massive_lens.train import compare_variants, train_model
+import sys as _sys
+
+try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends with one line like the rest
+    from massive_lens.attention import decompose_attention, sink_attention
+    from massive_lens.core.corpora import default_text
+    from massive_lens.core.criterion import Criterion
+    from massive_lens.core.restore import load
+    from massive_lens.detect import find_massive, layer_profile, scan_corpus
+    from massive_lens.errors import MassiveLensError
+    from massive_lens.interventions import calibrate, run_interventions
+    from massive_lens.metrics import perplexity
+    from massive_lens.models import load_model, tiny_model
+    from massive_lens.origin import trace_origin
+    from massive_lens.quantize import measure_outliers
+    from massive_lens.report import compare_models, write_report
+    from massive_lens.train import compare_variants, train_model
+except KeyboardInterrupt:
+    if _sys.argv and _sys.argv[0].endswith("massive-lens"):
+        print("massive-lens: interrupted", file=_sys.stderr)
+        raise SystemExit(130) from None
+    raise
 
 __version__ = "0.1.0"
 

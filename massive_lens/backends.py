@@ -192,6 +192,16 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
+def check_device(device: Any) -> None:
+    """Refuse a ``device`` torch cannot parse, before anything is loaded."""
+    if device is None:
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise MassiveLensError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:1'") from exc
+
+
 def as_found(model: Any, device: Any, dtype: torch.dtype | None, device_map: Any) -> Any:
     """A model passed in is used where and as it is: refuse ``device``/``dtype``/``device_map``
     that would need it converted, rather than ignore them."""

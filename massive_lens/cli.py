@@ -84,6 +84,9 @@ def cmd_trace(args: argparse.Namespace) -> None:
 
 
 def cmd_intervene(args: argparse.Namespace) -> None:
+    if args.corpus is None and args.calibration is None:  # before loading the model
+        raise MassiveLensError("name the evaluation text and other text for the means, e.g. --corpus test.txt "
+                               "--calibration valid.txt; with neither, both would be the offline default text")
     table = run_interventions(_load(args), args.corpus, calibration=args.calibration, seq_len=args.seq_len,
                               n_seqs=args.n_seqs, batch_size=args.batch_size)
     print(table.summary())

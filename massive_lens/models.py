@@ -35,25 +35,30 @@ import torch
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from massive_lens.backends import as_dtype, as_found, check_backend, hooked_from_hf, hub_offline, unsupported
+from massive_lens.backends import (
+    as_dtype,
+    as_found,
+    check_backend,
+    check_device,
+    hooked_from_hf,
+    hub_offline,
+    unsupported,
+)
 from massive_lens.core.hooked import is_hooked_transformer
 from massive_lens.core.model_view import readable_name
 from massive_lens.core.tokens import byte_tokenizer, mark_bos
 from massive_lens.errors import MassiveLensError
 from massive_lens.offline import (
     DEFAULT,
-    cache_is_valid,
     find_offline,
     gguf_name,
     load_gguf,
     load_offline,
     offline_names,
-    write_cache,
 )
 from massive_lens.tiny_configs import FAMILIES, VISION_FAMILIES, tiny_config  # noqa: F401  (FAMILIES: re-exported)
 
 log = logging.getLogger(__name__)
-_cache_is_valid, _write_cache = cache_is_valid, write_cache  # their names before massive_lens.offline
 
 DEFAULT_MODEL = DEFAULT.name
 
@@ -128,8 +133,11 @@ def load_model(
     >>> type(model).__name__
     'TransformerBridge'
     """
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise MassiveLensError(f"name={name!r}: a display name is a non-empty string (or None for the model's own)")
     asked = None if dtype is None else as_dtype(dtype)
     dtype = asked or torch.float32
+    check_device(device)
     kind = check_backend(backend) if backend is not None or device_map is None else "bridge"  # device_map: a bridge
     if kind == "hooked" and device_map is not None:
         raise MassiveLensError("device_map dispatches a TransformerBridge's Hugging Face model; a HookedTransformer "
@@ -143,7 +151,7 @@ def load_model(
                 "fits on one device: pass device= instead"
             )
         hf, tok = load_offline(offline, dtype)
-        return _build(hf, tok, name or offline.name, **build)
+        return _build(hf, tok, offline.name, **build, display=name)
     if _is_hooked(name_or_model):
         _check_kind(name_or_model, backend)
         model = as_found(name_or_model, device, asked, device_map)
@@ -154,7 +162,7 @@ def load_model(
         as_found(name_or_model, device, asked, device_map)
         if kind == "hooked":  # a copy of the weights: the Hugging Face model stays as it is
             tok = tokenizer if tokenizer is not None else _local_tokenizer(_source(name_or_model))
-            return _build(name_or_model, tok, name or _source(name_or_model), **build)
+            return _build(name_or_model, tok, _source(name_or_model), **build, display=name)
         warnings.warn(
             f"load_model takes over the {type(name_or_model).__name__} it was given: it is now in eval mode "
             "and its submodules are replaced in place by TransformerLens bridge components; use the returned "
@@ -169,18 +177,22 @@ def load_model(
             "model, or a TransformerBridge/HookedTransformer"
         )
     path = Path(name_or_model).expanduser()
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise MassiveLensError(f"no GGUF file at {path}")
         if device_map is not None:
             raise MassiveLensError("device_map applies to hub ids and local folders; a .gguf file loads on one "
                                    "device: pass device= instead")
         hf, tok = load_gguf(path)
-        return _build(hf, tok, name or gguf_name(path) or path.stem, **build)
-    if kind == "hooked":
-        hf, tok = _load_hf(str(name_or_model), path.is_dir(), dtype)
-        return _build(hf, tok, name or str(name_or_model), **build)
-    model = _boot(str(name_or_model), path.is_dir(), device, dtype, device_map)
+        return _build(hf, tok, gguf_name(path) or path.stem, **build, display=name)
+    if not path.exists() and _looks_local(str(name_or_model)):
+        raise MassiveLensError(f"no folder or file at {path}; a local model is a folder saved with save_pretrained "
+                               "(config.json and *.safetensors) or a .gguf file")
+    if kind == "hooked" or path.is_dir():  # local folders: loaded here, checked tensor by tensor
+        hf, tok = _load_hf(str(name_or_model), path.is_dir(), dtype, device_map)
+        return _build(hf, tok, str(name_or_model), **{**build, "device": None if device_map else device},
+                      display=name)
+    model = _boot(str(name_or_model), device, dtype, device_map)
     if name is not None:
         model.cfg.model_name = name
     return model
@@ -219,16 +231,15 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     images = getattr(hf_model, "main_input_name", None) == "pixel_values"
     if tokenizer is None and not images:
         tokenizer = _local_tokenizer(source)
-    name = name or source
     if tokenizer is not None:
-        mark_bos(tokenizer, name)
+        mark_bos(tokenizer, source)
     hf_model.eval()
-    try:
+    try:  # the model's own name, never the display name: TransformerLens reads names as hub aliases
         with hub_offline() if images else contextlib.nullcontext():  # else the bridge looks up an image processor
-            bridge = TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer)
+            bridge = TransformerBridge.boot_transformers(source, hf_model=hf_model, tokenizer=tokenizer)
     except Exception as exc:
-        raise unsupported(name, config.architectures[0], exc) from exc
-    bridge.cfg.model_name = readable_name(name)
+        raise unsupported(name or source, config.architectures[0], exc) from exc
+    bridge.cfg.model_name = readable_name(name or source)
     return bridge.eval()
 
 
@@ -272,18 +283,15 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
 # --------------------------------------------------------------------------- internals
 
 
-def _boot(name: str, local: bool, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
+def _boot(name: str, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
+    """A hub id through TransformerBridge's own loader."""
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device_map is not None:
-        if importlib.util.find_spec("accelerate") is None:
-            raise MassiveLensError("device_map needs accelerate: pip install accelerate")
-        kwargs["device_map"] = device_map
+        kwargs["device_map"] = _device_map(device_map)
     elif device is not None:
         kwargs["device"] = str(device)
-    offline = contextlib.nullcontext() if not local else hub_offline()
     try:
-        with offline:
-            bridge = TransformerBridge.boot_transformers(name, **kwargs)
+        bridge = TransformerBridge.boot_transformers(name, **kwargs)
     except OSError as exc:
         raise _not_loaded(name, exc) from exc
     except Exception as exc:
@@ -292,13 +300,49 @@ def _boot(name: str, local: bool, device: Any, dtype: torch.dtype, device_map: A
     return bridge.eval()
 
 
-def _load_hf(name: str, local: bool, dtype: torch.dtype) -> tuple[Any, Any]:
-    """The Hugging Face model and tokenizer of a hub id or local folder (for the hooked backend)."""
+def _load_hf(name: str, local: bool, dtype: torch.dtype, device_map: Any = None) -> tuple[Any, Any]:
+    """The Hugging Face model and tokenizer of a hub id or local folder. A local folder is read
+    from safetensors only (a ``*.bin`` file is a pickle, which can run code), and a tensor
+    missing from it, left over, or of another shape than its ``config.json`` says is an error
+    (transformers would otherwise fill a missing one with random weights)."""
+    if local and not (Path(name) / "config.json").is_file():
+        raise MassiveLensError(f"{name} is not a model folder: it has no config.json (save one with "
+                               "model.save_pretrained(folder) and tokenizer.save_pretrained(folder))")
+    kwargs: dict[str, Any] = dict(dtype=dtype, output_loading_info=True)
+    if local:
+        kwargs.update(local_files_only=True, use_safetensors=True)
+    if device_map is not None:
+        kwargs["device_map"] = _device_map(device_map)
     try:
         with hub_offline() if local else contextlib.nullcontext():
-            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
+            hf, info = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            tok = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
+        if local:
+            raise MassiveLensError(f"could not read the model in {name}: {type(exc).__name__}: {str(exc)[:300]} "
+                                   "(a folder needs a valid config.json, *.safetensors weights and a tokenizer)") from exc
         raise _not_loaded(name, exc) from exc
+    except Exception as exc:  # noqa: BLE001 - safetensors' and torch's errors for damaged or mis-sized files
+        raise MassiveLensError(f"the weights in {name} are damaged or do not fit its config.json: "
+                               f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+    problems = {k: v for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if (v := list(info.get(k) or []))}
+    if problems:
+        listed = "; ".join(f"{k.replace('_', ' ')}: {', '.join(map(str, v[:6]))}{' ...' if len(v) > 6 else ''}"
+                           for k, v in problems.items())
+        raise MassiveLensError(f"the weights in {name} do not match its config.json ({listed}); a missing tensor "
+                               "would be random weights: save the model again with save_pretrained")
+    return hf.eval(), tok
+
+
+def _device_map(device_map: Any) -> Any:
+    if importlib.util.find_spec("accelerate") is None:
+        raise MassiveLensError("device_map needs accelerate: pip install accelerate")
+    return device_map
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id ``owner/name``: absolute, relative (``./``, ``~``), or deeper."""
+    return name.startswith((".", "~", os.sep)) or name.count("/") > 1 or "\\" in name
 
 
 def _not_loaded(name: str, exc: Exception) -> MassiveLensError:
@@ -310,18 +354,26 @@ def _not_loaded(name: str, exc: Exception) -> MassiveLensError:
 
 
 def _build(hf: Any, tok: Any, label: str, *, backend: str, explicit: bool, device: Any,
-           dtype: torch.dtype) -> Any:
+           dtype: torch.dtype, display: str | None = None) -> Any:
     """A loaded Hugging Face model as the chosen backend; a default (not asked for) hooked
-    backend falls back to the bridge for an architecture TransformerLens cannot convert."""
+    backend falls back to the bridge for an architecture TransformerLens cannot convert.
+    ``label`` is what TransformerLens may look up (the model's own name); ``display``, the
+    user's name for it, is only written into ``cfg.model_name`` afterwards (a display name
+    that is also a TransformerLens alias must not load that model's config)."""
+    model = None
     if backend == "hooked":
         mark_bos(tok, label)
         try:
-            return hooked_from_hf(hf, tok, label, device=device, dtype=dtype)
+            model = hooked_from_hf(hf, tok, label, device=device, dtype=dtype)
         except MassiveLensError as exc:
             if explicit:
                 raise
             log.info("no HookedTransformer for %s (%s); using a TransformerBridge", label, exc)
-    return _finish(wrap_hf_model(hf, tok, name=label), device, dtype)
+    if model is None:
+        model = _finish(wrap_hf_model(hf, tok, name=label), device, dtype)
+    if display is not None:
+        model.cfg.model_name = display
+    return model
 
 
 def _source(hf_model: Any) -> str:

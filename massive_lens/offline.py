@@ -26,6 +26,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -35,9 +36,15 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -213,7 +220,7 @@ def load_offline(entry: OfflineModel, dtype: torch.dtype = torch.float32) -> tup
         del hf
         entry.source.cleanup(gguf)
     log.info("loading %s from cache %s", entry.name, folder)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True)
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return hf, tok
 
@@ -222,13 +229,37 @@ def load_gguf(path: Path) -> tuple[Any, Any]:
     """A GGUF file dequantized to a float32 Hugging Face model, and its tokenizer."""
     if importlib.util.find_spec("gguf") is None:
         raise MassiveLensError("loading a .gguf file needs the gguf package: pip install gguf")
+    check_gguf_header(path)
     log.info("dequantizing %s (first load only; 20 s to a few minutes on 2 cores)", path.name)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - the GGUF reader raises many kinds for a damaged file
+        raise MassiveLensError(f"{path} could not be read as a GGUF model ({type(exc).__name__}: "
+                               f"{str(exc)[:200]}): the file is damaged, truncated or of an unsupported "
+                               "architecture") from exc
     hf.config.quantization_config = None  # the weights are plain float32 from here on
     if hasattr(hf, "hf_quantizer"):
         hf.hf_quantizer = None
     return hf, tok
+
+
+def check_gguf_header(path: Path) -> None:
+    """Refuse a file that is not GGUF (magic bytes, version) or whose tensor and key counts
+    could not fit in it (a damaged header would make a reader allocate for them)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise MassiveLensError(f"cannot read {path}: {exc}") from exc
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise MassiveLensError(f"{path} is not a GGUF file (it does not start with the GGUF header); pass a .gguf "
+                               "file written by llama.cpp or a folder saved with save_pretrained")
+    version, n_tensors, n_keys = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3) or n_tensors * 24 + n_keys * 12 > size:  # the smallest entry of each
+        raise MassiveLensError(f"{path} has a damaged GGUF header (version {version}, {n_tensors} tensors and "
+                               f"{n_keys} keys in {size} bytes): the file is truncated or damaged")
 
 
 def gguf_name(path: Path) -> str | None:
@@ -310,20 +341,41 @@ def cache_is_valid(folder: Path) -> bool:
 
 def write_cache(folder: Path, hf: Any, tok: Any) -> bool:
     """Write to a temporary folder, add the manifest last, then rename into place; False (and
-    a warning) when the disk refuses."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
+    a warning) when the disk refuses (read-only, full, missing permissions).
+
+    Publishing holds a lock file beside the cache, so a folder another process has just
+    renamed into place is kept (it is the same conversion), never removed; only a damaged one
+    is moved aside and deleted.
+    """
+    tmp = None
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
         hf.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         manifest = {"version": CACHE_VERSION, "files": _manifest(tmp)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        with _publish_lock(folder):
+            if cache_is_valid(folder):  # another process published it while we converted
+                return True
+            if folder.exists():  # damaged: out of the way in one rename, then deleted
+                stale = Path(tempfile.mkdtemp(prefix=folder.name + ".stale", dir=folder.parent))
+                folder.rename(stale / folder.name)
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.rename(folder)
         return True
     except OSError as exc:
-        log.warning("could not write the model cache at %s: %s", folder, exc)
+        log.warning("could not write the model cache at %s (%s); using the converted model from memory", folder, exc)
         return False
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _publish_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock (``fcntl.flock``) on ``<folder>.lock``; none where fcntl is missing."""
+    with open(folder.with_name(folder.name + ".lock"), "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield

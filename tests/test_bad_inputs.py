@@ -44,8 +44,9 @@ from massive_lens import (
     tiny_model,
     trace_origin,
 )
+import massive_lens
 from massive_lens.cli import main
-from massive_lens.interventions import calibrate, remove_sink_attention
+from massive_lens.interventions import calibrate, fix_sink_term, patch_sink_from, remove_sink_attention
 from massive_lens.report import compare_models, write_report
 from massive_lens.train import compare_variants, load_run, train_model
 
@@ -103,13 +104,14 @@ def files(tmp_path_factory) -> Path:
     (folder / "a_folder").mkdir()
     (folder / "a_file").write_text("not a folder")
     (folder / "garbage_run").mkdir()
-    (folder / "garbage_run" / "checkpoint.pt").write_bytes(b"not a checkpoint" * 8)
+    (folder / "garbage_run" / "checkpoint.safetensors").write_bytes(b"not a checkpoint" * 8)
     run = train_model("smoke", out_dir=folder / "truncated_run", progress=False, **TRAIN)
-    checkpoint = folder / "truncated_run" / "checkpoint.pt"
+    checkpoint = folder / "truncated_run" / "checkpoint.safetensors"
     checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
     assert run.steps == TRAIN["steps"]
     _hf_model().save_pretrained(folder / "tiny")
     byte_tokenizer().save_pretrained(folder / "tiny")
+    (folder / "not_a_model.gguf").write_bytes(b"not a gguf file at all" * 4)
     return folder
 
 
@@ -128,6 +130,25 @@ def _cli(*argv: Any) -> None:
     if code == 2:
         raise MassiveLensError(err.getvalue())
     raise AssertionError(f"massive-lens {' '.join(map(str, argv))} exited {code}, not 2: {err.getvalue()[-500:]}")
+
+
+def _damaged_result(folder: Path, how: str) -> Path:
+    """A saved find_massive result damaged one way: a manifest nested 100,000 deep, a ``$dtype``
+    naming a torch function, a field of the wrong type, a truncated Parquet table."""
+    out = find_massive(tiny_model("llama"), "Hi there.").save(folder / f"damaged_{how}", overwrite=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    if how == "deep":
+        (out / "manifest.json").write_text(json.dumps(manifest)[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        return out
+    if how == "dtype":
+        manifest["fields"]["model_name"] = {"$dtype": "load"}
+    if how == "field":
+        manifest["fields"]["entries"] = "not a table"
+    if how == "parquet":
+        table = next(out.rglob("*.parquet"))
+        table.write_bytes(table.read_bytes()[:40])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
 
 
 def _with_cache_at(path: Path) -> None:
@@ -327,6 +348,32 @@ CASES = [
     row("tiny", lambda m, d: _cli("train", "smoke", d / "run", "lr=nan"), "finite numbers", "cli-train-lr-nan"),
     row("tiny", lambda m, d: _cli("tokenize", "default", d / "t.bin", "--tokenizer", "bogus"), "invalid choice",
         "cli-tokenize-unknown-tokenizer"),
+    # --- issue 21's should-fix rows: loaders, saved results, small ones
+    row("tiny", lambda m, d: load_model(d / "a_folder"), "no config.json", "load_model-folder-without-config"),
+    row("tiny", lambda m, d: load_model(d / "absent.GGUF"), "no GGUF file", "load_model-GGUF-suffix-any-case"),
+    row("tiny", lambda m, d: load_model(d / "not_a_model.gguf"), "not a GGUF file", "load_model-gguf-not-gguf"),
+    row("tiny", lambda m, d: load_model(d / "tiny", device="gpu:zero"), "unknown device", "load_model-bad-device"),
+    row("tiny", lambda m, d: load_model(d / "tiny", name=""), "display name", "load_model-empty-name"),
+    row("typed", "load_model(m, name=123)", "display name", "load_model-name-not-a-string"),
+    row("typed", "decompose_attention(m, 'Hi there.', layers=1.5)", "must be an int", "decompose_attention-layers-float"),
+    row("tiny", lambda m, d: patch_sink_from(m, "Other text here.", positions=[]), "positions is empty",
+        "patch_sink_from-no-positions"),
+    row("tiny", lambda m, d: patch_sink_from(m, "Other text here.", layers=[]), "layers is empty",
+        "patch_sink_from-no-layers"),
+    row("tiny", lambda m, d: fix_sink_term(m, calibration=calibrate(tiny_model("llama", num_hidden_layers=2),
+                                                                    "Some calibration text. " * 8, progress=False)),
+        "was measured on a model", "fix_sink_term-calibration-of-another-model"),
+    row("tiny", lambda m, d: train_model("smoke", progress=False, **{**TRAIN, "data": ""}), "empty string",
+        "train_model-data-empty-string"),
+    row("tiny", lambda m, d: train_model("smoke", progress=False, **{**TRAIN, "data": "ab\ud800c " * 200}),
+        "lone surrogate", "train_model-lone-surrogate"),
+    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "deep")), "nested too deeply", "load-deep-manifest"),
+    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "dtype")), "not a torch dtype", "load-dtype-not-dtype"),
+    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "field")), "has str for its field",
+        "load-field-of-wrong-type"),
+    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "parquet")), "not a readable Parquet",
+        "load-truncated-parquet"),
+    row("tiny", lambda m, d: _cli("intervene"), "name the evaluation text", "cli-intervene-all-defaults"),
     # --- tiny_model sizes a model cannot have
     row("tiny", lambda m, d: tiny_model("llama", hidden_size=0), "positive integers", "tiny_model-zero-width"),
     row("tiny", lambda m, d: tiny_model("gpt2", num_hidden_layers=-2), "positive integers",
@@ -346,7 +393,7 @@ def _as_found(model: Any) -> tuple[Any, ...]:
 _UNTYPED = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
-from massive_lens import MassiveLensError, find_massive, scan_corpus, tiny_model
+from massive_lens import MassiveLensError, decompose_attention, find_massive, load_model, scan_corpus, tiny_model
 from massive_lens.train import compare_variants
 m = tiny_model("llama")
 out = {}

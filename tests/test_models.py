@@ -7,7 +7,8 @@ import torch
 
 from massive_lens import MassiveLensError, load_model, tiny_model
 from massive_lens.backends import default_backend
-from massive_lens.models import _cache_is_valid, _write_cache, byte_tokenizer
+from massive_lens.models import byte_tokenizer
+from massive_lens.offline import cache_is_valid, write_cache
 
 
 def test_tiny_families_run(family):
@@ -68,18 +69,18 @@ def test_cache_detects_half_written_files(tmp_path):
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=2))
     folder = tmp_path / "cache"
-    _write_cache(folder, hf, tok)
-    assert _cache_is_valid(folder)
+    write_cache(folder, hf, tok)
+    assert cache_is_valid(folder)
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # an interrupted copy
-    assert not _cache_is_valid(folder)
+    assert not cache_is_valid(folder)
     weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit off
-    assert not _cache_is_valid(folder)
+    assert not cache_is_valid(folder)
     weights.write_bytes(data)
-    assert _cache_is_valid(folder)
+    assert cache_is_valid(folder)
     (folder / "manifest.json").write_text(json.dumps({"version": -1, "files": {}}))
-    assert not _cache_is_valid(folder)
+    assert not cache_is_valid(folder)
 
 
 @pytest.mark.slow

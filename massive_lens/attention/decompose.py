@@ -157,11 +157,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
     ((1,), (1, 1, 9, 64))
     """
     view = ModelView(model)
-    if layers is None:
-        layers = tuple(range(view.n_layers))
-    layers = (layers,) if isinstance(layers, int) else tuple(layers)
-    if not layers:
-        raise MassiveLensError("layers is an empty list; pass None for all layers")
+    layers = tuple(view.chosen_layers(layers))
     batch = view.tokenize(text)
     found = sink_mask(model, batch, sinks)
     mask, source = found.mask, found.source

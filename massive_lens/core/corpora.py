@@ -70,13 +70,13 @@ def default_text() -> str:
 def data_file(relative: str) -> str:
     """A file of the project's shared data folder (WikiText-2, Tiny Shakespeare), used by tests,
     benchmarks and training presets, never by the offline default text. Looked up in
-    ``$MASSIVE_LENS_DATA``, then ``shared/data`` beside the checkout, then ``/work/shared/data``.
+    ``$MASSIVE_LENS_DATA``, then ``shared/data`` beside the checkout or the working folder.
 
     >>> data_file("tinyshakespeare/input.txt").endswith("input.txt")
     True
     """
     roots = [os.environ.get("MASSIVE_LENS_DATA"), Path(__file__).resolve().parents[3] / "shared" / "data",
-             Path.cwd().parent / "shared" / "data", "/work/shared/data"]
+             Path.cwd().parent / "shared" / "data", Path.cwd() / "shared" / "data"]
     candidates = [Path(root) / relative for root in roots if root]
     return str(next((c for c in candidates if c.is_file()), candidates[0]))
 
@@ -89,6 +89,9 @@ def iter_texts(corpus: Any = None) -> Iterator[str]:
     """
     if corpus is None:
         yield default_text()
+    elif isinstance(corpus, str) and not corpus.strip():
+        raise MassiveLensError("the corpus is an empty string; pass text, a file path, a list of strings, "
+                               "or None for the offline default text")
     elif isinstance(corpus, os.PathLike):
         yield from _read_file(Path(corpus))
     elif isinstance(corpus, str) and corpus.startswith("hf:"):
@@ -96,7 +99,7 @@ def iter_texts(corpus: Any = None) -> Iterator[str]:
     elif isinstance(corpus, str) and _looks_like_path(corpus):
         yield from _read_file(Path(corpus))
     elif isinstance(corpus, str):
-        yield corpus
+        yield encodable(corpus)
     elif isinstance(corpus, (bytes, bytearray)):
         raise MassiveLensError("the corpus is bytes, not text; decode it first (data.decode('utf-8')) "
                                "or pass the file's path")
@@ -104,7 +107,23 @@ def iter_texts(corpus: Any = None) -> Iterator[str]:
         for text in corpus:
             if not isinstance(text, str):
                 raise MassiveLensError(f"corpus items must be strings, got {type(text).__name__}")
-            yield text
+            yield encodable(text)
+
+
+def encodable(text: str) -> str:
+    """``text`` itself, checked to be valid Unicode (a lone surrogate, e.g. from a badly
+    decoded file, cannot be encoded and would crash the tokenizer).
+
+    >>> encodable("ok")
+    'ok'
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MassiveLensError(f"the text has a character UTF-8 cannot encode ({text[exc.start]!r} at character "
+                               f"{exc.start}, a lone surrogate); clean it first, e.g. "
+                               "text.encode('utf-8', 'replace').decode('utf-8')") from exc
+    return text
 
 
 def token_batches(

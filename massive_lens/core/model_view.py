@@ -136,6 +136,21 @@ class ModelView:
             raise MassiveLensError(f"{self.name} has no hook {name!r}; per-block hooks: {near}")
         return name
 
+    def chosen_layers(self, layers: Any, what: str = "layers") -> list[int]:
+        """Sorted distinct layers from an int, a sequence of ints or None (all), each checked
+        to exist; anything else (a float, a bool, an empty list) is a :class:`MassiveLensError`."""
+        items = list(range(self.n_layers)) if layers is None else (
+            list(layers) if isinstance(layers, Sequence) and not isinstance(layers, str) else [layers])
+        wrong = [x for x in items if isinstance(x, bool) or not isinstance(x, int)]
+        if wrong:
+            raise MassiveLensError(f"{what} must be an int, a sequence of ints or None (all layers), got {wrong[0]!r}")
+        if not items:
+            raise MassiveLensError(f"{what} is empty; pass None for all layers")
+        for layer in items:
+            if not 0 <= layer < self.n_layers:
+                raise MassiveLensError(f"layer {layer} out of range: {self.name} has {self.n_layers}")
+        return sorted(set(items))
+
     # ------------------------------------------------------------------ tokens
     def require_text(self) -> None:
         """Error for a vision model: what needs text (a tokenizer, token ids) does not apply."""
@@ -238,13 +253,22 @@ class ModelView:
         instead of running with (or adding) hooks of its own. A hook name the model does not
         have is a :class:`MassiveLensError` (TransformerLens raises a bare ``KeyError``). On a
         ``HookedTransformer`` a bridge hook name is read where it lives there
-        (:mod:`massive_lens.core.hooked`).
+        (:mod:`massive_lens.core.hooked`). A model in train mode runs in eval mode (no dropout,
+        so two identical calls agree) and every module's own mode is put back afterwards.
         """
         missing = [name for name, _ in fwd_hooks if isinstance(name, str) and name not in self.hook_names]
         if missing:
             raise MassiveLensError(f"{self.name} has no hook {missing[0]!r}; see model.hook_dict for the "
                                    "hooks it has")
-        with model_lock(self.model), self.model.hooks(fwd_hooks=translate(fwd_hooks, self._aliases or {})):
+        with model_lock(self.model), contextlib.ExitStack() as stack:
+            inner = getattr(self.model, "original_model", None)  # a bridge keeps its HF model outside modules()
+            trees = [self.model, *([inner] if isinstance(inner, torch.nn.Module) else [])]
+            training = list({id(m): m for tree in trees for m in tree.modules() if m.training}.values())
+            if training:
+                stack.callback(lambda: [setattr(m, "training", True) for m in training])
+                for m in training:
+                    m.training = False
+            stack.enter_context(self.model.hooks(fwd_hooks=translate(fwd_hooks, self._aliases or {})))
             yield
 
     def forward(self, batch: Batch, fwd_hooks: list[tuple[str, Any]], stop_after: str | None = None,

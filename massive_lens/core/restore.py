@@ -63,7 +63,11 @@ class _Reader:
             path = self.folder / TENSORS
             if not path.is_file():
                 raise MassiveLensError(f"{path} is missing: the saved result in {self.folder} is incomplete")
-            self._tensors = load_file(str(path))
+            try:
+                self._tensors = load_file(str(path))
+            except Exception as err:  # noqa: BLE001 - safetensors' own error, OSError, ...
+                raise MassiveLensError(f"{path} is not a readable safetensors file ({type(err).__name__}: "
+                                       f"{str(err)[:120]}): the saved result is damaged") from err
         if key not in self._tensors:
             raise MassiveLensError(f"{self.folder / TENSORS} has no tensor {key!r}: the saved result is damaged")
         return self._tensors[key]
@@ -74,7 +78,11 @@ class _Reader:
             raise MassiveLensError(f"the manifest in {self.folder} names a table outside its folder: {name!r}")
         if not path.is_file():
             raise MassiveLensError(f"{path} is missing: the saved result in {self.folder} is incomplete")
-        return pd.read_parquet(path)
+        try:
+            return pd.read_parquet(path)
+        except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds for a damaged or foreign file
+            raise MassiveLensError(f"{path} is not a readable Parquet table ({type(err).__name__}: "
+                                   f"{str(err)[:120]}): the saved result is damaged") from err
 
 
 def _decode(value: Any, reader: _Reader) -> Any:
@@ -93,7 +101,11 @@ def _decode(value: Any, reader: _Reader) -> Any:
     if "$float" in value:
         return float(value["$float"])
     if "$dtype" in value:
-        return getattr(torch, value["$dtype"])
+        dtype = getattr(torch, str(value["$dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise MassiveLensError(f"the saved result in {reader.folder} names {value['$dtype']!r} as a dtype, which "
+                                   "is not a torch dtype: the saved result is damaged")
+        return dtype
     if "$path" in value:
         return Path(value["$path"])
     if "$tuple" in value:
@@ -130,6 +142,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise MassiveLensError(f"{folder} {what}; save a result with result.save(path) and load that folder")
     try:
         manifest = json.loads(file.read_text(encoding="utf-8"))
+    except RecursionError as err:
+        raise MassiveLensError(f"{file} is nested too deeply to be a manifest: the saved result is damaged") from err
     except (ValueError, UnicodeDecodeError) as err:
         raise MassiveLensError(f"{file} is not valid JSON ({err}): the saved result is damaged") from err
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -177,4 +191,31 @@ def load(path: str | os.PathLike) -> Any:
     module, qualname = manifest.get("module", ""), manifest["type"]
     cls = _find_class(module, qualname, "result type", registered=True)
     reader = _Reader(folder)
-    return build(cls, {k: _decode(v, reader) for k, v in manifest["fields"].items()})
+    try:
+        fields = {k: _decode(v, reader) for k, v in manifest["fields"].items()}
+    except RecursionError as err:
+        raise MassiveLensError(f"{folder / MANIFEST} is nested too deeply: the saved result is damaged") from err
+    check_field_types(cls, fields, folder)
+    return build(cls, fields)
+
+
+_CHECKED = {"DataFrame": pd.DataFrame, "Tensor": torch.Tensor, "str": str, "int": int, "float": (int, float),
+            "bool": bool, "list": list, "dict": dict, "tuple": tuple}
+
+
+def check_field_types(cls: type, fields: dict[str, Any], folder: Path) -> None:
+    """Each field whose annotation is a plain type (a frame, a tensor, a number, a string, a
+    container, optionally ``| None``) holds a value of that type, so a damaged manifest fails
+    here rather than in a later ``summary()``."""
+    annotations = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    for name, value in fields.items():
+        kinds = [k.strip() for k in annotations.get(name, "Any").split("|")]
+        if value is None and "None" in kinds:
+            continue
+        wanted = [_CHECKED.get(k.split("[")[0].split(".")[-1]) for k in kinds if k != "None"]
+        if not wanted or None in wanted:
+            continue  # an annotation this check does not read: the class checks it
+        if not isinstance(value, tuple(t for w in wanted for t in (w if isinstance(w, tuple) else (w,)))) \
+                or (isinstance(value, bool) and bool not in wanted and "bool" not in kinds):
+            raise MassiveLensError(f"the saved {cls.__name__} in {folder} has {type(value).__name__} for its field "
+                                   f"{name!r} ({annotations[name]}): the saved result is damaged")

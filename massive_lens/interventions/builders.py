@@ -345,7 +345,9 @@ def patch_sink_from(model: Any, other_text: str, *, positions: Sequence[int] | N
     found = find_sinks(model, batch.tokens)
     if positions is None:
         positions = found.mask[0].nonzero().flatten().tolist()
-    chosen = list(range(view.n_layers)) if layers is None else list(layers)
+    elif not list(positions):
+        raise MassiveLensError("positions is empty: pass the positions to patch, or None for other_text's sinks")
+    chosen = view.chosen_layers(layers)
     names = [view.hook_name(layer, "resid_post") for layer in chosen]
     if max(positions) >= batch.tokens.shape[1]:
         raise MassiveLensError(f"sink positions {list(positions)} lie beyond other_text's "

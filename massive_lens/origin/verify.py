@@ -19,7 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.model_view import Batch, ModelView
+from massive_lens.core.model_view import Batch, ModelView, model_lock
 from massive_lens.metrics import perplexity
 from massive_lens.origin.capture import Capture
 from massive_lens.origin.neurons import named, w_out
@@ -31,19 +31,25 @@ VERIFY_SEQ_LEN, VERIFY_SEQS = 128, 4  # the corpus sequences perplexity is measu
 
 @contextlib.contextmanager
 def zeroed_weights(view: ModelView, entries: Sequence[tuple[int, int, int]]) -> Iterator[None]:
-    """Temporarily zero ``W_out[neuron, dim]`` of each (layer, neuron, dim); always restored."""
+    """Temporarily zero ``W_out[neuron, dim]`` of each (layer, neuron, dim); always restored.
+
+    The model's lock is held from the first edit until the last weight is back, so another
+    thread's analysis of the same model waits instead of seeing the zeroed weights."""
     saved = []
-    try:
+    with model_lock(view.model), contextlib.ExitStack() as restore:
+        restore.callback(_put_back, saved)
         with torch.no_grad():
             for layer, n, d in entries:
                 weight = w_out(view, layer)
                 saved.append((weight, n, d, weight[n, d].clone()))
                 weight[n, d] = 0.0
         yield
-    finally:
-        with torch.no_grad():
-            for weight, n, d, value in reversed(saved):
-                weight[n, d] = value
+
+
+def _put_back(saved: list) -> None:
+    with torch.no_grad():
+        for weight, n, d, value in reversed(saved):
+            weight[n, d] = value
 
 
 def _mask_hook(mask: Float[Tensor, "batch d_mlp"]):

@@ -7,8 +7,11 @@ from the optimizer itself (how many updates AdamW has applied), never from a loo
 that a Ctrl-C can catch before it moves; a Ctrl-C that arrives inside ``optimizer.step()``
 is held back until the update is whole (:func:`interrupt_after`).
 
-Files are written to a temporary name and renamed into place, so a checkpoint on disk is
-always a whole one; a damaged one (truncated, or not a checkpoint) is a clear error.
+A checkpoint is one safetensors file, ``checkpoint.safetensors``: the model's and the
+optimizer's tensors, with the step, configuration, history and the optimizer's plain values
+as JSON in its metadata. Nothing in it can run code when read (a pickle could). It is written
+to a temporary name and renamed into place, so a checkpoint on disk is always a whole one; a
+damaged one (truncated, or not a checkpoint) is a clear error.
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
 
 from massive_lens.errors import MassiveLensError
 
-CKPT = "checkpoint.pt"
+CKPT = "checkpoint.safetensors"
+LEGACY = "checkpoint.pt"  # the pickled format of older versions: refused, see convert_checkpoint
+META_KEY = "massive_lens_checkpoint"
 
 
 def updates_applied(optimizer: torch.optim.Optimizer) -> int | None:
@@ -70,29 +79,107 @@ def interrupt_after() -> Iterator[None]:
 
 
 def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """The checkpoint's contents; a damaged file is a :class:`MassiveLensError`."""
+    """The checkpoint's contents (model and optimizer state dicts, step, config, model_cfg,
+    history); a damaged file is a :class:`MassiveLensError`.
+
+    Only safetensors and JSON are read: a ``checkpoint.pt`` of an older massive_lens is a
+    pickle, which can run code when read, so it is refused (see :func:`convert_checkpoint`).
+    """
+    path = Path(path)
+    if path.suffix == ".pt" or (not path.exists() and (path.parent / LEGACY).is_file()):
+        raise MassiveLensError(_legacy_message(path.parent))
     try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - torch raises pickle, zip and runtime errors alike
+        with safe_open(str(path), framework="pt", device=str(map_location)) as f:
+            meta = json.loads((f.metadata() or {}).get(META_KEY, "null"))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own, OSError and JSON errors alike
         raise MassiveLensError(f"{path} is not a readable checkpoint ({type(exc).__name__}: "
                                f"{str(exc)[:120]}); delete it to start over, or use another out_dir") from exc
-    keys = {"model", "optimizer", "step", "config", "model_cfg", "history"}
-    if not isinstance(state, dict) or not keys <= set(state):
-        raise MassiveLensError(f"{path} is not a massive_lens training checkpoint (it lacks "
-                               f"{sorted(keys - set(state) if isinstance(state, dict) else keys)}); "
+    keys = {"step", "config", "model_cfg", "history", "optimizer"}
+    if not isinstance(meta, dict) or not keys <= set(meta):
+        raise MassiveLensError(f"{path} is not a massive_lens training checkpoint (its metadata lacks "
+                               f"{sorted(keys - set(meta) if isinstance(meta, dict) else keys)}); "
                                "delete it to start over, or use another out_dir")
-    return state
+    return {**meta, "model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
+            "optimizer": _optimizer_from(meta["optimizer"], tensors, path)}
 
 
 def save_checkpoint(out: Path, model: Any, optimizer: Any, config: dict, step: int, history: list) -> None:
-    """Write the checkpoint and logs to temporary files, then rename them into place."""
+    """Write the checkpoint (one safetensors file: tensors, plus everything else as JSON in its
+    metadata) and the logs to temporary files, then rename them into place."""
     out.mkdir(parents=True, exist_ok=True)
-    state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), step=step,
-                 config=config, model_cfg=model.cfg.to_dict(), history=history)
-    _atomic(out / CKPT, lambda p: torch.save(state, p))
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    optim = optimizer.state_dict()
+    plain_state: dict[str, dict] = {}
+    for index, entry in optim["state"].items():
+        plain_state[str(index)] = {}
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"optim.{index}.{key}"] = value
+            else:
+                plain_state[str(index)][key] = value
+    meta = dict(step=step, config=config, model_cfg=model.cfg.to_dict(), history=history,
+                optimizer=dict(state=plain_state, param_groups=optim["param_groups"]))
+    # a copy per tensor: safetensors refuses tensors that share memory (tied weights)
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    _atomic(out / CKPT, lambda p: save_file(tensors, str(p), metadata={META_KEY: json.dumps(meta)}))
     _atomic(out / "log.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
     summary = dict(config=config, step=step, last=history[-1] if history else None)
     _atomic(out / "run.json", lambda p: Path(p).write_text(json.dumps(summary, indent=1)))
+
+
+def convert_checkpoint(out_dir: str | os.PathLike) -> Path:
+    """Rewrite an older run's pickled ``checkpoint.pt`` as ``checkpoint.safetensors``.
+
+    Only for a file you trust: it is read with ``torch.load(weights_only=True)`` (torch's
+    restricted unpickler, which builds tensors and plain containers and refuses anything else).
+
+    Returns:
+        The new checkpoint's path.
+
+    Raises:
+        MassiveLensError: if there is no ``checkpoint.pt`` or it holds more than tensors and
+            plain values.
+    """
+    folder = Path(out_dir)
+    legacy = folder / LEGACY
+    if not legacy.is_file():
+        raise MassiveLensError(f"no {LEGACY} in {folder} to convert")
+    try:
+        state = torch.load(legacy, map_location="cpu", weights_only=True)
+        step, config, history = state["step"], state["config"], state["history"]
+
+        class _Held:  # what save_checkpoint needs of a model and an optimizer
+            cfg = SimpleNamespace(to_dict=lambda: state["model_cfg"])
+            state_dict = staticmethod(lambda: state["model"])
+
+        optim = SimpleNamespace(state_dict=lambda: state["optimizer"])
+    except Exception as exc:  # noqa: BLE001 - the restricted unpickler raises many kinds
+        raise MassiveLensError(f"{legacy} could not be converted ({type(exc).__name__}: {str(exc)[:160]}); "
+                               "train again with a new out_dir") from exc
+    save_checkpoint(folder, _Held(), optim, config, step, history)
+    legacy.rename(legacy.with_name(LEGACY + ".converted"))
+    return folder / CKPT
+
+
+def _optimizer_from(meta: dict, tensors: dict[str, Tensor], path: Path) -> dict:
+    """The optimizer's ``state_dict`` from the JSON part and the ``optim.<index>.<key>`` tensors."""
+    state: dict[int, dict] = {int(i): dict(entry) for i, entry in meta.get("state", {}).items()}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    groups = meta.get("param_groups")
+    if not isinstance(groups, list):
+        raise MassiveLensError(f"{path} is not a massive_lens training checkpoint (no optimizer param_groups)")
+    return {"state": state, "param_groups": groups}
+
+
+def _legacy_message(folder: Path) -> str:
+    return (f"{folder / LEGACY} is a pickled checkpoint from an older massive_lens; pickles can run code when "
+            f"read, so it is not read. If you trust the file, convert it once with "
+            f"massive_lens.train.checkpoint.convert_checkpoint({str(folder)!r}) (torch's weights-only loader), "
+            "or delete it to start over")
 
 
 def _atomic(path: Path, write: Any) -> None:

@@ -98,21 +98,54 @@ def write_token_file(data: str, tokenizer: str, path: str | os.PathLike, max_cha
 
 
 def read_token_file(path: str | os.PathLike, tokenizer: Any) -> np.ndarray:
-    """Memory-map a token file written by :func:`write_token_file` (checked against ``tokenizer``)."""
+    """Memory-map a token file written by :func:`write_token_file`, checked before use: its
+    description names an unsigned integer dtype wide enough for the vocabulary, its size
+    matches ``n_tokens``, the vocabulary is ``tokenizer``'s, and every id is inside it (one
+    chunked pass over the file)."""
     path = Path(path)
     if not path.is_file() or not _meta_path(path).is_file():
         raise MassiveLensError(f"no token file {path} (with {_meta_path(path).name}); write one with "
                                "write_token_file(data, tokenizer, path) or `massive-lens tokenize`")
-    meta = json.loads(_meta_path(path).read_text())
+    meta, dtype = _read_meta(path)
     if meta["vocab_size"] != len(tokenizer):
         raise MassiveLensError(f"{path} was tokenized with a {meta['vocab_size']}-token vocabulary "
                                f"({meta['tokenizer']!r}) but the run uses {len(tokenizer)} tokens; "
                                f"set tokenizer={meta['tokenizer']!r}")
-    stream = np.memmap(path, dtype=meta["dtype"], mode="r")
-    if len(stream) != meta["n_tokens"]:
-        raise MassiveLensError(f"{path} holds {len(stream)} tokens, its description says {meta['n_tokens']}: "
-                               "the file is incomplete; write it again")
+    size = path.stat().st_size
+    if size != meta["n_tokens"] * dtype.itemsize:
+        raise MassiveLensError(f"{path} holds {size} bytes, its description says {meta['n_tokens']} tokens of "
+                               f"{dtype.itemsize} bytes: the file is incomplete or not this description's; write it "
+                               "again")
+    stream = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    for start in range(0, len(stream), 1 << 26):  # ids beyond the vocabulary would index out of the embedding
+        top = int(stream[start : start + (1 << 26)].max())
+        if top >= len(tokenizer):
+            raise MassiveLensError(f"{path} holds token id {top}, beyond the {len(tokenizer)}-token vocabulary of "
+                                   f"{meta['tokenizer']!r}: the file is damaged or from another tokenizer; write it "
+                                   "again")
     return stream
+
+
+def _read_meta(path: Path) -> tuple[dict, np.dtype]:
+    """A token file's JSON description, with its keys, types and dtype checked."""
+    where = _meta_path(path)
+    try:
+        meta = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MassiveLensError(f"{where} is not a readable token-file description ({exc}); write the token file "
+                               "again") from exc
+    kinds = dict(tokenizer=str, vocab_size=int, dtype=str, n_tokens=int)
+    bad = [k for k, kind in kinds.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), kind)
+           or isinstance(meta.get(k), bool)]
+    if bad:
+        raise MassiveLensError(f"{where} lacks or mistypes {bad} (it needs tokenizer: str, vocab_size: int, "
+                               "dtype: str, n_tokens: int); write the token file again")
+    if meta["dtype"] not in ("uint8", "uint16", "uint32", "uint64") or meta["vocab_size"] < 1 \
+            or np.iinfo(meta["dtype"]).max < meta["vocab_size"] - 1 or meta["n_tokens"] < 0:
+        raise MassiveLensError(f"{where} describes {meta['n_tokens']} tokens of dtype {meta['dtype']!r} for a "
+                               f"{meta['vocab_size']}-token vocabulary; a token file holds an unsigned integer dtype "
+                               "wide enough for the vocabulary (uint16 or uint32 as write_token_file writes)")
+    return meta, np.dtype(meta["dtype"])
 
 
 def split_held_out(stream: Stream, n_ctx: int, val_fraction: float) -> tuple[Stream, Stream]:

@@ -46,6 +46,7 @@ from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.checkpoint import (
     CKPT,
+    LEGACY,
     interrupt_after,
     read_checkpoint,
     save_checkpoint,
@@ -151,7 +152,7 @@ def train_model(
 ) -> TrainRun:
     """Train a MassiveLM with a preset (plus ``TrainConfig`` field overrides).
 
-    ``out_dir`` holds ``checkpoint.pt``, ``log.csv`` and ``run.json``; with ``resume``
+    ``out_dir`` holds ``checkpoint.safetensors``, ``log.csv`` and ``run.json``; with ``resume``
     an existing checkpoint there is continued. ``until_step`` stops early (the schedule
     still targets ``steps``), as an interruption would. ``attention`` picks the variant
     (a name or VariantConfig). Run under ``torchrun`` for DDP.
@@ -159,7 +160,7 @@ def train_model(
     Args:
         preset: a preset name from :data:`~massive_lens.train.PRESETS` (default
             ``"smoke"``) or a :class:`~massive_lens.train.TrainConfig`.
-        out_dir: the folder for ``checkpoint.pt``, ``log.csv`` and ``run.json``, written
+        out_dir: the folder for ``checkpoint.safetensors``, ``log.csv`` and ``run.json``, written
             every ``ckpt_every`` steps, at the end and on ``KeyboardInterrupt`` (None: nothing
             is written).
         resume: continue from the checkpoint in ``out_dir`` if there is one (default);
@@ -200,7 +201,7 @@ def train_model(
     model.to(dev)
     optimizer = make_optimizer(model, cfg)
     start, history = 0, []
-    if out is not None and resume and (out / CKPT).is_file():
+    if out is not None and resume and ((out / CKPT).is_file() or (out / LEGACY).is_file()):
         start, history = _load_checkpoint(out / CKPT, model, optimizer, cfg)
     n_ctx = model.cfg.n_ctx
     train, val = split_held_out(stream, n_ctx, cfg.val_fraction)
@@ -266,7 +267,7 @@ def train_model(
 
 
 def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM:
-    """Rebuild the trained model from ``out_dir/checkpoint.pt``.
+    """Rebuild the trained model from ``out_dir/checkpoint.safetensors``.
 
     Args:
         out_dir: the ``out_dir`` of a :func:`train_model` run.
@@ -276,10 +277,10 @@ def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM
         The :class:`~massive_lens.train.MassiveLM` with the checkpoint's weights, in eval mode.
 
     Raises:
-        MassiveLensError: if ``out_dir`` holds no ``checkpoint.pt``.
+        MassiveLensError: if ``out_dir`` holds no ``checkpoint.safetensors``.
     """
     path = Path(out_dir) / CKPT
-    if not path.is_file():
+    if not path.is_file() and not (Path(out_dir) / LEGACY).is_file():
         raise MassiveLensError(f"no checkpoint at {path}; train with train_model(out_dir=...) first")
     state = read_checkpoint(path)
     cfg = TrainConfig(**state["config"])

@@ -52,7 +52,7 @@ def test_compare_main_writes_its_files(tmp_path, monkeypatch):
     for name in ("runs.csv", "summary.csv", "curves.csv", "profiles.csv", "summary.txt",
                  "comparison.png"):
         assert (tmp_path / name).is_file(), name
-    assert (tmp_path / "softmax1" / "seed0" / "checkpoint.pt").is_file()
+    assert (tmp_path / "softmax1" / "seed0" / "checkpoint.safetensors").is_file()
 
 
 def test_unknown_variant_raises():

@@ -7,10 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from helpers import TRAIN_TEXT
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import byte_tokenizer
+from massive_lens.train.checkpoint import META_KEY
 from massive_lens.train.data import read_token_file, sample_batch, token_stream, write_token_file
 from massive_lens.train.trainer import train_model
 
@@ -84,9 +87,11 @@ def test_gpu_presets_read_a_token_file_and_say_how_to_write_it(tmp_path):
 def test_a_checkpoint_from_before_prepend_bos_existed_still_resumes(tmp_path):
     cfg = {**TINY, "data": TRAIN_TEXT}
     train_model("smoke", out_dir=tmp_path, progress=False, until_step=2, **cfg)
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    del state["config"]["prepend_bos"]
-    torch.save(state, tmp_path / "checkpoint.pt")
+    path = tmp_path / "checkpoint.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = json.loads(f.metadata()[META_KEY]), {k: f.get_tensor(k) for k in f.keys()}
+    del meta["config"]["prepend_bos"]
+    save_file(tensors, str(path), metadata={META_KEY: json.dumps(meta)})
     assert train_model("smoke", out_dir=tmp_path, progress=False, **cfg).steps == 4
     with pytest.raises(MassiveLensError, match="another configuration"):  # a real change is still refused
         train_model("smoke", out_dir=tmp_path, progress=False, **{**cfg, "prepend_bos": False})

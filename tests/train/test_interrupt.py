@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from helpers import TRAIN_TEXT
 
 from massive_lens.errors import MassiveLensError
@@ -133,7 +134,7 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, content):
         train_model("smoke", out_dir=tmp_path, progress=False, **{**CFG, "steps": 3})
 
 
-def test_a_pickle_that_is_not_a_checkpoint_is_a_clear_error(tmp_path):
-    torch.save({"weights": torch.zeros(2)}, tmp_path / checkpoint.CKPT)
+def test_a_safetensors_file_that_is_not_a_checkpoint_is_a_clear_error(tmp_path):
+    save_file({"weights": torch.zeros(2)}, str(tmp_path / checkpoint.CKPT))
     with pytest.raises(MassiveLensError, match="not a massive_lens training checkpoint"):
         load_run(tmp_path)

@@ -27,7 +27,7 @@ def test_training_lowers_the_loss_and_writes_logs(tmp_path):
     assert list(frame.columns) == ["step", "tokens", "loss", "val_loss", "lr", "grad_norm",
                                    "tokens_per_s", "elapsed_s"]
     assert frame["loss"].iloc[-1] < frame["loss"].iloc[0] - 0.5
-    assert (tmp_path / "checkpoint.pt").is_file() and not (tmp_path / "checkpoint.pt.tmp").exists()
+    assert (tmp_path / "checkpoint.safetensors").is_file() and not (tmp_path / "checkpoint.safetensors.tmp").exists()
     assert len(pd.read_csv(tmp_path / "log.csv")) == 12
     assert json.loads((tmp_path / "run.json").read_text())["step"] == 12
     assert "trained 12 steps" in run.summary()
