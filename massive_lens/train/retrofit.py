@@ -143,8 +143,8 @@ class Retrofit(Result):
         if not results or len({(r.model_name, tuple(r.dims)) for r in results}) != 1:
             raise MassiveLensError("merge needs one or more retrofit results of the same model and removal")
         first = results[0]
-        frames = [pd.concat([getattr(r, name) for r in results if len(getattr(r, name))], ignore_index=True)
-                  for name in ("curves", "layers", "finals")]
+        frames = [pd.concat([getattr(r, name) for r in results if len(getattr(r, name))] or [getattr(first, name)],
+                            ignore_index=True) for name in ("curves", "layers", "finals")]
         runs = len(frames[0][["setting", "seed"]].drop_duplicates())
         budget = dict(first.budget, runs=runs, wall_s=sum(r.budget.get("wall_s", 0) for r in results))
         return cls(first.model_name, *frames, first.super_weights, list(first.dims), budget)
