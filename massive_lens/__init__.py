@@ -39,7 +39,8 @@ try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends
     from massive_lens.errors import MassiveLensError
     from massive_lens.interventions import calibrate, run_interventions
     from massive_lens.metrics import perplexity
-    from massive_lens.models import load_model, tiny_model
+    from massive_lens.models.load import load_model
+    from massive_lens.models.tiny import tiny_model
     from massive_lens.origin import trace_origin
     from massive_lens.quantize import measure_outliers
     from massive_lens.report import compare_models, write_report

@@ -25,7 +25,7 @@ from massive_lens.core.outputs import check_out_file
 from massive_lens.detect import find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import run_interventions
-from massive_lens.models import load_model
+from massive_lens.models.load import load_model
 from massive_lens.origin import trace_origin
 from massive_lens.report import compare_models, write_report
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT

@@ -31,6 +31,7 @@ import pytest
 import torch
 from helpers import untouched
 
+import massive_lens
 from massive_lens import (
     MassiveLensError,
     decompose_attention,
@@ -44,7 +45,6 @@ from massive_lens import (
     tiny_model,
     trace_origin,
 )
-import massive_lens
 from massive_lens.cli import main
 from massive_lens.interventions import calibrate, fix_sink_term, patch_sink_from, remove_sink_attention
 from massive_lens.report import compare_models, write_report
@@ -355,7 +355,8 @@ CASES = [
     row("tiny", lambda m, d: load_model(d / "tiny", device="gpu:zero"), "unknown device", "load_model-bad-device"),
     row("tiny", lambda m, d: load_model(d / "tiny", name=""), "display name", "load_model-empty-name"),
     row("typed", "load_model(m, name=123)", "display name", "load_model-name-not-a-string"),
-    row("typed", "decompose_attention(m, 'Hi there.', layers=1.5)", "must be an int", "decompose_attention-layers-float"),
+    row("typed", "decompose_attention(m, 'Hi there.', layers=1.5)", "must be an int",
+        "decompose_attention-layers-float"),
     row("tiny", lambda m, d: patch_sink_from(m, "Other text here.", positions=[]), "positions is empty",
         "patch_sink_from-no-positions"),
     row("tiny", lambda m, d: patch_sink_from(m, "Other text here.", layers=[]), "layers is empty",
@@ -367,8 +368,10 @@ CASES = [
         "train_model-data-empty-string"),
     row("tiny", lambda m, d: train_model("smoke", progress=False, **{**TRAIN, "data": "ab\ud800c " * 200}),
         "lone surrogate", "train_model-lone-surrogate"),
-    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "deep")), "nested too deeply", "load-deep-manifest"),
-    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "dtype")), "not a torch dtype", "load-dtype-not-dtype"),
+    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "deep")), "nested too deeply",
+        "load-deep-manifest"),
+    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "dtype")), "not a torch dtype",
+        "load-dtype-not-dtype"),
     row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "field")), "has str for its field",
         "load-field-of-wrong-type"),
     row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "parquet")), "not a readable Parquet",

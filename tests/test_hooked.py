@@ -26,9 +26,9 @@ from massive_lens import (
     run_interventions,
     trace_origin,
 )
-from massive_lens.backends import hooked_class
 from massive_lens.core.model_view import ModelView
 from massive_lens.models import byte_tokenizer
+from massive_lens.models.backends import hooked_class
 
 HAS_HOOKED = hooked_class() is not None
 tl3 = pytest.mark.skipif(not HAS_HOOKED, reason="needs TransformerLens 3.x (HookedTransformer); the installed "

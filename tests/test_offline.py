@@ -14,7 +14,7 @@ import pytest
 from massive_lens import MassiveLensError, load_model
 from massive_lens.core.model_view import ModelView
 from massive_lens.models import byte_tokenizer, wrap_hf_model
-from massive_lens.offline import OFFLINE_MODELS, SplitFile, find_offline, gguf_name
+from massive_lens.models.offline import OFFLINE_MODELS, SplitFile, find_offline, gguf_name
 
 PARTS = [b"GGUF" + bytes(range(60)), bytes(range(100, 180)), b"tail" * 7]
 
@@ -120,7 +120,7 @@ def test_gguf_name_reads_general_name(tmp_path):
 
 
 def test_gguf_name_of_the_default_models_file():
-    from massive_lens.offline import DEFAULT
+    from massive_lens.models.offline import DEFAULT
 
     try:
         path = DEFAULT.source.path(DEFAULT.name)

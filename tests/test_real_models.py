@@ -24,7 +24,7 @@ from massive_lens import (
 )
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import ablate_massive
-from massive_lens.offline import find_offline
+from massive_lens.models.offline import find_offline
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]  # `-m "not slow"` skips them in a quick run; CI runs them
 

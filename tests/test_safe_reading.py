@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 import massive_lens
 from massive_lens import MassiveLensError, find_massive, load_model, tiny_model
 from massive_lens.models import byte_tokenizer
+from massive_lens.models.tiny import tiny_config
 from massive_lens.origin import trace_origin
-from massive_lens.tiny_configs import tiny_config
 from massive_lens.train import load_run, train_model
 from massive_lens.train.checkpoint import CKPT, LEGACY, convert_checkpoint
 from massive_lens.train.data import read_token_file, write_token_file
@@ -323,7 +323,7 @@ def test_an_analysis_of_a_model_in_train_mode_runs_without_dropout_and_keeps_the
 
 
 def test_a_cache_the_disk_refuses_gives_a_warning_and_the_model_from_memory(tmp_path, monkeypatch, caplog):
-    from massive_lens.offline import write_cache
+    from massive_lens.models.offline import write_cache
 
     model_cls, config = tiny_config("llama", byte_tokenizer(), {"num_hidden_layers": 1})
     hf = model_cls(config)
@@ -339,7 +339,7 @@ def test_a_cache_the_disk_refuses_gives_a_warning_and_the_model_from_memory(tmp_
 
 
 def test_the_cache_writer_keeps_a_folder_another_process_published(tmp_path, monkeypatch):
-    from massive_lens import offline
+    from massive_lens.models import offline
 
     model_cls, config = tiny_config("llama", byte_tokenizer(), {"num_hidden_layers": 1})
     hf, folder = model_cls(config), tmp_path / "m-v1"

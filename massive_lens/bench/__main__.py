@@ -16,7 +16,7 @@ import torch
 from massive_lens.bench import attention, detect, harness, origin, report, train
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
-from massive_lens.models import load_model
+from massive_lens.models.load import load_model
 
 AREAS = ("detect", "origin", "attention", "report", "train")
 MODEL_AREAS = ("detect", "origin", "attention", "report")  # on each model; train needs none

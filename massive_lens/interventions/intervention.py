@@ -10,7 +10,7 @@ and the check of what its targets hold downstream.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
@@ -19,21 +19,6 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.checks import Record, downstream, reading
 from massive_lens.interventions.state import HookState
 
-DESCRIPTIONS = {
-    "original": "no intervention",
-    "zero": "massive activations set to zero where they appear",
-    "mean": "massive activations set to their calibration mean",
-    "control": "as many median-magnitude activations set to zero",
-    "zero_every": "massive activations set to zero at every layer where they are massive",
-    "mean_every": "massive activations set to their calibration mean at every layer where they are massive",
-    "sink_term_mean": "each head's sink term replaced by its calibration mean",
-    "sink_term_zero": "each head's sink term set to zero",
-    "sink_attention_removed": "attention to sink positions dropped, renormalized",
-    "bias_surgery": "explicit per-head k/v bias slot; sinks masked; massive activations zeroed",
-    "bias_surgery_every": "explicit per-head k/v bias slot; sinks masked; massive activations zeroed at every "
-                          "layer where they are massive",
-    "sink_patched": "residual stream at the sink positions patched from another text",
-}
 WHERE = {"first": "first layer", "every": "every massive layer"}
 
 
@@ -44,6 +29,8 @@ class Intervention:
     edits the forward pass, relative to the model's norms; ``where``: ``first`` or
     ``every`` for massive-activation edits.
     """
+
+    descriptions: ClassVar[dict[str, str]] = {}  # name -> what it does: filled from the registry's rows
 
     def __init__(self, model: Any, name: str, fwd_hooks: list[tuple[str, Callable]], *,
                  state: HookState | None = None, acts_on: str = "", where: str = "", removes: bool = False,
@@ -58,7 +45,8 @@ class Intervention:
 
     @property
     def description(self) -> str:
-        return DESCRIPTIONS.get(self.name, self.name)
+        """What it does, from its row in :data:`~massive_lens.interventions.REGISTRY`."""
+        return self.descriptions.get(self.name, self.name)
 
     @property
     def record(self) -> Record:

@@ -1,65 +1,105 @@
-"""One registry of the Table 3 settings: name -> what it does and how to build it.
+"""One registry of the intervention settings: one row per setting, everything about it in that row.
 
-Every setting is built from a model, a :class:`~massive_lens.interventions.Calibration` and
-(optionally) the sinks of the tokens it will run on, so :func:`~massive_lens.run_interventions`
-and the report evaluate the same thing. :data:`SETTINGS` are the rows of the paper's Table 3
-(the default); :data:`REGISTRY` also holds the ``_every`` variants, which
-:func:`~massive_lens.run_interventions` adds when a first-layer removal does not hold
-(:data:`EVERY`), and ``original`` builds :func:`~massive_lens.interventions.observe`, which
-edits nothing and measures the baseline of every check.
+A row (:class:`InterventionSetting`) names the setting, how to build it (a builder of
+:mod:`~massive_lens.interventions.builders` with fixed options, as ``functools.partial`` would
+give), what it does, what it acts on, whether it edits massive activations (so needs some in
+the calibration text), whether it is a row of the paper's Table 3, and its ``every`` form (the
+same edit at every layer where the dims are massive), which
+:func:`~massive_lens.run_interventions` adds when the first-layer edit is undone downstream.
+
+Every row builds from a model, a :class:`~massive_lens.interventions.Calibration` and
+(optionally) the sinks of the tokens it will run on, so :func:`~massive_lens.run_interventions`,
+the report and a user calling the builder evaluate the same thing. Adding a setting is one
+row in :data:`ROWS` (see ``docs/interventions.md``); ``tests/test_interventions.py`` walks
+the registry and builds every row on a tiny model.
 
 >>> list(SETTINGS)[:3]
 ['original', 'zero', 'mean']
->>> REGISTRY["zero"].description
-'massive activations set to zero where they appear'
+>>> REGISTRY["zero"].description, REGISTRY["zero"].every
+('massive activations set to zero where they appear', 'zero_every')
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from massive_lens.core.corpora import default_text
 from massive_lens.interventions.assemble import observe
-from massive_lens.interventions.builders import ablate_massive, bias_surgery, fix_sink_term, remove_sink_attention
-from massive_lens.interventions.intervention import DESCRIPTIONS
+from massive_lens.interventions.builders import (
+    ablate_massive,
+    bias_surgery,
+    fix_sink_term,
+    patch_sink_from,
+    remove_sink_attention,
+)
+from massive_lens.interventions.intervention import Intervention
+
+RESID, ATTN, NOTHING = "residual stream", "attention", "nothing"
 
 
 @dataclass(frozen=True)
-class Setting:
-    """A named intervention of Table 3: ``build(model, calibration, sinks=None)`` gives its
-    :class:`~massive_lens.interventions.Intervention`."""
+class InterventionSetting:
+    """One intervention setting: ``build(model, calibration, sinks=None)`` gives its
+    :class:`~massive_lens.interventions.Intervention`.
+
+    ``builder`` and ``options``: the builder function and the keyword options it is called
+    with; ``takes_sinks``: whether it is passed the sinks of the evaluated tokens;
+    ``acts_on``: ``"residual stream"``, ``"attention"`` or ``"nothing"``;
+    ``needs_massive``: it edits massive activations; ``in_table3``: a row of the paper's
+    Table 3 (the default of :func:`~massive_lens.run_interventions`); ``every``: the name of
+    its every-layer form, or None.
+    """
 
     name: str
-    build: Callable[..., Any]
+    builder: Callable[..., Intervention]
+    description: str
+    acts_on: str
+    needs_massive: bool = False
+    in_table3: bool = True
+    every: str | None = None
+    takes_sinks: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def description(self) -> str:
-        return DESCRIPTIONS[self.name]
-
-    @property
-    def needs_massive(self) -> bool:
-        """Whether it edits massive activations (so needs some in the calibration text)."""
-        return self.name in MASSIVE_SETTINGS
+    def build(self, model: Any, calibration: Any, sinks: Any = None) -> Intervention:
+        """The intervention on ``model`` with this setting's options."""
+        extra = {"sinks": sinks} if self.takes_sinks else {}
+        return self.builder(model, calibration=calibration, **self.options, **extra)
 
 
-_BUILDERS: dict[str, Callable[..., Any]] = {
-    "original": lambda model, calib, sinks=None: observe(model, calibration=calib, sinks=sinks),
-    "zero": lambda model, calib, sinks=None: ablate_massive(model, "zero", calibration=calib),
-    "mean": lambda model, calib, sinks=None: ablate_massive(model, "mean", calibration=calib),
-    "control": lambda model, calib, sinks=None: ablate_massive(model, "zero", calibration=calib, control=True),
-    "sink_term_mean": lambda model, calib, sinks=None: fix_sink_term(model, "mean", calibration=calib, sinks=sinks),
-    "sink_term_zero": lambda model, calib, sinks=None: fix_sink_term(model, "zero", calibration=calib, sinks=sinks),
-    "sink_attention_removed": lambda model, calib, sinks=None: remove_sink_attention(model, calibration=calib,
-                                                                                     sinks=sinks),
-    "bias_surgery": lambda model, calib, sinks=None: bias_surgery(model, calibration=calib, sinks=sinks),
-    "zero_every": lambda model, calib, sinks=None: ablate_massive(model, "zero", calibration=calib, where="every"),
-    "mean_every": lambda model, calib, sinks=None: ablate_massive(model, "mean", calibration=calib, where="every"),
-    "bias_surgery_every": lambda model, calib, sinks=None: bias_surgery(model, calibration=calib, where="every",
-                                                                       sinks=sinks),
-}
-REGISTRY: dict[str, Setting] = {name: Setting(name, build) for name, build in _BUILDERS.items()}
-SETTINGS: tuple[str, ...] = ("original", "zero", "mean", "control", "sink_term_mean", "sink_term_zero",
-                             "sink_attention_removed", "bias_surgery")
-EVERY = {"zero": "zero_every", "mean": "mean_every", "bias_surgery": "bias_surgery_every"}  # first -> every
-MASSIVE_SETTINGS = ("zero", "mean", "control", "bias_surgery", "zero_every", "mean_every", "bias_surgery_every")
+def _patched_from_default_text(model: Any, *, calibration: Any = None) -> Intervention:
+    """``patch_sink_from`` with the first 12 words of the offline default text as the other
+    text (the calibration is not used: the patch is the other text's own residual stream)."""
+    return patch_sink_from(model, " ".join(default_text().split()[:12]))
+
+
+Row = InterventionSetting
+ROWS: tuple[InterventionSetting, ...] = (
+    Row("original", observe, "no intervention", NOTHING),
+    Row("zero", ablate_massive, "massive activations set to zero where they appear", RESID, True,
+        every="zero_every", takes_sinks=False, options=dict(mode="zero")),
+    Row("mean", ablate_massive, "massive activations set to their calibration mean", RESID, True,
+        every="mean_every", takes_sinks=False, options=dict(mode="mean")),
+    Row("control", ablate_massive, "as many median-magnitude activations set to zero", RESID, True,
+        takes_sinks=False, options=dict(mode="zero", control=True)),
+    Row("sink_term_mean", fix_sink_term, "each head's sink term replaced by its calibration mean", ATTN,
+        options=dict(mode="mean")),
+    Row("sink_term_zero", fix_sink_term, "each head's sink term set to zero", ATTN, options=dict(mode="zero")),
+    Row("sink_attention_removed", remove_sink_attention, "attention to sink positions dropped, renormalized", ATTN),
+    Row("bias_surgery", bias_surgery, "explicit per-head k/v bias slot; sinks masked; massive activations zeroed",
+        ATTN, True, every="bias_surgery_every"),
+    Row("zero_every", ablate_massive, "massive activations set to zero at every layer where they are massive",
+        RESID, True, False, takes_sinks=False, options=dict(mode="zero", where="every")),
+    Row("mean_every", ablate_massive,
+        "massive activations set to their calibration mean at every layer where they are massive", RESID, True,
+        False, takes_sinks=False, options=dict(mode="mean", where="every")),
+    Row("bias_surgery_every", bias_surgery, "explicit per-head k/v bias slot; sinks masked; massive activations "
+        "zeroed at every layer where they are massive", ATTN, True, False, options=dict(where="every")),
+    Row("sink_patched", _patched_from_default_text,
+        "residual stream at the sink positions patched from another text", RESID, False, False, takes_sinks=False),
+)
+REGISTRY: dict[str, InterventionSetting] = {row.name: row for row in ROWS}
+SETTINGS: tuple[str, ...] = tuple(row.name for row in ROWS if row.in_table3)
+EVERY: dict[str, str] = {row.name: row.every for row in ROWS if row.every}  # first-layer form -> every form
+Intervention.descriptions.update({row.name: row.description for row in ROWS})  # what iv.description reads

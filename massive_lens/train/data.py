@@ -10,7 +10,7 @@ A data source (``TrainConfig.data``) is one of
 
 Batches are windows at random offsets, a pure function of ``(seed, step)``.
 
->>> from massive_lens.models import byte_tokenizer
+>>> from massive_lens.core.tokens import byte_tokenizer
 >>> stream = token_stream("abc abc", byte_tokenizer())
 >>> sample_batch(stream, 2, 4, bos=1, seed=0, step=0).shape
 torch.Size([2, 4])
@@ -30,8 +30,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import iter_texts
+from massive_lens.core.tokens import byte_tokenizer
 from massive_lens.errors import MassiveLensError
-from massive_lens.models import byte_tokenizer, load_model
+from massive_lens.models.load import load_model
 
 Stream = Tensor | np.ndarray  # a 1-D token stream: in memory, or a memmap over a token file
 
@@ -51,7 +52,7 @@ def get_tokenizer(name: str) -> Any:
 def token_stream(data: str, tokenizer: Any, max_chars: int | None = None) -> Stream:
     """Tokenize a data source (see the module docstring) into one long 1-D stream.
 
-    >>> from massive_lens.models import byte_tokenizer
+    >>> from massive_lens.core.tokens import byte_tokenizer
     >>> token_stream("abc abc", byte_tokenizer()).shape
     torch.Size([7])
     """
@@ -161,7 +162,7 @@ def split_held_out(stream: Stream, n_ctx: int, val_fraction: float) -> tuple[Str
 def start_token(tokenizer: Any, prepend_bos: bool = True) -> int | None:
     """The token every training sequence starts with: BOS (EOS if there is none), or None.
 
-    >>> from massive_lens.models import byte_tokenizer
+    >>> from massive_lens.core.tokens import byte_tokenizer
     >>> start_token(byte_tokenizer()) == byte_tokenizer().bos_token_id, start_token(byte_tokenizer(), False)
     (True, None)
     """

@@ -30,8 +30,8 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 
+from massive_lens.core.tokens import byte_tokenizer
 from massive_lens.errors import MassiveLensError
-from massive_lens.models import byte_tokenizer
 from massive_lens.train.layers import (  # noqa: F401 - Attention, MLP, Rotary: re-exported
     MLP,
     Attention,

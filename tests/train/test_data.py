@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import TRAIN_TEXT
 from safetensors import safe_open
 from safetensors.torch import save_file
-from helpers import TRAIN_TEXT
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import byte_tokenizer

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from helpers import TRAIN_TEXT
+from safetensors.torch import save_file
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.train import checkpoint, trainer
