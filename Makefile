@@ -46,7 +46,7 @@ test-tl3: $(STAMP_TL3)
 	$(VENV_TL3)/bin/python -m pytest $(TL3_SELECT) $(TL3_TESTS)
 
 bench: $(STAMP)
-	$(BIN)/python -m massive_lens.bench --write docs/benchmarks.md
+	$(BIN)/python -m benchmarks --write docs/benchmarks.md
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict

@@ -50,9 +50,11 @@ def _model_args(parser: argparse.ArgumentParser, several: bool = False) -> None:
 
 
 def _criterion_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--abs-threshold", type=float, default=100.0, help="|value| must exceed this (default 100)")
-    parser.add_argument("--ratio-threshold", type=float, default=1000.0,
-                        help="|value| / median must exceed this (default 1000)")
+    sun = Criterion()  # the defaults are the Criterion's own, written once
+    parser.add_argument("--abs-threshold", type=float, default=sun.abs_threshold,
+                        help=f"|value| must exceed this (default {sun.abs_threshold:g})")
+    parser.add_argument("--ratio-threshold", type=float, default=sun.ratio_threshold,
+                        help=f"|value| / median must exceed this (default {sun.ratio_threshold:g})")
 
 
 def _load(args: argparse.Namespace):

@@ -41,8 +41,7 @@ TINY_TRAIN = dict(steps=2, data="One. Two, three.\n" * 100, model=dict(n_layers=
 
 def _all_result_types() -> set[type]:
     for info in pkgutil.walk_packages(massive_lens.__path__, "massive_lens."):
-        if not info.name.startswith("massive_lens.bench"):
-            importlib.import_module(info.name)
+        importlib.import_module(info.name)
     found, todo = set(), [Result]
     while todo:
         for sub in todo.pop().__subclasses__():

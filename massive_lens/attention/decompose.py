@@ -230,7 +230,7 @@ def _output_hook(view: ModelView, layer: int) -> str:
 def output_weights(view: ModelView, layer: int) -> tuple[Tensor, Tensor | None]:
     """``W_O [head d_head d_model]`` and ``b_O`` of one layer, or a clear error."""
     view.hook_name(layer, "attn.hook_pattern")  # range check (and an attention layer) with a clear message
-    attn = view.model.blocks[layer].attn
+    attn = view.block(layer).attn
     try:
         W_O, b_O = attn.W_O, getattr(attn, "b_O", None)
     except Exception as exc:  # noqa: BLE001 - bridges raise many kinds for weights they cannot expose

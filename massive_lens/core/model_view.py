@@ -136,6 +136,17 @@ class ModelView:
             raise MassiveLensError(f"{self.name} has no hook {name!r}; per-block hooks: {near}")
         return name
 
+    @property
+    def blocks(self) -> Any:
+        """The model's transformer blocks (``model.blocks``), for analyses that read weights."""
+        return self.model.blocks
+
+    def block(self, layer: int) -> Any:
+        """Block ``layer``, range-checked (its ``.attn``, ``.mlp`` and norms hold the weights)."""
+        if not 0 <= layer < self.n_layers:
+            raise MassiveLensError(f"layer {layer} out of range: {self.name} has {self.n_layers}")
+        return self.model.blocks[layer]
+
     def chosen_layers(self, layers: Any, what: str = "layers") -> list[int]:
         """Sorted distinct layers from an int, a sequence of ints or None (all), each checked
         to exist; anything else (a float, a bool, an empty list) is a :class:`MassiveLensError`."""

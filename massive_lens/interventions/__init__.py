@@ -28,7 +28,7 @@ from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS, Inter
 from massive_lens.interventions.table import InterventionTable, run_interventions
 
 __all__ = [
-    "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "Intervention", "InterventionSetting", "InterventionTable",
-    "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term", "observe", "patch_sink_from",
-    "remove_sink_attention", "run_interventions",
+    "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "Intervention", "InterventionSetting",
+    "InterventionTable", "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term", "observe",
+    "patch_sink_from", "remove_sink_attention", "run_interventions",
 ]

@@ -110,7 +110,7 @@ def _weights(mlp: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
 def block_plan(view: ModelView, layer: int) -> BlockPlan:
     """Which hooks hold what in block ``layer`` (raises a clear error for a block without an
     attention and an MLP output, e.g. a state-space or linear-attention block)."""
-    block = view.model.blocks[layer]
+    block = view.block(layer)
     prefix = f"blocks.{layer}."
     parallel = not _has(view, prefix + "hook_resid_mid")
     attn_post, mlp_post = _has(view, prefix + "ln1_post.hook_out"), _has(view, prefix + "ln2_post.hook_out")
@@ -164,14 +164,10 @@ def is_post_norm(view: ModelView) -> bool:
     return "blocks.0.ln2_post.hook_out" in view.hook_names
 
 
-def is_gated(view: ModelView) -> bool:
-    return getattr(view.model.blocks[0].mlp, "W_gate", None) is not None
-
-
 def d_mlp(view: ModelView) -> int:
     """The widest dense MLP's width (``4 * d_model`` when no block has a dense MLP)."""
     widths = []
-    for block in view.model.blocks:
+    for block in view.blocks:
         w_out = _weights(getattr(block, "mlp", None))[2]
         if w_out is not None:
             widths.append(int(w_out.shape[0]))

@@ -33,7 +33,7 @@ CHECK_TOL = 1e-3  # relative: neuron terms vs the MLP's term, sources vs the MLP
 
 
 def w_out(view: ModelView, layer: int) -> Float[Tensor, "d_mlp d_model"]:
-    return view.model.blocks[layer].mlp.W_out
+    return view.block(layer).mlp.W_out
 
 
 def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int) -> list[dict[str, Any]]:
@@ -52,7 +52,7 @@ def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int
     post = cap.at("post", layer)[i]
     contrib = post * weights * factor
     total = float(event["contribution"])
-    b_out = getattr(view.model.blocks[layer].mlp, "b_out", None)
+    b_out = getattr(view.block(layer).mlp, "b_out", None)
     bias = float(b_out[dim].detach()) * factor if isinstance(b_out, Tensor) else 0.0
     if abs(float(contrib.sum()) + bias - total) > CHECK_TOL * max(abs(total), 1e-6):
         cap.notes.append(f"warning: the neuron terms of MLP {layer} sum to {float(contrib.sum()) + bias:.4g}, not "
@@ -195,7 +195,7 @@ def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequ
     columns = _input_columns(view, cap, layer, i, neurons)
     if columns is None:
         return []
-    norm = getattr(view.model.blocks[layer], plan.mlp_norm) if plan.mlp_norm else None
+    norm = getattr(view.block(layer), plan.mlp_norm) if plan.mlp_norm else None
     weight, bias, centred = norm_affine(norm, view.d_model, view.dtype)
     sources = _sources(cap, layer, i)
     total, measured = torch.stack([v for _, _, v in sources]).sum(0), cap.at("norm_in", layer)[i]
@@ -245,7 +245,7 @@ def _input_columns(view: ModelView, cap: Capture, layer: int, i: int,
         return [(label, cols, b, x @ cols + b) for label, cols, b in found]
     if cap.at("post", layer) is None:
         return None
-    mlp = view.model.blocks[layer].mlp
+    mlp = view.block(layer).mlp
     inputs = [("gate", mlp.W_gate, None, "pre"), ("up", mlp.W_in, None, "up")] if plan.gated else \
         [("pre", mlp.W_in, getattr(mlp, "b_in", None), "pre")]
     out = []

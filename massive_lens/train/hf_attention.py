@@ -3,11 +3,11 @@
 transformers looks up each attention layer's kernel by name:
 ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value, mask, ...)``.
 :func:`swap_attention` registers one function per variant of
-:mod:`massive_lens.train.attention` (``massive_lens_softmax1``, ...) with
+:mod:`massive_lens.train.variants` (``massive_lens_softmax1``, ...) with
 ``transformers.AttentionInterface``, gives every attention module the variant's parameters
 as a submodule ``ml_variant`` (so ``model.parameters()`` and the optimizer see them), and
 switches the model to it. Nothing else in the model changes: the kernel *is*
-:class:`~massive_lens.train.attention.SlotAttention` (or plain softmax), fed with the model's
+:class:`~massive_lens.train.variants.SlotAttention` (or plain softmax), fed with the model's
 post-RoPE queries and keys, so the swapped model computes what :class:`MassiveLM` computes
 with the same variant.
 
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.attention import AttentionVariant, VariantConfig, make_variant
+from massive_lens.train.variants import AttentionVariant, VariantConfig, make_variant
 
 SUPPORTED = ("softmax", "softmax1", "softmax_n", "learned_sink", "kv_bias", "k_bias")
 PREFIX = "massive_lens_"

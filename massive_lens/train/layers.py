@@ -2,7 +2,7 @@
 
 ``MassiveLMConfig`` holds the shape and style; ``Norm`` (RMSNorm or LayerNorm), ``Rotary``,
 ``Attention`` (whose score-to-weight step is the pluggable variant of
-:mod:`massive_lens.train.attention`), ``MLP`` (SwiGLU or GELU) and the pre-norm ``Block`` are
+:mod:`massive_lens.train.variants`), ``MLP`` (SwiGLU or GELU) and the pre-norm ``Block`` are
 the pieces :mod:`massive_lens.train.model` stacks. Every intermediate value passes through a
 TransformerLens ``HookPoint`` with the usual name.
 
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.attention import VariantConfig, make_variant
+from massive_lens.train.variants import VariantConfig, make_variant
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The whole model fits in this file and :mod:`massive_lens.train.layers` (its config and
 layers), nanoGPT style, so you can see every place a massive
 activation could be born: the embedding, each attention layer (whose softmax variant is
-pluggable, see :mod:`massive_lens.train.attention`), and each MLP. It is built on
+pluggable, see :mod:`massive_lens.train.variants`), and each MLP. It is built on
 TransformerLens's ``HookedRootModule``/``HookPoint``, so ``run_with_cache`` and
 ``run_with_hooks`` work and every massive_lens analysis runs on it unchanged.
 

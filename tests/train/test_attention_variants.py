@@ -10,8 +10,8 @@ from helpers import tiny_lm
 from torch import nn
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.attention import VARIANTS, VariantConfig, causal_scores, make_variant
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.variants import VARIANTS, VariantConfig, causal_scores, make_variant
 
 H, D, M, B, T = 2, 8, 16, 2, 5
 SLOT_VARIANTS = ("softmax1", "softmax_n", "learned_sink", "kv_bias", "k_bias")

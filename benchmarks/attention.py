@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import Row, fit_batch, median_times
 from massive_lens.attention import decompose_attention
-from massive_lens.bench.harness import Row, fit_batch, median_times
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import bias_surgery, calibrate, fix_sink_term
 from massive_lens.metrics import perplexity

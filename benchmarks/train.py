@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from massive_lens.bench.harness import Row, median_times
+from benchmarks.harness import Row, median_times
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
 
 PAIRS = [  # name, goal (cost ratio), measured model, baseline model

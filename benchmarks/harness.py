@@ -6,7 +6,7 @@ load changes on a shared machine hit all cases alike. Every row is a *cost ratio
 measured case over its baseline, lower is better, with a goal ``ratio <= goal``.
 
 Memory: peak resident memory a case adds above the loaded model, measured in a fresh
-subprocess per case (``python -m massive_lens.bench --memory AREA:CASE --models NAME``).
+subprocess per case (``python -m benchmarks --memory AREA:CASE --models NAME``).
 
 Models: every model-based area runs on each model of ``--models`` (default: both offline
 models, SmolLM2-135M-Instruct and Qwen2.5-Coder-1.5B-Instruct), one model loaded at a time.
@@ -15,9 +15,9 @@ parameter-tokens: the same shapes on a small model, fewer sequences on a large o
 round takes seconds on a CPU for any model size. Ratios compare a case with its baseline on
 the same model and batch, so they stay comparable across models.
 
-    python -m massive_lens.bench                       # prints the table
-    python -m massive_lens.bench --write docs/benchmarks.md
-    python -m massive_lens.bench --models default --areas origin --repeats 1
+    python -m benchmarks                       # prints the table
+    python -m benchmarks --write docs/benchmarks.md
+    python -m benchmarks --models default --areas origin --repeats 1
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from massive_lens.report.memory import release_free_memory
 
 WORK = 3e11  # parameter-tokens one forward pass of a case may cost (see fit_batch)
+
+ROOT = Path(__file__).resolve().parents[1]  # `python -m benchmarks` runs from the checkout
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,8 @@ def peak_memory_of(call: Callable[[], Any]) -> float:
 def memory_in_subprocess(area: str, case: str, model: str = "default") -> float:
     """:func:`peak_memory_of` the case on ``model`` (a name for ``load_model``), in a fresh
     interpreter (so earlier cases leave no trace)."""
-    out = subprocess.run([sys.executable, "-m", "massive_lens.bench", "--memory", f"{area}:{case}", "--models", model],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--memory", f"{area}:{case}", "--models", model],
+                         capture_output=True, text=True, check=False, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"memory run of {area}:{case} on {model} failed:\n{out.stderr[-2000:]}")
     return float(json.loads(out.stdout.strip().splitlines()[-1]))

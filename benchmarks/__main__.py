@@ -1,4 +1,4 @@
-"""``python -m massive_lens.bench [--write FILE] [--repeats N] [--areas detect,origin,...]
+"""``python -m benchmarks [--write FILE] [--repeats N] [--areas detect,origin,...]
 [--models default,qwen2.5-coder-1.5b]``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-from massive_lens.bench import attention, detect, harness, origin, report, train
+from benchmarks import attention, detect, harness, origin, report, train
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
 from massive_lens.models.load import load_model
@@ -65,7 +65,7 @@ def _model_rows(name: str, areas: list[str], repeats: int, failed: list[str]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m massive_lens.bench", description=harness.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=harness.__doc__.splitlines()[0])
     parser.add_argument("--memory", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per area (default 5)")
     parser.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, from {', '.join(AREAS)}")
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append("train")
             print(f"benchmark area 'train' failed:\n{traceback.format_exc()}", file=sys.stderr)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    header = (f"Measured with `python -m massive_lens.bench --write docs/benchmarks.md` on {os.cpu_count()} CPU "
+    header = (f"Measured with `python -m benchmarks --write docs/benchmarks.md` on {os.cpu_count()} CPU "
               f"cores ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads, load "
               f"average {load:.1f} at the end; models: {', '.join(names) or 'none'} (float32; on a large model the "
               f"cases read fewer sequences, see the detail column). Each ratio is the median time of the case over "

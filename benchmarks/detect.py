@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from massive_lens.bench.harness import Row, fit_batch, median_times, memory_in_subprocess
+from benchmarks.harness import Row, fit_batch, median_times, memory_in_subprocess
 from massive_lens.core.model_view import ModelView
 from massive_lens.detect import find_massive, scan_corpus
 
@@ -38,7 +38,7 @@ def cases(model: Any, tokens: torch.Tensor) -> dict[str, Callable[[], Any]]:
 
 def batch(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     """The sequences the detect cases read: up to ``N_SEQS`` of ``SEQ_LEN`` tokens (fewer on a
-    large model, see :func:`~massive_lens.bench.harness.fit_batch`)."""
+    large model, see :func:`~benchmarks.harness.fit_batch`)."""
     return tokens[: fit_batch(model, N_SEQS, SEQ_LEN), :SEQ_LEN]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from massive_lens.bench.harness import Row, median_times
+from benchmarks.harness import Row, median_times
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import trace_origin

@@ -1,6 +1,6 @@
 """The report's peak memory against the model's weights (goal: at most 1.5x), and its time.
 
-Each model's report runs in a fresh interpreter (``python -m massive_lens.bench --memory
+Each model's report runs in a fresh interpreter (``python -m benchmarks --memory
 report:write_report --models NAME``) so that nothing earlier counts. The peak is the
 process's resident high-water mark while the report ran, model included (what
 :class:`~massive_lens.report.memory.PeakMemory` states in the report itself). The goal is
@@ -16,14 +16,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from massive_lens.bench.harness import Row
+from benchmarks.harness import Row
 from massive_lens.core.budget import weight_bytes
 from massive_lens.report import write_report
 from massive_lens.report.memory import PeakMemory
 
 GOAL = 1.5
+
+ROOT = Path(__file__).resolve().parents[1]  # `python -m benchmarks` runs from the checkout
 
 
 def measure(model: Any) -> dict[str, float]:
@@ -36,8 +39,8 @@ def measure(model: Any) -> dict[str, float]:
 
 
 def rows(model_name: str) -> list[Row]:
-    out = subprocess.run([sys.executable, "-m", "massive_lens.bench", "--memory", "report:write_report",
-                          "--models", model_name], capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--memory", "report:write_report",
+                          "--models", model_name], capture_output=True, text=True, check=False, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"the report on {model_name} failed:\n{out.stderr[-2000:]}")
     m = json.loads(out.stdout.strip().splitlines()[-1])
