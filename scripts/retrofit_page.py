@@ -192,8 +192,10 @@ def figures(merged: Retrofit, frame: pd.DataFrame, out: Path = FIGURES) -> None:
         plt.close(fig)
     done = frame[frame.complete]
     grid = [c for c in ("W8A8", "W4A16", "W4A4") if c in done]
-    if grid:
-        fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if not grid:
+        ax.text(0.5, 0.5, "no measured run yet", ha="center", va="center")
+    else:
         settings = ordered(list(done.dropna(subset=grid).setting.unique()))
         for i, s in enumerate(settings):
             stats = [interval(done[done.setting == s][c]) for c in grid]
@@ -202,10 +204,10 @@ def figures(merged: Retrofit, frame: pd.DataFrame, out: Path = FIGURES) -> None:
                    yerr=[[m - lo if n > 1 else 0 for m, lo, _, n in stats], [hi - m if n > 1 else 0
                                                                              for m, _, hi, n in stats]])
         ax.set_xticks([j + 0.4 for j in range(len(grid))], grid)
-        ax.set(ylabel="loss - full-precision loss (nats)", title="round-to-nearest fake quantization at the end")
         ax.legend(fontsize=7)
-        fig.savefig(out / "lowbit.png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
+    ax.set(ylabel="loss - full-precision loss (nats)", title="round-to-nearest fake quantization at the end")
+    fig.savefig(out / "lowbit.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def blocks(folder: Path = RUNS) -> dict[str, str]:
@@ -219,10 +221,10 @@ def blocks(folder: Path = RUNS) -> dict[str, str]:
 def fill(page: str, generated: dict[str, str]) -> str:
     """``page`` with each ``<!-- gen:NAME -->...<!-- /gen:NAME -->`` block replaced."""
     for name, text in generated.items():
-        pattern = re.compile(rf"(<!-- gen:{name} -->\n).*?(\n<!-- /gen:{name} -->)", re.S)
+        pattern = re.compile(rf"(<!-- gen:{name} -->\n)(?:.*?\n)?(<!-- /gen:{name} -->)", re.S)
         if not pattern.search(page):
             raise SystemExit(f"{PAGE} has no block <!-- gen:{name} -->")
-        page = pattern.sub(lambda m, text=text: m.group(1) + text + m.group(2), page)
+        page = pattern.sub(lambda m, text=text: m.group(1) + "\n" + text + "\n\n" + m.group(2), page)
     return page
 
 
