@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from massive_lens.core.corpora import data_file
-from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
 
 WIKITEXT_TEST = data_file("wikitext-2/test.txt")  # evaluation text
 WIKITEXT_VALID = data_file("wikitext-2/valid.txt")  # calibration text, never the same as evaluation

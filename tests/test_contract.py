@@ -33,7 +33,8 @@ from massive_lens import (
 )
 from massive_lens.core.results import Result
 from massive_lens.train import compare_variants, retrofit, train_model
-from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
 TINY_TRAIN = dict(steps=2, data="One. Two, three.\n" * 100, model=dict(n_layers=1, d_model=16, n_ctx=16))

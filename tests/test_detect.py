@@ -9,7 +9,8 @@ import torch
 from helpers import plant_massive, untouched
 
 from massive_lens import Criterion, MassiveLensError, find_massive, layer_profile, scan_corpus, tiny_model
-from massive_lens.core.model_view import TOKEN_KINDS, ModelView
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import TOKEN_KINDS
 
 PRE_NORM = ("llama", "gpt2", "qwen2")
 

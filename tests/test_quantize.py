@@ -20,7 +20,8 @@ from massive_lens.quantize import (
     measure_outliers,
     parse_bits,
 )
-from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
 
 TEXT = "The cat sat on the mat. The dog ran, and the bird flew.\n" * 40
 

@@ -28,7 +28,8 @@ from massive_lens import (
     trace_origin,
 )
 from massive_lens.core.criterion import Criterion, massive_mask, median_scale
-from massive_lens.core.model_view import TOKEN_KINDS, ModelView
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.viz import capture_one, patch_map
 
 ARCHS = ("ViTModel", "DeiTForImageClassification")

@@ -20,7 +20,8 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule
-from massive_lens.core.model_view import TOKEN_KINDS, Batch, ModelView
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.errors import MassiveLensError
 
 Sinks = Sequence[int] | Tensor | None

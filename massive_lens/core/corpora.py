@@ -45,7 +45,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from massive_lens.core.model_view import text_ids
+from massive_lens.core.tokens import text_ids
 from massive_lens.errors import MassiveLensError
 
 _PIECE_CHARS = 1 << 20  # characters tokenized at once when streaming a file

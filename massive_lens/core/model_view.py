@@ -30,10 +30,10 @@ from torch import Tensor
 
 from massive_lens.core.hooked import hook_aliases, translate, warn_if_processed
 from massive_lens.core.images import ImageLayout, check_not_images, image_batch, image_layout, not_text
-from massive_lens.core.tokens import TOKEN_KINDS, Batch, check_token_ids, text_ids, token_kinds
+from massive_lens.core.tokens import Batch, check_token_ids, text_ids, token_kinds
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["TOKEN_KINDS", "Batch", "ModelView", "check_token_ids", "model_lock", "readable_name", "text_ids"]
+__all__ = ["ModelView", "model_lock", "readable_name"]
 
 _MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> RLock
 _MODEL_LOCKS_BY_ID: dict[int, Any] = {}  # models that take no weak reference
@@ -250,7 +250,7 @@ class ModelView:
         ]
 
     def token_kinds(self, batch: Batch) -> Int[Tensor, "batch pos"]:
-        """Index into ``TOKEN_KINDS`` for every position (pads get ``other``)."""
+        """Index into :data:`~massive_lens.core.tokens.TOKEN_KINDS` for every position (pads get ``other``)."""
         if batch.pixel_values is not None and self.image_layout is not None:
             return self.image_layout.kinds().expand_as(batch.tokens).clone()
         return token_kinds(batch, self.tokenizer)

@@ -60,7 +60,8 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention import find_sinks
-from massive_lens.core.model_view import TOKEN_KINDS, ModelView
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.access import attention_access, require
 from massive_lens.interventions.assemble import acts_on, build_hooks, calibration_of, observe, observer

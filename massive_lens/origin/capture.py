@@ -42,8 +42,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from massive_lens.core.criterion import Criterion
-from massive_lens.core.model_view import Batch, ModelView
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ResidualReducer
+from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin.experts import Experts, find_experts, record
 

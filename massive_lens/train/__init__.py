@@ -9,7 +9,8 @@ activations, attention sinks and int8 cost. See ``docs/training.md``.
 
 from massive_lens.train.compare import Comparison, compare_main, compare_variants
 from massive_lens.train.hf_attention import swap_attention
-from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import PRESETS, TrainConfig, get_preset
 from massive_lens.train.retrofit import Retrofit, retrofit
 from massive_lens.train.trainer import TrainRun, load_run, train_model

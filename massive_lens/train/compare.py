@@ -37,7 +37,7 @@ from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.quantize import measure_outliers
 from massive_lens.train.data import get_tokenizer, sample_batch, split_held_out, start_token, token_stream
-from massive_lens.train.model import MassiveLMConfig
+from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.presets import get_preset
 from massive_lens.train.trainer import train_model
 from massive_lens.train.variants import VARIANTS

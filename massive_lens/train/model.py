@@ -32,15 +32,7 @@ from transformer_lens import HookedRootModule
 
 from massive_lens.core.tokens import byte_tokenizer
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.layers import (  # noqa: F401 - Attention, MLP, Rotary: re-exported
-    MLP,
-    Attention,
-    Block,
-    MassiveLMConfig,
-    Norm,
-    Rotary,
-    _hook,
-)
+from massive_lens.train.layers import Block, MassiveLMConfig, Norm, _hook
 
 SINK_TOKEN = "<|sink|>"
 

@@ -60,7 +60,8 @@ from massive_lens.train.data import (
     start_token,
     token_stream,
 )
-from massive_lens.train.model import MassiveLM, MassiveLMConfig
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import TrainConfig, get_preset
 
 log = logging.getLogger(__name__)
