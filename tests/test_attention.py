@@ -8,7 +8,8 @@ import torch
 from helpers import untouched
 
 from massive_lens import MassiveLensError
-from massive_lens.attention import decompose_attention, sink_attention, sink_term
+from massive_lens.attention import decompose_attention, sink_attention
+from massive_lens.attention.sinks import sink_term
 
 TEXTS = ["The cat sat on the mat. It slept.", "Numbers: 1, 2, 3!"]  # unequal lengths: padding
 

@@ -13,7 +13,7 @@ from helpers import WIKITEXT_TEST, WIKITEXT_VALID, untouched
 from planting import REBUILD_LAYER, SINK_DIM, TEXT, VALUE, bos_tokens, plant_rebuild, plant_sink
 
 from massive_lens import MassiveLensError, decompose_attention, tiny_model
-from massive_lens.attention import sink_term
+from massive_lens.attention.sinks import sink_term
 from massive_lens.interventions import (
     REBUILT,
     ablate_massive,

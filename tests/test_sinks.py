@@ -13,7 +13,8 @@ from helpers import untouched
 from planting import BRIEF_DIM, SINK_DIM, TEXT, WORD, bos_tokens, plant_brief
 
 from massive_lens import MassiveLensError, decompose_attention, find_massive, sink_attention, tiny_model
-from massive_lens.attention import SinkSet, find_sinks
+from massive_lens.attention import find_sinks
+from massive_lens.attention.sinks import SinkSet
 from massive_lens.core.criterion import SINK_MIN_QUERIES, SinkEvidence, SinkRule
 from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.interventions import (

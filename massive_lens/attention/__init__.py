@@ -40,22 +40,8 @@ Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 :mod:`~massive_lens.attention.decompose` (``decompose_attention``).
 """
 
-from massive_lens.attention.decompose import AttentionDecomposition, decompose_attention, output_weights
+from massive_lens.attention.decompose import AttentionDecomposition, decompose_attention
 from massive_lens.attention.mass import SinkAttention, sink_attention
-from massive_lens.attention.sinks import (
-    FOUND,
-    Sinks,
-    SinkSet,
-    find_sinks,
-    post_attention_norm,
-    sink_hooks,
-    sink_mask,
-    sink_term,
-    sinks_from,
-    sinks_of,
-    token_kinds,
-)
+from massive_lens.attention.sinks import find_sinks
 
-__all__ = ["FOUND", "AttentionDecomposition", "SinkAttention", "SinkSet", "Sinks", "decompose_attention",
-           "find_sinks", "output_weights", "post_attention_norm", "sink_attention", "sink_hooks", "sink_mask",
-           "sink_term", "sinks_from", "sinks_of", "token_kinds"]
+__all__ = ["AttentionDecomposition", "SinkAttention", "decompose_attention", "find_sinks", "sink_attention"]

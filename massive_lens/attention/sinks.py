@@ -101,16 +101,6 @@ class SinkSet:
         return frame
 
 
-def token_kinds(view: ModelView, batch: Batch) -> Int[Tensor, "batch pos"]:
-    """``ModelView.token_kinds``, or (a model without a tokenizer) only bos/first and other."""
-    try:
-        return view.token_kinds(batch)
-    except MassiveLensError:
-        kinds = torch.full_like(batch.tokens, TOKEN_KINDS.index("other"))
-        kinds[:, 0] = TOKEN_KINDS.index("bos" if batch.has_bos else "first")
-        return kinds
-
-
 def sink_hooks(view: ModelView, evidence: SinkEvidence) -> list[tuple[str, Any]]:
     """Hooks that feed ``evidence`` every layer's residual stream and attention pattern (layers
     without an attention pattern, as in recurrent or hybrid models, give only the former)."""
@@ -176,7 +166,7 @@ def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criter
     evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
     hooks = sink_hooks(view, evidence)
     view.forward(batch, hooks, stop_after=hooks[-1][0])
-    return sinks_from(evidence, token_kinds(view, batch))
+    return sinks_from(evidence, view.token_kinds(batch))
 
 
 def post_attention_norm(model: Any) -> bool:
@@ -192,11 +182,11 @@ def sink_mask(model: Any, batch: Batch, sinks: Sinks) -> SinkSet:
         if sinks.dtype != torch.bool or tuple(sinks.shape) != (n, pos):
             raise MassiveLensError(f"a sinks tensor must be bool [batch, pos] = {[n, pos]}, got "
                                    f"{sinks.dtype} {list(sinks.shape)}; or pass a list of positions")
-        return SinkSet(sinks.cpu() & batch.mask, token_kinds(view, batch), "given mask")
+        return SinkSet(sinks.cpu() & batch.mask, view.token_kinds(batch), "given mask")
     if sinks is None:
         return sinks_of(view, batch)
     positions = list(sinks)
     if not positions or any(not 0 <= int(p) < pos for p in positions):
         raise MassiveLensError(f"sink positions {positions} must be non-empty and within 0..{pos - 1}")
     mask[:, positions] = True
-    return SinkSet(mask & batch.mask, token_kinds(view, batch), f"positions {positions}")
+    return SinkSet(mask & batch.mask, view.token_kinds(batch), f"positions {positions}")

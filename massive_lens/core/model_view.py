@@ -30,7 +30,7 @@ from torch import Tensor
 
 from massive_lens.core.hooked import hook_aliases, translate, warn_if_processed
 from massive_lens.core.images import ImageLayout, check_not_images, image_batch, image_layout, not_text
-from massive_lens.core.tokens import Batch, check_token_ids, text_ids, token_kinds
+from massive_lens.core.tokens import TOKEN_KINDS, Batch, check_token_ids, text_ids, token_kinds
 from massive_lens.errors import MassiveLensError
 
 __all__ = ["ModelView", "model_lock", "readable_name"]
@@ -250,10 +250,17 @@ class ModelView:
         ]
 
     def token_kinds(self, batch: Batch) -> Int[Tensor, "batch pos"]:
-        """Index into :data:`~massive_lens.core.tokens.TOKEN_KINDS` for every position (pads get ``other``)."""
+        """Index into :data:`~massive_lens.core.tokens.TOKEN_KINDS` for every position (pads get
+        ``other``); a model without a tokenizer gets only ``bos``/``first`` and ``other``."""
         if batch.pixel_values is not None and self.image_layout is not None:
             return self.image_layout.kinds().expand_as(batch.tokens).clone()
-        return token_kinds(batch, self.tokenizer)
+        try:
+            tokenizer = self.tokenizer
+        except MassiveLensError:
+            kinds = torch.full_like(batch.tokens, TOKEN_KINDS.index("other"))
+            kinds[:, 0] = TOKEN_KINDS.index("bos" if batch.has_bos else "first")
+            return kinds
+        return token_kinds(batch, tokenizer)
 
     # ------------------------------------------------------------------ running
     @contextlib.contextmanager

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from massive_lens.attention import post_attention_norm
+from massive_lens.attention.sinks import post_attention_norm
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.calibration import Calibration, calibrate

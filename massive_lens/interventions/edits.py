@@ -19,7 +19,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from transformer_lens.patching import layer_pos_patch_setter
 
-from massive_lens.attention import sink_term
+from massive_lens.attention.sinks import sink_term
 from massive_lens.core.criterion import Criterion
 from massive_lens.interventions.calibration import massive_entries, online_sinks
 from massive_lens.interventions.state import HookState

@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-from massive_lens.attention import SinkSet
+from massive_lens.attention.sinks import SinkSet
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.calibration import Calibration
 from massive_lens.interventions.checks import Record
