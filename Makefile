@@ -14,7 +14,12 @@ STAMP_TL3 := $(VENV_TL3)/.installed
 TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py tests/test_origin.py
 TL3_SELECT ?= -m "not real" -k "not plain_transformers"
 
-.PHONY: demo test test-tl3 bench docs lint clean
+# The quick loop (make check): tiny models only; the real models, torchrun, the notebooks, the browser,
+# the architecture matrix and the doctests are left to make test.
+QUICK_SKIP := --ignore=tests/test_notebooks.py --ignore=tests/test_browser.py --ignore=tests/test_matrix.py \
+	--ignore=tests/test_architectures.py --ignore=tests/test_docs_examples.py
+
+.PHONY: demo test check test-tl3 bench docs lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +46,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+check: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest tests -q -x -m "not slow and not real and not dist" $(QUICK_SKIP)
 
 test-tl3: $(STAMP_TL3)
 	$(VENV_TL3)/bin/python -m pytest $(TL3_SELECT) $(TL3_TESTS)

@@ -61,3 +61,26 @@ def test_the_check_finds_a_name_passed_on(tmp_path):
     (pkg / "b.py").write_text("from pkg.a import f\n")
     (pkg / "c.py").write_text("from pkg.b import f\nfrom pkg.a import f as g\n")
     assert passed_on(pkg) == ["pkg/c.py:1 f from pkg.b"]
+
+
+def imports_in_functions(root: Path) -> list[str]:
+    """``file:line module`` for each import of the package's own modules inside a function."""
+    found = []
+    for file in sorted(root.rglob("*.py")):
+        for func in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                found += [f"{file.relative_to(root.parent)}:{node.lineno} {n}" for n in names
+                          if n.split(".")[0] == root.name]
+    return found
+
+
+def test_no_internal_import_inside_a_function(tmp_path):
+    assert not imports_in_functions(PACKAGE), imports_in_functions(PACKAGE)
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n    return g\n")
+    assert imports_in_functions(pkg) == ["pkg/a.py:2 pkg.b"]
