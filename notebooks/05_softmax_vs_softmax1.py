@@ -36,7 +36,7 @@ from massive_lens import compare_variants
 from massive_lens.viz import overlay_profiles
 
 variants = ['softmax', 'softmax1'] + ([] if SMALL else ['learned_sink', 'gated'])
-result = compare_variants(variants, 'smoke', seeds=[0], steps=10 if SMALL else 300)
+result = compare_variants(variants, preset='smoke', seeds=[0], steps=10 if SMALL else 300)
 print(result.summary())
 result.to_frame()
 
@@ -49,7 +49,7 @@ overlay_profiles(result.profiles, title='block-output magnitude per variant');
 # %% [markdown]
 # The CI-sized `smoke` preset is far too small for massive activations to emerge. Larger budgets:
 #
-# - `cpu` preset (about 20 minutes on 2 cores): `compare_variants(variants, 'cpu', out_dir='runs/cpu')`;
+# - `cpu` preset (about 20 minutes on 2 cores): `compare_variants(variants, preset='cpu', out_dir='runs/cpu')`;
 # - the GPT-2-scale GPU preset on FineWeb-Edu (needs network and the `datasets` extra), resumable and
 #   data-parallel:
 #

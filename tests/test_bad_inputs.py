@@ -240,7 +240,7 @@ CASES = [
     row("typed", "find_massive(m, 'The cat.', layers=1.5)", "layers must be an int", "find_massive-layer-float"),
     row("tiny", lambda m, d: find_massive(m, TEXT, layers=[]), "layers is empty", "find_massive-layers-empty"),
     row("tiny", lambda m, d: find_massive(m, TEXT, layers=99), "out of range", "find_massive-layer-out-of-range"),
-    row("tiny", lambda m, d: compare_variants(["softmax"], "smoke", seeds=[], progress=False), "seeds is empty",
+    row("tiny", lambda m, d: compare_variants(["softmax"], preset="smoke", seeds=[], progress=False), "seeds is empty",
         "compare_variants-no-seeds"),
     # --- interventions: entering one twice would apply its edit twice
     row("tiny", lambda m, d: _enter_twice(m), "already active", "intervention-with-inside-with"),
@@ -289,9 +289,9 @@ CASES = [
     row("tiny", lambda m, d: load_run(d / "garbage_run"), "not a readable checkpoint", "load_run-garbage"),
     row("tiny", lambda m, d: load_run(d / "truncated_run"), "not a readable checkpoint", "load_run-truncated"),
     row("tiny", lambda m, d: load_run(d / "a_folder"), "no checkpoint at", "load_run-no-checkpoint"),
-    row("typed", "compare_variants(['softmax'], 'smoke', seeds=['x'], progress=False)", "whole numbers",
+    row("typed", "compare_variants(['softmax'], preset='smoke', seeds=['x'], progress=False)", "whole numbers",
         "compare_variants-seed-not-a-number"),
-    row("tiny", lambda m, d: compare_variants(["softmax"], "smoke", out_dir=d / "a_file", progress=False),
+    row("tiny", lambda m, d: compare_variants(["softmax"], preset="smoke", out_dir=d / "a_file", progress=False),
         "is a file", "compare_variants-out_dir-is-a-file"),
     # --- the report: options, corpus files and the output folder, all before any work
     row("tiny", lambda m, d: write_report(m, out_dir=d / "a_file", quick=True, progress=False),

@@ -68,7 +68,7 @@ def _examples() -> dict[str, object]:
         "OutlierReport": measure_outliers(MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2)), TEXT,
                                           seq_len=16, n_seqs=2),
         "TrainRun": train_model("smoke", progress=False, **TINY_TRAIN),
-        "Comparison": compare_variants(["softmax"], "smoke", seeds=[0], progress=False, measure_seqs=1,
+        "Comparison": compare_variants(["softmax"], preset="smoke", seeds=[0], progress=False, measure_seqs=1,
                                        **TINY_TRAIN),
         "Retrofit": retrofit(_planted(), ["softmax-kept"], steps=1, batch_size=1, seq_len=16, data=TEXT,
                              eval_data=TEXT, eval_every=1, eval_seqs=1, measure=False, progress=False),

@@ -10,7 +10,7 @@ activations; :attr:`Comparison.baseline_massive` says whether it did (by Sun et 
 criterion: a magnitude above ``100`` and above ``1000`` times the median), and the
 summary says so in words.
 
->>> result = compare_variants(["softmax", "softmax1"], "smoke", seeds=[0], progress=False,
+>>> result = compare_variants(["softmax", "softmax1"], preset="smoke", seeds=[0], progress=False,
 ...                           steps=2, data="One. Two, three.\\n" * 100, measure_seqs=1,
 ...                           model=dict(n_layers=1, d_model=16, n_ctx=16))
 >>> sorted(result.to_frame().index)
@@ -106,9 +106,9 @@ class Comparison(Result):
 
 def compare_variants(
     variants: Sequence[str] = ("softmax", "softmax1"),
+    *,
     preset: Any = "smoke",
     seeds: Sequence[int] = (0,),
-    *,
     out_dir: str | os.PathLike | None = None,
     until_step: int | None = None,
     progress: bool = True,
@@ -145,7 +145,7 @@ def compare_variants(
             empty or not whole numbers, ``out_dir`` cannot be written, the preset is unknown,
             an override is invalid, or the data is too short.
 
-    >>> result = compare_variants(["softmax", "kv_bias"], "smoke", progress=False, steps=2,
+    >>> result = compare_variants(["softmax", "kv_bias"], preset="smoke", progress=False, steps=2,
     ...                           data="One. Two, three.\\n" * 100, measure_seqs=1,
     ...                           model=dict(n_layers=1, d_model=16, n_ctx=16))
     >>> result.runs[["variant", "seed", "steps"]].values.tolist()
@@ -225,7 +225,7 @@ def compare_main(
     except ValueError as exc:
         raise MassiveLensError(f"seeds must be comma-separated whole numbers, e.g. '0,1,2'; got {seeds!r}") from exc
     check_out_dir(out_dir)
-    result = compare_variants([n.strip() for n in names], preset, seed_list, out_dir=out_dir,
+    result = compare_variants([n.strip() for n in names], preset=preset, seeds=seed_list, out_dir=out_dir,
                               until_step=until_step, progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ FAST = dict(steps=3, data=TRAIN_TEXT, batch_size=4, log_every=1, eval_every=3, e
 
 
 def test_compare_variants_table_curves_profiles_and_verdict():
-    result = compare_variants(["softmax", "kv_bias"], "smoke", seeds=[0, 1], progress=False,
+    result = compare_variants(["softmax", "kv_bias"], preset="smoke", seeds=[0, 1], progress=False,
                               measure_seqs=2, **FAST)
     assert len(result.runs) == 4 and set(METRICS) <= set(result.runs.columns)
     frame = result.to_frame()
@@ -57,4 +57,4 @@ def test_compare_main_writes_its_files(tmp_path, monkeypatch):
 
 def test_unknown_variant_raises():
     with pytest.raises(MassiveLensError, match="unknown variants"):
-        compare_variants(["softmax3"], "smoke")
+        compare_variants(["softmax3"], preset="smoke")
