@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from helpers import plant_massive
 
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.interventions import SETTINGS
@@ -152,7 +153,7 @@ def test_the_default_models_report_peaks_within_1_5x_its_weights():
     """The goal of issue 14, measured as docs/benchmarks.md does: the full default report in a
     fresh interpreter; its peak resident memory less the interpreter's own (libraries loaded,
     no model yet), against the weights."""
-    from massive_lens.bench.report import GOAL, rows
+    from benchmarks.report import GOAL, rows
 
     (row,) = rows("default")
     assert row.ratio <= GOAL, row.detail
@@ -170,3 +171,59 @@ def test_the_memory_statement_says_what_the_start_held(loaded_inside, start):
         pass
     text = peak.describe(2**20, loaded_inside)
     assert f"at the start: {start} " in text and text.endswith("x the weights")
+
+
+# --------------------------------------------------------------------------- settings that cannot run (issue 21)
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    (dict(seq_len=10_000), "beyond"), (dict(pos=500), "pos=500 is out of range"),
+    (dict(corpus="two words"), "not enough for one sequence"), (dict(corpus=["x"]), "the report cannot run"),
+])
+def test_settings_that_cannot_run_stop_before_any_analysis(tmp_path, options, expected):
+    with pytest.raises(MassiveLensError, match=re.escape(expected)):
+        rep.write_report(tiny_model("gpt2"), out_dir=tmp_path / "out", quick=True, progress=False, **options)
+    assert not (tmp_path / "out" / "index.html").exists() and not (tmp_path / "out" / "report.md").exists()
+
+
+def test_verify_no_is_not_read_as_true(tmp_path):
+    """What a caller without the test-time type checker gets (a subprocess: no import hook)."""
+    import subprocess
+    import sys
+
+    code = ("from massive_lens import tiny_model, write_report, MassiveLensError\n"
+            "try:\n    write_report(tiny_model('gpt2'), out_dir={!r}, quick=True, progress=False, verify='no')\n"
+            "except MassiveLensError as exc:\n    print('refused:', exc)\n").format(str(tmp_path / "out"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "refused: verify must be True or False, got 'no'" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_failed_corpus_scan_keeps_what_the_text_showed(tmp_path, monkeypatch):
+    """The scan fails (an overflow, say): the origin section still traces the text's massive entry."""
+    model = tiny_model("llama")
+    plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=model.tokenizer.bos_token_id, trigger_dim=3)
+
+    def failing(inputs):
+        raise MassiveLensError("overflow in the scan")
+
+    monkeypatch.setattr(rep.sec, "corpus_scan", failing)
+    path = rep.write_report(model, out_dir=tmp_path, quick=True, progress=False, tables=False)
+    md = (path.parent / "report.md").read_text()
+    assert "Corpus scan skipped: overflow in the scan" in md
+    origin = md.split("## Origin")[1].split("## ")[0]
+    assert "No massive activation" not in origin and "dim 7 at" in origin
+
+
+def test_report_md_escapes_raw_html(tmp_path):
+    model = tiny_model("gpt2")
+    model.cfg.model_name = "<u>named</u>"
+    text = "A <script>alert(1)</script> and <img src=x onerror=alert(2)> here."
+    path = rep.write_report(model, text=text, out_dir=tmp_path, quick=True, progress=False, tables=False)
+    md = (path.parent / "report.md").read_text()
+    html = path.read_text()
+    outside_fences = re.sub(r"(?ms)^(`{3,})\n.*?^\1$", "", md)  # fenced blocks are inert text
+    for raw in ("<script>alert(1)</script>", "<img src=x", "<u>named</u>"):
+        assert raw not in outside_fences and raw not in html
+    assert "&lt;script>" in outside_fences and "&lt;u>named&lt;/u>" in outside_fences  # the text, the name
+    fences = re.findall(r"(?m)^`{3,}$", md)
+    assert len(fences) % 2 == 0

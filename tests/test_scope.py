@@ -13,9 +13,17 @@ import logging
 import pandas as pd
 import pytest
 from helpers import plant_massive, untouched
-from planting import GROWTH, OUTLIER_DIM, OUTLIER_END, SINK_DIM, TEXT, plant_story
+from planting import GROWTH, OUTLIER_DIM, OUTLIER_END, SINK_DIM, TEXT, bos_tokens, plant_story
 
-from massive_lens import MassiveLensError, find_massive, scan_corpus, tiny_model, trace_origin
+from massive_lens import (
+    Criterion,
+    MassiveLensError,
+    find_massive,
+    run_interventions,
+    scan_corpus,
+    tiny_model,
+    trace_origin,
+)
 from massive_lens.core.criterion import OUTLIER_DIM_MIN_TOKENS, OUTLIER_DIM_SHARE, outlier_dims
 from massive_lens.detect import LayerProfile
 from massive_lens.origin.story import BIRTH_SHARE, _heads
@@ -152,3 +160,67 @@ def test_verify_must_be_a_bool(story_model):
     untyped = inspect.unwrap(trace_origin)  # what a caller without the test-time type checker runs
     with pytest.raises(MassiveLensError, match="verify must be True or False"):
         untyped(story_model, STORY_TEXT, verify="no")
+
+
+# --------------------------------------------------------------------------- the report's first screen
+
+
+@pytest.fixture(scope="module")
+def story_report(tmp_path_factory):
+    from massive_lens.report import write_report
+
+    model = plant_story(tiny_model("llama"))
+    with untouched(model):
+        return write_report(model, text=STORY_TEXT, out_dir=tmp_path_factory.mktemp("story"), quick=True,
+                            progress=False, tables=False)
+
+
+def test_report_first_screen_names_the_headline(story_report):
+    md = (story_report.parent / "report.md").read_text()
+    massive = md.split("## Massive activations")[1].split("## Origin")[0]
+    first = massive.split("```")[1]
+    assert f"the largest is {GROWTH[PEAK_LAYER]:,.0f} (dim {SINK_DIM}" in first and f"at layer {PEAK_LAYER}" in first
+    token_table = massive.index("token-specific massive (position, dim) pairs")
+    outlier_table = massive.index("outlier dimensions, listed apart")
+    assert token_table < outlier_table
+    assert f"activation landscape at layer {PEAK_LAYER} (the layer of the headline activation: dim {SINK_DIM}" \
+        in massive
+    attention = md.split("## Attention sinks")[1].split("## Interventions")[0]
+    assert f"attention patterns of layer {PEAK_LAYER} (the layer of the headline activation" in attention
+    assert f"after layer {PEAK_LAYER} (the layer of the headline activation" in attention  # the magnitude view
+    origin = md.split("## Origin")[1].split("## Attention")[0]
+    assert f"dim {SINK_DIM} at" in origin and f"dim {OUTLIER_DIM} at" not in origin
+
+
+# --------------------------------------------------------------------------- interventions
+
+
+@pytest.fixture(scope="module")
+def story_tokens():
+    model = plant_story(tiny_model("llama"))
+    return model, bos_tokens(model, TEXT, 32, 3), bos_tokens(model, TEXT, 32, 3, offset=200)
+
+
+@pytest.mark.parametrize("outliers", ["exclude", "include"])
+def test_interventions_list_their_targets_and_leave_outlier_dims_by_default(story_tokens, outliers):
+    model, evaluation, calibration = story_tokens
+    with untouched(model):
+        table = run_interventions(model, evaluation, calibration=calibration, settings=["zero", "sink_term_zero"],
+                                  outliers=outliers, progress=False)
+    frame = table.to_frame().set_index("setting")
+    dims = {int(d) for d in frame.loc["zero", "target_dims"].split(", ")}
+    assert OUTLIER_DIM in table.calibration.outlier_dims.tolist()
+    if outliers == "exclude":
+        assert dims == {SINK_DIM} and frame.loc["zero", "target_kinds"] == f"bos {len(evaluation)}"
+        assert frame.loc["zero", "targets_per_seq"] == 1.0
+        assert f"dim {OUTLIER_DIM}: excluded" in table.summary()
+    else:
+        assert dims == {SINK_DIM, OUTLIER_DIM} and frame.loc["zero", "targets_per_seq"] > 1
+        assert "included" in table.summary()
+    assert frame.loc["sink_term_zero", "target_dims"] == ""
+    assert frame.loc["sink_term_zero", "sink_kinds"] == f"bos {len(evaluation)}"  # an outlier dim makes no sink
+
+
+def test_outlier_choice_is_checked():
+    with pytest.raises(MassiveLensError, match="outliers must be 'include' or 'exclude'"):
+        Criterion(outliers="some")

@@ -14,7 +14,8 @@ Which positions *are* sinks is decided here too, once (:class:`SinkRule`, :class
 a position is a sink when it draws attention as one (a large share of all heads put more
 than 0.3 of their attention on it, Gu et al.'s per-head test applied to that position) or
 when it carries a massive activation that persists across layers. A dim that crosses the
-massive criterion at one early layer does not make its positions sinks.
+massive criterion at one early layer does not make its positions sinks, and neither does an
+outlier dimension (below): the persistence test counts token-specific entries only.
 
 Two different phenomena pass the massive criterion. A **token-specific** massive activation
 sits on a few tokens (the first token, the first delimiter) and is what Sun et al. describe.
@@ -49,6 +50,7 @@ SINK_MIN_QUERIES = 8  # the attention test needs this many later queries; nearer
 OUTLIER_DIM_SHARE = 0.5  # a dim massive at >= half of a sequence's real tokens at one layer is an outlier dimension ...
 OUTLIER_DIM_MIN_TOKENS = 4  # ... if that is at least 4 tokens (BOS and a delimiter in a 3-token text are not one)
 SCOPES = ("token", "outlier_dim")  # the two scopes of a massive entry, token-specific first
+OUTLIER_CHOICES = ("include", "exclude")  # Criterion.outliers
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ class Criterion:
     """When an activation counts as massive: ``|value| > abs_threshold`` and
     ``|value| / median > ratio_threshold``, the median taken over the whole hidden state of
     that layer and sequence (``median_over="hidden_state"``, non-pad positions only) or over
-    each token's own vector (``"token"``).
+    each token's own vector (``"token"``). ``outliers``: whether the entries of outlier
+    dimensions (:func:`outlier_dims`) count, ``"include"`` (the default; detection labels
+    them) or ``"exclude"`` (the interventions' default: they never target them).
 
     >>> Criterion(ratio_threshold=100).ratio_threshold
     100
@@ -65,6 +69,7 @@ class Criterion:
     abs_threshold: float | int = 100.0
     ratio_threshold: float | int = 1000.0
     median_over: str = "hidden_state"  # "hidden_state" or "token"
+    outliers: str = "include"  # "include" or "exclude" the entries of outlier dimensions
 
     def __post_init__(self) -> None:
         for name in ("abs_threshold", "ratio_threshold"):
@@ -81,6 +86,8 @@ class Criterion:
             raise MassiveLensError("Criterion with both thresholds at their minimum marks everything massive")
         if self.median_over not in ("hidden_state", "token"):
             raise MassiveLensError(f"median_over must be 'hidden_state' or 'token', got {self.median_over!r}")
+        if self.outliers not in OUTLIER_CHOICES:
+            raise MassiveLensError(f"outliers must be 'include' or 'exclude', got {self.outliers!r}")
 
 
 def median_scale(
@@ -118,7 +125,21 @@ def massive_mask(
     massive = (mag > criterion.abs_threshold) & (mag > criterion.ratio_threshold * scale)
     if valid is not None:
         massive &= valid.to(massive.device)[..., None]
-    return massive
+    return token_specific(massive, valid) if criterion.outliers == "exclude" else massive
+
+
+def token_specific(massive: Bool[Tensor, "batch pos d_model"], valid: Bool[Tensor, "batch pos"] | None = None
+                   ) -> Bool[Tensor, "batch pos d_model"]:
+    """``massive`` without the entries of outlier dimensions (dims massive at most of a
+    sequence's real tokens at this layer, see :func:`outlier_dims`).
+
+    >>> m = torch.zeros(1, 6, 3, dtype=torch.bool); m[0, :, 1] = True; m[0, 0, 2] = True
+    >>> token_specific(m).nonzero().tolist()
+    [[0, 0, 2]]
+    """
+    n = torch.full(massive.shape[:1], massive.shape[1], device=massive.device) if valid is None \
+        else valid.to(massive.device).sum(1)
+    return massive & ~outlier_dims(massive.sum(1), n)[:, None, :]
 
 
 def outlier_dims(count: Int[Tensor, "batch d_model"], n_tokens: Int[Tensor, " batch"]) -> Bool[Tensor, "batch d_model"]:
@@ -251,13 +272,15 @@ class SinkEvidence:
         self.first_massive = torch.full((batch, pos), n_layers, dtype=torch.long)  # first such layer
 
     def add_resid(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> Bool[Tensor, "batch pos"]:
-        """Count the positions with a massive entry at ``layer``; returns them."""
-        hit = massive_mask(resid, self.criterion, self.valid).any(-1).cpu()
+        """Count the positions with a token-specific massive entry at ``layer`` (an outlier
+        dimension, massive at most tokens, marks no position); returns them."""
+        hit = token_specific(massive_mask(resid, self.criterion, self.valid), self.valid).any(-1).cpu()
         self.add_massive(layer, hit)
         return hit
 
     def add_massive(self, layer: int, hit: Bool[Tensor, "batch pos"]) -> None:
-        """Count the positions ``hit`` (those with a massive entry at ``layer``, found by the caller)."""
+        """Count the positions ``hit`` (those with a token-specific massive entry at ``layer``,
+        found by the caller, see :func:`token_specific`)."""
         hit = hit.cpu() & self.valid
         self.massive_layers += hit.long()
         self.first_massive = torch.where(hit, self.first_massive.clamp(max=layer), self.first_massive)

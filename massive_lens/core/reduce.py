@@ -16,7 +16,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from massive_lens.core.criterion import Criterion, median_scale, outlier_dims
-from massive_lens.core.model_view import TOKEN_KINDS, Batch
+from massive_lens.core.tokens import TOKEN_KINDS, Batch
 
 
 class ResidualReducer:
@@ -51,7 +51,10 @@ class ResidualReducer:
         self.peak = max(self.peak, float(self.top[layer][:, 0].max()))
         massive = (mag > self.criterion.abs_threshold) & (mag > self.criterion.ratio_threshold * scale)
         count, n_tokens = massive.sum(1), valid.sum(1)
-        self.outlier[layer] = outlier_dims(count, n_tokens).cpu()
+        outlier = outlier_dims(count, n_tokens)
+        self.outlier[layer] = outlier.cpu()
+        if self.criterion.outliers == "exclude":
+            massive = massive & ~outlier[:, None, :]
         self.share[layer] = (count / n_tokens.clamp(min=1)[:, None]).float().cpu()
         if self.want_entries:
             idx = massive.nonzero()
@@ -60,7 +63,7 @@ class ResidualReducer:
                 ratio = mag[b, p, d] / scale.expand_as(mag)[b, p, d]
                 self.entries.append((layer, idx.cpu(), resid[b, p, d].float().cpu(), ratio.cpu()))
         if self.kinds is not None:
-            token = massive & ~self.outlier[layer].to(massive.device)[:, None, :]
+            token = massive & ~outlier[:, None, :]
             self.kind_hits[layer] = kind_hits(token, self.kinds.to(resid.device)).cpu()
 
     def found(self, scope: str | None = None) -> set[tuple[int, int, int]]:

@@ -16,6 +16,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.patches import Patch
 
 from massive_lens.core.criterion import SINK_THRESHOLD
 from massive_lens.errors import MassiveLensError
@@ -213,15 +214,27 @@ def intervention_bars(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
     low = (ratio - frame["ratio_low"].clip(upper=1e6)).clip(lower=0)
     high = (frame["ratio_high"].clip(upper=1e6) - ratio).clip(lower=0)
     colors = ["tab:red" if r > 1.1 else "tab:blue" for r in ratio]
-    ax.bar(frame["setting"], ratio, yerr=[low, high], capsize=3, color=colors, alpha=0.8)
+    rebuilt = frame["rebuilt"].fillna(False).astype(bool).tolist() if "rebuilt" in frame else [False] * len(frame)
+    bars = ax.bar(frame["setting"], ratio, yerr=[low, high], capsize=3, color=colors, alpha=0.8)
+    for bar, flag in zip(bars, rebuilt, strict=True):
+        if flag:  # the model undid this removal downstream: its ratio does not measure a removal
+            bar.set_hatch("//")
+            bar.set_edgecolor("black")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_yscale("log")
     readable = matplotlib.ticker.FuncFormatter(lambda v, _: f"x{v:g}")  # x1, x2, x50: not 6x10^0
     ax.yaxis.set_major_formatter(readable)
-    ax.yaxis.set_minor_formatter(readable if ratio.max() / max(ratio.min(), 1e-12) < 100
+    # minor labels only at 2 and 5 times a power of ten, so none sits beside a major one (x0.9 on x1)
+    sparse = matplotlib.ticker.FuncFormatter(lambda v, _: f"x{v:g}" if f"{v:.0e}"[0] in "25" else "")
+    ax.yaxis.set_minor_formatter(sparse if ratio.max() / max(ratio.min(), 1e-12) < 100
                                  else matplotlib.ticker.NullFormatter())
     ax.set_ylabel("perplexity / original (95% interval)")
     ax.tick_params(axis="x", rotation=30)
+    plt.setp(ax.get_xticklabels(), horizontalalignment="right")
+    keys = [Patch(color=c, alpha=0.8, label=f"ratio {op} 1.1") for c, op in (("tab:red", ">"), ("tab:blue", "<="))]
+    keys += [Patch(facecolor="white", edgecolor="black", hatch="//", label="rebuilt downstream: not a removal")
+             ] if any(rebuilt) else []
+    ax.legend(handles=keys, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.set_title(title)
     return ax
 

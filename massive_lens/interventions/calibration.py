@@ -27,7 +27,7 @@ batch's sinks with the full rule first and hands them over.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -37,14 +37,14 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention import FOUND, SinkSet, sink_term, sinks_from, token_kinds
+from massive_lens.attention.sinks import FOUND, SinkSet, sinks_from
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, massive_mask
+from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, massive_mask, token_specific
 from massive_lens.core.fmt import num, short
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
-from massive_lens.interventions.access import attention_access
+from massive_lens.interventions.sink_stats import sink_pass as _sink_pass
 
 ONLINE_GATE = 0.5  # online, a later sink's dim must reach half its calibration median at the sink layer
 
@@ -68,7 +68,10 @@ class Calibration(Result):
     ``sink_mass [layer head]``. The online sink rule: ``sink_first`` (the first token is a
     sink), ``sink_dims``/``sink_gate`` at ``sink_layer`` (later positions; -1: none), and
     ``online_missed``/``online_extra``: sink positions of the calibration text it misses or
-    adds, compared with the full rule.
+    adds, compared with the full rule. ``outlier_dims``: dims that are outlier dimensions
+    (massive at most tokens of a layer) somewhere in the calibration text; whether their
+    entries are among ``dims`` and edited is ``criterion.outliers`` (``"exclude"`` by
+    default: the interventions never target them). They never make a position a sink.
 
     ``to_frame()``: one row per fact, ``kind`` (``massive_mean``: ``layer``, ``dim``,
     ``value`` at the first massive layer; ``massive_mean_at``: the same at every massive
@@ -95,6 +98,7 @@ class Calibration(Result):
     sink_layer: int = -1
     online_missed: int = 0
     online_extra: int = 0
+    outlier_dims: Tensor = field(default_factory=_long)
 
     @property
     def detect_layer(self) -> int | None:
@@ -123,6 +127,12 @@ class Calibration(Result):
                          f"at layer {self.sink_layer} (above {', '.join(num(g) for g in self.sink_gate.tolist())})")
         return " and ".join(parts) or "the first token"
 
+    def outlier_text(self) -> str:
+        """The outlier dimensions, for people: ``dim 7`` or ``dims 7, 40 and 3 more``."""
+        dims = self.outlier_dims.tolist()
+        more = f" and {len(dims) - 6} more" if len(dims) > 6 else ""
+        return ("dim " if len(dims) == 1 else "dims ") + ", ".join(map(str, dims[:6])) + more
+
     def to_frame(self) -> pd.DataFrame:
         rows = [("massive_mean", layer, dim, -1, float(mean))
                 for layer, dims in sorted(self.dims.items())
@@ -144,6 +154,10 @@ class Calibration(Result):
                 for layer, dims in sorted(self.dims.items()))
         mass = float(self.sink_mass[list(self.attn_layers)].mean()) if self.attn_layers else float("nan")
         sinks = self.sinks.describe() if self.sinks is not None else "?"
+        if len(self.outlier_dims):
+            how = "excluded from" if self.criterion.outliers == "exclude" else "included in"
+            found += (f"; outlier dimensions (massive at most tokens of a layer) {self.outlier_text()}, {how} "
+                      "the massive dims")
         return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; sinks "
                 f"(positions that draw attention as sinks or carry persistent massive activations) {sinks}; "
                 f"mean attention to the sinks after them {mass:.2f}. Online sink rule (interventions without "
@@ -162,7 +176,7 @@ def online_sinks(resid: Float[Tensor, "batch pos d_model"], calib: Calibration) 
     """Later positions (not the first) that the online rule calls sinks at ``calib.sink_layer``."""
     dims = calib.sink_dims.to(resid.device)
     values = resid[..., dims].abs()
-    hits = massive_mask(resid, calib.criterion)[..., dims] & (values >= calib.sink_gate.to(values))
+    hits = token_specific(massive_mask(resid, calib.criterion))[..., dims] & (values >= calib.sink_gate.to(values))
     found = hits.any(-1)
     found[:, 0] = False
     return found
@@ -182,6 +196,7 @@ def calibrate(
     batch_size: int = 8,
     criterion: Criterion | None = None,
     rule: SinkRule | None = None,
+    outliers: str = "exclude",
     progress: bool = True,
 ) -> Calibration:
     """Measure the massive dims, their means, the sinks and the sink keys/values/terms on ``corpus``.
@@ -201,6 +216,9 @@ def calibrate(
         batch_size: sequences per forward pass (default 8).
         criterion: when a value is massive (None: ``Criterion()``).
         rule: when a position is a sink (None: ``SinkRule()``).
+        outliers: ``"exclude"`` (default) leaves the entries of outlier dimensions (massive at
+            most tokens of a layer, see ``docs/detection.md``) out of the massive dims, so no
+            intervention edits them; ``"include"`` keeps them. It sets ``criterion.outliers``.
         progress: show a progress bar.
 
     Returns:
@@ -218,7 +236,8 @@ def calibrate(
     """
     if isinstance(corpus, Calibration):
         return corpus
-    view, criterion, rule = ModelView(model), criterion or Criterion(), rule or SinkRule()
+    view, rule = ModelView(model), rule or SinkRule()
+    criterion = replace(criterion or Criterion(), outliers=outliers)  # checks the choice
     tokens = sequences(view, corpus, seq_len, n_seqs)
     chunks = [(start, tokens[start:start + batch_size]) for start in range(0, len(tokens), batch_size)]
     bar = tqdm(total=2 * len(chunks), desc="calibrate", disable=not progress, leave=False)
@@ -243,6 +262,7 @@ def calibrate(
     return Calibration(
         source=describe_source(corpus), dims=dims, means=means, attn_layers=attn_layers, criterion=criterion,
         n_seqs=len(tokens), dims_at=dims_at, means_at=means_at, sinks=sinks, rule=rule, **stats, **online,
+        outlier_dims=massive["outlier_dims"],
     )
 
 
@@ -252,21 +272,25 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     n_layers, d_model = view.n_layers, view.d_model
     sums = torch.zeros(n_layers, d_model, dtype=torch.float64)
     counts = torch.zeros(n_layers, d_model, dtype=torch.float64)
-    entries: list[Tensor] = []
+    entries: list[Tensor] = []  # token-specific entries, for the online sink rule
     found: list[SinkSet] = []
     first: list[Tensor] = []
+    outliers = torch.zeros(d_model, dtype=torch.bool)
     for start, chunk in chunks:
         batch = view.full_batch(chunk)
         evidence = SinkEvidence(batch.mask, n_layers, rule, criterion)
 
         def on_resid(resid: Tensor, hook: Any, layer: int, start: int = start,
                      evidence: SinkEvidence = evidence) -> None:
-            hits = massive_mask(resid, criterion)
-            evidence.add_massive(layer, hits.any(-1))
+            every = massive_mask(resid, replace(criterion, outliers="include"))
+            token = token_specific(every)
+            outliers.logical_or_((every & ~token).any(1).any(0).cpu())
+            hits = token if criterion.outliers == "exclude" else every
+            evidence.add_massive(layer, token.any(-1))
             values = resid.detach().double() * hits
             sums[layer] += values.sum((0, 1)).cpu()
             counts[layer] += hits.sum((0, 1)).double().cpu()
-            idx = hits.nonzero()
+            idx = token.nonzero()
             if len(idx):
                 value = resid[idx[:, 0], idx[:, 1], idx[:, 2]].double()
                 entries.append(torch.stack([torch.full_like(value, layer), idx[:, 0].double() + start,
@@ -280,7 +304,7 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
             hooks += [(view.hook_name(layer, "attn.hook_pattern"), on_pattern),
                       (view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer))]
         view.forward(batch, hooks, stop_after=hooks[-1][0])
-        found.append(sinks_from(evidence, token_kinds(view, batch)))
+        found.append(sinks_from(evidence, view.token_kinds(batch)))
         first.append(evidence.first_massive)
         bar.update()
     by_rule = torch.cat([torch.as_tensor(f.by_attention) | torch.as_tensor(f.by_massive) for f in found])
@@ -289,7 +313,8 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     sinks = SinkSet(torch.cat([f.mask for f in found]), torch.cat([f.kinds for f in found]), source,
                     torch.cat([f.by_attention for f in found]), torch.cat([f.by_massive for f in found]))
     return dict(sums=sums, counts=counts, sinks=sinks, first_massive=torch.cat(first),
-                entries=torch.cat(entries) if entries else torch.zeros(0, 5, dtype=torch.float64))
+                entries=torch.cat(entries) if entries else torch.zeros(0, 5, dtype=torch.float64),
+                outlier_dims=outliers.nonzero().flatten())
 
 
 def _fit_online(mask: Bool[Tensor, "seq pos"], entries: Tensor) -> dict[str, Any]:
@@ -315,69 +340,6 @@ def _fit_online(mask: Bool[Tensor, "seq pos"], entries: Tensor) -> dict[str, Any
     online[~online.any(-1), 0] = True  # as the hooks do: a sequence with none falls back to its first token
     return dict(sink_first=sink_first, sink_dims=sink_dims, sink_gate=sink_gate, sink_layer=sink_layer,
                 online_missed=int((mask & ~online).sum()), online_extra=int((online & ~mask).sum()))
-
-
-def _sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mask: Bool[Tensor, "seq pos"],
-               attn_layers: tuple[int, ...], bar: Any) -> dict[str, Tensor]:
-    """Mean sink term (non-sink queries), sink key and value, and attention to the sinks, per
-    layer and head. Read in whatever order the bridge fires the hooks; a quantity whose hooks
-    the bridge does not give per head (see :mod:`~massive_lens.interventions.access`) is NaN."""
-    access = attention_access(model)
-    sums: dict[tuple[str, int], Tensor] = {}
-    counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
-    held: dict[tuple[str, int], Tensor] = {}
-
-    def add(key: str, layer: int, value: Tensor) -> None:
-        value = value.double().cpu()
-        sums[key, layer] = sums[key, layer] + value if (key, layer) in sums else value
-
-    def on_act(act: Tensor, hook: Any, layer: int, kind: str, sinks: Tensor) -> None:
-        sinks = sinks.to(act.device)
-        queries = (~sinks).double()
-        if kind == "pattern":
-            add("mass", layer, torch.einsum("bhqk,bk,bq->h", act.double(), sinks.double(), queries))
-        elif kind in ("k", "v"):
-            add(kind, layer, torch.einsum("bkhd,bk->hd", act.double(), sinks.double()))
-        if kind in ("pattern", "v"):
-            held[kind, layer] = act
-        if ("pattern", layer) in held and ("v", layer) in held:
-            term = sink_term(held.pop(("pattern", layer)), held.pop(("v", layer)), sinks)
-            add("z", layer, torch.einsum("bqhd,bq->hd", term.double(), queries))
-
-    for start, chunk in chunks:
-        sinks = mask[start:start + len(chunk)]
-        counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
-        hooks = []
-        for layer in attn_layers:
-            a = access[layer]
-            per_head = a.per_head("v")  # else (latent attention) neither keys nor values are per head
-            reads = {"pattern": "pattern" if a.fires("pattern") else None,
-                     "v": "v" if per_head else None, "k": a.key_hook if per_head else None}
-            hooks += [(view.hook_name(layer, f"attn.hook_{hook}"), partial(on_act, layer=layer, kind=kind, sinks=sinks))
-                      for kind, hook in reads.items() if hook is not None]
-        if hooks:
-            view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(attn_layers[-1], "resid_post"))
-        held.clear()
-        bar.update()
-    scale = {"z": counts[0], "mass": counts[0], "k": counts[1], "v": counts[1]}
-    shapes = _shapes(model, {key: t.shape for (key, _), t in sums.items()})
-    out = {}
-    for key in ("z", "k", "v", "mass"):
-        stacked = torch.zeros(view.n_layers, *shapes[key], dtype=torch.float64)
-        for layer in attn_layers:
-            stacked[layer] = sums[key, layer] / scale[key].clamp(min=1) if (key, layer) in sums else float("nan")
-        out["sink_" + key] = stacked.float()
-    return out
-
-
-def _shapes(model: Any, seen: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The per-layer shape of each sink quantity: as measured, else from the other quantities
-    or the model's config (that quantity is then NaN)."""
-    cfg = model.cfg
-    heads = seen["mass"][0] if "mass" in seen else int(cfg.n_heads)
-    kv = seen.get("v") or seen.get("k") or (int(getattr(cfg, "n_key_value_heads", None) or heads), int(cfg.d_head))
-    return {"mass": (heads,), "k": seen.get("k") or kv, "v": seen.get("v") or kv,
-            "z": seen.get("z") or (heads, kv[-1])}
 
 
 def describe_source(corpus: Any) -> str:

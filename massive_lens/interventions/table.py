@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention import SinkSet, sinks_of
+from massive_lens.attention.sinks import SinkSet, sinks_of
 from massive_lens.core.budget import logit_batches
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import ratio as _num
@@ -41,8 +41,9 @@ from massive_lens.interventions.checks import Record, downstream, reading
 from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS
 from massive_lens.metrics import bootstrap_mean, perplexity
 
-CHECK_COLUMNS = ["where", "acts_on", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_kept", "peak_layer",
-                 "target_back", "back_layer", "sink_mass", "sink_mass_original", "rebuilt", "added", "check"]
+CHECK_COLUMNS = ["where", "acts_on", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_dims", "target_kinds",
+                 "target_kept", "peak_layer", "target_back", "back_layer", "sink_mass", "sink_mass_original", "rebuilt",
+                 "added", "check"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class InterventionTable(Result):
     - ``sinks_per_seq``, ``sink_kinds``: positions it treated as sinks (mean per sequence;
       token kinds with counts); NaN and empty for settings that use no sinks;
     - ``targets_per_seq``: positions whose massive entries it targeted, per sequence;
+      ``target_dims``: the dims it edits there (the calibrated massive dims; outlier
+      dimensions only with ``outliers="include"``); ``target_kinds``: the token kinds of the
+      targeted positions, with counts over all sequences (empty for settings that edit none);
     - ``target_kept``: the targeted dims' mean ``|value|`` at their original peak layer
       (``peak_layer``), with the intervention / without (largest over dims);
     - ``target_back``, ``back_layer``: the largest such ratio at a later layer where the dim
@@ -100,6 +104,15 @@ class InterventionTable(Result):
         if self.sinks is not None:
             lines.append(f"sinks (positions that draw attention as sinks or carry persistent massive activations): "
                          f"{self.sinks.describe()}")
+        calib = self.calibration
+        if calib is not None and len(getattr(calib, "outlier_dims", ())):
+            how = ("excluded: no setting edits them" if calib.criterion.outliers == "exclude"
+                   else "included: the massive-activation edits target them too")
+            lines.append(f"outlier dimensions (massive at most tokens of a layer) {calib.outlier_text()}: {how}")
+        edits = self.frame[self.frame["target_dims"] != ""] if "target_dims" in self.frame else self.frame.iloc[:0]
+        for r in edits.drop_duplicates("target_dims").itertuples():
+            lines.append(f"targets of the massive-activation edits: dims {r.target_dims} at {r.target_kinds} "
+                         f"({r.targets_per_seq:.3g} per sequence)")
         lines.append("checked downstream, on the evaluation text:")
         for r in self.frame.itertuples():
             if r.setting == "original":
@@ -150,6 +163,8 @@ def _row(setting: str, run: _Run, base: _Run, calib: Calibration, sinks: SinkSet
     used = torch.cat(run.record.sinks) if run.record.sinks and iv.uses_sinks else None
     targets = torch.cat(run.record.targets) if run.record.targets and iv.edits_massive else None
     used_set = SinkSet(used, sinks.kinds, "used") if used is not None and used.shape == sinks.kinds.shape else None
+    aimed = SinkSet(targets, sinks.kinds, "targets") if targets is not None and targets.shape == sinks.kinds.shape \
+        else None
     row = dict(setting=setting, perplexity=math.exp(float(run.per_seq.mean())), ratio=math.exp(float(diff.mean())),
                ratio_low=math.exp(low), ratio_high=math.exp(high), accuracy=float(run.accuracy.mean()),
                n_seqs=len(base.per_seq), description=REGISTRY[setting].description, where=iv.where,
@@ -157,6 +172,8 @@ def _row(setting: str, run: _Run, base: _Run, calib: Calibration, sinks: SinkSet
                sinks_per_seq=float(used_set.per_seq.float().mean()) if used_set is not None else math.nan,
                sink_kinds=used_set.kinds_text if used_set is not None else "",
                targets_per_seq=float(targets.sum(-1).float().mean()) if targets is not None else math.nan,
+               target_dims=", ".join(map(str, sorted(calib.first_layer))) if iv.edits_massive else "",
+               target_kinds=aimed.kinds_text if aimed is not None else "",
                **{k: read[k] for k in ("target_kept", "peak_layer", "target_back", "back_layer", "sink_mass",
                                        "sink_mass_original", "rebuilt", "check")}, added=added)
     if setting == "original":  # the baseline itself: only what it measured (the sinks, their attention)
@@ -175,6 +192,7 @@ def run_interventions(
     n_seqs: int = 32,
     batch_size: int | None = None,
     calibration_seqs: int = 16,
+    outliers: str = "exclude",
     progress: bool = True,
 ) -> InterventionTable:
     """Evaluate each intervention of ``settings`` on the same sequences of ``corpus``, and check each downstream.
@@ -202,6 +220,11 @@ def run_interventions(
             pass's logits small against the weights, see
             :func:`~massive_lens.core.budget.logit_batches`).
         calibration_seqs: calibration sequences (default 16), for text input.
+        outliers: whether the massive-activation edits may target outlier dimensions (dims
+            massive at most tokens of a layer): ``"exclude"`` (default) or ``"include"``; for a
+            corpus calibration (a :class:`Calibration` keeps the choice it was made with, in
+            ``calibration.criterion.outliers``). Each row lists its targets either way
+            (``target_dims``, ``target_kinds``).
         progress: show progress bars.
 
     Returns:
@@ -235,7 +258,7 @@ def run_interventions(
     else:
         calib_tokens = sequences(view, calibration, seq_len, calibration_seqs)
         _check_disjoint(tokens, calib_tokens)
-        calib = replace(calibrate(model, calib_tokens, progress=progress),
+        calib = replace(calibrate(model, calib_tokens, outliers=outliers, progress=progress),
                         source=describe_source(calibration))
     chunks = logit_batches(model, tokens, batch_size)
     order = list(dict.fromkeys(["original", *settings]))

@@ -24,20 +24,26 @@ from massive_lens.core.fmt import cell as _fmt
 from massive_lens.core.render import figure_of
 from massive_lens.viz.views import bundle_tag
 
+LONG_CELL = 60  # a text cell longer than this is prose: it wraps, or folds into <details> beyond FOLD_CELL
+FOLD_CELL = 160
 _NOTEBOOK_HINT = re.compile(r" ?\((?:see|See) `?\.\w+\(\)`?[^)]*\)")
 _CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; max-width: 1100px;
        margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
 h1 { border-bottom: 2px solid #444; } h2 { margin-top: 2em; border-bottom: 1px solid #ccc; }
 pre { background: #f6f8fa; padding: .8em; font-size: 12px; white-space: pre-wrap; overflow-wrap: anywhere; }
-table { border-collapse: collapse; font-size: 12px; margin: .5em 0 1em; display: block; max-width: 100%;
-        overflow-x: auto; }
-td { overflow-wrap: anywhere; }
-th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
-th { background: #f0f0f0; } img { max-width: 100%; height: auto; }
+table { border-collapse: collapse; font-size: 12px; margin: .5em 0 1em; max-width: 100%; }
+caption { text-align: left; font-size: 12px; color: #555; padding-bottom: .3em; }
+th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; vertical-align: top; }
+th { background: #f0f0f0; font-weight: 600; }
+td { white-space: nowrap; } td.name { text-align: left; }
+td.prose { white-space: normal; text-align: left; min-width: 16em; }
+details summary { cursor: pointer; color: #245; } details[open] { white-space: normal; max-width: 40em; }
+img { max-width: 100%; height: auto; }
 figure { margin: 1em 0; } figcaption { font-size: 12px; color: #555; }
 .note { background: #fff8e1; border-left: 4px solid #f0b400; padding: .4em .8em; }
 nav ol { columns: 2; } .view-title { font-size: 12px; color: #555; margin-bottom: 0; }
+.ml-view { max-width: 100%; overflow: hidden; }
 """
 
 
@@ -87,12 +93,59 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+def _md(text: Any) -> str:
+    """Text for Markdown outside code: raw HTML escaped (``&`` and ``<``, so no tag or entity
+    survives), as index.html escapes it; ``>`` stays readable."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;")
+
+
+def _fence(text: str) -> list[str]:
+    """A fenced code block whose fence is longer than any backtick run in ``text`` (so the text
+    cannot close it early and reach the page as Markdown or HTML)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, text, fence]
+
+
 def _md_table(frame: pd.DataFrame) -> str:
-    head = "| " + " | ".join(map(str, frame.columns)) + " |"
+    head = "| " + " | ".join(_md(c) for c in frame.columns) + " |"
     rule = "|" + "---|" * len(frame.columns)
-    rows = ["| " + " | ".join(_fmt(v).replace("|", "\\|").replace("\n", "\\n") for v in row) + " |"
+    rows = ["| " + " | ".join(_md(_fmt(v)).replace("|", "\\|").replace("\n", "\\n") for v in row) + " |"
             for row in frame.itertuples(index=False)]
     return "\n".join([head, rule, *rows])
+
+
+def _header(name: Any) -> str:
+    """A column name that may break after its underscores (``sink_mass_original``), never inside a word."""
+    return html.escape(str(name)).replace("_", "_<wbr>")
+
+
+def _cell(value: Any, first: bool) -> str:
+    """One ``<td>``: names and numbers never wrap; prose wraps at spaces, and folds into an
+    expandable ``<details>`` when it is long."""
+    text = _fmt(value)
+    if first:
+        return f"<td class='name'>{html.escape(text)}</td>"
+    if len(text) > FOLD_CELL:
+        return (f"<td class='prose'><details><summary>{html.escape(text[:LONG_CELL].rsplit(' ', 1)[0])} ...</summary>"
+                f"{html.escape(text)}</details></td>")
+    if len(text) > LONG_CELL:
+        return f"<td class='prose'>{html.escape(text)}</td>"
+    return f"<td>{html.escape(text)}</td>"
+
+
+def html_table(frame: pd.DataFrame, caption: str = "") -> str:
+    """A table for the page: the caption, headers that break only after underscores, the
+    first column (names) and numbers on one line, long text as wrapping or expandable prose.
+
+    >>> html_table(pd.DataFrame({"setting": ["sink_term_mean"], "sink_mass": [0.25]}), "demo")[:40]
+    '<table><caption>demo</caption><thead><tr>'
+    """
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    head = "".join(f"<th>{_header(c)}</th>" for c in frame.columns)
+    rows = "".join("<tr>" + "".join(_cell(v, i == 0) for i, v in enumerate(row)) + "</tr>"
+                   for row in frame.itertuples(index=False))
+    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 
 def render_figures(sections: list[Section], folder: Path) -> None:
@@ -149,9 +202,7 @@ def to_html(title: str, intro: str, sections: list[Section], footer: str) -> str
             elif kind == "pre":
                 parts.append(f"<pre>{html.escape(payload)}</pre>")
             elif kind == "table":
-                cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
-                table = payload.to_html(index=False, float_format=_fmt, border=0)
-                parts.append(table.replace("<thead>", cap + "<thead>", 1))
+                parts.append(html_table(payload, caption))
             elif kind == "png":
                 name, data = payload
                 uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
@@ -165,21 +216,23 @@ def to_html(title: str, intro: str, sections: list[Section], footer: str) -> str
 
 
 def to_markdown(title: str, intro: str, sections: list[Section], footer: str, figures: str) -> str:
-    lines = [f"# {title}", "", intro, ""]
+    """``report.md``: every text that came from the model or the user is escaped as in
+    index.html, except in fenced summaries, which Markdown shows as text."""
+    lines = [f"# {_md(title)}", "", _md(intro), ""]
     for s in sections:
-        lines += [f"## {s.title}", ""]
+        lines += [f"## {_md(s.title)}", ""]
         for kind, payload, caption in s.blocks:
             if kind == "text":
-                lines += [payload, ""]
+                lines += [_md(payload), ""]
             elif kind == "note":
-                lines += [f"> {payload}", ""]
+                lines += [f"> {_md(payload)}", ""]
             elif kind == "pre":
-                lines += ["```", payload, "```", ""]
+                lines += [*_fence(payload), ""]
             elif kind == "table":
-                lines += ([f"*{caption}*", ""] if caption else []) + [_md_table(payload), ""]
+                lines += ([f"*{_md(caption)}*", ""] if caption else []) + [_md_table(payload), ""]
             elif kind == "png":
-                lines += [f"![{caption}]({figures}/{payload[0]})", ""]
+                lines += [f"![{_md(caption)}]({figures}/{payload[0]})", ""]
             elif kind == "view":
-                lines += [f"*Interactive view in index.html: {payload.title}*", ""]
-    lines += ["---", footer, ""]
+                lines += [f"*Interactive view in index.html: {_md(payload.title)}*", ""]
+    lines += ["---", _md(footer), ""]
     return "\n".join(lines)

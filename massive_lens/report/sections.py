@@ -23,9 +23,11 @@ from torch import Tensor
 from massive_lens.attention import decompose_attention, sink_attention
 from massive_lens.core.budget import weight_bytes
 from massive_lens.core.corpora import sequences
-from massive_lens.core.fmt import short
+from massive_lens.core.criterion import OUTLIER_DIM_SHARE
+from massive_lens.core.fmt import num, short
 from massive_lens.core.model_view import ModelView
 from massive_lens.detect import CorpusScan, MassiveActivations, find_massive, scan_corpus
+from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
 from massive_lens.origin import OriginTrace, trace_origin
@@ -54,8 +56,8 @@ class Settings:
         verify: check the origin story causally (zero the named neurons and weights).
         dim: the hidden dimension to trace (None: that of the text's largest massive entry).
         pos: the token position to trace (None: that of the text's largest massive entry).
-        layer: the layer of the landscape, attention and magnitude figures (None: the first
-            layer with a massive activation, and the layer after it for attention).
+        layer: the layer of the landscape, attention and magnitude figures (None: the layer
+            of the headline activation, the text's largest token-specific massive value).
     """
 
     seq_len: int = 128
@@ -78,6 +80,8 @@ class Settings:
                 raise MassiveLensError(f"{name} must be an int or None, got {value!r}")
         if self.layer is not None and self.layer < 0:
             raise MassiveLensError(f"layer must be >= 0, got {self.layer}")
+        if not isinstance(self.verify, bool):
+            raise MassiveLensError(f"verify must be True or False, got {self.verify!r}")
 
 
 FULL = Settings()
@@ -164,14 +168,19 @@ class Inputs:
                 "sequences (disjoint text)")
 
 
-def _massive_layer(found: MassiveActivations | None, inputs: Inputs) -> int:
-    """The ``layer`` setting; else the first layer with a massive activation, else the layer
-    of the largest top-1/median."""
+def figure_layer(found: MassiveActivations | None, inputs: Inputs) -> tuple[int, str]:
+    """The layer of the one-layer figures and why, in words: the ``layer`` setting; else the
+    layer of the headline activation (the text's largest token-specific massive value); else
+    the layer of the largest top-1 |value|."""
     if inputs.settings.layer is not None:  # checked against the model by Inputs
-        return inputs.settings.layer
+        return inputs.settings.layer, "the layer setting"
     if found is None:
-        return inputs.view.n_layers // 2
-    return found.layers[0] if found.layers else found.peak_layer
+        return inputs.view.n_layers // 2, "the middle layer: the text's massive activations are unknown"
+    top = found.headline
+    if top is None:
+        return found.headline_layer, "the layer of the largest |value|; nothing is massive"
+    kind = "the headline activation" if top.scope == "token" else "the largest outlier-dimension entry"
+    return int(top.peak_layer), f"the layer of {kind}: dim {top.dim} at {short(top.token, 20)!r} = {num(top.value)}"
 
 
 def model_section(inputs: Inputs, s: Section) -> None:
@@ -185,16 +194,30 @@ def model_section(inputs: Inputs, s: Section) -> None:
 
 def massive_section(inputs: Inputs, s: Section) -> MassiveActivations:
     found = find_massive(inputs.model, inputs.text)
-    layer = _massive_layer(found, inputs)
+    layer, why = figure_layer(found, inputs)
     s.pre(found.summary())
-    s.table(found.by_dim(), "massive (position, dim) pairs in the text, largest first")
+    rows = found.by_dim()
+    token = rows[rows.scope == "token"].drop(columns="scope")
+    if not token.empty:
+        s.table(token, "token-specific massive (position, dim) pairs in the text, largest first")
+    outliers = found.outlier_dims()
+    if not outliers.empty:
+        s.table(outliers.assign(layers=[layer_span(x) for x in outliers.layers]),
+                f"outlier dimensions, listed apart: massive at >= {OUTLIER_DIM_SHARE:.0%} of a layer's tokens "
+                "(a property of the dim, not of a token)")
     s.figure(activation_landscape(inputs.model, inputs.text, layer, found=found),
-             f"activation landscape at layer {layer}: |value| per token and hidden dimension")
-    scan = corpus_scan(inputs)
+             f"activation landscape at layer {layer} ({why}): |value| per token and hidden dimension; "
+             "token-specific massive dims labelled in red, outlier dimensions in grey")
+    try:
+        scan = corpus_scan(inputs)
+    except MassiveLensError as exc:  # what the text showed stays: the origin section traces it
+        s.note(f"Corpus scan skipped: {exc}")
+        return found
     s.pre(scan.summary())
     s.figure(scan.plot(), "layer profile over the corpus: top-1/2/3 and median |activation| (mean ± std)")
     if not scan.frequency.empty:
-        s.table(scan.frequency, "how often each (dim, token kind) is massive over the corpus")
+        s.table(scan.frequency, "how often each (dim, token kind) is massive over the corpus; outlier dimensions "
+                "(scope outlier_dim, token kind any) below")
     return found
 
 
@@ -205,17 +228,17 @@ def corpus_scan(inputs: Inputs) -> CorpusScan:
 
 
 def trace_top(inputs: Inputs, found: MassiveActivations | None, verify: bool) -> OriginTrace:
-    """The entry of the ``dim``/``pos`` settings traced, else the text's largest massive entry
-    (without one: the largest value at the first token), with the causal check on the first
+    """The entry of the ``dim``/``pos`` settings traced, else the text's headline activation
+    (its largest token-specific massive entry; without one: the largest value at the first
+    token), with the causal check on the first
     (up to 4) evaluation sequences when ``verify``."""
     s = inputs.settings
-    rows = found.by_dim() if found is not None else pd.DataFrame()
+    top = found.headline if found is not None else None
     corpus = inputs.eval_tokens[: VERIFY_SEQS] if verify else None
     if s.dim is not None or s.pos is not None:
         return trace_origin(inputs.model, inputs.text, dim=s.dim, pos=s.pos, verify=verify, corpus=corpus)
-    if rows.empty:
+    if top is None:
         return trace_origin(inputs.model, inputs.text, pos=0, verify=verify, corpus=corpus)
-    top = rows.iloc[0]
     return trace_origin(inputs.model, inputs.text, dim=int(top.dim), pos=int(top.pos), verify=verify, corpus=corpus)
 
 
@@ -237,8 +260,13 @@ def intervention_table(inputs: Inputs) -> tuple[InterventionTable, str | None]:
 
 def origin_section(inputs: Inputs, s: Section, found: MassiveActivations | None) -> None:
     verify, chosen = inputs.settings.verify, inputs.settings.dim is not None or inputs.settings.pos is not None
-    if not chosen and (found is None or found.by_dim().empty):
+    if not chosen and found is None:
+        s.note("The text's massive activations are unknown (that section failed, see above); tracing the largest "
+               "value at the first token instead.")
+    elif not chosen and found.headline is None:
         s.note("No massive activation in the text; tracing the largest value at the first token instead.")
+    elif not chosen and found.headline.scope != "token":
+        s.note("No token-specific massive activation in the text; tracing the largest outlier-dimension entry.")
     trace = trace_top(inputs, found, verify)
     if verify:
         s.text(f"Causal check: perplexity with and without each ablation on the first "
@@ -265,16 +293,20 @@ def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | No
                 f"positions treated as sinks ({sinks.sinks.describe()}): they draw attention as sinks "
                 "(by_attention) or carry a massive activation that persists across layers (by_massive)")
     s.figure(sinks.plot(), "attention mass on the sink tokens per layer")
-    massive_layer = _massive_layer(found, inputs)
-    layer = massive_layer if inputs.settings.layer is not None else min(massive_layer + 1, inputs.view.n_layers - 1)
+    layer, why = figure_layer(found, inputs)
     positions = sinks.sinks.mask[0].nonzero().flatten().tolist() if sinks.sinks is not None else None
     s.figure(attention_maps(model, text, layer, max_heads=8, sinks=positions),
-             f"attention patterns of layer {layer}; sink columns outlined in red")
-    s.view(attention_view(model, text, layer))
-    s.view(magnitude_view(model, text, massive_layer))
+             f"attention patterns of layer {layer} ({why}); sink columns outlined in red")
+    for view in (attention_view(model, text, layer), magnitude_view(model, text, layer)):
+        s.view(replace(view, title=f"{view.title} ({why})"))
     decomposition = decompose_attention(model, texts)
     s.pre(decomposition.summary())
     s.figure(decomposition.plot(), "sink term vs content term: norms and how constant the sink term is")
+
+
+EVERY_TEXT = ("A setting ending in _every (zero_every, mean_every, bias_surgery_every) applies the same edit at every "
+              "layer where the targeted dims are massive in calibration, not only where they first appear; the table "
+              "adds it only when the first-layer row was rebuilt by the model downstream.")
 
 
 def intervention_section(inputs: Inputs, s: Section) -> None:
@@ -284,17 +316,22 @@ def intervention_section(inputs: Inputs, s: Section) -> None:
     if note:
         s.note(note)
     s.pre(table.summary())
-    s.figure(table.plot(), "perplexity ratio to the untouched model per intervention (95% bootstrap interval)")
+    s.figure(table.plot(), f"perplexity ratio to the untouched model per intervention ({table.seq_len}-token "
+             "sequences; 95% bootstrap interval; rebuilt rows hatched)")
     frame = table.to_frame()
     for row in frame[frame["rebuilt"]].itertuples():
         s.note(f"{row.check}. The {row.setting} row does not measure a removal; the table adds the setting "
                "applied at every layer where the activation is massive.")
-    s.table(frame[["setting", "where", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_kept", "peak_layer",
-                   "target_back", "back_layer", "sink_mass", "sink_mass_original", "rebuilt", "check"]],
-            "checked downstream on the evaluation text: the sinks each setting used (per sequence, token kinds), "
-            "the targeted massive dims' |value| with / without it at their peak layer and at later layers "
-            "(target_kept, target_back), and the attention non-sink queries still pay to the sinks")
-    s.table(frame[["setting", "description", "acts_on"]], "what each setting does, and where it acts")
+    shown = frame.assign(setting=[f"{r.setting} (rebuilt)" if r.rebuilt else r.setting for r in frame.itertuples()])
+    s.table(shown[["setting", "where", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_dims", "target_kinds",
+                   "target_kept", "peak_layer", "target_back", "back_layer", "sink_mass", "sink_mass_original"]],
+            f"checked downstream on {len(inputs.eval_tokens)} evaluation sequences of {table.seq_len} tokens: the "
+            "sinks each setting used and the targets it edited (positions per sequence, dims, token kinds), the "
+            "targeted dims' |value| with / without it at their peak layer and later (target_kept, target_back), "
+            "and the attention non-sink queries still pay to the sinks; each row's verdict is in the summary above")
+    if frame["setting"].str.endswith("_every").any() or frame["rebuilt"].any():
+        s.text(EVERY_TEXT)
+    s.table(frame[["setting", "acts_on", "description"]], "what each setting does, and where it acts")
 
 
 def quantize_section(inputs: Inputs, s: Section) -> None:

@@ -37,7 +37,7 @@ from massive_lens.core.budget import weight_bytes
 from massive_lens.core.corpora import Corpus, iter_texts
 from massive_lens.core.outputs import check_out_dir
 from massive_lens.errors import MassiveLensError
-from massive_lens.models import load_model
+from massive_lens.models.load import load_model
 from massive_lens.report import sections as sec
 from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import render_figures, to_html, to_markdown, write_tables
@@ -102,10 +102,12 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         The path of ``index.html``.
 
     Raises:
-        MassiveLensError: if ``text`` is empty or not a string, a size is below 1, ``out_dir``
-            cannot be written, the corpus or calibration file does not exist, or ``model`` is
-            not a TransformerLens model or names one :func:`~massive_lens.load_model` cannot
-            load. A section that raises ``MassiveLensError`` is replaced by a note saying why.
+        MassiveLensError: if ``text`` is empty or not a string, a size is below 1, ``verify``
+            is not a bool, ``out_dir`` cannot be written, the corpus or calibration file does
+            not exist, or ``model`` is not a TransformerLens model or names one
+            :func:`~massive_lens.load_model` cannot load; and, before any analysis, if the
+            settings cannot run (see :func:`check_runnable`). A section that raises
+            ``MassiveLensError`` later is replaced by a note saying why.
 
     >>> from massive_lens import tiny_model
     >>> import re, tempfile
@@ -121,6 +123,7 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     with PeakMemory() as peak:
         model = load_model(None if model is None else model, device=device, dtype=dtype)
         inputs = sec.Inputs(model, text, corpus, settings, calibration)
+        check_runnable(inputs)
         started = time.perf_counter()
         sections, results = [], {}
         with tqdm(total=len(SECTIONS), desc="report", disable=not progress, unit="section") as bar:
@@ -157,6 +160,29 @@ def settings_for(quick: bool, **options: Any) -> sec.Settings:
     if unknown:
         raise MassiveLensError(f"unknown report options {sorted(unknown)}")
     return replace(sec.QUICK if quick else sec.FULL, **{k: v for k, v in options.items() if v is not None})
+
+
+def check_runnable(inputs: sec.Inputs) -> None:
+    """Stop before any analysis when the requested settings cannot run on this model: a
+    ``seq_len`` beyond its context, a ``pos`` outside the text, a corpus (or calibration
+    corpus) too short for one sequence or with none left for calibration. The corpus is
+    tokenized here once (the sections reuse it).
+
+    Raises:
+        MassiveLensError: naming the setting, the model and what to do.
+    """
+    view, s = inputs.view, inputs.settings
+    if view.n_ctx is not None and s.seq_len > view.n_ctx:
+        raise MassiveLensError(f"seq_len={s.seq_len} is beyond {view.name}'s context of {view.n_ctx} tokens; "
+                               f"pass seq_len <= {view.n_ctx}")
+    n_tokens = view.tokenize(inputs.text, None).tokens.shape[1]
+    if s.pos is not None and not -n_tokens <= s.pos < n_tokens:
+        raise MassiveLensError(f"pos={s.pos} is out of range: the text has {n_tokens} tokens on {view.name} "
+                               "(BOS included)")
+    try:
+        inputs.tokens, inputs.calib_tokens  # noqa: B018 - tokenize now: a corpus too short fails here
+    except MassiveLensError as exc:
+        raise MassiveLensError(f"the report cannot run on this corpus: {exc}") from None
 
 
 def check_inputs(text: Any, corpus: Corpus, calibration: Corpus) -> str:

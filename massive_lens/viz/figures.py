@@ -52,14 +52,15 @@ def capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[Ten
 
 def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax: Any = None,
                          criterion: Any = None, found: Any = None) -> Any:
-    """The activation landscape of ``text`` at ``layer`` (default: where the top-1 magnitude
-    over the median is largest), massive dims and tokens labelled (:func:`landscape_axes`).
+    """The activation landscape of ``text`` at ``layer`` (default: the layer of the headline
+    activation, the largest token-specific massive value), token-specific massive dims and
+    their tokens labelled in red, outlier dimensions in grey (:func:`landscape_axes`).
     ``found``: the text's ``find_massive`` result, if already computed.
 
     Args:
         model: a TransformerLens-style model.
         text: one string.
-        layer: the layer whose ``resid_post`` is drawn (None: ``found.peak_layer``).
+        layer: the layer whose ``resid_post`` is drawn (None: ``found.headline_layer``).
         ax: a 3D matplotlib Axes (``projection="3d"``) to draw on (None: a new figure).
         criterion: the :class:`~massive_lens.Criterion` for the labels (None:
             ``Criterion()``); ignored when ``found`` is given.
@@ -76,11 +77,14 @@ def activation_landscape(model: Any, text: str, layer: int | None = None, *, ax:
     'hidden dimension'
     """
     found = found if found is not None else find_massive(model, text, criterion=criterion)
-    layer = found.peak_layer if layer is None else layer
+    layer = found.headline_layer if layer is None else layer
     values, tokens = capture_one(model, text, layer, "resid_post")
-    at = found.entries[found.entries["layer"] == layer]
-    return landscape_axes(values.numpy(), tokens, label_dims=sorted(at["dim"].unique().tolist()),
-                          label_tokens=sorted(at["pos"].unique().tolist()), ax=ax,
+    entries = found.to_frame()
+    at = entries[entries["layer"] == layer]
+    token, outlier = at[at["scope"] == "token"], at[at["scope"] == "outlier_dim"]
+    return landscape_axes(values.numpy(), tokens, label_dims=sorted(token["dim"].unique().tolist()),
+                          label_tokens=sorted(token["pos"].unique().tolist()), ax=ax,
+                          outlier_dims=sorted(set(outlier["dim"].unique().tolist()) - set(token["dim"].tolist())),
                           title=f"{found.model_name}: layer {layer} ({found.hook})")
 
 
@@ -88,15 +92,15 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
                    sinks: Sequence[int] | None = None, max_heads: int = 12) -> Any:
     """Per-head attention maps of one layer (query x key, token strings as ticks) with the sink
     key columns outlined in red and one colorbar for all panels. ``sinks`` default to the
-    positions with massive activations (first token if none).
+    positions with token-specific massive activations (first token if none).
 
     Args:
         model: a TransformerLens-style model.
         text: one string.
         layer: the layer whose ``attn.hook_pattern`` is drawn.
         heads: the heads to draw (None: the first ``max_heads``).
-        sinks: key positions to outline (None: the positions with massive activations,
-            else ``[0]``).
+        sinks: key positions to outline (None: the positions with token-specific massive
+            activations, else ``[0]``).
         max_heads: how many heads to draw when ``heads`` is None (default 12).
 
     Returns:
@@ -114,7 +118,8 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
     pattern, tokens = capture_one(model, text, layer, "attn.hook_pattern")
     chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else list(heads)
     if sinks is None:
-        sinks = find_massive(model, text).positions or [0]
+        rows = find_massive(model, text).by_dim()
+        sinks = sorted(rows[rows.scope == "token"].pos.unique().tolist()) or [0]
     cols = min(4, len(chosen))
     rows = -(-len(chosen) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")

@@ -27,6 +27,7 @@ def landscape_axes(
     label_tokens: Sequence[int] = (),
     ax: Any = None,
     title: str = "",
+    outlier_dims: Sequence[int] = (),
 ) -> Any:
     """3D landscape of ``|values|`` (``[pos, d_model]``) over tokens x dims, the paper's Figure 1:
     one ridge per token with its spikes, the ``label_dims`` annotated at their peak token and
@@ -40,6 +41,8 @@ def landscape_axes(
         label_tokens: positions whose tick labels and ridges are red.
         ax: a 3D matplotlib Axes (``projection="3d"``) to draw on (None: a new figure).
         title: the Axes title (default none).
+        outlier_dims: outlier dimensions (massive at most tokens) to annotate apart, in grey,
+            below the labels of ``label_dims``.
 
     Returns:
         The 3D matplotlib Axes.
@@ -70,6 +73,8 @@ def landscape_axes(
         near = sum(p == pos and abs(d - dim) < 0.08 * len(dims) for d, p in placed)
         ax.text(dim, pos, mag[pos, dim] + near * 0.08 * mag.max(), f"dim {dim}", color="tab:red", fontsize=8)
         placed.append((dim, pos))
+    for dim in outlier_dims:  # a property of the dim: labelled at the floor, not at a token's spike
+        ax.text(dim, mag.shape[0] - 1, 0.0, f"dim {dim} (outlier dim)", color="0.45", fontsize=7)
     step = max(1, len(tokens) // 20)
     ticks = list(range(0, len(tokens), step))
     ax.set_yticks(ticks, [tick_label(tokens[i]) for i in ticks], fontsize=7)

@@ -1,0 +1,79 @@
+"""Per layer and head, what the sinks hold on calibration text: the mean sink term (over
+non-sink queries), the mean sink key and value, and the attention paid to the sinks (the
+second pass of :func:`~massive_lens.interventions.calibrate`)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from massive_lens.attention.sinks import sink_term
+from massive_lens.core.model_view import ModelView
+from massive_lens.interventions.access import attention_access
+
+
+def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mask: Bool[Tensor, "seq pos"],
+               attn_layers: tuple[int, ...], bar: Any) -> dict[str, Tensor]:
+    """Mean sink term (non-sink queries), sink key and value, and attention to the sinks, per
+    layer and head. Read in whatever order the bridge fires the hooks; a quantity whose hooks
+    the bridge does not give per head (see :mod:`~massive_lens.interventions.access`) is NaN."""
+    access = attention_access(model)
+    sums: dict[tuple[str, int], Tensor] = {}
+    counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
+    held: dict[tuple[str, int], Tensor] = {}
+
+    def add(key: str, layer: int, value: Tensor) -> None:
+        value = value.double().cpu()
+        sums[key, layer] = sums[key, layer] + value if (key, layer) in sums else value
+
+    def on_act(act: Tensor, hook: Any, layer: int, kind: str, sinks: Tensor) -> None:
+        sinks = sinks.to(act.device)
+        queries = (~sinks).double()
+        if kind == "pattern":
+            add("mass", layer, torch.einsum("bhqk,bk,bq->h", act.double(), sinks.double(), queries))
+        elif kind in ("k", "v"):
+            add(kind, layer, torch.einsum("bkhd,bk->hd", act.double(), sinks.double()))
+        if kind in ("pattern", "v"):
+            held[kind, layer] = act
+        if ("pattern", layer) in held and ("v", layer) in held:
+            term = sink_term(held.pop(("pattern", layer)), held.pop(("v", layer)), sinks)
+            add("z", layer, torch.einsum("bqhd,bq->hd", term.double(), queries))
+
+    for start, chunk in chunks:
+        sinks = mask[start:start + len(chunk)]
+        counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
+        hooks = []
+        for layer in attn_layers:
+            a = access[layer]
+            per_head = a.per_head("v")  # else (latent attention) neither keys nor values are per head
+            reads = {"pattern": "pattern" if a.fires("pattern") else None,
+                     "v": "v" if per_head else None, "k": a.key_hook if per_head else None}
+            hooks += [(view.hook_name(layer, f"attn.hook_{hook}"), partial(on_act, layer=layer, kind=kind, sinks=sinks))
+                      for kind, hook in reads.items() if hook is not None]
+        if hooks:
+            view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(attn_layers[-1], "resid_post"))
+        held.clear()
+        bar.update()
+    scale = {"z": counts[0], "mass": counts[0], "k": counts[1], "v": counts[1]}
+    shapes = _shapes(model, {key: t.shape for (key, _), t in sums.items()})
+    out = {}
+    for key in ("z", "k", "v", "mass"):
+        stacked = torch.zeros(view.n_layers, *shapes[key], dtype=torch.float64)
+        for layer in attn_layers:
+            stacked[layer] = sums[key, layer] / scale[key].clamp(min=1) if (key, layer) in sums else float("nan")
+        out["sink_" + key] = stacked.float()
+    return out
+
+
+def _shapes(model: Any, seen: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The per-layer shape of each sink quantity: as measured, else from the other quantities
+    or the model's config (that quantity is then NaN)."""
+    cfg = model.cfg
+    heads = seen["mass"][0] if "mass" in seen else int(cfg.n_heads)
+    kv = seen.get("v") or seen.get("k") or (int(getattr(cfg, "n_key_value_heads", None) or heads), int(cfg.d_head))
+    return {"mass": (heads,), "k": seen.get("k") or kv, "v": seen.get("v") or kv,
+            "z": seen.get("z") or (heads, kv[-1])}
