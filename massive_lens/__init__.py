@@ -6,7 +6,7 @@ The public API, one line per task (every result has ``.to_frame()``, ``.summary(
 - load: :func:`load_model`, :func:`tiny_model`
 - find: :class:`Criterion`, :func:`find_massive`, :func:`layer_profile`, :func:`scan_corpus`
 - trace: :func:`trace_origin`
-- attention: :func:`sink_attention`, :func:`decompose_attention`
+- attention: :func:`sink_attention`, :func:`decompose_attention`, :func:`sink_census`
 - intervene and evaluate: :func:`perplexity`, :func:`run_interventions`, :func:`calibrate`
   (the interventions themselves live in :mod:`massive_lens.interventions`)
 - quantize and train: :func:`measure_outliers`, :func:`train_model`, :func:`compare_variants`
@@ -31,7 +31,7 @@ A tiny random model with a planted massive activation (the BOS token's embedding
 import sys as _sys
 
 try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends with one line like the rest
-    from massive_lens.attention import decompose_attention, sink_attention
+    from massive_lens.attention import decompose_attention, sink_attention, sink_census
     from massive_lens.core.corpora import default_text
     from massive_lens.core.criterion import Criterion
     from massive_lens.core.restore import load
@@ -70,6 +70,7 @@ __all__ = [
     "run_interventions",
     "scan_corpus",
     "sink_attention",
+    "sink_census",
     "tiny_model",
     "trace_origin",
     "train_model",

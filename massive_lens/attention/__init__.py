@@ -40,8 +40,10 @@ Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 :mod:`~massive_lens.attention.decompose` (``decompose_attention``).
 """
 
+from massive_lens.attention.census import SinkCensus, sink_census
 from massive_lens.attention.decompose import AttentionDecomposition, decompose_attention
 from massive_lens.attention.mass import SinkAttention, sink_attention
 from massive_lens.attention.sinks import find_sinks
 
-__all__ = ["AttentionDecomposition", "SinkAttention", "decompose_attention", "find_sinks", "sink_attention"]
+__all__ = ["AttentionDecomposition", "SinkAttention", "SinkCensus", "decompose_attention", "find_sinks", "sink_attention",
+           "sink_census"]
