@@ -84,3 +84,12 @@ def test_no_internal_import_inside_a_function(tmp_path):
     pkg.mkdir()
     (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n    return g\n")
     assert imports_in_functions(pkg) == ["pkg/a.py:2 pkg.b"]
+
+
+def test_the_standalone_gpu_script_uses_the_criterion_defaults():
+    """scripts/gpu_scratch.py runs without massive_lens, so it repeats Criterion's thresholds: equal."""
+    tree = ast.parse((PACKAGE.parent / "scripts" / "gpu_scratch.py").read_text(encoding="utf-8"))
+    found = next(ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "(ABS, RATIO)")
+    default = massive_lens.Criterion()
+    assert found == (default.abs_threshold, default.ratio_threshold)

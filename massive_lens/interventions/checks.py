@@ -92,7 +92,7 @@ class Record:
         return pd.DataFrame(rows, columns=["kind", "dim", "layer", "value"])
 
 
-CHECK_COLUMNS = ["kind", "dim", "layer", "without", "with", "kept"]
+DOWNSTREAM_COLUMNS = ["kind", "dim", "layer", "without", "with", "kept"]
 
 
 def downstream(without: Record, with_: Record) -> pd.DataFrame:
@@ -108,11 +108,11 @@ def downstream(without: Record, with_: Record) -> pd.DataFrame:
     """
     base, mine = without.frame(), with_.frame()
     if base.empty or mine.empty:
-        return pd.DataFrame(columns=CHECK_COLUMNS)
+        return pd.DataFrame(columns=DOWNSTREAM_COLUMNS)
     frame = base.merge(mine, on=["kind", "dim", "layer"], suffixes=("_without", "_with"))
     frame = frame.rename(columns={"value_without": "without", "value_with": "with"})
     frame["kept"] = frame["with"] / frame["without"].where(frame["without"] != 0)
-    return frame[CHECK_COLUMNS].reset_index(drop=True)
+    return frame[DOWNSTREAM_COLUMNS].reset_index(drop=True)
 
 
 def reading(checks: pd.DataFrame, *, label: str, first_layer: dict[int, int], massive_layers: dict[int, set[int]],

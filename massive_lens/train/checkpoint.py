@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import threading
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from massive_lens.errors import MassiveLensError
 
+log = logging.getLogger(__name__)
 CKPT = "checkpoint.safetensors"
 LEGACY = "checkpoint.pt"  # the pickled format of older versions: refused, see convert_checkpoint
 META_KEY = "massive_lens_checkpoint"
@@ -126,6 +128,43 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, config: dict, step: i
     _atomic(out / "log.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
     summary = dict(config=config, step=step, last=history[-1] if history else None)
     _atomic(out / "run.json", lambda p: Path(p).write_text(json.dumps(summary, indent=1)))
+
+
+def resume_from(path: Path, model: Any, optimizer: Any, config: dict, defaults: dict) -> tuple[int, list]:
+    """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; ``(step, history)``.
+
+    ``config`` is the run's configuration as a dict and ``defaults`` the configuration's
+    defaults (fields added since the checkpoint was written take them). A checkpoint made with
+    another configuration (beyond ``steps``, and the device) is a :class:`MassiveLensError`.
+    """
+    state = read_checkpoint(path, map_location=next(model.parameters()).device)
+
+    def key(train: dict, model_cfg: dict) -> tuple:
+        rest = {k: v for k, v in train.items() if k not in ("steps", "model")}
+        return rest, {k: v for k, v in model_cfg.items() if k != "device"}
+
+    if key({**defaults, **state["config"]}, state["model_cfg"]) != key(config, model.cfg.to_dict()):
+        raise MassiveLensError(f"the checkpoint in {path.parent} was made with another configuration; use a "
+                               "new out_dir or resume=False")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    log.info("resuming from step %d (%s)", state["step"], path)
+    return int(state["step"]), list(state["history"])
+
+
+def save_interrupted(out: Path, model: Any, optimizer: Any, config: dict, start: int,
+                     applied_at_start: int | None, history: list) -> None:
+    """On Ctrl-C: save the state labelled with the updates the optimizer really applied
+    (history rows of later steps than that are dropped); nothing when no update was applied
+    since the start, or when an update stopped half-way (the last checkpoint stays)."""
+    applied = updates_applied(optimizer)
+    if applied is None or applied_at_start is None:
+        log.warning("interrupted inside an optimizer update; keeping the last checkpoint in %s", out)
+        return
+    done = start + applied - applied_at_start
+    if done > start:
+        log.warning("interrupted after step %d; saving a checkpoint in %s", done, out)
+        save_checkpoint(out, model, optimizer, config, done, [h for h in history if h["step"] <= done])
 
 
 def convert_checkpoint(out_dir: str | os.PathLike) -> Path:

@@ -49,7 +49,9 @@ from massive_lens.train.checkpoint import (
     LEGACY,
     interrupt_after,
     read_checkpoint,
+    resume_from,
     save_checkpoint,
+    save_interrupted,
     updates_applied,
 )
 from massive_lens.train.data import (
@@ -195,76 +197,111 @@ def train_model(
     rank, world, dev = _setup_distributed(device)
     tokenizer = get_tokenizer(cfg.tokenizer)
     stream = token_stream(cfg.data, tokenizer, cfg.max_chars)  # before the model: bad data fails fast
+    model, optimizer = _build(cfg, tokenizer, dev)
+    start, history = 0, []
+    if out is not None and resume and ((out / CKPT).is_file() or (out / LEGACY).is_file()):
+        start, history = resume_from(out / CKPT, model, optimizer, cfg.to_dict(), TrainConfig().to_dict())
+    train, val = _split(cfg, stream, model.cfg.n_ctx, world)
+    loop = _Loop(cfg, model, optimizer, _wrap_ddp(model, world, dev), train, start_token(tokenizer, cfg.prepend_bos),
+                 _autocast(cfg, dev), rank, world, dev)
+    stop = min(cfg.steps, until_step if until_step is not None else cfg.steps)
+    bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
+    applied_at_start = updates_applied(optimizer)  # the checkpointed step is read from the optimizer
+    try:
+        for step in range(start, stop):
+            loop.step(step, history, val, stop, bar)
+            if out is not None and rank == 0 and (step + 1 == stop or (step + 1) % cfg.ckpt_every == 0):
+                save_checkpoint(out, model, optimizer, cfg.to_dict(), step + 1, history)
+    except KeyboardInterrupt:
+        if out is not None and rank == 0:
+            save_interrupted(out, model, optimizer, cfg.to_dict(), start, applied_at_start, history)
+        raise
+    finally:
+        bar.close()
+    model.eval()
+    return TrainRun(model, cfg, history, max(stop, start), None if out is None else str(out))
+
+
+@dataclass
+class _Loop:
+    """One training step at a time: the batch, the micro-batches' forward and backward passes
+    (DDP-synchronised on the last), clipping, the update, and the history row when one is due."""
+
+    cfg: TrainConfig
+    model: MassiveLM
+    optimizer: Any
+    wrapped: Any
+    train: Stream
+    bos: int | None
+    amp: Any
+    rank: int
+    world: int
+    dev: torch.device
+    t0: float = field(default_factory=time.perf_counter)
+    tokens_seen: int = 0
+
+    def step(self, step: int, history: list, val: Stream, stop: int, bar: Any) -> None:
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        batch = sample_batch(self.train, cfg.batch_size, self.model.cfg.n_ctx, self.bos, cfg.seed, step)
+        loss_sum = self._gradients(batch)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        with interrupt_after():  # a Ctrl-C here waits until the update is whole
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_seen += batch.numel()
+        bar.update(1)
+        done = step + 1
+        if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == stop:
+            val_loss = _evaluate(self.model, val, cfg, self.bos, self.amp) if _due(done, cfg, stop) else math.nan
+            elapsed = time.perf_counter() - self.t0
+            history.append(dict(step=done, tokens=done * batch.numel(), loss=_mean(loss_sum, self.world),
+                                val_loss=val_loss, lr=lr_at(cfg, step), grad_norm=float(grad_norm),
+                                tokens_per_s=self.tokens_seen / elapsed, elapsed_s=elapsed))
+
+    def _gradients(self, batch: Tensor) -> Tensor:
+        """Accumulate the gradients of the batch's micro-batches; their summed loss."""
+        cfg, micro = self.cfg, self.cfg.batch_size // self.cfg.grad_accum
+        loss_sum = torch.zeros((), device=self.dev)
+        for i in range(cfg.grad_accum):
+            rows = batch[i * micro : (i + 1) * micro][self.rank :: self.world].to(self.dev)
+            last = i == cfg.grad_accum - 1
+            sync = contextlib.nullcontext() if last or self.world == 1 else self.wrapped.no_sync()
+            with sync, self.amp:
+                loss = self.wrapped(rows, return_type="loss") / cfg.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+
+def _build(cfg: TrainConfig, tokenizer: Any, dev: torch.device) -> tuple[MassiveLM, Any]:
+    """The model, initialised from the run's seed (the global RNG left as it was), and its optimizer."""
     model = MassiveLM(_model_config(cfg, tokenizer, dev), tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model._init_weights()
     model.to(dev)
-    optimizer = make_optimizer(model, cfg)
-    start, history = 0, []
-    if out is not None and resume and ((out / CKPT).is_file() or (out / LEGACY).is_file()):
-        start, history = _load_checkpoint(out / CKPT, model, optimizer, cfg)
-    n_ctx = model.cfg.n_ctx
+    return model, make_optimizer(model, cfg)
+
+
+def _split(cfg: TrainConfig, stream: Stream, n_ctx: int, world: int) -> tuple[Stream, Stream]:
+    """Training and held-out streams; data too short for the context is an error."""
     train, val = split_held_out(stream, n_ctx, cfg.val_fraction)
     if len(train) < 2 * n_ctx:
         raise MassiveLensError(
             f"the data {cfg.data!r} has {len(stream)} tokens, too few for n_ctx={n_ctx}; "
             "give more text or a smaller n_ctx"
         )
-    bos = start_token(tokenizer, cfg.prepend_bos)
-    wrapped = _wrap_ddp(model, world, dev)
-    amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if cfg.amp and dev.type == "cuda"
+    if (cfg.batch_size // cfg.grad_accum) % world:
+        raise MassiveLensError(f"micro-batch {cfg.batch_size // cfg.grad_accum} is not divisible by {world} DDP ranks")
+    return train, val
+
+
+def _autocast(cfg: TrainConfig, dev: torch.device) -> Any:
+    """bf16 autocast on a GPU when the config asks for it; nothing otherwise."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if cfg.amp and dev.type == "cuda" \
         else contextlib.nullcontext()
-    )
-    stop = min(cfg.steps, until_step if until_step is not None else cfg.steps)
-    micro = cfg.batch_size // cfg.grad_accum
-    if micro % world:
-        raise MassiveLensError(f"micro-batch {micro} is not divisible by {world} DDP ranks")
-    bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
-    t0, tokens_seen = time.perf_counter(), 0
-    applied_at_start = updates_applied(optimizer)  # the checkpointed step is read from the optimizer
-    try:
-        for step in range(start, stop):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(cfg, step)
-            batch = sample_batch(train, cfg.batch_size, n_ctx, bos, cfg.seed, step)
-            loss_sum = torch.zeros((), device=dev)
-            for i in range(cfg.grad_accum):
-                rows = batch[i * micro : (i + 1) * micro][rank::world].to(dev)
-                last = i == cfg.grad_accum - 1
-                sync = contextlib.nullcontext() if last or world == 1 else wrapped.no_sync()
-                with sync, amp:
-                    loss = wrapped(rows, return_type="loss") / cfg.grad_accum
-                loss.backward()
-                loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            with interrupt_after():  # a Ctrl-C here waits until the update is whole
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            tokens_seen += batch.numel()
-            bar.update(1)
-            done = step + 1
-            if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == stop:
-                val_loss = _evaluate(model, val, cfg, bos, amp) if _due(done, cfg, stop) else math.nan
-                elapsed = time.perf_counter() - t0
-                history.append(dict(
-                    step=done, tokens=done * batch.numel(), loss=_mean(loss_sum, world),
-                    val_loss=val_loss, lr=lr_at(cfg, step), grad_norm=float(grad_norm),
-                    tokens_per_s=tokens_seen / elapsed, elapsed_s=elapsed,
-                ))
-                bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
-            if out is not None and rank == 0 and (done % cfg.ckpt_every == 0 or done == stop):
-                save_checkpoint(out, model, optimizer, cfg.to_dict(), done, history)
-    except KeyboardInterrupt:
-        if out is not None and rank == 0:
-            _save_interrupted(out, model, optimizer, cfg, start, applied_at_start, history)
-        raise
-    finally:
-        bar.close()
-    model.eval()
-    return TrainRun(model, cfg, history, max(stop, start), None if out is None else str(out))
 
 
 def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM:
@@ -344,39 +381,6 @@ def _wrap_ddp(model: MassiveLM, world: int, dev: torch.device) -> Any:
     if world == 1:
         return model
     return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-
-
-def _save_interrupted(out: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig, start: int,
-                      applied_at_start: int | None, history: list) -> None:
-    """On Ctrl-C: save the state labelled with the updates the optimizer really applied
-    (history rows of later steps than that are dropped); nothing when no update was applied
-    since the start, or when an update stopped half-way (the last checkpoint stays)."""
-    applied = updates_applied(optimizer)
-    if applied is None or applied_at_start is None:
-        log.warning("interrupted inside an optimizer update; keeping the last checkpoint in %s", out)
-        return
-    done = start + applied - applied_at_start
-    if done > start:
-        log.warning("interrupted after step %d; saving a checkpoint in %s", done, out)
-        save_checkpoint(out, model, optimizer, cfg.to_dict(), done, [h for h in history if h["step"] <= done])
-
-
-def _load_checkpoint(path: Path, model: MassiveLM, optimizer: Any, cfg: TrainConfig) -> tuple[int, list]:
-    state = read_checkpoint(path, map_location=model.W_E.device)
-    def key(train: dict, model_cfg: dict) -> tuple:
-        rest = {k: v for k, v in train.items() if k not in ("steps", "model")}
-        return rest, {k: v for k, v in model_cfg.items() if k != "device"}
-
-    saved = {**TrainConfig().to_dict(), **state["config"]}  # fields added since get their defaults
-    if key(saved, state["model_cfg"]) != key(cfg.to_dict(), model.cfg.to_dict()):
-        raise MassiveLensError(
-            f"the checkpoint in {path.parent} was made with another configuration; use a "
-            "new out_dir or resume=False"
-        )
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    log.info("resuming from step %d (%s)", state["step"], path)
-    return int(state["step"]), list(state["history"])
 
 
 def run_and_exit(preset: str, out_dir: str, overrides: dict[str, Any]) -> None:

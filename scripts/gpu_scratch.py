@@ -12,12 +12,12 @@ token, and the kurtosis of the residual stream. Results go to ``OUT/scratch.json
 Data: a token file written beforehand on any machine, from offline text (the installed
 Python sources and docs), e.g.::
 
-    python -m massive_lens.train.gpu_scratch corpus runs/pycorpus.txt --max-chars 80000000
+    python3 scripts/gpu_scratch.py corpus runs/pycorpus.txt --max-chars 80000000
     massive-lens tokenize runs/pycorpus.txt shared/pytokens.bin --tokenizer default
 
 (~25M SmolLM2 tokens, uint16, about 50 MB with its ``.json``). On the GPU machine::
 
-    python3 massive_lens/train/gpu_scratch.py train shared/pytokens.bin --out $OUT --budget-s 540
+    python3 scripts/gpu_scratch.py train shared/pytokens.bin --out $OUT --budget-s 540
 
 The massive-activation criterion is Sun et al.'s: ``|value| > 100`` and ``> 1000`` times the
 median of the layer's ``|residual|``.
@@ -48,7 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ABS, RATIO = 100.0, 1000.0  # Sun et al.'s criterion for a massive activation
+# Sun et al.'s criterion for a massive activation: massive_lens's Criterion defaults, repeated because
+# this script runs where massive_lens is not installed (tests/test_layout.py keeps the two equal)
+ABS, RATIO = 100.0, 1000.0
 
 
 class Block(nn.Module):
@@ -167,6 +169,8 @@ def read_tokens(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     """A token file and its vocabulary size (from the ``.json`` written beside it)."""
     path = Path(path)
     meta = json.loads(path.with_suffix(".json").read_text())
+    if meta.get("dtype") not in ("uint16", "uint32"):  # never a dtype the file's description picks freely
+        raise SystemExit(f"{path}: a token file holds uint16 or uint32 ids, its description says {meta.get('dtype')!r}")
     return np.memmap(path, dtype=meta["dtype"], mode="r"), int(meta["vocab_size"])
 
 
