@@ -210,12 +210,23 @@ def figures(merged: Retrofit, frame: pd.DataFrame, out: Path = FIGURES) -> None:
     plt.close(fig)
 
 
+def reference(folder: Path = RUNS.parent / "untouched") -> str:
+    """One line on the untouched model, measured as the runs are (one measurement, no interval)."""
+    if not (folder / "lowbit").is_dir():
+        return "The untouched model has not been measured yet."
+    report, grid = massive_lens.load(folder / "outliers"), massive_lens.load(folder / "lowbit")
+    gaps = ", ".join(f"{k} {fmt(v)}" for k, v in grid.gaps().items())
+    return (f"The untouched model (no removal, no fine-tuning) on the same windows: loss {fmt(grid.fp_loss)}; "
+            f"W8A8 gap (static per-tensor activations) {fmt(report.gap)}; mean kurtosis "
+            f"{fmt(report.totals['mean_kurtosis'])}; per-token grid gaps: {gaps} (nats).")
+
+
 def blocks(folder: Path = RUNS) -> dict[str, str]:
     """The page's generated blocks, by name, from the run folders."""
     merged, frame = load_runs(folder)
     diffs = differences(frame)
     return dict(answer=answer(diffs, frame), runs=runs_table(frame), curves=curve_table(merged),
-                end=end_table(frame), differences=diff_table(diffs))
+                end=end_table(frame), reference=reference(folder.parent / "untouched"), differences=diff_table(diffs))
 
 
 def fill(page: str, generated: dict[str, str]) -> str:
