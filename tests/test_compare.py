@@ -40,10 +40,13 @@ def test_one_column_per_model(compared):
 
 def test_massive_activations_side_by_side(compared):
     _, md = compared
-    assert _row(md, "massive dims, largest first") == ["7", "none"]
+    assert _row(md, "their dims, largest first") == ["7", "none"]
+    assert _row(md, "token-specific massive (position, dim) pairs in the text")[1] == "0"
+    assert ", layer " in _row(md, r"largest \|value\| (x median), at layer")[0]
+    assert _row(md, "outlier dimensions (massive at most tokens of a layer), listed apart") == ["none", "none"]
     kinds = _row(md, "token kinds (pairs)")
     assert kinds[0].startswith("bos") and kinds[1] == "none"
-    assert _row(md, "layers where massive")[0].startswith("1-")
+    assert _row(md, "layers where massive (any scope)")[0].startswith("1-")
     assert "dim 7 at bos: 100%" in _row(md, "over the corpus: dim at token kind, share of sequences")[0]
 
 
@@ -62,6 +65,17 @@ def test_interventions_side_by_side(compared):
     assert zero[0].startswith("x") and zero[1] == "-"  # qwen2's calibration text has nothing massive
     assert all(cell.startswith("x") for cell in _row(md, "sink_term_mean"))
     assert "tiny-qwen2: No massive activations in the calibration text" in md
+    assert "zero_every" in md and "every-layer row was not needed" in md  # what each setting does, and the '-'
+
+
+def test_rebuilt_rows_are_marked_in_the_ratio_cells():
+    import pandas as pd
+
+    from massive_lens.report.compare_cells import REBUILT_MARK, _ratio
+
+    frame = pd.DataFrame(dict(setting=["zero", "mean"], ratio=[1.106, 1.0], ratio_low=[1.05, 0.99],
+                              ratio_high=[1.2, 1.01], rebuilt=[True, False]))
+    assert _ratio(frame, "zero").endswith(REBUILT_MARK) and REBUILT_MARK not in _ratio(frame, "mean")
 
 
 def test_profiles_overlaid_and_page_self_contained(compared):

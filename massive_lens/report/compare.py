@@ -31,14 +31,33 @@ from tqdm.auto import tqdm
 
 from massive_lens.core.budget import weight_bytes
 from massive_lens.core.corpora import Corpus
-from massive_lens.core.fmt import num, pct, ratio, short
+from massive_lens.core.fmt import pct, short
 from massive_lens.core.outputs import check_out_dir
 from massive_lens.detect import CorpusScan, MassiveActivations, find_massive
+from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
-from massive_lens.interventions import InterventionTable
-from massive_lens.models import load_model
+from massive_lens.interventions import REGISTRY, InterventionTable
+from massive_lens.models.load import load_model
 from massive_lens.origin import OriginTrace
 from massive_lens.report import sections as sec
+from massive_lens.report.compare_cells import MISSING as _MISSING
+from massive_lens.report.compare_cells import (
+    REBUILT_MARK,
+    _attribution,
+    _births,
+    _counts,
+    _entry,
+    _largest,
+    _layers,
+    _listed,
+    _neurons,
+    _original,
+    _peak,
+    _ratio,
+    _super_weights,
+    _token,
+    _unique_names,
+)
 from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
 from massive_lens.report.write import check_inputs, settings_for
@@ -48,7 +67,6 @@ INTRO = ("Massive activations (Sun et al., 2024): residual values above 100 and 
          "median of their hidden state. This page runs the same analyses on several models and puts "
          "them side by side, one column per model: where the massive activations sit, where the "
          "largest one is born, and what removing them costs.")
-_MISSING = "-"
 
 
 @dataclass
@@ -139,7 +157,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     with PeakMemory() as peak:
         for item in tqdm(models, desc="compare", disable=not progress, unit="model"):
             model = load_model(item, device=device, dtype=dtype)
-            results.append(analyse(model, text, corpus, settings, calibration))
+            results.append(analyse(model, text, corpus, settings, calibration, progress=progress))
             del model  # a model loaded here is released before the next one is loaded
         _unique_names(results)
         sections = [_models(results, text), _massive(results), _origin(results), _interventions(results),
@@ -161,9 +179,11 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     return page
 
 
-def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings, calibration: Corpus = None) -> ModelResults:
+def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings, calibration: Corpus = None,
+            progress: bool = False) -> ModelResults:
     """The analyses behind one column of the comparison, each through the report's own helpers
-    (the trace is not verified: the page compares stories, the single-model report checks them)."""
+    (the trace is not verified: the page compares stories, the single-model report checks them),
+    with a progress bar over them (and the intervention table's own bar inside it)."""
     start = time.perf_counter()
     inputs = sec.Inputs(model, text, corpus, settings, calibration)
     view = inputs.view
@@ -181,17 +201,23 @@ def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings, calib
     }
     r = ModelResults(view.name, facts, view.n_layers, weight_bytes=weight_bytes(model))
 
+    bar = tqdm(total=4, desc=r.name, disable=not progress, unit="analysis", leave=False)
+
     def attempt(what: str, fn: Any) -> Any:
+        bar.set_postfix_str(what)
         try:
             return fn()
         except MassiveLensError as exc:
             r.notes.append((what, f"{r.name}: {what} did not run: {exc}"))
             return None
+        finally:
+            bar.update()
 
     r.found = attempt("find_massive", lambda: find_massive(model, text))
     r.scan = attempt("scan_corpus", lambda: sec.corpus_scan(inputs))
     r.trace = attempt("trace_origin", lambda: sec.trace_top(inputs, r.found, verify=False))
-    table = attempt("interventions", lambda: sec.intervention_table(inputs))
+    table = attempt("interventions", lambda: sec.intervention_table(inputs, progress=progress))
+    bar.close()
     if table is not None:
         r.table, note = table
         if note:
@@ -238,15 +264,19 @@ def _models(results: list[ModelResults], text: str) -> Section:
 def _massive(results: list[ModelResults]) -> Section:
     s = Section("Massive activations")
     rows = [
-        ("massive (position, dim) pairs in the text", lambda r: len(r.found.by_dim())),
-        ("massive dims, largest first", lambda r: _listed(r.found.by_dim().dim.drop_duplicates().tolist())),
-        ("token kinds (pairs)", lambda r: _counts(r.found.by_dim().token_kind)),
-        ("tokens", lambda r: _listed([repr(short(t, 20)) for t in r.found.by_dim().token.drop_duplicates()], 4)),
-        ("layers where massive", lambda r: _layers(r.found.layers, r.n_layers)),
-        ("largest |value| (x median)", lambda r: _largest(r.found.by_dim())),
+        ("token-specific massive (position, dim) pairs in the text", lambda r: len(_token(r))),
+        ("their dims, largest first", lambda r: _listed(_token(r).dim.drop_duplicates().tolist())),
+        ("token kinds (pairs)", lambda r: _counts(_token(r).token_kind)),
+        ("tokens", lambda r: _listed([repr(short(t, 20)) for t in _token(r).token.drop_duplicates()], 4)),
+        ("largest |value| (x median), at layer", lambda r: _largest(_token(r))),
+        ("layers where massive (any scope)", lambda r: _layers(r.found.layers, r.n_layers)),
+        ("outlier dimensions (massive at most tokens of a layer), listed apart",
+         lambda r: "; ".join(f"dim {o.dim} at {pct(o.share)} of tokens in {layer_span(o.layers)}"
+                             for o in r.found.outlier_dims().head(3).itertuples()) or "none"),
         ("over the corpus: dim at token kind, share of sequences",
          lambda r: "; ".join(f"dim {f.dim} at {f.token_kind}: {pct(f.frequency)}"
-                             for f in r.scan.frequency.head(4).itertuples()) or "none"),
+                             for f in r.scan.frequency[r.scan.frequency.scope == "token"].head(4).itertuples())
+         or "none"),
         ("corpus: sequences, tokens", lambda r: f"{r.scan.n_sequences}, {r.scan.n_tokens:,}"),
     ]
     s.table(_side_by_side(results, rows), "one column per model (from find_massive on the text and scan_corpus)")
@@ -284,10 +314,13 @@ def _interventions(results: list[ModelResults]) -> Section:
         rows += [(name, lambda r, name=name: _ratio(r.table.to_frame(), name)) for name in settings
                  if name != "original"]
         s.table(_side_by_side(results, rows), "perplexity ratio to the untouched model [95% bootstrap interval] "
-                "per setting (run_interventions on each model's own tokens of the same corpus)", max_rows=60)
-        first = next(r for r in results if r.table is not None).table.to_frame()
-        if "description" in first:
-            s.table(first[["setting", "description"]], "what each setting does", max_rows=60)
+                f"per setting (run_interventions on each model's own tokens of the same corpus); {REBUILT_MARK}: the "
+                "model rebuilt the removed activation downstream, so the ratio does not measure a removal",
+                max_rows=60)
+        s.table(pd.DataFrame([(name, REGISTRY[name].description) for name in settings if name in REGISTRY],
+                             columns=["setting", "description"]), "what each setting does", max_rows=60)
+        s.text(sec.EVERY_TEXT + f" A {_MISSING} in its row means that model's first-layer removal held, so the "
+               "every-layer row was not needed.")
     _notes(s, results, "interventions")
     return s
 
@@ -300,90 +333,3 @@ def _summaries(results: list[ModelResults]) -> Section:
             if result is not None:
                 s.pre(result.summary())
     return s
-
-
-# --------------------------------------------------------------------------- cells
-
-
-def _listed(items: list[Any], limit: int = 6) -> str:
-    head = ", ".join(str(i) for i in items[:limit])
-    return head + (f" (+{len(items) - limit} more)" if len(items) > limit else "") if items else "none"
-
-
-def _counts(column: pd.Series) -> str:
-    counts = column.value_counts()
-    return ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
-
-
-def _layers(layers: Sequence[int], n_layers: int) -> str:
-    return f"{min(layers)}-{max(layers)} of 0-{n_layers - 1}" if layers else "none"
-
-
-def _largest(rows: pd.DataFrame) -> str | None:
-    if rows.empty:
-        return "none"
-    top = rows.loc[rows.value.abs().idxmax()]
-    return f"{num(top.value)} ({num(top.ratio)}x), dim {top.dim} at {short(top.token, 20)!r}"
-
-
-def _entry(t: Any) -> str:
-    kind = f"{t.token_kind}, " if "token_kind" in t else ""
-    return f"dim {t.dim} at {short(t.token, 20)!r} ({kind}pos {t.pos})" + ("" if t.massive else ", not massive")
-
-
-def _peak(t: Any) -> str:
-    return f"{num(t.peak)} (layer {t.peak_layer}), {num(t.final)}"
-
-
-def _of_target(frame: pd.DataFrame, t: Any) -> pd.DataFrame:
-    return frame[(frame.pos == t.pos) & (frame.dim == t.dim)]
-
-
-def _births(trace: OriginTrace) -> str:
-    births = _of_target(trace.births, trace.targets.iloc[0])
-    return "; ".join(f"{b.component} {b.layer}: {'+' if b.contribution >= 0 else ''}{num(b.contribution)}"
-                     for b in births.itertuples()) or "none"
-
-
-def _neurons(trace: OriginTrace) -> str:
-    t = trace.targets.iloc[0]
-    neurons = _of_target(trace.neurons, t)
-    neurons = neurons[neurons.kind == "birth"] if "kind" in neurons else neurons
-    parts = [f"MLP {layer}: " + ", ".join(f"{n.neuron} ({pct(n.share)})" for n in group.head(3).itertuples())
-             for layer, group in neurons.groupby("layer", sort=True)]
-    return "; ".join(parts) or "none"
-
-
-def _super_weights(trace: OriginTrace) -> str:
-    weights = _of_target(trace.super_weights, trace.targets.iloc[0])
-    weights = weights.reindex(weights.zscore.abs().sort_values(ascending=False).index).head(2)
-    return "; ".join(f"{w.hf_param}[{w.hf_row}, {w.hf_col}] = {num(w.value)} (z = {num(w.zscore)})"
-                     for w in weights.itertuples()) or "none"
-
-
-def _attribution(trace: OriginTrace) -> str:
-    frame = _of_target(trace.attribution, trace.targets.iloc[0])
-    frame = frame[frame.target == "peak"] if "target" in frame else frame
-    frame = frame.reindex(frame.share.abs().sort_values(ascending=False).index)
-    return ", ".join(f"{a.label} {pct(a.share)}" for a in frame.head(5).itertuples()) or "none"
-
-
-def _original(frame: pd.DataFrame) -> str:
-    rows = frame[frame.setting == "original"]
-    return num(float(rows.perplexity.iloc[0])) if not rows.empty else _MISSING
-
-
-def _ratio(frame: pd.DataFrame, setting: str) -> str:
-    rows = frame[frame.setting == setting]
-    if rows.empty:
-        return _MISSING
-    r = rows.iloc[0]
-    return f"x{ratio(r.ratio)} [{ratio(r.ratio_low)}, {ratio(r.ratio_high)}]"
-
-
-def _unique_names(results: list[ModelResults]) -> None:
-    seen: dict[str, int] = {}
-    for r in results:
-        seen[r.name] = seen.get(r.name, 0) + 1
-        if seen[r.name] > 1:
-            r.name = f"{r.name} ({seen[r.name]})"

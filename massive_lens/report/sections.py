@@ -242,18 +242,18 @@ def trace_top(inputs: Inputs, found: MassiveActivations | None, verify: bool) ->
     return trace_origin(inputs.model, inputs.text, dim=int(top.dim), pos=int(top.pos), verify=verify, corpus=corpus)
 
 
-def intervention_table(inputs: Inputs) -> tuple[InterventionTable, str | None]:
+def intervention_table(inputs: Inputs, progress: bool = False) -> tuple[InterventionTable, str | None]:
     """Table 3 on the evaluation sequences, calibrated on the calibration sequences, and a note
     when the calibration text has no massive activations (only the sink settings then run)."""
     calib = calibrate(inputs.model, inputs.calib_tokens, seq_len=inputs.settings.seq_len,
-                      n_seqs=inputs.settings.calib_seqs, batch_size=inputs.batch_size, progress=False)
+                      n_seqs=inputs.settings.calib_seqs, batch_size=inputs.batch_size, progress=progress)
     settings, note = list(SETTINGS), None
     if not calib.dims:
         settings = [name for name in SETTINGS if not REGISTRY[name].needs_massive]
         note = ("No massive activations in the calibration text: only the sink interventions "
                 "(sinks fall back to the first token) are run.")
     table = run_interventions(inputs.model, inputs.eval_tokens, calibration=calib, settings=settings,
-                              batch_size=inputs.batch_size, progress=False)
+                              batch_size=inputs.batch_size, progress=progress)
     # the table names what the report really used: the file, and the calibration count
     return replace(table, corpus=describe(inputs.corpus), calibration_source=inputs.calib_source), note
 
