@@ -31,8 +31,10 @@ LAYOUT = """(() => {
                                      || t.getBoundingClientRect().width > W).map(name);
   const rows = Array.from(document.querySelectorAll('tr')).map(r => [r.getBoundingClientRect().height, name(r)]);
   const tallest = rows.reduce((a, b) => (b[0] > a[0] ? b : a), [0, '']);
-  const lines = e => { const r = document.createRange(); r.selectNodeContents(e);
-                       return new Set(Array.from(r.getClientRects()).map(c => Math.round(c.top))).size; };
+  const lines = e => {
+    const r = document.createRange(); r.selectNodeContents(e);
+    return new Set(Array.from(r.getClientRects()).map(c => Math.round(c.top))).size;
+  };
   const broken = Array.from(document.querySelectorAll('td.name')).filter(e => lines(e) > 1).map(name);
   return {W, window: window.innerWidth, page: document.documentElement.scrollWidth, past: past.slice(0, 10), clipped, tallest, broken,
           tables: tables.length};
