@@ -36,8 +36,8 @@ LAYOUT = """(() => {
     return new Set(Array.from(r.getClientRects()).map(c => Math.round(c.top))).size;
   };
   const broken = Array.from(document.querySelectorAll('td.name')).filter(e => lines(e) > 1).map(name);
-  return {W, window: window.innerWidth, page: document.documentElement.scrollWidth, past: past.slice(0, 10), clipped, tallest, broken,
-          tables: tables.length};
+  return {W, window: window.innerWidth, page: document.documentElement.scrollWidth, past: past.slice(0, 10),
+          clipped, tallest, broken, tables: tables.length};
 })()"""
 
 
