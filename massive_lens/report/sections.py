@@ -338,7 +338,11 @@ def quantize_section(inputs: Inputs, s: Section) -> None:
     report = measure_outliers(inputs.model, inputs.eval_tokens, calibration=inputs.calib_tokens)
     s.pre(report.summary())
     s.figure(report.plot(), "largest and median |activation| of each block output")
-    s.table(report.to_frame(), "per-layer outlier statistics")
+    s.table(report.to_frame(), "per-layer outlier statistics: max_inf_norm, the largest |activation| of the "
+            "block output; ratio, top-1 over the median; kurtosis, of the block output's values; "
+            "first_token_norm_ratio, the first token's residual norm over the median norm of the other tokens; "
+            "sink_share, the share of that layer's heads whose mean attention to the first token is above 0.3 "
+            "(Gu et al.'s sink metric, per layer)")
 
 
 def run_section(title: str, fn: Any, inputs: Inputs, *earlier: Any) -> tuple[Section, Any]:
