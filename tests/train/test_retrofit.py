@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pandas as pd
 import pytest
 import torch
@@ -22,7 +24,17 @@ from massive_lens.train.hf_attention import (
 )
 from massive_lens.train.model import lm_loss
 from massive_lens.train.retrofit import Retrofit, retrofit
-from massive_lens.train.retrofit_parts import analysis_bridge, parse_setting, tracked_eval
+from massive_lens.train.retrofit_cli import add_arguments, check_arguments
+from massive_lens.train.retrofit_cli import main as cli_main
+from massive_lens.train.retrofit_parts import (
+    SLOT_NOISE,
+    analysis_bridge,
+    load_retrofitted,
+    parse_setting,
+    save_retrofitted,
+    seed_slots,
+    tracked_eval,
+)
 
 VARIANTS = [VariantConfig("softmax"), VariantConfig("softmax1"), VariantConfig("softmax_n", n=3),
             VariantConfig("learned_sink"), VariantConfig("kv_bias"), VariantConfig("k_bias")]
@@ -118,7 +130,8 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
     with untouched(model):
         result = retrofit(model, ["softmax-kept", "softmax1-removed", "kv_bias-removed-held"], steps=6,
                           batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, data=TEXT, eval_data=TEXT,
-                          eval_every=3, eval_seqs=2, out_dir=tmp_path, progress=False, models=models)
+                          eval_every=3, eval_seqs=2, out_dir=tmp_path, progress=False, models=models,
+                          save_models=tmp_path / "models")
     assert result.dims == [SINK_DIM] and BIRTH in set(result.super_weights.neuron)
     start = result.layers[result.layers.step == 0].groupby("setting").dims_max.max()
     assert start["softmax-kept"] > 1000 > 10 * start["softmax1-removed"]  # removal took the planted value away
@@ -127,6 +140,9 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
     assert frame.loc["kv_bias-removed-held", "slot_mass"] > 0 == frame.loc["softmax-kept", "slot_mass"]
     assert frame["gap"].notna().all()
     assert variant_of(models["softmax1-removed/seed0"]) == "softmax1"
+    saved, _, meta = load_retrofitted(tmp_path / "models" / "kv_bias-removed-held_seed0")
+    assert meta["hold_start"] == int(result.super_weights.layer.min()) and meta["dims"] == [SINK_DIM]
+    assert variant_of(saved) == "kv_bias"
     loaded = load(tmp_path / "result")
     assert isinstance(loaded, Retrofit) and loaded.summary() == result.summary()
     parts = [Retrofit(result.model_name, *(f[f.setting == s] for f in (result.curves, result.layers, result.finals)),
@@ -151,3 +167,70 @@ def test_default_model_few_steps(default_model, tmp_path):
     first = result.layers[result.layers.step == 0].first_max.max()
     assert first < 0.1 * untouched_first, (first, untouched_first)
     assert (frame.val_loss < frame.val_loss_start).all()
+
+
+def test_a_seed_changes_the_slot_noise_and_nothing_else():
+    bridge = tiny_model("llama")
+    copies = {}
+    for key, seed in (("a", 0), ("b", 0), ("c", 1)):
+        hf = swap_attention(plain_copy(bridge), "learned_sink")  # starts at logit 0: no other randomness
+        before = {k: v.clone() for k, v in hf.state_dict().items() if "ml_variant" not in k}
+        seed_slots(hf, seed)
+        after = hf.state_dict()
+        assert all(torch.equal(v, after[k]) for k, v in before.items())  # only the slots move
+        slots = [p.detach().flatten() for m in attention_modules(hf) for p in m.ml_variant.parameters()]
+        copies[key] = torch.cat(slots)
+    assert torch.equal(copies["a"], copies["b"]) and not torch.allclose(copies["a"], copies["c"])
+    noise = copies["c"] - copies["a"]
+    assert 0.5 * SLOT_NOISE < float(noise.std()) < 3 * SLOT_NOISE
+
+
+def test_saved_model_reads_back_with_its_variant(tmp_path):
+    bridge = tiny_model("llama")
+    hf = swap_attention(plain_copy(bridge), "learned_sink")
+    seed_slots(hf, 3, scale=1.0)
+    tokens = torch.tensor([[256, 72, 105, 33, 44, 50, 51]])
+    folder = save_retrofitted(hf, tmp_path / "m", dict(setting="learned_sink-removed", seed=3), bridge.tokenizer)
+    assert not [f for f in folder.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".pkl", ".pickle")]
+    back, tokenizer, meta = load_retrofitted(folder)
+    assert meta == dict(setting="learned_sink-removed", seed=3, variant="learned_sink") and tokenizer is not None
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens, use_cache=False).logits, hf(tokens, use_cache=False).logits)
+    with pytest.raises(MassiveLensError, match="save_retrofitted"):
+        load_retrofitted(tmp_path)
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_checks_its_arguments_before_training(tmp_path, capsys):
+    empty, a_file = tmp_path / "empty.txt", tmp_path / "file"
+    empty.write_text("")
+    a_file.write_text("x")
+    bad = {("--seeds", "x"): "comma-separated integers", ("--settings", ","): "empty",
+           ("--settings", "softmax-gone"): "bad retrofit setting", ("--steps", "0"): "--steps 0",
+           ("--seq-len", "1"): "at least 2", ("--data", str(empty)): "empty",
+           ("--eval-data", str(tmp_path / "nowhere.txt")): "no such file", ("--out-dir", str(a_file)): "is a file",
+           ("--model", str(tmp_path / "no_model_here")): "no such model folder"}
+    for argv, message in bad.items():
+        with pytest.raises(MassiveLensError, match=message):
+            check_arguments(_args(*argv))
+    assert check_arguments(_args("--seeds", "0,2", "--settings", "softmax-kept, softmax1-removed")) == (
+        ["softmax-kept", "softmax1-removed"], [0, 2])
+    assert cli_main(["--seeds", "x"]) == 2  # a message, no traceback
+    err = capsys.readouterr().err
+    assert "--seeds 'x'" in err and "Traceback" not in err
+
+
+def test_retrofit_checks_length_against_context_and_data(tmp_path):
+    model = tiny_model("llama")
+    short = tmp_path / "short.txt"
+    short.write_text("a b")
+    for kwargs, message in ((dict(seq_len=model.cfg.n_ctx + 1), "context"), (dict(seq_len=1), "at least 2"),
+                            (dict(seq_len=16, data=str(short)), "fewer than one sequence")):
+        with pytest.raises(MassiveLensError, match=message):
+            retrofit(model, ["softmax-kept"], steps=1, batch_size=1, eval_data=TEXT, progress=False,
+                     measure=False, **{"data": TEXT, **kwargs})
