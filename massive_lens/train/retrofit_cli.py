@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.models import load_model
+from massive_lens.models.load import load_model
 from massive_lens.train.retrofit import SETTINGS, retrofit
 from massive_lens.train.retrofit_parts import parse_setting
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.models import wrap_hf_model
+from massive_lens.models.load import wrap_hf_model
 from massive_lens.origin import trace_origin
 from massive_lens.train.hf_attention import SUPPORTED, attention_modules, bridge_hooks, swap_attention, variant_of
 
