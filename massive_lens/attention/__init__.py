@@ -42,8 +42,9 @@ Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 
 from massive_lens.attention.census import SinkCensus, sink_census
 from massive_lens.attention.decompose import AttentionDecomposition, decompose_attention
+from massive_lens.attention.kv import SinkKV, sink_kv
 from massive_lens.attention.mass import SinkAttention, sink_attention
 from massive_lens.attention.sinks import find_sinks
 
-__all__ = ["AttentionDecomposition", "SinkAttention", "SinkCensus", "decompose_attention", "find_sinks", "sink_attention",
-           "sink_census"]
+__all__ = ["AttentionDecomposition", "SinkAttention", "SinkCensus", "SinkKV", "decompose_attention", "find_sinks",
+           "sink_attention", "sink_census", "sink_kv"]

@@ -102,7 +102,7 @@ class SinkCensus(Result):
             made = sec["mlp_layer"][sec["mlp_layer"] >= 0]
             parts.append(f"secondary sinks on {_tokens(sec)} in {share:.0%} of sequences, layers {_span(sec)}, "
                          f"peak mass {sec['peak_mass'].median():.2f}, norm about {sec['norm_ratio'].median():.2g}x "
-                         f"the first token's" + (f", grown most by MLP {int(made.mode().iloc[0])}" if len(made) else ""))
+                         "the first token's" + (f", grown most by MLP {int(made.mode().iloc[0])}" if len(made) else ""))
         else:
             parts.append("no secondary sinks")
         n_tr = int((f["level"] == "transient").sum())

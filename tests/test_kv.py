@@ -1,0 +1,108 @@
+"""sink_kv: a planted key bias found where it was planted, and agreement with plain transformers
+hooks on the default model (key and value norms and attention masses to 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import untouched
+from test_census import N_LAYERS, SEC_LIFE, _tokens, plant_secondary
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from massive_lens import tiny_model
+from massive_lens.attention.kv import sink_kv
+from massive_lens.errors import MassiveLensError
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
+def planted(request):
+    return plant_secondary(tiny_model(request.param, num_hidden_layers=N_LAYERS))
+
+
+def test_planted_key_bias(planted):
+    """BOS's key reads its massive dim into the one pair every query shares from layer 1 on:
+    there its key is a bias (large, aligned with the mean query, one logit for every query);
+    in layer 0 the keys read nothing and it is not."""
+    with untouched(planted):
+        kv = sink_kv(planted, _tokens(planted), sinks=[0])
+    f = kv.to_frame()
+    n_kv = int(f["kv_head"].max()) + 1
+    bos = f[(f["layer"] >= 1) & ((f["kv_head"] < n_kv // 2) | ~f["layer"].isin(SEC_LIFE))]
+    assert (bos["key_ratio"] > 5).all() and (bos["key_cos_query"] > 0.9).all() and (bos["bias_share"] > 0.9).all()
+    assert (bos["sink_mass"] > 0.9).all()
+    first = f[f["layer"] == 0]
+    assert (first["sink_mass"] < 0.5).all() and (first["key_ratio"] < 5).all()
+    assert torch.allclose(torch.tensor(f["drain"].values), torch.tensor(f["sink_term"].values), rtol=1e-4)
+
+
+def test_planted_secondary_keys(planted):
+    """With the '.' positions as the sinks, the heads that read them in SEC_LIFE carry the bias."""
+    tokens = _tokens(planted)
+    dots = tokens == planted.tokenizer(".", add_special_tokens=False)["input_ids"][0]
+    f = sink_kv(planted, tokens, sinks=dots, layers=list(SEC_LIFE)).to_frame()
+    n_kv = int(f["kv_head"].max()) + 1
+    reads = f["kv_head"] >= n_kv // 2
+    assert (f[reads]["sink_mass"] > 0.9).all() and (f[reads]["bias_share"] > 0.9).all()
+    assert (f[~reads]["sink_mass"] < 0.1).all()
+
+
+def test_bands_and_no_rotary():
+    kv = sink_kv(tiny_model("llama"), "Hello there, world.", sinks=[0], layers=1)
+    half = kv.bands["band"].max() + 1
+    assert kv.rotary and len(kv.bands) == kv.to_frame()["head"].nunique() * half
+    assert kv.bands["frequency"].is_monotonic_decreasing or kv.bands.groupby("head")["frequency"].apply(
+        lambda s: s.is_monotonic_decreasing).all()
+    gpt2 = sink_kv(tiny_model("gpt2"), "Hello there, world.", sinks=[0])
+    assert not gpt2.rotary and gpt2.bands.empty and "no rotary embeddings" in gpt2.summary()
+    assert gpt2.plot().get_xlabel() == "layer"
+    with pytest.raises(MassiveLensError, match="every real position is a sink"):
+        sink_kv(tiny_model("llama"), "Hi", sinks=[0, 1, 2])
+
+
+def _hf_reference(model, tokens: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
+    """Keys, values and the attention pattern of one layer from the Hugging Face modules alone."""
+    hf = model.original_model
+    attn = hf.model.layers[layer].self_attn
+    seen: dict[str, torch.Tensor] = {}
+    handles = [getattr(getattr(attn, name), "_original_component", getattr(attn, name)).register_forward_hook(
+        lambda mod, i, o, name=name: seen.__setitem__(name, o.detach())) for name in ("q_proj", "k_proj", "v_proj")]
+    try:
+        with torch.no_grad():
+            hf(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    cfg = hf.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    b, p = tokens.shape
+    q, k, v = (seen[n].view(b, p, -1, d).transpose(1, 2) for n in ("q_proj", "k_proj", "v_proj"))
+    cos, sin = hf.model.rotary_emb(v, torch.arange(p)[None])
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    group = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(p, p, dtype=torch.bool).triu(1), float("-inf"))
+    return {"k": k, "v": v, "pattern": scores.softmax(-1)}
+
+
+@pytest.mark.slow
+def test_default_model_agrees_with_transformers(default_model):
+    tokens = default_model.to_tokens("The cat sat on the mat. Then it slept, and the dog barked.")
+    layers = [0, default_model.cfg.n_layers // 2, default_model.cfg.n_layers - 1]
+    with untouched(default_model):
+        f = sink_kv(default_model, tokens, sinks=[0], layers=layers).to_frame()
+    for layer in layers:
+        ref = _hf_reference(default_model, tokens, layer)
+        mine = f[f["layer"] == layer].sort_values("head")
+        group = len(mine) // ref["k"].shape[1]
+        for name, col in (("k", "key"), ("v", "value")):
+            norms = ref[name].norm(dim=-1)[0]  # [kv_head pos]
+            want_sink = norms[:, 0].repeat_interleave(group)
+            want_median = norms[:, 1:].median(-1).values.repeat_interleave(group)
+            _close(mine[f"{col}_norm"], want_sink)
+            _close(mine[f"{col}_median"], want_median)
+        mass = ref["pattern"][0, :, 1:, 0].mean(-1)
+        _close(mine["sink_mass"], mass)
+
+
+def _close(column, want: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(column.values, dtype=torch.float32), want, rtol=1e-5, atol=1e-5)
