@@ -8,7 +8,9 @@ import random
 
 import pytest
 import torch
-from helpers import plant_massive, untouched
+from examples import result_examples as build_result_examples
+from helpers import overflowing, plant_massive, untouched
+from matrix import build
 
 from massive_lens import load_model, tiny_model
 from massive_lens.models import FAMILIES
@@ -50,3 +52,22 @@ def planted_report(tmp_path_factory):
     plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=model.tokenizer.bos_token_id, trigger_dim=3)
     with untouched(model):
         return write_report(model, out_dir=tmp_path_factory.mktemp("report"), quick=True, progress=False)
+
+
+@pytest.fixture(scope="session")
+def result_examples():
+    """One example of every public result type (``tests/examples.py``), built once."""
+    return build_result_examples()
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A tiny llama and a float16 copy whose layer 2 overflows, for the bad-input tables."""
+    return {"tiny": tiny_model("llama"), "overflow": overflowing()}
+
+
+@pytest.fixture(scope="module")
+def free_matrix_models():
+    """The planted architecture-matrix models live for one module only."""
+    yield
+    build.cache_clear()

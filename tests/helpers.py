@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from massive_lens.core.corpora import data_file
+from massive_lens.models import tiny_model
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 
@@ -188,3 +189,13 @@ def tiny_lm(attention: str = "softmax", style: str = "llama", seed: int = 0, **f
     shape = dict(n_layers=2, d_model=32, n_heads=2, n_ctx=32)
     cfg = MassiveLMConfig(**{**shape, **fields}, style=style, attention=attention)
     return MassiveLM(cfg).eval()
+
+
+def overflowing() -> Any:
+    """A tiny llama in float16 whose layer-2 MLP overflows (inf, then NaN) on any text."""
+    model = tiny_model("llama").to(torch.float16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layers.2." in name and ("up_proj" in name or "gate_proj" in name):
+                param.fill_(100.0)
+    return model

@@ -55,16 +55,6 @@ CORPUS = "a b c d e f g h " * 40
 FLOAT_IDS = torch.tensor([[256.0, 72.7, 105.2]])  # the issue's example: truncated to ints before
 
 
-def _overflowing() -> Any:
-    """A tiny llama in float16 whose layer-2 MLP overflows (inf, then NaN) on any text."""
-    model = tiny_model("llama").to(torch.float16)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layers.2." in name and ("up_proj" in name or "gate_proj" in name):
-                param.fill_(100.0)
-    return model
-
-
 def _intervention(model: Any) -> Any:
     return remove_sink_attention(model, calibration="Some calibration text. " * 8)
 
@@ -86,11 +76,6 @@ def _hf_model() -> Any:
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2))
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[str, Any]:
-    return {"tiny": tiny_model("llama"), "overflow": _overflowing()}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +132,16 @@ def _damaged_result(folder: Path, how: str) -> Path:
     if how == "parquet":
         table = next(out.rglob("*.parquet"))
         table.write_bytes(table.read_bytes()[:40])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def _oversized_run(folder: Path) -> Path:
+    """A saved TrainRun whose manifest asks for a model of 1,000 layers of width 100,000
+    around the weights of a 1-layer, width-16 one (it must be refused before any allocation)."""
+    out = train_model("smoke", progress=False, **TRAIN).save(folder / "oversized_run", overwrite=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["fields"]["model"]["config"].update(n_layers=1000, d_model=100_000)
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
@@ -376,6 +371,8 @@ CASES = [
         "load-field-of-wrong-type"),
     row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "parquet")), "not a readable Parquet",
         "load-truncated-parquet"),
+    row("tiny", lambda m, d: massive_lens.load(_oversized_run(d)), "does not match its stored weights",
+        "load-train-run-asking-for-a-larger-model"),
     row("tiny", lambda m, d: _cli("intervene"), "name the evaluation text", "cli-intervene-all-defaults"),
     # --- tiny_model sizes a model cannot have
     row("tiny", lambda m, d: tiny_model("llama", hidden_size=0), "positive integers", "tiny_model-zero-width"),

@@ -13,18 +13,13 @@ import pytest
 import torch
 from helpers import untouched
 
-from massive_lens import find_massive, load_model, perplexity, tiny_model
+from massive_lens import find_massive, load_model, perplexity
 from massive_lens.cli import main
 from massive_lens.core.corpora import iter_texts
 from massive_lens.interventions import remove_sink_attention
 
 TEXT = "The cat sat on the mat. The dog ran. " * 2
 CORPUS = "a b c d e f g h " * 40
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[str, Any]:
-    return {"tiny": tiny_model("llama")}
 
 
 def _intervention(model: Any) -> Any:

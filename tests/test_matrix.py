@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from matrix import ANALYSES, DOC, build, decoder_architectures, parse, render, same, versions
+from matrix import ANALYSES, DOC, decoder_architectures, parse, render, same, versions
 from matrix import cell as run_cell
 from matrix_vit import vision_architectures
 
@@ -24,11 +24,7 @@ RESULTS: dict[tuple[str, str], str] = {}
 REGENERATE = "regenerate it with MASSIVE_LENS_WRITE_MATRIX=1 pytest tests/test_matrix.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _free_models():
-    """The planted models live for this module only."""
-    yield
-    build.cache_clear()
+pytestmark = pytest.mark.usefixtures("free_matrix_models")
 
 
 def test_enough_architectures():

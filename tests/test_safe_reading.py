@@ -280,9 +280,19 @@ def test_a_display_name_that_is_a_transformerlens_alias_loads_the_folder(tmp_pat
 # --------------------------------------------------------------------------- threads
 
 
-def test_verification_holds_the_model_lock_while_weights_are_zeroed():
-    """trace_origin(verify=True) zeroes weights between passes; another thread's analysis of
-    the same model must never see them (before the fix: 3 of 8 calls answered otherwise)."""
+WEIGHT_EDITS = {  # every public path that edits a model's weights in place, for a moment
+    "trace_origin(verify=True)": lambda m: trace_origin(m, "Hi there. Bye.", dim=DIM, pos=0, verify=True,
+                                                        prepend_bos=True),
+    "measure_outliers (W8A8 weights)": lambda m: massive_lens.measure_outliers(m, "Hi there. Bye. " * 8, seq_len=16,
+                                                                               n_seqs=2),
+}
+
+
+@pytest.mark.parametrize("edit", list(WEIGHT_EDITS))
+def test_weight_edits_hold_the_model_lock(edit):
+    """A function that edits weights between passes holds the model's lock, so another thread's
+    analysis of the same model never sees the edited weights (before the fix, 3 of 8 calls
+    during verification answered otherwise)."""
     model = tiny_model("llama")
     plant_story(model)
     text = "Hi there. Bye."
@@ -300,7 +310,7 @@ def test_verification_holds_the_model_lock_while_weights_are_zeroed():
     for t in others:
         t.start()
     for _ in range(2):
-        trace_origin(model, text, dim=DIM, pos=0, verify=True, prepend_bos=True)
+        WEIGHT_EDITS[edit](model)
     for t in others:
         t.join()
     assert not errors and len(answers) == 12

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from examples import RESULT_TYPES, all_result_types
 from helpers import DIM, plant_story
-from test_contract import RESULT_TYPES, _all_result_types, _examples
 
 import massive_lens
 from massive_lens import MassiveLensError, find_massive, load, tiny_model, trace_origin
@@ -29,8 +29,9 @@ EXTRA = ["OriginTrace:planted", "MassiveActivations:planted"]  # populated table
 
 
 @pytest.fixture(scope="module")
-def examples() -> dict[str, Any]:
-    found = _examples()
+def examples(result_examples) -> dict[str, Any]:
+    """Every result type's example, plus a planted trace and detection with populated tables."""
+    found = dict(result_examples)
     model = tiny_model("llama")
     plant_story(model)
     found["OriginTrace:planted"] = trace_origin(model, "Hi there. Bye.", dim=DIM, pos=0, verify=True)
@@ -70,7 +71,7 @@ def assert_same(saved: Any, loaded: Any, where: str = "result") -> None:
 
 
 def test_every_result_type_is_saved_here():
-    assert {t.__name__ for t in _all_result_types()} == set(RESULT_TYPES)
+    assert {t.__name__ for t in all_result_types()} == set(RESULT_TYPES)
 
 
 @pytest.mark.parametrize("name", RESULT_TYPES + EXTRA)

@@ -35,10 +35,7 @@ from massive_lens.viz import capture_one, patch_map
 ARCHS = ("ViTModel", "DeiTForImageClassification")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _free_models():
-    yield
-    build.cache_clear()
+pytestmark = pytest.mark.usefixtures("free_matrix_models")
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -120,7 +120,15 @@ class TrainRun(Result):
         """The run back from a saved one: the MassiveLM rebuilt on the CPU, in eval mode."""
         saved = fields["model"]
         model_cfg = MassiveLMConfig.from_dict({**saved["config"], "device": "cpu"})
-        model = MassiveLM(model_cfg, get_tokenizer(fields["config"].tokenizer)).to(model_cfg.dtype)
+        tokenizer = get_tokenizer(fields["config"].tokenizer)
+        with torch.device("meta"):  # the shapes the config asks for, before any memory is taken
+            wanted = {k: tuple(v.shape) for k, v in MassiveLM(model_cfg, tokenizer).state_dict().items()}
+        held = {k: tuple(v.shape) for k, v in saved["state"].items()}
+        if wanted != held:
+            differ = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
+            raise MassiveLensError(f"the saved run's model config does not match its stored weights ({len(differ)} "
+                                   f"tensors differ, e.g. {differ[:3]}): the saved result is damaged")
+        model = MassiveLM(model_cfg, tokenizer).to(model_cfg.dtype)
         model.load_state_dict(saved["state"])
         return super()._from_stored({**fields, "model": model.eval()})
 

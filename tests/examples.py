@@ -1,0 +1,88 @@
+"""One example of every public result type, on tiny models (shared by the contract and the
+save/load tests through the session fixture ``result_examples`` in ``conftest.py``)."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from planting import plant_sink
+
+import massive_lens
+from massive_lens import (
+    calibrate,
+    decompose_attention,
+    find_massive,
+    layer_profile,
+    measure_outliers,
+    perplexity,
+    run_interventions,
+    scan_corpus,
+    sink_attention,
+    tiny_model,
+    trace_origin,
+)
+from massive_lens.attention.census import sink_census
+from massive_lens.attention.dormant import dormant_heads
+from massive_lens.attention.kv import sink_kv
+from massive_lens.core.results import Result
+from massive_lens.quantize import lowbit_grid
+from massive_lens.train import compare_variants, retrofit, train_model
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
+
+RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace", "SinkAttention",
+                "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
+                "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus",
+                "SinkKV", "DormantHeads"]
+
+
+TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
+TINY_TRAIN = dict(steps=2, data="One. Two, three.\n" * 100, model=dict(n_layers=1, d_model=16, n_ctx=16))
+
+
+def all_result_types() -> set[type]:
+    for info in pkgutil.walk_packages(massive_lens.__path__, "massive_lens."):
+        importlib.import_module(info.name)
+    found, todo = set(), [Result]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("massive_lens.") and sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def result_examples() -> dict[str, object]:
+    model = tiny_model("llama")
+    return {
+        "MassiveActivations": find_massive(model, "Hello there."),
+        "LayerProfile": layer_profile(model, ["One text.", "Two texts."]),
+        "CorpusScan": scan_corpus(model, TEXT, seq_len=16, max_tokens=64, progress=False),
+        "OriginTrace": trace_origin(model, "Hi.", dim=3, pos=0),
+        "SinkAttention": sink_attention(model, "Hello world."),
+        "AttentionDecomposition": decompose_attention(model, "Hello world.", sinks=[0]),
+        "Perplexity": perplexity(model, TEXT, seq_len=16, n_seqs=2, progress=False),
+        "Calibration": calibrate(model, TEXT, seq_len=16, n_seqs=2, progress=False),
+        "InterventionTable": run_interventions(model, TEXT, calibration=TEXT[::-1], seq_len=16, n_seqs=2,
+                                               settings=["sink_term_mean"], progress=False),
+        "OutlierReport": measure_outliers(MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2)), TEXT,
+                                          seq_len=16, n_seqs=2),
+        "TrainRun": train_model("smoke", progress=False, **TINY_TRAIN),
+        "Comparison": compare_variants(["softmax"], preset="smoke", seeds=[0], progress=False, measure_seqs=1,
+                                       **TINY_TRAIN),
+        "LowBitGrid": lowbit_grid(model, TEXT, settings=["W8A8", "W4A16"], seq_len=16, n_seqs=2),
+        "SinkCensus": sink_census(model, ["The cat sat. The dog ran!", "A bird sang, loudly."]),
+        "SinkKV": sink_kv(model, "The cat sat. The dog ran!"),
+        "DormantHeads": dormant_heads(model, "The cat sat. The dog ran!"),
+        "Retrofit": retrofit(_planted(), ["softmax-kept"], steps=1, batch_size=1, seq_len=16, data=TEXT,
+                             eval_data=TEXT, eval_every=1, eval_seqs=1, measure=False, progress=False),
+    }
+
+
+def _planted():
+    model = tiny_model("llama")
+    plant_sink(model)
+    return model
+
+
