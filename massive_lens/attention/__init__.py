@@ -42,9 +42,10 @@ Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 
 from massive_lens.attention.census import SinkCensus, sink_census
 from massive_lens.attention.decompose import AttentionDecomposition, decompose_attention
+from massive_lens.attention.dormant import DormantHeads, dormant_heads
 from massive_lens.attention.kv import SinkKV, sink_kv
 from massive_lens.attention.mass import SinkAttention, sink_attention
 from massive_lens.attention.sinks import find_sinks
 
-__all__ = ["AttentionDecomposition", "SinkAttention", "SinkCensus", "SinkKV", "decompose_attention", "find_sinks",
-           "sink_attention", "sink_census", "sink_kv"]
+__all__ = ["AttentionDecomposition", "DormantHeads", "SinkAttention", "SinkCensus", "SinkKV", "decompose_attention",
+           "dormant_heads", "find_sinks", "sink_attention", "sink_census", "sink_kv"]

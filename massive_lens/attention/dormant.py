@@ -1,0 +1,163 @@
+"""Dormant heads: heads that, on a given input, park their attention on the sinks and write
+almost nothing.
+
+Guo et al. (2024, "Active-Dormant Attention Heads") show heads that switch between an active
+state and a dormant one, where nearly all attention goes to the sink whose value is small, so
+the head's output is close to zero; Sandoval-Segura et al. (2025, arXiv 2504.03889) find that
+zeroing such heads keeps accuracy, and that a score on the head's *output norm* finds more of
+them than one on first-token attention alone. :func:`dormant_heads` uses both, per input
+sequence, in one forward pass (plus the one ``find_sinks`` needs when the sinks are not given):
+
+- ``sink_mass``: the mean attention the real non-sink queries after a sink put on the sinks;
+- ``out_norm``: the mean norm of the head's output in the residual stream (``z_h W_O[h]``) over
+  the real query positions; ``norm_ratio``: that over the mean of the layer's heads;
+- a head is **dormant** on a sequence when ``sink_mass > sink_share`` (most of its attention
+  on the sinks; default 0.5) **and** ``norm_ratio < norm_ratio`` (a small output; default 0.2,
+  a fifth of its layer's mean head). Both defaults are massive_lens's choices, to be varied:
+  the papers sweep their thresholds rather than fix one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+from torch import Tensor
+
+from massive_lens.attention.decompose import output_weights
+from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.results import Result
+from massive_lens.errors import MassiveLensError
+
+SINK_SHARE = 0.5  # most of the head's attention on the sinks
+NORM_RATIO = 0.2  # output norm below a fifth of its layer's mean head
+
+
+@dataclass(frozen=True)
+class DormantHeads(Result):
+    """Per sequence, layer and head: ``sink_mass``, ``out_norm``, ``norm_ratio`` and ``dormant``
+    (see the module docstring). ``to_frame()`` columns: ``seq``, ``layer``, ``head``,
+    ``sink_mass``, ``out_norm``, ``norm_ratio``, ``dormant``."""
+
+    frame: pd.DataFrame
+    model_name: str
+    sink_source: str
+    sink_share: float
+    norm_ratio: float
+    sinks: SinkSet | None = None
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def share(self) -> pd.DataFrame:
+        """Per layer and head, the share of sequences where it is dormant (column ``dormant``)."""
+        return self.frame.groupby(["layer", "head"], as_index=False)["dormant"].mean()
+
+    def heads(self, min_share: float = 1.0) -> list[tuple[int, int]]:
+        """``(layer, head)`` of the heads dormant in at least ``min_share`` of the sequences."""
+        s = self.share()
+        return [(int(r.layer), int(r.head)) for r in s.itertuples() if r.dormant >= min_share - 1e-12]
+
+    def summary(self) -> str:
+        s = self.share()
+        n = len(s)
+        always, ever = len(self.heads(1.0)), int((s["dormant"] > 0).sum())
+        per_layer = s.groupby("layer")["dormant"].apply(lambda d: int((d > 0).sum()))
+        busiest = per_layer[per_layer > 0].sort_values(ascending=False).head(3)
+        where = ", ".join(f"layer {int(k)} ({v})" for k, v in busiest.items()) or "none"
+        n_seqs = self.frame["seq"].nunique()
+        return (f"{self.model_name}, {n_seqs} sequence(s), sinks = {self.sink_source}: dormant = sink mass > "
+                f"{self.sink_share:g} and output norm < {self.norm_ratio:g}x its layer's mean head; {always} of {n} "
+                f"heads ({always / max(n, 1):.1%}) dormant on every sequence, {ever} ({ever / max(n, 1):.1%}) on at "
+                f"least one; most in {where}")
+
+    def plot(self, ax: Any = None) -> Any:
+        """Every head as a point: sink mass against output norm ratio, dormant ones marked."""
+        if ax is None:
+            ax = plt.subplots(figsize=(6, 4))[1]
+        f = self.frame
+        for flag, label, marker in ((False, "active", "."), (True, "dormant", "x")):
+            part = f[f["dormant"] == flag]
+            ax.scatter(part["sink_mass"], part["norm_ratio"], s=10, marker=marker, label=label)
+        ax.axvline(self.sink_share, color="gray", lw=0.8, ls="--")
+        ax.axhline(self.norm_ratio, color="gray", lw=0.8, ls="--")
+        ax.set(xlabel="attention on the sinks", ylabel="output norm / layer's mean head", yscale="log",
+               title=f"{self.model_name}: dormant heads")
+        ax.legend()
+        return ax
+
+
+def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = None,
+                  sink_share: float = SINK_SHARE, norm_ratio: float = NORM_RATIO) -> DormantHeads:
+    """Classify every head, on every input sequence, as dormant or active (see the module docstring).
+
+    Args:
+        model: a TransformerLens-style model.
+        text: a string, a list of strings (padded into one batch; each is one input) or a token tensor.
+        sinks: sink positions (a list of ints, or a bool ``[batch, pos]`` mask); None: the
+            positions that act as sinks (``find_sinks``), else the first token.
+        sink_share: attention on the sinks above which a head may be dormant, in (0, 1).
+        norm_ratio: output norm, as a share of its layer's mean head, below which it may be dormant (> 0).
+
+    Returns:
+        A :class:`DormantHeads`.
+
+    Raises:
+        MassiveLensError: for a threshold out of range, invalid ``sinks``, or a layer whose heads'
+            outputs cannot be read (no ``hook_z`` or no per-head ``W_O``).
+
+    >>> from massive_lens import tiny_model
+    >>> result = dormant_heads(tiny_model("llama"), "Hello there, world.", sinks=[0])
+    >>> list(result.to_frame().columns)
+    ['seq', 'layer', 'head', 'sink_mass', 'out_norm', 'norm_ratio', 'dormant']
+    """
+    if not 0 < sink_share < 1 or not norm_ratio > 0:
+        raise MassiveLensError(f"sink_share must be in (0, 1) and norm_ratio > 0, got {sink_share}, {norm_ratio}")
+    view = ModelView(model)
+    batch = view.tokenize(text)
+    found = sink_mask(model, batch, sinks)
+    sink = found.mask & batch.mask
+    queries = (batch.mask & ~sink & (sink.long().cumsum(1) > 0)).float()
+    real = batch.mask.float()
+    weights = {layer: output_weights(view, layer)[0] for layer in range(view.n_layers)}
+    stash: dict[tuple[str, int], Tensor] = {}
+    rows: list[Tensor] = []
+
+    def ready(layer: int) -> None:
+        pattern, z = (stash.pop((key, layer)).detach().float() for key in ("pattern", "z"))
+        q, r, s = queries.to(z.device), real.to(z.device), sink.to(z.device).float()
+        mass = torch.einsum("bhqk,bk,bq->bh", pattern, s, q) / q.sum(1, keepdim=True).clamp(min=1)
+        out = torch.einsum("bqhd,hdm->bqhm", z, weights[layer].to(z)).norm(dim=-1)  # [b q h]
+        out = torch.einsum("bqh,bq->bh", out, r) / r.sum(1, keepdim=True).clamp(min=1)
+        ratio = out / out.mean(1, keepdim=True).clamp(min=1e-12)
+        b, h = torch.meshgrid(torch.arange(out.shape[0]), torch.arange(out.shape[1]), indexing="ij")
+        rows.append(torch.stack([b.flatten().float(), torch.full((b.numel(),), float(layer)), h.flatten().float(),
+                                 mass.flatten().cpu(), out.flatten().cpu(), ratio.flatten().cpu()], 1))
+
+    hooks = []
+    for layer in range(view.n_layers):
+        for key, name in (("pattern", "attn.hook_pattern"), ("z", "attn.hook_z")):
+            hooks.append((view.hook_name(layer, name), partial(_put, stash=stash, key=(key, layer), ready=ready)))
+    view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+    if len(rows) != view.n_layers:
+        raise MassiveLensError(f"{view.name}: the pattern and z hooks did not fire in every layer; dormant_heads "
+                               "cannot read the heads' outputs")
+    frame = pd.DataFrame(torch.cat(rows).numpy(), columns=["seq", "layer", "head", "sink_mass", "out_norm",
+                                                           "norm_ratio"])
+    frame[["seq", "layer", "head"]] = frame[["seq", "layer", "head"]].astype(int)
+    frame["dormant"] = (frame["sink_mass"] > sink_share) & (frame["norm_ratio"] < norm_ratio)
+    frame = frame.sort_values(["seq", "layer", "head"], ignore_index=True)
+    return DormantHeads(frame, view.name, found.source, float(sink_share), float(norm_ratio), found)
+
+
+def _put(act: Tensor, hook: Any, *, stash: dict[tuple[str, int], Tensor], key: tuple[str, int], ready: Any) -> None:
+    """Keep a layer's pattern or z; the second to arrive runs ``ready(layer)``."""
+    stash[key] = act
+    if all((k, key[1]) in stash for k in ("pattern", "z")):
+        ready(key[1])

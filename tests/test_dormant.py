@@ -1,0 +1,62 @@
+"""dormant_heads on a planted tiny model: in layer DORMANT_LAYER the heads of the first half of the
+kv heads put their attention on BOS (the planted sink of test_census) and read a value that is
+exactly zero there, so their output vanishes; the other heads of that layer read a large value.
+The analysis finds exactly the planted heads, on llama, gpt2 and qwen2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import untouched
+from planting import SINK_DIM
+from test_census import N_LAYERS, _tokens, plant_secondary
+
+from massive_lens import tiny_model
+from massive_lens.attention.dormant import dormant_heads
+from massive_lens.errors import MassiveLensError
+
+DORMANT_LAYER, LOUD = 4, 50.0
+
+
+def plant_dormant(model):
+    """``plant_secondary``, then silence BOS's value for the first half of the kv heads of
+    ``DORMANT_LAYER`` and make it loud for the others. Returns the dormant (layer, head) pairs."""
+    plant_secondary(model)
+    attn = model.blocks[DORMANT_LAYER].attn
+    n_kv, n_heads = attn.W_V.shape[0], attn.W_Q.shape[0]
+    with torch.no_grad():
+        attn.W_V[: n_kv // 2, SINK_DIM] = 0.0
+        attn.W_V[n_kv // 2:, SINK_DIM] *= LOUD
+        if getattr(attn, "b_V", None) is not None:
+            attn.b_V[: n_kv // 2] = 0.0
+    group = n_heads // n_kv
+    return [(DORMANT_LAYER, h) for h in range(n_heads) if h // group < n_kv // 2]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
+def planted(request):
+    model = tiny_model(request.param, num_hidden_layers=N_LAYERS)
+    return model, plant_dormant(model)
+
+
+def test_finds_exactly_the_planted_dormant_heads(planted):
+    model, expected = planted
+    with untouched(model):
+        result = dormant_heads(model, _tokens(model), sinks=[0])
+    assert result.heads(1.0) == expected and result.heads(0.01) == expected
+    f = result.to_frame().set_index(["layer", "head"])
+    assert (f.loc[expected, "sink_mass"] > 0.9).all() and (f.loc[expected, "norm_ratio"] < 0.05).all()
+    assert "2 of" in result.summary() or f"{len(expected)} of" in result.summary()
+
+
+def test_thresholds_matter(planted):
+    """A stricter sink share than the planted heads reach finds none (the test can fail)."""
+    model, expected = planted
+    result = dormant_heads(model, _tokens(model), sinks=[0], sink_share=0.999)
+    assert result.heads(0.01) == []
+    assert result.plot().get_xlabel() == "attention on the sinks"
+
+
+def test_bad_thresholds():
+    with pytest.raises(MassiveLensError, match="sink_share"):
+        dormant_heads(tiny_model("llama"), "Hi there.", sink_share=1.5)
