@@ -99,7 +99,28 @@ ROWS: tuple[InterventionSetting, ...] = (
     Row("sink_patched", _patched_from_default_text,
         "residual stream at the sink positions patched from another text", RESID, False, False, takes_sinks=False),
 )
-REGISTRY: dict[str, InterventionSetting] = {row.name: row for row in ROWS}
+REGISTRY: dict[str, InterventionSetting] = {}
+EVERY: dict[str, str] = {}  # first-layer form -> every form
+
+
+def register(row: InterventionSetting) -> InterventionSetting:
+    """Add a setting (what :data:`ROWS` does for the built-in ones): it can then be named in
+    ``run_interventions(settings=[...])`` and the report. A setting of the same name is replaced.
+
+    >>> from massive_lens.interventions import remove_sink_attention
+    >>> row = register(InterventionSetting("sink_attention_dropped", remove_sink_attention,
+    ...                "attention to sink positions dropped, not renormalized", ATTN, in_table3=False,
+    ...                options=dict(renormalize=False)))
+    >>> REGISTRY["sink_attention_dropped"].options
+    {'renormalize': False}
+    """
+    REGISTRY[row.name] = row
+    if row.every:
+        EVERY[row.name] = row.every
+    Intervention.descriptions[row.name] = row.description  # what iv.description reads
+    return row
+
+
+for _row in ROWS:
+    register(_row)
 SETTINGS: tuple[str, ...] = tuple(row.name for row in ROWS if row.in_table3)
-EVERY: dict[str, str] = {row.name: row.every for row in ROWS if row.every}  # first-layer form -> every form
-Intervention.descriptions.update({row.name: row.description for row in ROWS})  # what iv.description reads
