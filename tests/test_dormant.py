@@ -14,6 +14,7 @@ from test_census import N_LAYERS, _tokens, plant_secondary
 from massive_lens import tiny_model
 from massive_lens.attention.dormant import dormant_heads
 from massive_lens.errors import MassiveLensError
+from massive_lens.interventions.heads import zero_dormant_heads
 
 DORMANT_LAYER, LOUD = 4, 50.0
 
@@ -60,3 +61,34 @@ def test_thresholds_matter(planted):
 def test_bad_thresholds():
     with pytest.raises(MassiveLensError, match="sink_share"):
         dormant_heads(tiny_model("llama"), "Hi there.", sink_share=1.5)
+
+
+def test_zero_dormant_heads_zeroes_exactly_them(planted):
+    """The intervention finds the planted heads on calibration tokens, and running under it equals
+    the model with those heads' W_O rows zeroed (an independent edit)."""
+    model, expected = planted
+    tokens = _tokens(model)
+    with untouched(model):
+        iv = zero_dormant_heads(model, calibration=tokens)
+        assert iv.heads == expected
+        with torch.no_grad(), iv:
+            edited = model(tokens)
+        plain = model(tokens)
+    assert not torch.allclose(edited, plain)  # the heads' tiny outputs still change the logits a little
+    layer = model.blocks[DORMANT_LAYER].attn
+    saved = layer.W_O.detach().clone()
+    try:
+        with torch.no_grad():
+            for _, h in expected:
+                layer.W_O[h] = 0.0
+            torch.testing.assert_close(model(tokens), edited, rtol=1e-5, atol=1e-5)
+    finally:
+        with torch.no_grad():
+            layer.W_O.copy_(saved)
+
+
+def test_zero_named_heads_and_bad_head():
+    model = tiny_model("llama")
+    assert zero_dormant_heads(model, heads=[(1, 0), (1, 0), (0, 2)]).heads == [(0, 2), (1, 0)]
+    with pytest.raises(MassiveLensError, match="out of range"):
+        zero_dormant_heads(model, heads=[(0, 99)])

@@ -1,0 +1,76 @@
+"""Zeroing heads: the dormant heads of :func:`~massive_lens.attention.dormant.dormant_heads`, or any
+heads you name.
+
+Sandoval-Segura et al. (2025) zero the output of dormant heads and find accuracy kept; this
+builder makes that edit an :class:`~massive_lens.interventions.Intervention`, so that
+``run_interventions`` and the report evaluate it like every other setting. The heads are found
+on calibration text (never the evaluation text), and the edit sets each chosen head's output
+``z_h`` (``blocks.{l}.attn.hook_z``, before ``W_O``) to zero at every position; ``b_O`` stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from torch import Tensor
+
+from massive_lens.attention.dormant import NORM_RATIO, SINK_SHARE, dormant_heads
+from massive_lens.core.corpora import default_text, sequences
+from massive_lens.core.model_view import ModelView
+from massive_lens.errors import MassiveLensError
+from massive_lens.interventions.assemble import acts_on
+from massive_lens.interventions.calibration import Calibration
+from massive_lens.interventions.intervention import Intervention
+
+
+def _zero_heads(z: Tensor, hook: Any, *, heads: list[int]) -> Tensor:
+    z = z.clone()
+    z[:, :, heads] = 0.0
+    return z
+
+
+def zero_dormant_heads(model: Any, *, calibration: Any = None, heads: Sequence[tuple[int, int]] | None = None,
+                       min_share: float = 0.5, sink_share: float = SINK_SHARE, norm_ratio: float = NORM_RATIO,
+                       seq_len: int = 128, n_seqs: int = 4) -> Intervention:
+    """Zero the output of the dormant heads (or of ``heads``).
+
+    Args:
+        model: a TransformerLens-style model.
+        calibration: the text the dormant heads are found on (a corpus, cut into ``n_seqs``
+            sequences of ``seq_len`` tokens; None or a ``Calibration``, which holds no text: the
+            offline default text). Use other text than the evaluation text.
+        heads: ``(layer, head)`` pairs to zero instead of finding them.
+        min_share: a head is zeroed when dormant on at least this share of the calibration sequences.
+        sink_share, norm_ratio: the thresholds of :func:`~massive_lens.attention.dormant.dormant_heads`.
+        seq_len, n_seqs: how the calibration text is cut.
+
+    Returns:
+        An :class:`Intervention` named ``"zero_dormant_heads"``; ``.heads`` lists the zeroed heads.
+
+    Raises:
+        MassiveLensError: for a head or layer out of range.
+
+    >>> from massive_lens import tiny_model
+    >>> iv = zero_dormant_heads(tiny_model("llama"), heads=[(1, 0)])
+    >>> iv.name, iv.heads, len(iv)
+    ('zero_dormant_heads', [(1, 0)], 1)
+    """
+    view = ModelView(model)
+    if heads is None:
+        text = default_text() if calibration is None or isinstance(calibration, Calibration) else calibration
+        tokens = sequences(view, text, min(seq_len, view.n_ctx or seq_len), n_seqs)
+        found = dormant_heads(model, tokens, sink_share=sink_share, norm_ratio=norm_ratio)
+        heads = found.heads(min_share)
+    chosen = sorted({(int(layer), int(head)) for layer, head in heads})
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in chosen:
+        if not 0 <= head < view.cfg.n_heads:
+            raise MassiveLensError(f"head {head} out of range: {view.name} has {view.cfg.n_heads} heads per layer")
+        by_layer.setdefault(view.chosen_layers(layer)[0], []).append(head)
+    hooks = [(view.hook_name(layer, "attn.hook_z"), partial(_zero_heads, heads=hs)) for layer, hs in by_layer.items()]
+    iv = Intervention(model, "zero_dormant_heads", hooks,
+                      acts_on=acts_on(model, attn=sorted(by_layer), inside=f"{len(chosen)} heads' outputs (hook_z)"))
+    iv.heads = chosen
+    return iv
