@@ -84,7 +84,7 @@ def load_runs(folder: Path = RUNS) -> tuple[Retrofit, pd.DataFrame]:
         result = massive_lens.load(run)
         results.append(result)
         row = dict(setting=result.curves.setting.iloc[0], seed=int(result.curves.seed.iloc[0]),
-                   target=int(result.budget["steps"]))
+                   target=int(result.budget["steps"]), wall_s=int(result.budget.get("wall_s", 0)))
         if (run.parent / "outliers").is_dir() and (run.parent / "lowbit").is_dir():
             report, grid = massive_lens.load(run.parent / "outliers"), massive_lens.load(run.parent / "lowbit")
             row.update(w8a8_gap=report.gap, mean_kurtosis=report.totals["mean_kurtosis"],
@@ -101,10 +101,11 @@ def ordered(settings: list[str]) -> list[str]:
 
 
 def runs_table(frame: pd.DataFrame) -> str:
-    lines = ["| setting | seeds (steps reached) |", "|---|---|"]
+    lines = ["| setting | seed: steps reached / planned, wall time of the training |", "|---|---|"]
     for s in ordered(list(frame.setting.unique())):
         rows = frame[frame.setting == s].sort_values("seed")
-        lines.append(f"| {s} | " + ", ".join(f"{r.seed} ({r.steps}/{r.target})" for r in rows.itertuples()) + " |")
+        lines.append(f"| {s} | " + "; ".join(f"{r.seed}: {r.steps}/{r.target}, {r.wall_s / 60:.0f} min"
+                                             for r in rows.itertuples()) + " |")
     return "\n".join(lines)
 
 
