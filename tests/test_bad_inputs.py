@@ -46,7 +46,13 @@ from massive_lens import (
     trace_origin,
 )
 from massive_lens.cli import main
-from massive_lens.interventions import calibrate, fix_sink_term, patch_sink_from, remove_sink_attention
+from massive_lens.interventions import (
+    calibrate,
+    fix_sink_term,
+    patch_sink_from,
+    remove_sink_attention,
+    run_interventions,
+)
 from massive_lens.report import compare_models, write_report
 from massive_lens.train import compare_variants, load_run, train_model
 
@@ -373,6 +379,11 @@ CASES = [
         "load-truncated-parquet"),
     row("tiny", lambda m, d: massive_lens.load(_oversized_run(d)), "does not match its stored weights",
         "load-train-run-asking-for-a-larger-model"),
+    row("tiny", lambda m, d: run_interventions(m, CORPUS, seq_len=16, n_seqs=2, progress=False, calibration=calibrate(
+        tiny_model("llama", num_hidden_layers=2), "Some calibration text. " * 8, progress=False)),
+        "was measured on a model", "run_interventions-calibration-of-another-model"),
+    row("tiny", lambda m, d: scan_corpus(m, CORPUS, k=0, seq_len=16, max_tokens=64, progress=False),
+        "largest magnitudes kept per layer", "scan_corpus-k-zero"),
     row("tiny", lambda m, d: _cli("intervene"), "name the evaluation text", "cli-intervene-all-defaults"),
     # --- tiny_model sizes a model cannot have
     row("tiny", lambda m, d: tiny_model("llama", hidden_size=0), "positive integers", "tiny_model-zero-width"),

@@ -23,9 +23,10 @@ from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import Corpus, token_batches
 from massive_lens.core.criterion import Criterion
-from massive_lens.core.model_view import TOKEN_KINDS, ModelView
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ProfileSums
 from massive_lens.core.results import Result
+from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.detect.find import LayerProfile, chosen_layers, run_reducer
 from massive_lens.detect.scope import outlier_lines
 from massive_lens.errors import MassiveLensError
@@ -110,7 +111,7 @@ def scan_corpus(
 
     Raises:
         MassiveLensError: if ``seq_len`` is below 2 or longer than the model's context,
-            ``batch_size`` or ``max_tokens`` is below 1, ``max_tokens`` is below one
+            ``batch_size`` or ``max_tokens`` is below 1, ``k`` outside 1..d_model, ``max_tokens`` is below one
             sequence, the corpus is too short for one sequence, a corpus file does not
             exist, a token tensor is not ``[n_seqs, seq_len]``, or an ``hf:`` dataset cannot
             be opened.
@@ -121,6 +122,9 @@ def scan_corpus(
     (4, 128)
     """
     view = ModelView(model)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= view.d_model:
+        raise MassiveLensError(f"k={k!r}: the largest magnitudes kept per layer is a whole number from 1 to "
+                               f"d_model ({view.d_model})")
     criterion = criterion or Criterion()
     layers = chosen_layers(view, None)
     rank, world = _distributed()

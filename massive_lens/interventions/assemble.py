@@ -16,7 +16,6 @@ from torch import Tensor
 
 from massive_lens.attention.sinks import post_attention_norm
 from massive_lens.core.model_view import ModelView
-from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.calibration import Calibration, calibrate
 from massive_lens.interventions.edits import ResidPlan, measure_pattern, reset, resid_step
 from massive_lens.interventions.intervention import Intervention
@@ -71,18 +70,8 @@ def build_hooks(model: Any, calib: Calibration, state: HookState, *,
 
 
 def calibration_of(model: Any, calibration: Any) -> Calibration:
-    """``calibration`` as a :class:`Calibration` of ``model``: text is calibrated now; a
-    Calibration measured on a model of other sizes (layers, heads, head width, key/value
-    heads) is refused, since its means would be applied to the wrong entries."""
-    if isinstance(calibration, Calibration):
-        view = ModelView(model)
-        cfg = view.cfg
-        want = (view.n_layers, cfg.n_heads, cfg.d_head, getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
-        have = (*calibration.sink_z.shape, calibration.sink_k.shape[1])
-        if tuple(have) != want:
-            raise MassiveLensError(
-                f"this Calibration was measured on a model with (layers, heads, head width, kv heads) = "
-                f"{tuple(have)}, but {view.name} has {want}; calibrate this model: calibrate(model, text)")
+    """``calibration`` as a :class:`Calibration` of ``model`` (text is calibrated now; a
+    Calibration of a model of other sizes is refused by :func:`calibrate`)."""
     return calibrate(model, calibration, progress=False)
 
 

@@ -44,6 +44,7 @@ from massive_lens.core.fmt import num, short
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
+from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.sink_stats import sink_pass as _sink_pass
 
 ONLINE_GATE = 0.5  # online, a later sink's dim must reach half its calibration median at the sink layer
@@ -235,7 +236,7 @@ def calibrate(
     (True, (4, 2, 16))
     """
     if isinstance(corpus, Calibration):
-        return corpus
+        return _of_this_model(model, corpus)
     view, rule = ModelView(model), rule or SinkRule()
     criterion = replace(criterion or Criterion(), outliers=outliers)  # checks the choice
     tokens = sequences(view, corpus, seq_len, n_seqs)
@@ -353,3 +354,17 @@ def describe_source(corpus: Any) -> str:
 
 def stash(act: Tensor, hook: Any, *, state: Any, key: str) -> None:
     state.stash[key] = act
+
+
+def _of_this_model(model: Any, calib: Calibration) -> Calibration:
+    """``calib`` itself, refused when it was measured on a model of other sizes (layers, heads,
+    head width, key/value heads): its means would be applied to the wrong entries."""
+    view = ModelView(model)
+    cfg = view.cfg
+    want = (view.n_layers, cfg.n_heads, cfg.d_head, getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
+    have = (*calib.sink_z.shape, calib.sink_k.shape[1])
+    if tuple(have) != want:
+        raise MassiveLensError(f"this Calibration was measured on a model with (layers, heads, head width, kv heads) "
+                               f"= {tuple(have)}, but {view.name} has {want}; calibrate this model: "
+                               "calibrate(model, text)")
+    return calib

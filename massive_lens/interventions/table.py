@@ -254,7 +254,7 @@ def run_interventions(
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise MassiveLensError(f"token tensor must be [seq, pos] with pos >= 2, got {tuple(tokens.shape)}")
     if isinstance(calibration, Calibration):
-        calib = calibration
+        calib = calibrate(model, calibration)  # checked to be this model's
     else:
         calib_tokens = sequences(view, calibration, seq_len, calibration_seqs)
         _check_disjoint(tokens, calib_tokens)
