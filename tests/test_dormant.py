@@ -92,3 +92,15 @@ def test_zero_named_heads_and_bad_head():
     assert zero_dormant_heads(model, heads=[(1, 0), (1, 0), (0, 2)]).heads == [(0, 2), (1, 0)]
     with pytest.raises(MassiveLensError, match="out of range"):
         zero_dormant_heads(model, heads=[(0, 99)])
+
+
+def test_shares_and_random_control(planted):
+    model, expected = planted
+    tokens = _tokens(model)
+    n = model.cfg.n_layers * model.cfg.n_heads
+    share = len(expected) / n
+    assert zero_dormant_heads(model, calibration=tokens, share=share).heads == expected
+    drawn = [zero_dormant_heads(model, share=share, order="random", seed=s).heads for s in range(3)]
+    assert all(len(d) == len(expected) for d in drawn) and len({tuple(d) for d in drawn}) > 1
+    with pytest.raises(MassiveLensError, match="share"):
+        zero_dormant_heads(model, share=0.0)

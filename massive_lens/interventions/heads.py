@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from massive_lens.attention.dormant import NORM_RATIO, SINK_SHARE, dormant_heads
+from massive_lens.attention.dormant import NORM_RATIO, SINK_SHARE, DormantHeads, dormant_heads
 from massive_lens.core.corpora import default_text, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
@@ -31,10 +32,20 @@ def _zero_heads(z: Tensor, hook: Any, *, heads: list[int]) -> Tensor:
     return z
 
 
+def ranked_heads(found: DormantHeads) -> list[tuple[int, int]]:
+    """Every head, most dormant first: by the share of sequences where it is dormant, then by its
+    mean output norm ratio (smallest first)."""
+    f = found.to_frame().groupby(["layer", "head"], as_index=False).agg(dormant=("dormant", "mean"),
+                                                                          ratio=("norm_ratio", "mean"))
+    f = f.sort_values(["dormant", "ratio"], ascending=[False, True])
+    return [(int(layer), int(head)) for layer, head in zip(f["layer"], f["head"], strict=True)]
+
+
 def zero_dormant_heads(model: Any, *, calibration: Any = None, heads: Sequence[tuple[int, int]] | None = None,
-                       min_share: float = 0.5, sink_share: float = SINK_SHARE, norm_ratio: float = NORM_RATIO,
-                       seq_len: int = 128, n_seqs: int = 4) -> Intervention:
-    """Zero the output of the dormant heads (or of ``heads``).
+                       share: float | None = None, order: str = "dormant", seed: int = 0, min_share: float = 0.5,
+                       sink_share: float = SINK_SHARE, norm_ratio: float = NORM_RATIO, seq_len: int = 128,
+                       n_seqs: int = 4) -> Intervention:
+    """Zero the output of the dormant heads, of a share of heads (most dormant or random first), or of ``heads``.
 
     Args:
         model: a TransformerLens-style model.
@@ -42,7 +53,13 @@ def zero_dormant_heads(model: Any, *, calibration: Any = None, heads: Sequence[t
             sequences of ``seq_len`` tokens; None or a ``Calibration``, which holds no text: the
             offline default text). Use other text than the evaluation text.
         heads: ``(layer, head)`` pairs to zero instead of finding them.
-        min_share: a head is zeroed when dormant on at least this share of the calibration sequences.
+        share: zero this share of all heads (at least one), taken in ``order``; None: exactly the
+            heads dormant on at least ``min_share`` of the calibration sequences.
+        order: with ``share``, ``"dormant"`` (most dormant first, :func:`ranked_heads`) or
+            ``"random"`` (a control: random heads, drawn with ``seed``).
+        seed: the random draw of ``order="random"``.
+        min_share: without ``share``, a head is zeroed when dormant on at least this share of the
+            calibration sequences.
         sink_share, norm_ratio: the thresholds of :func:`~massive_lens.attention.dormant.dormant_heads`.
         seq_len, n_seqs: how the calibration text is cut.
 
@@ -50,7 +67,7 @@ def zero_dormant_heads(model: Any, *, calibration: Any = None, heads: Sequence[t
         An :class:`Intervention` named ``"zero_dormant_heads"``; ``.heads`` lists the zeroed heads.
 
     Raises:
-        MassiveLensError: for a head or layer out of range.
+        MassiveLensError: for a head or layer out of range, a ``share`` outside (0, 1] or an unknown ``order``.
 
     >>> from massive_lens import tiny_model
     >>> iv = zero_dormant_heads(tiny_model("llama"), heads=[(1, 0)])
@@ -58,11 +75,19 @@ def zero_dormant_heads(model: Any, *, calibration: Any = None, heads: Sequence[t
     ('zero_dormant_heads', [(1, 0)], 1)
     """
     view = ModelView(model)
-    if heads is None:
+    if share is not None and not 0 < share <= 1 or order not in ("dormant", "random"):
+        raise MassiveLensError(f"share must be in (0, 1] (or None) and order 'dormant' or 'random', got {share!r}, "
+                               f"{order!r}")
+    if heads is None and share is not None and order == "random":
+        every = [(layer, h) for layer in range(view.n_layers) for h in range(view.cfg.n_heads)]
+        draw = torch.randperm(len(every), generator=torch.Generator().manual_seed(seed)).tolist()
+        heads = [every[i] for i in draw[:max(1, round(share * len(every)))]]
+    elif heads is None:
         text = default_text() if calibration is None or isinstance(calibration, Calibration) else calibration
         tokens = sequences(view, text, min(seq_len, view.n_ctx or seq_len), n_seqs)
         found = dormant_heads(model, tokens, sink_share=sink_share, norm_ratio=norm_ratio)
-        heads = found.heads(min_share)
+        ranked = ranked_heads(found)
+        heads = found.heads(min_share) if share is None else ranked[:max(1, round(share * len(ranked)))]
     chosen = sorted({(int(layer), int(head)) for layer, head in heads})
     by_layer: dict[int, list[int]] = {}
     for layer, head in chosen:

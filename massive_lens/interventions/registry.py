@@ -34,6 +34,7 @@ from massive_lens.interventions.builders import (
     patch_sink_from,
     remove_sink_attention,
 )
+from massive_lens.interventions.heads import zero_dormant_heads
 from massive_lens.interventions.intervention import Intervention
 
 RESID, ATTN, NOTHING = "residual stream", "attention", "nothing"
@@ -98,6 +99,8 @@ ROWS: tuple[InterventionSetting, ...] = (
         "zeroed at every layer where they are massive", ATTN, True, False, options=dict(where="every")),
     Row("sink_patched", _patched_from_default_text,
         "residual stream at the sink positions patched from another text", RESID, False, False, takes_sinks=False),
+    Row("zero_dormant_heads", zero_dormant_heads, "outputs of the 4% most dormant heads (found on the default text) "
+        "set to zero", ATTN, False, False, takes_sinks=False, options=dict(share=0.04)),
 )
 REGISTRY: dict[str, InterventionSetting] = {}
 EVERY: dict[str, str] = {}  # first-layer form -> every form
