@@ -224,3 +224,12 @@ def test_interventions_list_their_targets_and_leave_outlier_dims_by_default(stor
 def test_outlier_choice_is_checked():
     with pytest.raises(MassiveLensError, match="outliers must be 'include' or 'exclude'"):
         Criterion(outliers="some")
+
+
+def test_a_rebirth_can_be_the_birth():
+    """Written to 3% of the peak, erased, then rewritten to the peak: the rewrite is the birth."""
+    from massive_lens.origin.story import _verbs
+
+    events = pd.DataFrame(dict(kind=["birth", "erasure", "rebirth", "erasure"],
+                               after=[300.0, 40.0, 10_000.0, 4_000.0]))
+    assert _verbs(events, 10_000.0) == ["written by", "cut", "born in", "cut"]

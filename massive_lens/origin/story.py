@@ -78,22 +78,20 @@ def _event(e: Any, neurons: pd.DataFrame, verb: str, heads: pd.DataFrame, peak: 
 
 
 def _verbs(events: pd.DataFrame, peak: float) -> list[str]:
-    """Each event's verb: ``written by`` before the birth (the first birth event that brings the
-    value to ``BIRTH_SHARE`` of the peak), ``born in``, then ``raised by``; ``rewritten by`` for a
-    rebirth, ``cut`` for an erasure."""
+    """Each event's verb: ``written by`` before the birth (the first write, birth or rebirth,
+    that brings the value to ``BIRTH_SHARE`` of the peak), ``born in``, then ``raised by``
+    (``rewritten by`` for a rebirth after an erasure); ``cut`` for an erasure."""
     verbs, born = [], False
     for e in events.itertuples():
-        if e.kind == "rebirth":
-            verbs.append("rewritten by")
-        elif e.kind == "erasure":
+        if e.kind == "erasure":
             verbs.append("cut")
-        elif born:
-            verbs.append("raised by")
-        elif abs(e.after) >= BIRTH_SHARE * abs(peak):
+        elif not born and abs(e.after) >= BIRTH_SHARE * abs(peak):  # a rebirth can be the birth
             verbs.append("born in")
             born = True
-        else:
+        elif not born:
             verbs.append("written by")
+        else:
+            verbs.append("rewritten by" if e.kind == "rebirth" else "raised by")
     return verbs
 
 
