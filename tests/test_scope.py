@@ -217,7 +217,7 @@ def test_interventions_list_their_targets_and_leave_outlier_dims_by_default(stor
     else:
         assert dims == {SINK_DIM, OUTLIER_DIM} and frame.loc["zero", "targets_per_seq"] > 1
         assert "included" in table.summary()
-    assert frame.loc["sink_term_zero", "target_dims"] == ""
+    assert frame.loc["sink_term_zero", "target_dims"] == "" and frame.loc["original", "target_dims"] == ""
     assert frame.loc["sink_term_zero", "sink_kinds"] == f"bos {len(evaluation)}"  # an outlier dim makes no sink
 
 

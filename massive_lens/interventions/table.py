@@ -178,7 +178,7 @@ def _row(setting: str, run: _Run, base: _Run, calib: Calibration, sinks: SinkSet
                                        "sink_mass_original", "rebuilt", "check")}, added=added)
     if setting == "original":  # the baseline itself: only what it measured (the sinks, their attention)
         row.update(target_kept=math.nan, peak_layer=math.nan, target_back=math.nan, back_layer=math.nan,
-                   check="original: untouched (the baseline of every check)")
+                   target_dims="", target_kinds="", check="original: untouched (the baseline of every check)")
     return row, checks.assign(setting=setting)
 
 
