@@ -89,6 +89,12 @@ class Criterion:
         if self.outliers not in OUTLIER_CHOICES:
             raise MassiveLensError(f"outliers must be 'include' or 'exclude', got {self.outliers!r}")
 
+    def passes(self, mag: Tensor, scale: Tensor) -> Tensor:
+        """The rule itself, on magnitudes and their median scale (from :func:`median_scale`):
+        ``|x| > abs_threshold`` and ``|x| > ratio_threshold * median``. Written once here;
+        :func:`massive_mask` and the in-hook reducers call it."""
+        return (mag > self.abs_threshold) & (mag > self.ratio_threshold * scale)
+
 
 def median_scale(
     mag: Float[Tensor, "batch pos d_model"], criterion: Criterion, valid: Bool[Tensor, "batch pos"] | None = None,
@@ -122,7 +128,7 @@ def massive_mask(
     """
     mag = resid.abs().float()
     scale, _ = median_scale(mag, criterion, valid)
-    massive = (mag > criterion.abs_threshold) & (mag > criterion.ratio_threshold * scale)
+    massive = criterion.passes(mag, scale)
     if valid is not None:
         massive &= valid.to(massive.device)[..., None]
     return token_specific(massive, valid) if criterion.outliers == "exclude" else massive

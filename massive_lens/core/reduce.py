@@ -49,7 +49,7 @@ class ResidualReducer:
         self.top[layer] = flat.topk(min(self.k, flat.shape[1]), dim=1).values.cpu()
         self.median[layer] = median.cpu()
         self.peak = max(self.peak, float(self.top[layer][:, 0].max()))
-        massive = (mag > self.criterion.abs_threshold) & (mag > self.criterion.ratio_threshold * scale)
+        massive = self.criterion.passes(mag, scale)
         count, n_tokens = massive.sum(1), valid.sum(1)
         outlier = outlier_dims(count, n_tokens)
         self.outlier[layer] = outlier.cpu()

@@ -352,10 +352,6 @@ def describe_source(corpus: Any) -> str:
     return short(corpus) if isinstance(corpus, (str, os.PathLike)) else f"{type(corpus).__name__} corpus"
 
 
-def stash(act: Tensor, hook: Any, *, state: Any, key: str) -> None:
-    state.stash[key] = act
-
-
 def _of_this_model(model: Any, calib: Calibration) -> Calibration:
     """``calib`` itself, refused when it was measured on a model of other sizes (layers, heads,
     head width, key/value heads): its means would be applied to the wrong entries."""

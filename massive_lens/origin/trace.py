@@ -43,9 +43,10 @@ import torch
 
 from massive_lens.core.corpora import Corpus
 from massive_lens.core.criterion import Criterion
-from massive_lens.core.model_view import TOKEN_KINDS, Batch, ModelView
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import waterfall_axes
 from massive_lens.core.results import Result
+from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
