@@ -66,7 +66,7 @@ def fmt(x: float) -> str:
     if math.isnan(x):
         return "-"
     a = abs(x)
-    return f"{x:,.0f}" if a >= 100 else f"{x:.2f}" if a >= 1 else f"{x:.3f}"
+    return f"{x:,.0f}" if a >= 100 else f"{x:.3f}"
 
 
 def cell(values: pd.Series) -> str:
