@@ -92,7 +92,15 @@ class Criterion:
     def passes(self, mag: Tensor, scale: Tensor) -> Tensor:
         """The rule itself, on magnitudes and their median scale (from :func:`median_scale`):
         ``|x| > abs_threshold`` and ``|x| > ratio_threshold * median``. Written once here;
-        :func:`massive_mask` and the in-hook reducers call it."""
+        :func:`massive_mask` and the in-hook reducers call it.
+
+        Args:
+            mag: the magnitudes ``|x|``.
+            scale: the median they are compared with, broadcastable to ``mag``.
+
+        Returns:
+            A bool tensor shaped like ``mag``: which entries pass (before any outlier-dimension rule).
+        """
         return (mag > self.abs_threshold) & (mag > self.ratio_threshold * scale)
 
 
