@@ -149,10 +149,9 @@ def _layer_rows(layer: int, q: Tensor, k: Tensor, v: Tensor, pattern: Tensor, si
     mass = torch.einsum("bhqk,bq->h", p, queries) / queries.sum().clamp(min=1)
     term = torch.einsum("bhqk,bkhd->bqhd", p, v).norm(dim=-1)  # [b q h]
     term = torch.einsum("bqh,bq->h", term, queries) / queries.sum().clamp(min=1)
-    return [[layer, h, h // group, float(k_sink[h]), float(k_med[h]), float(k_sink[h] / k_med[h].clamp(min=1e-12)),
-             float(cos[h]), float(s1[h] ** 2 / s2[h].clamp(min=1e-30)), float(v_sink[h]), float(v_med[h]),
-             float(v_sink[h] / v_med[h].clamp(min=1e-12)), float(mass[h]), float(mass[h] * v_sink[h]), float(term[h])]
-            for h in range(heads)]
+    cols = torch.stack([k_sink, k_med, k_sink / k_med.clamp(min=1e-12), cos, s1 ** 2 / s2.clamp(min=1e-30), v_sink,
+                        v_med, v_sink / v_med.clamp(min=1e-12), mass, mass * v_sink, term], 1).double().cpu().tolist()
+    return [[layer, h, h // group, *cols[h]] for h in range(heads)]
 
 
 def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int, float]) -> list[list[Any]]:
@@ -163,9 +162,9 @@ def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int
     for x in (q.float(), k.float().repeat_interleave(group, dim=2)):
         a = (x[..., :half].pow(2) + x[..., half:dim].pow(2)).sqrt()  # [b p head half]
         amp.append(a[real].amax(0))  # [head half]
-    freq = base ** (-2 * torch.arange(half, dtype=torch.float64) / dim)
-    return [[layer, h, i, float(freq[i]), float(amp[0][h, i]), float(amp[1][h, i])]
-            for h in range(q.shape[2]) for i in range(half)]
+    freq = (base ** (-2 * torch.arange(half, dtype=torch.float64) / dim)).tolist()
+    q_max, k_max = amp[0].double().cpu().tolist(), amp[1].double().cpu().tolist()
+    return [[layer, h, i, freq[i], q_max[h][i], k_max[h][i]] for h in range(q.shape[2]) for i in range(half)]
 
 
 def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = None,
