@@ -106,6 +106,9 @@ def runs_table(frame: pd.DataFrame) -> str:
         rows = frame[frame.setting == s].sort_values("seed")
         lines.append(f"| {s} | " + "; ".join(f"{r.seed}: {r.steps}/{r.target}, {r.wall_s / 60:.0f} min"
                                              for r in rows.itertuples()) + " |")
+    missing = [s for s in SETTINGS if s not in set(frame.setting)]
+    if missing:
+        lines += ["", "Not run yet: " + ", ".join(f"`{s}`" for s in missing) + "."]
     return "\n".join(lines)
 
 
