@@ -31,7 +31,7 @@ def test_report_finds_and_traces_the_planted_activation(planted_report):
     assert "dim 7" in md and "Skipped" not in md
     # the planted activation reaches calibration, so every intervention runs, "zero" included
     assert "No massive activations in the calibration text" not in md
-    assert "| zero | massive activations set to zero where they appear |" in md
+    assert re.search(r"\| zero \| [^|]+ \| massive activations set to zero where they appear \|", md)
     for setting in SETTINGS:
         assert f"| {setting} |" in md, setting
     figures = sorted((planted_report.parent / "figures").glob("*.png"))
