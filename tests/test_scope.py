@@ -205,8 +205,8 @@ def story_tokens():
 def test_interventions_list_their_targets_and_leave_outlier_dims_by_default(story_tokens, outliers):
     model, evaluation, calibration = story_tokens
     with untouched(model):
-        table = run_interventions(model, evaluation, calibration=calibration, settings=["original", "zero", "sink_term_zero"],
-                                  outliers=outliers, progress=False)
+        table = run_interventions(model, evaluation, calibration=calibration,
+                                  settings=["original", "zero", "sink_term_zero"], outliers=outliers, progress=False)
     frame = table.to_frame().set_index("setting")
     dims = {int(d) for d in frame.loc["zero", "target_dims"].split(", ")}
     assert OUTLIER_DIM in table.calibration.outlier_dims.tolist()
