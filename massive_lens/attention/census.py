@@ -81,7 +81,14 @@ class SinkCensus(Result):
         return self.frame.copy()
 
     def level(self, name: str) -> pd.DataFrame:
-        """The rows of one level (``primary``, ``secondary`` or ``transient``)."""
+        """The rows of one level.
+
+        Args:
+            name: ``"primary"``, ``"secondary"`` or ``"transient"``.
+
+        Returns:
+            The rows of ``to_frame()`` at that level.
+        """
         return self.frame[self.frame["level"] == name]
 
     def summary(self) -> str:

@@ -60,7 +60,14 @@ class DormantHeads(Result):
         return self.frame.groupby(["layer", "head"], as_index=False)["dormant"].mean()
 
     def heads(self, min_share: float = 1.0) -> list[tuple[int, int]]:
-        """``(layer, head)`` of the heads dormant in at least ``min_share`` of the sequences."""
+        """The heads dormant on enough of the sequences.
+
+        Args:
+            min_share: the share of sequences a head must be dormant on (default all).
+
+        Returns:
+            ``(layer, head)`` pairs, in layer and head order.
+        """
         s = self.share()
         return [(int(r.layer), int(r.head)) for r in s.itertuples() if r.dormant >= min_share - 1e-12]
 

@@ -34,7 +34,14 @@ def _zero_heads(z: Tensor, hook: Any, *, heads: list[int]) -> Tensor:
 
 def ranked_heads(found: DormantHeads) -> list[tuple[int, int]]:
     """Every head, most dormant first: by the share of sequences where it is dormant, then by its
-    mean output norm ratio (smallest first)."""
+    mean output norm ratio (smallest first).
+
+    Args:
+        found: a :class:`~massive_lens.attention.dormant.DormantHeads`.
+
+    Returns:
+        ``(layer, head)`` pairs.
+    """
     f = found.to_frame().groupby(["layer", "head"], as_index=False).agg(dormant=("dormant", "mean"),
                                                                           ratio=("norm_ratio", "mean"))
     f = f.sort_values(["dormant", "ratio"], ascending=[False, True])
@@ -60,8 +67,10 @@ def zero_dormant_heads(model: Any, *, calibration: Any = None, heads: Sequence[t
         seed: the random draw of ``order="random"``.
         min_share: without ``share``, a head is zeroed when dormant on at least this share of the
             calibration sequences.
-        sink_share, norm_ratio: the thresholds of :func:`~massive_lens.attention.dormant.dormant_heads`.
-        seq_len, n_seqs: how the calibration text is cut.
+        sink_share: the sink-mass threshold of :func:`~massive_lens.attention.dormant.dormant_heads`.
+        norm_ratio: the output-norm threshold of :func:`~massive_lens.attention.dormant.dormant_heads`.
+        seq_len: tokens per calibration sequence.
+        n_seqs: calibration sequences.
 
     Returns:
         An :class:`Intervention` named ``"zero_dormant_heads"``; ``.heads`` lists the zeroed heads.
