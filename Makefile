@@ -14,10 +14,9 @@ STAMP_TL3 := $(VENV_TL3)/.installed
 TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py tests/test_origin.py
 TL3_SELECT ?= -m "not real" -k "not plain_transformers"
 
-# The quick loop (make check): tiny models only; the real models, torchrun, the notebooks, the browser,
-# the architecture matrix and the doctests are left to make test.
-QUICK_SKIP := --ignore=tests/test_notebooks.py --ignore=tests/test_browser.py --ignore=tests/test_matrix.py \
-	--ignore=tests/test_architectures.py --ignore=tests/test_docs_examples.py
+# The quick loop (make check, tests/conftest.py's --quick): tiny llama models only; the other families,
+# the real models, torchrun, the notebooks, the browser, the docs, the architecture matrix and the
+# doctests are left to make test.
 
 .PHONY: demo test check test-tl3 bench docs lint clean
 
@@ -49,7 +48,7 @@ test: $(STAMP)
 
 check: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest tests -q -x -m "not slow and not real and not dist" $(QUICK_SKIP)
+	$(BIN)/python -m pytest tests -q -x --quick
 
 test-tl3: $(STAMP_TL3)
 	$(VENV_TL3)/bin/python -m pytest $(TL3_SELECT) $(TL3_TESTS)

@@ -16,6 +16,32 @@ from massive_lens import load_model, tiny_model
 from massive_lens.models import FAMILIES
 
 
+QUICK_SKIPPED_MODULES = {"test_notebooks", "test_browser", "test_matrix", "test_architectures", "test_docs",
+                         "test_docs_examples", "test_distributed", "test_real_models"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help="the development loop (make check): tiny llama models only; no slow, real or dist tests, "
+                          "notebooks, browser, docs build or architecture matrix")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--quick``, keep only what runs on a tiny llama in seconds."""
+    if not config.getoption("--quick"):
+        return
+    others = set(FAMILIES) - {"llama"}
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        quick = (item.module.__name__ not in QUICK_SKIPPED_MODULES
+                 and not any(item.get_closest_marker(m) for m in ("slow", "real", "dist"))
+                 and not others & {v for v in params.values() if isinstance(v, str)})
+        (keep if quick else drop).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)

@@ -64,7 +64,18 @@ class InterventionSetting:
     options: dict[str, Any] = field(default_factory=dict)
 
     def build(self, model: Any, calibration: Any, sinks: Any = None) -> Intervention:
-        """The intervention on ``model`` with this setting's options."""
+        """The intervention on ``model`` with this setting's options.
+
+        Args:
+            model: a TransformerLens-style model.
+            calibration: a :class:`~massive_lens.interventions.Calibration` of ``model``, or
+                calibration text.
+            sinks: the sink positions of the tokens it will run on (None: found online); used
+                only by settings that take sinks.
+
+        Returns:
+            The :class:`~massive_lens.interventions.Intervention`, not yet entered.
+        """
         extra = {"sinks": sinks} if self.takes_sinks else {}
         return self.builder(model, calibration=calibration, **self.options, **extra)
 
@@ -109,6 +120,12 @@ EVERY: dict[str, str] = {}  # first-layer form -> every form
 def register(row: InterventionSetting) -> InterventionSetting:
     """Add a setting (what :data:`ROWS` does for the built-in ones): it can then be named in
     ``run_interventions(settings=[...])`` and the report. A setting of the same name is replaced.
+
+    Args:
+        row: the setting.
+
+    Returns:
+        ``row``, now in :data:`REGISTRY` (and its ``every`` form in :data:`EVERY`).
 
     >>> from massive_lens.interventions import remove_sink_attention
     >>> row = register(InterventionSetting("sink_attention_dropped", remove_sink_attention,

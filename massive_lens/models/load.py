@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformer_lens.model_bridge import TransformerBridge
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from massive_lens.core.hooked import is_hooked_transformer
 from massive_lens.core.model_view import readable_name
@@ -279,8 +280,9 @@ def _load_hf(name: str, local: bool, dtype: torch.dtype, device_map: Any = None)
         kwargs["device_map"] = _device_map(device_map)
     try:
         with hub_offline() if local else contextlib.nullcontext():
-            hf, info = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-            tok = AutoTokenizer.from_pretrained(name)
+            hf, info = _model_class(name, local).from_pretrained(name, **kwargs)
+            images = getattr(hf, "main_input_name", None) == "pixel_values"  # a ViT: no tokenizer
+            tok = None if images else AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         if local:
             raise MassiveLensError(f"could not read the model in {name}: {type(exc).__name__}: {str(exc)[:300]} (a "
@@ -296,6 +298,17 @@ def _load_hf(name: str, local: bool, dtype: torch.dtype, device_map: Any = None)
         raise MassiveLensError(f"the weights in {name} do not match its config.json ({listed}); a missing tensor "
                                "would be random weights: save the model again with save_pretrained")
     return hf.eval(), tok
+
+
+def _model_class(name: str, local: bool) -> Any:
+    """The class a local folder's ``config.json`` names (a causal LM, or a ViT's class), else
+    ``AutoModelForCausalLM``."""
+    if local:
+        architectures = getattr(AutoConfig.from_pretrained(name, local_files_only=True), "architectures", None) or []
+        found = getattr(transformers, architectures[0], None) if architectures else None
+        if isinstance(found, type) and issubclass(found, PreTrainedModel):
+            return found
+    return AutoModelForCausalLM
 
 
 def _device_map(device_map: Any) -> Any:
@@ -325,7 +338,7 @@ def _build(hf: Any, tok: Any, label: str, *, backend: str, explicit: bool, devic
     user's name for it, is only written into ``cfg.model_name`` afterwards (a display name
     that is also a TransformerLens alias must not load that model's config)."""
     model = None
-    if backend == "hooked":
+    if backend == "hooked" and tok is not None:  # a vision model has no tokenizer and no HookedTransformer
         mark_bos(tok, label)
         try:
             model = hooked_from_hf(hf, tok, label, device=device, dtype=dtype)

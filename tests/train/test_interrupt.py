@@ -23,6 +23,15 @@ CFG = dict(model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16), data=TRAIN_T
            warmup_steps=2, log_every=1, eval_every=2, eval_batches=1, ckpt_every=2)
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Python's own Ctrl-C handler, as in a terminal: a shell starts background jobs with SIGINT
+    ignored, and the interrupt tests would then see no KeyboardInterrupt at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def straight() -> dict[str, torch.Tensor]:
     return train_model("smoke", progress=False, **CFG).model.state_dict()
