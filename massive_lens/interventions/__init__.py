@@ -23,6 +23,7 @@ from massive_lens.interventions.builders import (
 )
 from massive_lens.interventions.calibration import Calibration, calibrate
 from massive_lens.interventions.checks import REBUILT
+from massive_lens.interventions.heads import zero_dormant_heads
 from massive_lens.interventions.intervention import Intervention
 from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS, InterventionSetting, register
 from massive_lens.interventions.table import InterventionTable, run_interventions
@@ -30,5 +31,5 @@ from massive_lens.interventions.table import InterventionTable, run_intervention
 __all__ = [
     "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "Intervention", "InterventionSetting",
     "InterventionTable", "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term", "observe",
-    "patch_sink_from", "register", "remove_sink_attention", "run_interventions",
+    "patch_sink_from", "register", "remove_sink_attention", "run_interventions", "zero_dormant_heads",
 ]
