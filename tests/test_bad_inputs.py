@@ -384,6 +384,8 @@ CASES = [
         "was measured on a model", "run_interventions-calibration-of-another-model"),
     row("tiny", lambda m, d: scan_corpus(m, CORPUS, k=0, seq_len=16, max_tokens=64, progress=False),
         "largest magnitudes kept per layer", "scan_corpus-k-zero"),
+    row("tiny", lambda m, d: compare_models([tiny_model("vit"), m], out_dir=d / "r", quick=True, progress=False),
+        "is a vision model", "compare_models-vision-model"),
     row("tiny", lambda m, d: _cli("intervene"), "name the evaluation text", "cli-intervene-all-defaults"),
     # --- tiny_model sizes a model cannot have
     row("tiny", lambda m, d: tiny_model("llama", hidden_size=0), "positive integers", "tiny_model-zero-width"),
