@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import massive_lens  # noqa: E402
-from massive_lens.train.retrofit import SETTINGS, Retrofit  # noqa: E402
+from massive_lens.train.retrofit import RETROFIT_SETTINGS, Retrofit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs/retrofit/seeds"
@@ -97,7 +97,7 @@ def load_runs(folder: Path = RUNS) -> tuple[Retrofit, pd.DataFrame]:
 
 
 def ordered(settings: list[str]) -> list[str]:
-    return [s for s in SETTINGS if s in settings] + sorted(s for s in settings if s not in SETTINGS)
+    return [s for s in RETROFIT_SETTINGS if s in settings] + sorted(s for s in settings if s not in RETROFIT_SETTINGS)
 
 
 def runs_table(frame: pd.DataFrame) -> str:
@@ -106,7 +106,7 @@ def runs_table(frame: pd.DataFrame) -> str:
         rows = frame[frame.setting == s].sort_values("seed")
         lines.append(f"| {s} | " + "; ".join(f"{r.seed}: {r.steps}/{r.target}, {r.wall_s / 60:.0f} min"
                                              for r in rows.itertuples()) + " |")
-    missing = [s for s in SETTINGS if s not in set(frame.setting)]
+    missing = [s for s in RETROFIT_SETTINGS if s not in set(frame.setting)]
     if missing:
         lines += ["", "Not run yet: " + ", ".join(f"`{s}`" for s in missing) + "."]
     return "\n".join(lines)

@@ -179,7 +179,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     return page
 
 
-def analyse(model: Any, text: str, corpus: Corpus, settings: sec.Settings, calibration: Corpus = None,
+def analyse(model: Any, text: str, corpus: Corpus, settings: sec.ReportOptions, calibration: Corpus = None,
             progress: bool = False) -> ModelResults:
     """The analyses behind one column of the comparison, each through the report's own helpers
     (the trace is not verified: the page compares stories, the single-model report checks them),

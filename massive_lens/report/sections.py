@@ -42,7 +42,7 @@ VERIFY_SEQS = 4  # evaluation sequences the origin's causal check measures perpl
 
 
 @dataclass(frozen=True)
-class Settings:
+class ReportOptions:
     """What the report runs, and on how much text; every field is a
     :func:`~massive_lens.write_report` option of the same name (and a ``massive-lens report``
     flag).
@@ -84,8 +84,8 @@ class Settings:
             raise MassiveLensError(f"verify must be True or False, got {self.verify!r}")
 
 
-FULL = Settings()
-QUICK = Settings(seq_len=32, n_seqs=2, scan_seqs=4, calib_seqs=2, verify=False)
+FULL = ReportOptions()
+QUICK = ReportOptions(seq_len=32, n_seqs=2, scan_seqs=4, calib_seqs=2, verify=False)
 
 
 def describe(corpus: Any) -> str:
@@ -113,7 +113,7 @@ class Inputs:
     """What every section reads: the model, the text, the corpus, the calibration corpus and
     the settings."""
 
-    def __init__(self, model: Any, text: str, corpus: Any, settings: Settings, calibration: Any = None):
+    def __init__(self, model: Any, text: str, corpus: Any, settings: ReportOptions, calibration: Any = None):
         self.model, self.text, self.corpus, self.settings = model, text, corpus, settings
         self.calibration = calibration
         self.view = ModelView(model)

@@ -15,9 +15,9 @@ its figures under ``DIR/figures/``:
 5. the intervention table, judged by perplexity (run_interventions);
 6. what the outliers cost under W8A8 quantization (measure_outliers).
 
-Settings are small so the default model finishes in a few minutes on 2 CPU cores;
+ReportOptions are small so the default model finishes in a few minutes on 2 CPU cores;
 ``quick=True`` shrinks them further for tests on tiny models, and every size, the traced
-entry and the layer shown can be set (the options are those of :class:`Settings`, and the
+entry and the layer shown can be set (the options are those of :class:`ReportOptions`, and the
 same flags of ``massive-lens report``). The report states what it used (corpus and
 calibration files, sequence counts) and its own peak memory next to the model's weights.
 A section that cannot run on a model is replaced by a note that says why; nothing is faked.
@@ -149,14 +149,14 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     return page
 
 
-def settings_for(quick: bool, **options: Any) -> sec.Settings:
-    """The report's :class:`Settings`: the quick or full defaults, with every option that is
+def settings_for(quick: bool, **options: Any) -> sec.ReportOptions:
+    """The report's :class:`ReportOptions`: the quick or full defaults, with every option that is
     not None in its place.
 
     >>> settings_for(True, seq_len=64).seq_len, settings_for(False).seq_len
     (64, 128)
     """
-    unknown = set(options) - {f.name for f in fields(sec.Settings)}
+    unknown = set(options) - {f.name for f in fields(sec.ReportOptions)}
     if unknown:
         raise MassiveLensError(f"unknown report options {sorted(unknown)}")
     return replace(sec.QUICK if quick else sec.FULL, **{k: v for k, v in options.items() if v is not None})

@@ -60,7 +60,7 @@ from massive_lens.train.retrofit_parts import (
 from massive_lens.train.trainer import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
-SETTINGS = ("softmax-kept", "softmax-removed", "softmax1-removed", "kv_bias-removed", "learned_sink-removed",
+RETROFIT_SETTINGS = ("softmax-kept", "softmax-removed", "softmax1-removed", "kv_bias-removed", "learned_sink-removed",
             "softmax-removed-held", "softmax1-removed-held")
 FINALS = ["fp_loss", "w8a8_loss", "gap", "mean_kurtosis", "max_inf_norm", "max_ratio"]
 
@@ -162,7 +162,7 @@ class Retrofit(Result):
 
 def retrofit(
     model: Any,
-    settings: Sequence[str] = SETTINGS,
+    settings: Sequence[str] = RETROFIT_SETTINGS,
     *,
     steps: int = 40,
     batch_size: int = 8,
@@ -185,7 +185,7 @@ def retrofit(
     Args:
         model: a bridge from :func:`~massive_lens.load_model` (or ``wrap_hf_model``) over a
             Llama/Qwen/Mistral-style model; it is copied, never changed.
-        settings: setting names (default :data:`SETTINGS`).
+        settings: setting names (default :data:`RETROFIT_SETTINGS`).
         steps: optimizer steps per run (default 40).
         batch_size: sequences per step (default 8).
         seq_len: tokens per sequence, BOS included (default 128).

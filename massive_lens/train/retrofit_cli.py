@@ -21,7 +21,7 @@ from pathlib import Path
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.load import load_model
-from massive_lens.train.retrofit import SETTINGS, retrofit
+from massive_lens.train.retrofit import RETROFIT_SETTINGS, retrofit
 from massive_lens.train.retrofit_parts import parse_setting
 
 HELP = "fine-tune a pretrained model with its massive activations removed, under softmax or an off-switch"
@@ -30,7 +30,7 @@ HELP = "fine-tune a pretrained model with its massive activations removed, under
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``retrofit`` options to ``parser``."""
     parser.add_argument("--model", default=None, help="model name or path for load_model (default: the default model)")
-    parser.add_argument("--settings", default=",".join(SETTINGS),
+    parser.add_argument("--settings", default=",".join(RETROFIT_SETTINGS),
                         help="comma-separated '<variant>-kept|removed[-held]' (default: the four of the issue)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")

@@ -11,7 +11,7 @@ import transformers as tf
 from helpers import untouched
 from planting import BIRTH, SINK_DIM, TEXT, plant_sink
 
-from massive_lens import find_massive, load, tiny_model
+from massive_lens import find_massive, layer_profile, load, tiny_model
 from massive_lens.errors import MassiveLensError
 from massive_lens.train import MassiveLM, MassiveLMConfig, VariantConfig
 from massive_lens.train.hf_attention import (
@@ -108,7 +108,10 @@ def test_bridge_with_hooks_computes_the_swapped_model(name):
     assert not torch.allclose(plain, expected, atol=1e-3)  # the slots matter
     analysed = analysis_bridge(hf, bridge.tokenizer)
     assert torch.allclose(analysed(tokens), expected, atol=1e-5)
-    assert find_massive(analysed, tokens).to_frame() is not None
+    profile = layer_profile(analysed, tokens).to_frame()  # the analysis bridge reads the variant's stream
+    hidden = hf(tokens, use_cache=False, output_hidden_states=True).hidden_states[1:-1]  # the last is normed
+    assert torch.allclose(torch.tensor(profile.top1_mean[: len(hidden)].tolist()),
+                          torch.tensor([float(h.abs().max()) for h in hidden]), rtol=1e-4)
 
 
 def test_bad_settings_and_variants():
