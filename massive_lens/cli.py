@@ -120,7 +120,7 @@ def _report_args(parser: argparse.ArgumentParser) -> None:
     for flag, what, full, quick in (("--seq-len", "tokens per corpus sequence", 128, 32),
                                     ("--n-seqs", "evaluation sequences", 8, 2),
                                     ("--scan-seqs", "corpus sequences the scan reads", 8, 4),
-                                    ("--calib-seqs", "calibration sequences", 4, 2)):
+                                    ("--calibration-seqs", "calibration sequences", 4, 2)):
         add(flag, type=int, default=None, help=f"{what} (default {full}; {quick} with --quick)")
     add("--verify", action=argparse.BooleanOptionalAction, default=None,
         help="check the origin causally by zero-ablation (default on; off with --quick)")

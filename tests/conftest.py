@@ -15,7 +15,6 @@ from matrix import build
 from massive_lens import load_model, tiny_model
 from massive_lens.models import FAMILIES
 
-
 QUICK_SKIPPED_MODULES = {"test_notebooks", "test_browser", "test_matrix", "test_architectures", "test_docs",
                          "test_docs_examples", "test_distributed", "test_real_models"}
 

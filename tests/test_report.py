@@ -84,7 +84,7 @@ def test_the_cli_and_compare_models_take_every_write_report_option():
     params = inspect.signature(rep.write_report).parameters
     options = report_options()
     assert set(options) == set(params) - {"model"}
-    assert {"corpus", "seq_len", "n_seqs", "calib_seqs", "dim", "pos", "layer", "device", "dtype"} <= set(options)
+    assert {"corpus", "seq_len", "n_seqs", "calibration_seqs", "dim", "pos", "layer", "device", "dtype"} <= set(options)
     args = build_parser().parse_args(["report"])
     assert args.model is None  # --model, repeated for the comparison page
     for name in options:
@@ -99,7 +99,7 @@ def test_every_option_steers_the_report_and_the_report_names_what_it_used(tmp_pa
     corpus.write_text("The first corpus line. It has words.\n" * 60)
     calibration.write_text("Calibration prose, another text.\n" * 60)
     path = rep.write_report(tiny_model("llama"), corpus=corpus, calibration=calibration, out_dir=tmp_path / "out",
-                            seq_len=24, n_seqs=3, scan_seqs=5, calib_seqs=2, verify=True, dim=4, pos=1, layer=1,
+                            seq_len=24, n_seqs=3, scan_seqs=5, calibration_seqs=2, verify=True, dim=4, pos=1, layer=1,
                             quick=True, progress=False, tables=False)
     md = (path.parent / "report.md").read_text()
     assert f"Evaluation: 3 sequences of 24 tokens from {corpus}" in md
@@ -111,7 +111,7 @@ def test_every_option_steers_the_report_and_the_report_names_what_it_used(tmp_pa
     assert re.search(r"Peak memory [\d.]+ [GM]iB resident while the report ran, model included", md)
     assert re.search(r"the model's weights: \d+ MiB, so the peak is [\d.]+x the weights", md)
     assert re.search(r"the analyses added \d+ MiB, [\d.]+x the weights", md)  # a loaded model was given
-    assert "seq_len=24, n_seqs=3, scan_seqs=5, calib_seqs=2, verify=True, dim=4, pos=1, layer=1" in md
+    assert "seq_len=24, n_seqs=3, scan_seqs=5, calibration_seqs=2, verify=True, dim=4, pos=1, layer=1" in md
     assert not (path.parent / "tables").exists()
 
 
@@ -129,7 +129,7 @@ def test_summaries_wrap_and_carry_no_notebook_hints(planted_report):
 
 
 @pytest.mark.parametrize(("options", "expected"), [
-    (dict(seq_len=1), "seq_len >= 2"), (dict(n_seqs=0), ">= 1"), (dict(calib_seqs=-2), ">= 1"),
+    (dict(seq_len=1), "seq_len >= 2"), (dict(n_seqs=0), ">= 1"), (dict(calibration_seqs=-2), ">= 1"),
     (dict(layer=-1), "layer must be >= 0"), (dict(corpus="missing.txt"), "no such corpus file"),
     (dict(calibration="calib/missing.txt"), "no such corpus file"),
 ])

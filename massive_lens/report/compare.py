@@ -87,7 +87,7 @@ class ModelResults:
 
 def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Corpus = None,
                    calibration: Corpus = None, out_dir: str | Path = "report", seq_len: int | None = None,
-                   n_seqs: int | None = None, scan_seqs: int | None = None, calib_seqs: int | None = None,
+                   n_seqs: int | None = None, scan_seqs: int | None = None, calibration_seqs: int | None = None,
                    verify: bool | None = None, dim: int | None = None, pos: int | None = None,
                    layer: int | None = None, device: str | torch.device | None = None,
                    dtype: torch.dtype | str | None = None, quick: bool = False, progress: bool = True,
@@ -113,7 +113,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
         seq_len: tokens per corpus sequence (None: 128; 32 with ``quick``).
         n_seqs: evaluation sequences (None: 8; 2 with ``quick``).
         scan_seqs: corpus sequences the scan reads (None: 8; 4 with ``quick``).
-        calib_seqs: calibration sequences (None: 4; 2 with ``quick``).
+        calibration_seqs: calibration sequences (None: 4; 2 with ``quick``).
         verify: must be None or False: the page compares the traces, it does not verify them.
         dim: the hidden dimension to trace in every model (None: each one's largest entry's).
         pos: the token position to trace (None: each model's largest massive entry's).
@@ -146,7 +146,8 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     if verify or layer is not None:
         raise MassiveLensError("verify and layer apply to the one-model report (write_report), not to the "
                                "comparison page; leave them None")
-    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs, calib_seqs=calib_seqs,
+    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
+                            calibration_seqs=calibration_seqs,
                             verify=False, dim=dim, pos=pos)
     text = check_inputs(text, corpus, calibration)
     folder = check_out_dir(out_dir)

@@ -52,7 +52,7 @@ class ReportOptions:
         n_seqs: evaluation sequences: the intervention table, quantization, and the causal
             check of the origin (its first ``min(4, n_seqs)``).
         scan_seqs: corpus sequences the scan reads.
-        calib_seqs: calibration sequences (intervention means and sinks, quantization scales).
+        calibration_seqs: calibration sequences (intervention means and sinks, quantization scales).
         verify: check the origin story causally (zero the named neurons and weights).
         dim: the hidden dimension to trace (None: that of the text's largest massive entry).
         pos: the token position to trace (None: that of the text's largest massive entry).
@@ -63,14 +63,15 @@ class ReportOptions:
     seq_len: int = 128
     n_seqs: int = 8
     scan_seqs: int = 8
-    calib_seqs: int = 4
+    calibration_seqs: int = 4
     verify: bool = True
     dim: int | None = None
     pos: int | None = None
     layer: int | None = None
 
     def __post_init__(self) -> None:
-        sizes = dict(seq_len=self.seq_len, n_seqs=self.n_seqs, scan_seqs=self.scan_seqs, calib_seqs=self.calib_seqs)
+        sizes = dict(seq_len=self.seq_len, n_seqs=self.n_seqs, scan_seqs=self.scan_seqs,
+                     calibration_seqs=self.calibration_seqs)
         bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
         if bad or self.seq_len < 2:
             raise MassiveLensError(f"report sizes must be whole numbers >= 1 (seq_len >= 2), got {bad or sizes}")
@@ -85,7 +86,7 @@ class ReportOptions:
 
 
 FULL = ReportOptions()
-QUICK = ReportOptions(seq_len=32, n_seqs=2, scan_seqs=4, calib_seqs=2, verify=False)
+QUICK = ReportOptions(seq_len=32, n_seqs=2, scan_seqs=4, calibration_seqs=2, verify=False)
 
 
 def describe(corpus: Any) -> str:
@@ -128,7 +129,7 @@ class Inputs:
         separate calibration corpus) the calibration ones (disjoint text); the scan reads the
         first ``scan_seqs``."""
         s = self.settings
-        calib = s.calib_seqs if self.calibration is None else 0
+        calib = s.calibration_seqs if self.calibration is None else 0
         return sequences(self.view, self.corpus, s.seq_len, max(s.scan_seqs, s.n_seqs + calib))
 
     @cached_property
@@ -146,8 +147,8 @@ class Inputs:
     def calib_tokens(self) -> Tensor:
         s = self.settings
         if self.calibration is not None:
-            return sequences(self.view, self.calibration, s.seq_len, s.calib_seqs)
-        calib = self.tokens[s.n_seqs: s.n_seqs + s.calib_seqs]
+            return sequences(self.view, self.calibration, s.seq_len, s.calibration_seqs)
+        calib = self.tokens[s.n_seqs: s.n_seqs + s.calibration_seqs]
         if len(calib) == 0:
             raise MassiveLensError(f"the corpus gives {len(self.tokens)} sequences of {s.seq_len} tokens, none left "
                                    f"for calibration after the {s.n_seqs} evaluation ones; give more text, lower "
@@ -246,7 +247,7 @@ def intervention_table(inputs: Inputs, progress: bool = False) -> tuple[Interven
     """Table 3 on the evaluation sequences, calibrated on the calibration sequences, and a note
     when the calibration text has no massive activations (only the sink settings then run)."""
     calib = calibrate(inputs.model, inputs.calib_tokens, seq_len=inputs.settings.seq_len,
-                      n_seqs=inputs.settings.calib_seqs, batch_size=inputs.batch_size, progress=progress)
+                      n_seqs=inputs.settings.calibration_seqs, batch_size=inputs.batch_size, progress=progress)
     settings, note = list(SETTINGS), None
     if not calib.dims:
         settings = [name for name in SETTINGS if not REGISTRY[name].needs_massive]

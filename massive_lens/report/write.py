@@ -61,7 +61,7 @@ INTRO = ("Massive activations (Sun et al., 2024): residual values above 100 and 
 
 def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus = None, calibration: Corpus = None,
                  out_dir: str | Path = "report", seq_len: int | None = None, n_seqs: int | None = None,
-                 scan_seqs: int | None = None, calib_seqs: int | None = None, verify: bool | None = None,
+                 scan_seqs: int | None = None, calibration_seqs: int | None = None, verify: bool | None = None,
                  dim: int | None = None, pos: int | None = None, layer: int | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  quick: bool = False, progress: bool = True, tables: bool = True) -> Path:
@@ -83,7 +83,7 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         seq_len: tokens per corpus sequence (None: 128; 32 with ``quick``).
         n_seqs: evaluation sequences (None: 8; 2 with ``quick``).
         scan_seqs: corpus sequences the scan reads (None: 8; 4 with ``quick``).
-        calib_seqs: calibration sequences (None: 4; 2 with ``quick``).
+        calibration_seqs: calibration sequences (None: 4; 2 with ``quick``).
         verify: check the origin story causally (None: True; False with ``quick``).
         dim: the hidden dimension to trace (None: that of the text's largest massive entry).
         pos: the token position to trace (None: that of the largest massive entry).
@@ -115,8 +115,8 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     >>> path.name, re.findall("(?:src|href)=.?https?:", path.read_text())
     ('index.html', [])
     """
-    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs, calib_seqs=calib_seqs,
-                            verify=verify, dim=dim, pos=pos, layer=layer)
+    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
+                            calibration_seqs=calibration_seqs, verify=verify, dim=dim, pos=pos, layer=layer)
     text = check_inputs(text, corpus, calibration)
     folder = check_out_dir(out_dir)
     given = model
