@@ -15,8 +15,10 @@ from matrix import build
 from massive_lens import load_model, tiny_model
 from massive_lens.models import FAMILIES
 
-QUICK_SKIPPED_MODULES = {"test_notebooks", "test_browser", "test_matrix", "test_architectures", "test_docs",
-                         "test_docs_examples", "test_distributed", "test_real_models"}
+QUICK_SKIPPED_MODULES = {  # minutes each on 2 cores: whole reports, training runs, the docs site, the matrix
+    "test_notebooks", "test_browser", "test_matrix", "test_architectures", "test_docs", "test_docs_examples",
+    "test_distributed", "test_real_models", "test_report", "test_compare", "test_cli_train", "test_evaluate",
+    "test_interrupt", "test_vit", "test_plots"}
 
 
 def pytest_addoption(parser):
