@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        quick = (item.module.__name__ not in QUICK_SKIPPED_MODULES
+        quick = (item.module.__name__.rsplit(".", 1)[-1] not in QUICK_SKIPPED_MODULES
                  and not any(item.get_closest_marker(m) for m in ("slow", "real", "dist"))
                  and not others & {v for v in params.values() if isinstance(v, str)})
         (keep if quick else drop).append(item)
