@@ -33,7 +33,7 @@ its entries with a ``scope``: ``"token"`` or ``"outlier_dim"`` (:data:`SCOPES`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -69,7 +69,7 @@ class Criterion:
     abs_threshold: float | int = 100.0
     ratio_threshold: float | int = 1000.0
     median_over: str = "hidden_state"  # "hidden_state" or "token"
-    outliers: str = "include"  # "include" or "exclude" the entries of outlier dimensions
+    outliers: str = field(default="include", repr=False)  # "include" or "exclude" outlier-dimension entries
 
     def __post_init__(self) -> None:
         for name in ("abs_threshold", "ratio_threshold"):
