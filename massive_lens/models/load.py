@@ -222,6 +222,7 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
             cannot wrap the model (e.g. it has no adapter for the architecture).
 
     >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> from massive_lens.core.tokens import byte_tokenizer
     >>> hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259))
     >>> wrap_hf_model(hf, byte_tokenizer()).cfg.n_layers
     1
