@@ -37,6 +37,7 @@ try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends
     from massive_lens.core.restore import load
     from massive_lens.detect import find_massive, layer_profile, scan_corpus
     from massive_lens.errors import MassiveLensError
+    from massive_lens.handover import exclusion_mask
     from massive_lens.interventions import calibrate, run_interventions
     from massive_lens.metrics import perplexity
     from massive_lens.models.load import load_model
@@ -61,6 +62,7 @@ __all__ = [
     "compare_variants",
     "decompose_attention",
     "default_text",
+    "exclusion_mask",
     "find_massive",
     "layer_profile",
     "load",

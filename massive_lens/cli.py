@@ -6,6 +6,7 @@
     massive-lens scan --model gpt2 --corpus wiki.txt --max-tokens 65536
     massive-lens trace --verify            # where the massive activations are born
     massive-lens intervene --corpus test.txt --calibration valid.txt
+    massive-lens precision                 # does the model hold in float16 / bfloat16? (measured, then run)
     massive-lens train smoke runs/smoke steps=50 lr=3e-4     # one run (also under torchrun)
     massive-lens train-compare --variants softmax,softmax1 --preset smoke
 """
@@ -24,6 +25,7 @@ from massive_lens.core.criterion import Criterion
 from massive_lens.core.outputs import check_out_file
 from massive_lens.detect import find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
+from massive_lens.handover import precision_check
 from massive_lens.interventions import run_interventions
 from massive_lens.models.load import load_model
 from massive_lens.origin import trace_origin
@@ -92,6 +94,13 @@ def cmd_intervene(args: argparse.Namespace) -> None:
     table = run_interventions(_load(args), args.corpus, calibration=args.calibration, seq_len=args.seq_len,
                               n_seqs=args.n_seqs, batch_size=args.batch_size)
     print(table.summary())
+
+
+def cmd_precision(args: argparse.Namespace) -> None:
+    dtypes = [name.strip() for name in args.dtypes.split(",") if name.strip()]
+    check = precision_check(_load(args), args.corpus, dtypes=dtypes, seq_len=args.seq_len, n_seqs=args.n_seqs,
+                            tolerance=args.tolerance, confirm=args.confirm)
+    print(check.summary())
 
 
 def cmd_train_compare(args: argparse.Namespace) -> None:
@@ -172,6 +181,8 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "trace": (cmd_trace,
               "trace where each massive activation is born, erased and reborn (ledger, neurons, super weights)"),
     "intervene": (cmd_intervene, "the paper's Table 3: perplexity under zero/mean ablation and sink interventions"),
+    "precision": (cmd_precision, "whether float16 / bfloat16 hold the model's activations: measured in float32, "
+                  "then confirmed by running in each"),
     "train": (cmd_train, "train one MassiveLM from a preset (data parallel under torchrun)"),
     "train-compare": (cmd_train_compare,
                       "train small models with softmax, softmax1 and other attention variants and compare"),
@@ -190,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cmd = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
     corpus_help = "text file, 'hf:NAME[:CONFIG[:SPLIT]]', or omitted for the offline default text"
-    for name in ("report", "scan", "trace", "intervene"):
+    for name in ("report", "scan", "trace", "intervene", "precision"):
         _model_args(cmd[name], several=name == "report")
         cmd[name].add_argument("--corpus", default=None, help=corpus_help)
     for name in ("scan", "trace"):
@@ -210,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmd["intervene"].add_argument("--calibration", default=None,
                                   help="text file (other text than --corpus) where means are measured")
     cmd["intervene"].add_argument("--n-seqs", type=int, default=32, help="evaluation sequences (default 32)")
+    prec = cmd["precision"]
+    prec.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated dtypes to check (default both)")
+    prec.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    prec.add_argument("--n-seqs", type=int, default=4, help="sequences (default 4)")
+    prec.add_argument("--tolerance", type=float, default=0.01,
+                      help="largest relative perplexity change still called safe (default 0.01)")
+    prec.add_argument("--no-confirm", dest="confirm", action="store_false",
+                      help="verdict from the float32 measurement alone (no run in each dtype)")
     train = cmd["train-compare"]
     train.add_argument("--variants", default="softmax,softmax1", help="comma-separated attention variants")
     train.add_argument("--preset", default="smoke", help="smoke, cpu, gpu-small or gpu-gpt2 (default smoke)")

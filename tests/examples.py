@@ -26,6 +26,7 @@ from massive_lens.attention.census import sink_census
 from massive_lens.attention.dormant import dormant_heads
 from massive_lens.attention.kv import sink_kv
 from massive_lens.core.results import Result
+from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check
 from massive_lens.quantize import lowbit_grid
 from massive_lens.train import compare_variants, retrofit, train_model
 from massive_lens.train.layers import MassiveLMConfig
@@ -34,7 +35,7 @@ from massive_lens.train.model import MassiveLM
 RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace", "SinkAttention",
                 "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus",
-                "SinkKV", "DormantHeads"]
+                "SinkKV", "DormantHeads", "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -77,6 +78,10 @@ def result_examples() -> dict[str, object]:
         "DormantHeads": dormant_heads(model, "The cat sat. The dog ran!"),
         "Retrofit": retrofit(_planted(), ["softmax-kept"], steps=1, batch_size=1, seq_len=16, data=TEXT,
                              eval_data=TEXT, eval_every=1, eval_seqs=1, measure=False, progress=False),
+        "ExclusionMask": exclusion_mask(_planted(), ["The cat sat. The dog ran!", "A bird sang."]),
+        "NormThresholds": norm_thresholds(_planted(), TEXT, seq_len=16, n_seqs=2),
+        "MassiveDims": massive_dims(_planted(), TEXT, seq_len=16, n_seqs=2),
+        "PrecisionCheck": precision_check(_planted(), TEXT, seq_len=16, n_seqs=2),
     }
 
 

@@ -58,3 +58,12 @@ def test_trace(model_dir, capsys):
 def test_errors_are_reported_not_raised(capsys):
     assert main(["scan", "--model", "/no/such/model.gguf"]) == 2
     assert "no GGUF file" in capsys.readouterr().err
+
+
+def test_precision(model_dir, capsys):
+    code = main(["precision", "--model", model_dir, "--corpus", "Some text. " * 200, "--seq-len", "16",
+                 "--n-seqs", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "float16: SAFE" in out and "bfloat16: SAFE" in out and "Confirmed by running" in out
+    assert main(["precision", "--model", model_dir, "--dtypes", "float8"]) == 2
+    assert "float8" in capsys.readouterr().err

@@ -1,0 +1,231 @@
+"""The residual dims to keep out of a steering or abliteration direction.
+
+A refusal or steering direction is a difference of mean activations. A dim that carries a
+massive value (thousands, where the rest are near 1) dominates any such difference and any
+projection onto it, so abliteration tools (heretic) zero those dims of the direction first.
+Their rule is the massive criterion (``|x| > 100`` and ``> 1000x`` the median) holding in at
+least a quarter of the layers. :func:`massive_dims` applies the library's
+:class:`~massive_lens.Criterion` over a corpus with that persistence rule as an argument. It
+counts both scopes of entry. Token-specific massive activations and outlier dimensions both
+distort a mean difference, so every row says which scope it has.
+
+The result is written as a small JSON file (:meth:`MassiveDims.to_json`) that another tool
+reads with the standard library alone (``json.load``). The schema, version 1:
+
+.. code-block:: text
+
+    {"schema": "massive_lens.massive_dims", "version": 1,
+     "model": str, "d_model": int, "n_layers": int, "hook": "resid_post",
+     "rule": {"abs_threshold": float, "ratio_threshold": float, "median_over": str,
+              "persistence": float},        # the share of layers a dim must be massive in
+     "corpus": {"n_seqs": int, "seq_len": int},
+     "dims": [int, ...],                    # the dims to keep out, ascending
+     "details": [{"dim": int, "layers": [int, ...], "share": float,   # share = len(layers) / n_layers
+                  "scope": "token" | "outlier_dim" | "token+outlier_dim",
+                  "max_abs": float, "kept_out": bool}, ...]}
+
+>>> import json, tempfile, os
+>>> from massive_lens import tiny_model
+>>> found = massive_dims(tiny_model("llama"), "Some text to read. " * 20, seq_len=16, n_seqs=2)
+>>> path = found.to_json(os.path.join(tempfile.mkdtemp(), "dims.json"))
+>>> json.load(open(path))["dims"] == list(found.dims)
+True
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from jaxtyping import Float
+from torch import Tensor
+
+from massive_lens.core.corpora import Corpus, sequences
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.fmt import num, pct
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.results import Result
+from massive_lens.detect.find import find_massive
+from massive_lens.detect.scope import layer_span
+from massive_lens.errors import MassiveLensError
+
+SCHEMA, VERSION = "massive_lens.massive_dims", 1
+HERETIC_PERSISTENCE = 0.25  # heretic's rule: massive in >= 25% of the layers
+DIM_COLUMNS = ["dim", "n_layers", "share", "first_layer", "last_layer", "scope", "max_abs", "kept_out"]
+
+
+@dataclass(frozen=True)
+class MassiveDims(Result):
+    """Dims that are massive somewhere in a corpus, and those to keep out of a direction.
+
+    ``by_layer``: one row per (``dim``, ``layer``) where the dim is massive, with ``max_abs``
+    and ``scope`` there. ``to_frame()``: one row per dim: ``dim``, ``n_layers``, ``share``
+    (of the model's layers), ``first_layer``, ``last_layer``, ``scope``, ``max_abs``,
+    ``kept_out`` (``share >= persistence``). ``.dims``: the dims kept out.
+    """
+
+    by_layer: pd.DataFrame
+    model_name: str
+    d_model: int
+    n_layers: int
+    hook: str
+    criterion: Criterion
+    persistence: float
+    n_seqs: int
+    seq_len: int
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dims to keep out, ascending."""
+        f = self.to_frame()
+        return tuple(sorted(int(d) for d in f.loc[f["kept_out"], "dim"]))
+
+    def layers_of(self, dim: int) -> list[int]:
+        """The layers where ``dim`` is massive."""
+        return sorted(int(x) for x in self.by_layer.loc[self.by_layer["dim"] == dim, "layer"].unique())
+
+    def keep_out(self, direction: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        """A copy of ``direction`` with the kept-out dims set to zero (last axis)."""
+        if direction.shape[-1] != self.d_model:
+            raise MassiveLensError(f"the direction's last axis has {direction.shape[-1]} entries but "
+                                   f"{self.model_name} has d_model = {self.d_model}")
+        out = direction.clone()
+        out[..., list(self.dims)] = 0
+        return out
+
+    def to_frame(self) -> pd.DataFrame:
+        if self.by_layer.empty:
+            return pd.DataFrame(columns=DIM_COLUMNS)
+        g = self.by_layer.groupby("dim")
+        frame = pd.DataFrame({
+            "dim": list(g.groups), "n_layers": g["layer"].nunique().values,
+            "first_layer": g["layer"].min().values, "last_layer": g["layer"].max().values,
+            "scope": g["scope"].agg(lambda s: "+".join(x for x in ("token", "outlier_dim") if x in set(s))).values,
+            "max_abs": g["max_abs"].max().values})
+        frame.insert(2, "share", frame["n_layers"] / self.n_layers)
+        frame["kept_out"] = frame["share"] >= self.persistence
+        return frame[DIM_COLUMNS].sort_values(["kept_out", "max_abs"], ascending=False).reset_index(drop=True)
+
+    def summary(self) -> str:
+        f = self.to_frame()
+        c = self.criterion
+        head = (f"{self.model_name}, {self.n_seqs} x {self.seq_len} tokens, |x| > {c.abs_threshold:g} and > "
+                f"{c.ratio_threshold:g}x median in >= {pct(self.persistence)} of {self.n_layers} layers: ")
+        if f.empty:
+            return head + "no dim is massive anywhere; nothing to keep out"
+        kept = f[f["kept_out"]]
+        lines = [head + (f"keep out {len(kept)} dim(s) {list(self.dims)}" if len(kept) else "keep out nothing")
+                 + f" ({len(f) - len(kept)} more massive in fewer layers)"]
+        for r in f.head(8).itertuples():
+            lines.append(f"  dim {r.dim} ({r.scope}): massive in {r.n_layers} layers ({pct(r.share)}, "
+                         f"{layer_span(self.layers_of(r.dim))}), largest |x| {num(r.max_abs)}"
+                         f"{'' if r.kept_out else ', kept in'}")
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None) -> Any:
+        """Per dim, the share of layers where it is massive, with the persistence rule as a line."""
+        if ax is None:
+            ax = plt.subplots(figsize=(7, 4))[1]
+        f = self.to_frame()
+        ax.bar([str(d) for d in f["dim"]], f["share"], color=["C3" if k else "C0" for k in f["kept_out"]])
+        ax.axhline(self.persistence, color="k", linestyle="--", label=f"persistence {self.persistence:g}")
+        ax.set(xlabel="dim", ylabel="share of layers massive", ylim=(0, 1.05),
+               title=f"{self.model_name}: dims to keep out (red)")
+        ax.legend()
+        return ax
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        """Write the dims as JSON (the schema in the module docstring); returns the path."""
+        c = self.criterion
+        details = [{"dim": int(r.dim), "layers": self.layers_of(int(r.dim)), "share": float(r.share),
+                    "scope": r.scope, "max_abs": float(r.max_abs), "kept_out": bool(r.kept_out)}
+                   for r in self.to_frame().itertuples()]
+        data = {"schema": SCHEMA, "version": VERSION, "model": self.model_name, "d_model": self.d_model,
+                "n_layers": self.n_layers, "hook": self.hook,
+                "rule": {"abs_threshold": float(c.abs_threshold), "ratio_threshold": float(c.ratio_threshold),
+                         "median_over": c.median_over, "persistence": float(self.persistence)},
+                "corpus": {"n_seqs": self.n_seqs, "seq_len": self.seq_len}, "dims": list(self.dims),
+                "details": details}
+        path = Path(path)
+        if path.is_dir():
+            raise MassiveLensError(f"{path} is a folder; name a .json file to write")
+        path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        return path
+
+
+def read_dims(path: str | os.PathLike) -> MassiveDims:
+    """A :class:`MassiveDims` back from :meth:`MassiveDims.to_json`'s file.
+
+    Raises:
+        MassiveLensError: if the file is missing, not JSON, or not this schema and version.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MassiveLensError(f"cannot read {path} as massive dims JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("version") != VERSION:
+        raise MassiveLensError(f"{path} is not a {SCHEMA} file of version {VERSION}; write it with "
+                               "massive_dims(...).to_json(path)")
+    rows = [(d["dim"], layer, scope, d["max_abs"]) for d in data["details"] for layer in d["layers"]
+            for scope in d["scope"].split("+")]
+    rule = data["rule"]
+    by_layer = pd.DataFrame(rows, columns=["dim", "layer", "scope", "max_abs"])
+    return MassiveDims(by_layer, data["model"], data["d_model"], data["n_layers"], data["hook"],
+                       Criterion(rule["abs_threshold"], rule["ratio_threshold"], rule["median_over"]),
+                       rule["persistence"], data["corpus"]["n_seqs"], data["corpus"]["seq_len"])
+
+
+def massive_dims(
+    model: Any,
+    corpus: Corpus = None,
+    *,
+    persistence: float | int = HERETIC_PERSISTENCE,
+    seq_len: int = 128,
+    n_seqs: int = 8,
+    criterion: Criterion | None = None,
+    hook: str = "resid_post",
+) -> MassiveDims:
+    """The dims to keep out of a steering or abliteration direction (see the module docstring).
+
+    Args:
+        model: a TransformerLens-style model.
+        corpus: a text file, a string, strings, ``hf:`` name, a ``[seq, pos]`` token tensor,
+            or None for the offline default text.
+        persistence: the share of the model's layers a dim must be massive in (at any
+            position of any sequence) to be kept out; heretic's rule is 0.25 (the default).
+        seq_len, n_seqs: the sequences read from a text corpus.
+        criterion: when an activation is massive (None: ``Criterion()``, heretic's 100 and 1000x).
+        hook: the residual hook read (default ``resid_post``).
+
+    Returns:
+        A :class:`MassiveDims`: ``.dims``, ``.keep_out(direction)``, ``.to_json(path)``.
+
+    Raises:
+        MassiveLensError: if ``persistence`` is not a share in (0, 1], or the corpus cannot be read.
+
+    >>> from massive_lens import tiny_model
+    >>> massive_dims(tiny_model("llama"), "Some text. " * 30, seq_len=16, n_seqs=2).dims
+    ()
+    """
+    if isinstance(persistence, bool) or not isinstance(persistence, (int, float)) \
+            or not math.isfinite(persistence) or not 0 < persistence <= 1:
+        raise MassiveLensError(f"persistence is the share of layers a dim must be massive in, in (0, 1]; got "
+                               f"{persistence!r} (heretic uses 0.25)")
+    view = ModelView(model)
+    tokens = sequences(view, corpus, seq_len, n_seqs)
+    criterion = criterion or Criterion()
+    entries = find_massive(model, tokens, criterion=criterion, hook=hook).to_frame()
+    entries = entries.assign(max_abs=entries["value"].abs())
+    by_layer = (entries.groupby(["dim", "layer", "scope"], as_index=False)["max_abs"].max()
+                if len(entries) else pd.DataFrame(columns=["dim", "layer", "scope", "max_abs"]))
+    by_layer = by_layer.astype({"dim": "int64", "layer": "int64", "max_abs": "float64"})
+    return MassiveDims(by_layer.reset_index(drop=True), view.name, view.d_model, view.n_layers, hook, criterion,
+                       float(persistence), int(tokens.shape[0]), int(tokens.shape[1]))
+

@@ -1,0 +1,357 @@
+"""Will this model run in float16 or bfloat16? Measure in float32, then confirm.
+
+A massive activation is a number half precision may not hold. float16 tops out at 65,504 and
+bfloat16 keeps float32's range but only 8 bits of mantissa. Two things go wrong:
+
+- **overflow**: a residual, attention or MLP value exceeds the dtype's largest value, or
+  what a norm computes from its input does: the squares ``x**2`` (``(x - mean)**2`` for
+  LayerNorm) and their mean, the variance (RMSNorm's ``mean(x**2)``);
+- **rounding away**: at a massive value the dtype's spacing (the gap between neighbouring
+  representable numbers) is larger than the typical activation at that site (the median
+  ``|x|``), so updates of typical size vanish in that entry.
+
+:func:`precision_check` measures every such value once in float32 and compares it with each
+dtype's range and spacing (no cast needed), giving each problem's site, layer, position
+and dim. It then **confirms** by running the model in each dtype on the same tokens. The
+weights are cast in place, and every parameter and buffer is put back, bit for bit, on every
+exit path. The verdict is ``safe`` or ``unsafe``. An unsafe verdict comes with its fix: the
+layers to keep in float32, or clamping at the dtype's limit, whose perplexity cost is
+measured in float32. Whether a norm's square overflows in practice depends on the
+implementation (Hugging Face's RMSNorm squares in float32), which is what the confirmation
+run shows.
+
+>>> from massive_lens import tiny_model
+>>> check = precision_check(tiny_model("llama"), "Some text to read. " * 20, seq_len=16, n_seqs=2)
+>>> check.verdicts["verdict"].tolist()
+['safe', 'safe']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from massive_lens.core.corpora import Corpus, sequences
+from massive_lens.core.fmt import num, ratio
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.results import Result
+from massive_lens.detect.scope import layer_span
+from massive_lens.errors import MassiveLensError
+from massive_lens.metrics import next_token_stats
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# per block: (hook, what it is); a norm's input is also checked for its sum of squares
+SITES = (("hook_resid_pre", "residual"), ("hook_resid_mid", "residual"), ("hook_resid_post", "residual"),
+         ("attn.hook_q", "attention"), ("attn.hook_k", "attention"), ("attn.hook_v", "attention"),
+         ("hook_attn_out", "attention"), ("mlp.hook_pre", "mlp"), ("mlp.hook_post", "mlp"),
+         ("hook_mlp_out", "mlp"), ("ln1.hook_in", "norm"), ("ln2.hook_in", "norm"))
+PROBLEMS = ("overflow", "square_overflow", "variance_overflow", "rounds_away")
+PROBLEM_COLUMNS = ["dtype", "problem", "site", "layer", "seq", "pos", "dim", "value", "limit", "count"]
+VERDICT_COLUMNS = ["dtype", "verdict", "loss_float32", "loss", "ppl_ratio", "top1_agree", "nonfinite_at", *PROBLEMS,
+                   "clamp_ppl_ratio", "fix"]
+
+
+def spacing(value: Float[Tensor, "..."], dtype: torch.dtype) -> Float[Tensor, "..."]:
+    """The gap between neighbouring numbers of ``dtype`` at ``|value|`` (its unit in the last place).
+
+    >>> spacing(torch.tensor([25000.0, 1.0]), torch.bfloat16).tolist()
+    [128.0, 0.0078125]
+    """
+    info = torch.finfo(dtype)
+    mag = value.abs().float().clamp(min=info.tiny)
+    return info.eps * torch.exp2(torch.floor(torch.log2(mag)))
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """``"float16"`` or ``"bfloat16"`` to the torch dtype (anything else is an error)."""
+    if name not in DTYPES:
+        raise MassiveLensError(f"dtypes are half-precision dtype names, some of {tuple(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class PrecisionCheck(Result):
+    """What float16 and bfloat16 do to a model's activations, measured and confirmed.
+
+    ``to_frame()`` (``problems``): one row per (dtype, problem, site, layer): ``problem``
+    (``overflow``: a value; ``square_overflow``: a square a norm takes of its input;
+    ``variance_overflow``: the mean of those squares; ``rounds_away``), ``site`` (the hook in
+    the block), the worst entry's ``seq``, ``pos``, ``dim`` (-1 for a variance) and ``value``
+    (float32), ``limit`` (the dtype's largest value; for ``rounds_away`` the site's median
+    ``|x|``) and ``count`` (entries past it; positions for the norms' problems). ``verdicts``:
+    one row per dtype: ``verdict``, the confirmation run's loss against float32
+    (``loss_float32``, ``loss``, ``ppl_ratio``, ``top1_agree``, ``nonfinite_at``: the first hook
+    that saw inf or NaN, ``""`` if none), the problem counts, ``clamp_ppl_ratio`` (float32
+    perplexity with the overflowing sites clamped to the dtype's range, over the unclamped; NaN
+    when nothing overflows) and ``fix``.
+    ``peaks``: per site and layer, the float32 ``max_abs``, ``median`` and, at a norm's input,
+    ``max_square`` and ``max_variance``.
+    """
+
+    problems: pd.DataFrame
+    verdicts: pd.DataFrame
+    peaks: pd.DataFrame
+    model_name: str
+    n_seqs: int
+    seq_len: int
+    tolerance: float
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.problems.copy()
+
+    def verdict(self, dtype: str) -> str:
+        """``"safe"`` or ``"unsafe"`` for ``dtype`` (a name checked)."""
+        rows = self.verdicts[self.verdicts["dtype"] == dtype]
+        if rows.empty:
+            raise MassiveLensError(f"{dtype!r} was not checked; checked: {self.verdicts['dtype'].tolist()}")
+        return str(rows["verdict"].iloc[0])
+
+    def summary(self) -> str:
+        peak = self.peaks.loc[self.peaks["max_abs"].idxmax()]
+        lines = [f"{self.model_name}, {self.n_seqs} x {self.seq_len} tokens: largest |x| in float32 "
+                 f"{num(peak.max_abs)} ({peak.site}, layer {int(peak.layer)}); at a norm's input the largest "
+                 f"square is {self.peaks['max_square'].max():.3g}, the largest variance "
+                 f"{self.peaks['max_variance'].max():.3g}"]
+        for v in self.verdicts.itertuples():
+            mine = self.problems[self.problems["dtype"] == v.dtype]
+            found = "; ".join(f"{p} at {n} site(s) in {layer_span(g['layer'])}"
+                              for p, g in mine.groupby("problem", sort=False) for n in [len(g)]) or "no problems"
+            ran = (f"inf/NaN from {v.nonfinite_at}" if v.nonfinite_at else
+                   f"loss {v.loss:.4f} vs {v.loss_float32:.4f} in float32 (perplexity x{ratio(v.ppl_ratio)}, "
+                   f"top-1 agreement {v.top1_agree:.1%})")
+            lines.append(f"  {v.dtype}: {v.verdict.upper()}. Predicted: {found}. Confirmed by running in "
+                         f"{v.dtype}: {ran}." + (f" Fix: {v.fix}" if v.fix else ""))
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None) -> Any:
+        """Per layer: the residual's largest ``|x|`` and what the norms compute from it (largest
+        square and variance), with each dtype's largest value (log scale)."""
+        if ax is None:
+            ax = plt.subplots(figsize=(7, 4))[1]
+        resid = self.peaks[self.peaks["site"] == "hook_resid_post"]
+        norms = self.peaks[self.peaks["kind"] == "norm"].groupby("layer")[["max_square", "max_variance"]].max()
+        ax.plot(resid["layer"], resid["max_abs"], marker="o", markersize=3, label="max |resid_post|")
+        ax.plot(norms.index, norms["max_square"], marker="s", markersize=3, label="max square at a norm")
+        ax.plot(norms.index, norms["max_variance"], marker="^", markersize=3, label="max variance at a norm")
+        for name in self.verdicts["dtype"]:
+            ax.axhline(torch.finfo(DTYPES[name]).max, linestyle="--", color="k" if name == "float16" else "grey",
+                       label=f"{name} max")
+        ax.set(yscale="log", xlabel="layer", ylabel="value", title=f"{self.model_name}: half-precision headroom")
+        ax.legend(fontsize="small")
+        return ax
+
+
+class _Peaks:
+    """Float32 statistics per (site, layer), reduced inside the hooks."""
+
+    def __init__(self, dtypes: Sequence[torch.dtype], centred: bool):
+        self.dtypes, self.centred = dtypes, centred
+        self.rows: list[dict[str, Any]] = []
+
+    def hook(self, x: Tensor, hook: Any, *, site: str, kind: str, layer: int) -> None:
+        x = x.detach().float()
+        x = x.flatten(2) if x.ndim > 3 else x  # [batch pos head d_head] -> [batch pos dim]
+        mag = x.abs()
+        median = float(mag.median())
+        flat = int(mag.argmax())
+        seq, pos, dim = (int(i) for i in torch.unravel_index(torch.tensor(flat), mag.shape))
+        row = dict(site=site, kind=kind, layer=layer, seq=seq, pos=pos, dim=dim, value=float(x[seq, pos, dim]),
+                   max_abs=float(mag.max()), median=median, max_square=float("nan"), max_variance=float("nan"),
+                   sq_seq=-1, sq_pos=-1, sq_dim=-1, var_seq=-1, var_pos=-1)
+        for dtype in self.dtypes:
+            limit = torch.finfo(dtype).max
+            row[f"over:{dtype}"] = int((mag > limit).sum())
+            row[f"round:{dtype}"] = int((spacing(mag, dtype) > median).sum())
+        if kind == "norm":  # what the norm computes: squares (centred for LayerNorm), then their mean
+            sq = (x - x.mean(-1, keepdim=True) if self.centred else x).double().pow(2)
+            var = sq.mean(-1)
+            s_seq, s_pos, s_dim = (int(i) for i in torch.unravel_index(sq.argmax(), sq.shape))
+            v_seq, v_pos = (int(i) for i in torch.unravel_index(var.argmax(), var.shape))
+            row.update(max_square=float(sq.max()), sq_seq=s_seq, sq_pos=s_pos, sq_dim=s_dim,
+                       max_variance=float(var.max()), var_seq=v_seq, var_pos=v_pos)
+            for dtype in self.dtypes:
+                limit = torch.finfo(dtype).max
+                row[f"sq:{dtype}"] = int((sq.amax(-1) > limit).sum())
+                row[f"var:{dtype}"] = int((var > limit).sum())
+        self.rows.append(row)
+
+
+@contextlib.contextmanager
+def cast(model: Any, dtype: torch.dtype) -> Iterator[None]:
+    """Run the block with ``model``'s floating parameters and buffers in ``dtype``; every one
+    is put back afterwards (the same tensors: dtype, device and bits), exceptions included.
+
+    >>> from massive_lens import tiny_model
+    >>> m = tiny_model("llama")
+    >>> with cast(m, torch.bfloat16):
+    ...     inside = next(m.parameters()).dtype
+    >>> inside, next(m.parameters()).dtype
+    (torch.bfloat16, torch.float32)
+    """
+    inner = getattr(model, "original_model", None)
+    trees = [model, *([inner] if isinstance(inner, torch.nn.Module) else [])]
+    params = list({id(p): p for tree in trees for p in tree.parameters()}.values())
+    saved = [(p, p.data) for p in params]
+    buffers = list({(id(m), name): (m, name, b) for tree in trees for m in tree.modules()
+                    for name, b in m._buffers.items() if b is not None and b.is_floating_point()}.values())
+    cfg = getattr(model, "cfg", None)
+    had_dtype = cfg is not None and hasattr(cfg, "dtype")
+    old_dtype = getattr(cfg, "dtype", None)
+    try:
+        for p in params:
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for m, name, b in buffers:
+            m._buffers[name] = b.to(dtype)
+        if had_dtype:
+            cfg.dtype = dtype
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+        for m, name, b in buffers:
+            m._buffers[name] = b
+        if had_dtype:
+            cfg.dtype = old_dtype
+
+
+def _clamp(x: Tensor, hook: Any, *, limit: float) -> Tensor:
+    return x.clamp(-limit, limit)
+
+
+def _seen(x: Tensor, hook: Any, *, order: list[tuple[str, bool]]) -> None:
+    order.append((str(hook.name), bool(torch.isfinite(x).all())))
+
+
+def _run(view: ModelView, tokens: Tensor, hooks: list[tuple[str, Any]]) -> tuple[Tensor, Tensor]:
+    """Per-sequence loss and the argmax predictions of one forward pass."""
+    logits = view.forward(view.full_batch(tokens), hooks, check_finite=False)
+    loss, _ = next_token_stats(logits, tokens.to(logits.device))
+    return loss.float().cpu(), logits.float().argmax(-1).cpu()
+
+
+def precision_check(
+    model: Any,
+    corpus: Corpus = None,
+    *,
+    dtypes: Sequence[str] = ("float16", "bfloat16"),
+    seq_len: int = 64,
+    n_seqs: int = 4,
+    tolerance: float | int = 0.01,
+    confirm: bool = True,
+) -> PrecisionCheck:
+    """Whether ``model`` runs safely in each half-precision dtype (see the module docstring).
+
+    Args:
+        model: a TransformerLens-style model in float32 (it is left as found).
+        corpus: a text file, a string, strings, ``hf:`` name, a ``[seq, pos]`` token tensor,
+            or None for the offline default text.
+        dtypes: names among ``"float16"`` and ``"bfloat16"``.
+        seq_len, n_seqs: the sequences read from a text corpus.
+        tolerance: the largest relative perplexity change (dtype over float32, minus 1) that
+            is still ``safe`` (default 0.01).
+        confirm: run the model in each dtype to confirm (default True); without it the
+            verdict rests on the float32 measurement alone.
+
+    Returns:
+        A :class:`PrecisionCheck`: ``.verdicts`` (one row per dtype), ``.to_frame()`` (the problems).
+
+    Raises:
+        MassiveLensError: for an unknown or repeated dtype name, no dtypes, a ``tolerance``
+            that is not a finite number >= 0, a model not in float32, or an unreadable corpus.
+    """
+    names = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    chosen = [dtype_of(n) for n in names]
+    if not chosen or len(set(names)) != len(names):
+        raise MassiveLensError(f"dtypes must name each dtype once, some of {tuple(DTYPES)}; got {names}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
+            or tolerance < 0:
+        raise MassiveLensError(f"tolerance is a relative perplexity change >= 0 (0.01 = 1%), got {tolerance!r}")
+    view = ModelView(model)
+    if view.dtype != torch.float32:
+        raise MassiveLensError(f"{view.name} is in {view.dtype}; precision_check measures in float32: load it with "
+                               "dtype=torch.float32 (massive_lens.load_model(..., dtype='float32'))")
+    tokens = sequences(view, corpus, seq_len, n_seqs)
+    peaks = _Peaks(chosen, str(getattr(view.cfg, "normalization_type", "RMS")).startswith("LN"))
+    hooks = [(f"blocks.{layer}.{site}", partial(peaks.hook, site=site, kind=kind, layer=layer))
+             for layer in range(view.n_layers) for site, kind in SITES if f"blocks.{layer}.{site}" in view.hook_names]
+    loss32, top32 = _run(view, tokens, hooks)
+    frame = pd.DataFrame(peaks.rows)
+    problems, verdicts = [], []
+    for name, dtype in zip(names, chosen, strict=True):
+        limit = torch.finfo(dtype).max
+        mine = _problems(frame, name, dtype, limit)
+        problems += mine
+        # the cost of clamping each overflowing site to the dtype's range, in float32 (a norm's input
+        # to the square root of it, so that its squares and their mean fit)
+        over = {(r[2], r[3]): limit if r[1] == "overflow" else math.sqrt(limit) for r in mine if r[1] != "rounds_away"}
+        clamp = float("nan")
+        if over:
+            clamp_loss, _ = _run(view, tokens, [(f"blocks.{layer}.{site}", partial(_clamp, limit=bound))
+                                                for (site, layer), bound in over.items()])
+            clamp = math.exp(float(clamp_loss.mean()) - float(loss32.mean()))
+        verdicts.append(_verdict(view, tokens, name, dtype, mine, loss32, top32, clamp, tolerance, confirm))
+    keep = ["site", "kind", "layer", "max_abs", "median", "max_square", "max_variance"]
+    return PrecisionCheck(pd.DataFrame(problems, columns=PROBLEM_COLUMNS),
+                          pd.DataFrame(verdicts, columns=VERDICT_COLUMNS), frame[keep].copy(), view.name,
+                          int(tokens.shape[0]), int(tokens.shape[1]), float(tolerance))
+
+
+def _problems(frame: pd.DataFrame, name: str, dtype: torch.dtype, limit: float) -> list[tuple]:
+    out = []
+    for r in frame.to_dict("records"):
+        if r[f"over:{dtype}"]:
+            out.append((name, "overflow", r["site"], r["layer"], r["seq"], r["pos"], r["dim"], r["value"], limit,
+                        r[f"over:{dtype}"]))
+        if r["kind"] == "norm" and r[f"sq:{dtype}"]:
+            out.append((name, "square_overflow", r["site"], r["layer"], r["sq_seq"], r["sq_pos"], r["sq_dim"],
+                        r["max_square"], limit, r[f"sq:{dtype}"]))
+        if r["kind"] == "norm" and r[f"var:{dtype}"]:
+            out.append((name, "variance_overflow", r["site"], r["layer"], r["var_seq"], r["var_pos"], -1,
+                        r["max_variance"], limit, r[f"var:{dtype}"]))
+        if r[f"round:{dtype}"]:
+            out.append((name, "rounds_away", r["site"], r["layer"], r["seq"], r["pos"], r["dim"], r["value"],
+                        r["median"], r[f"round:{dtype}"]))
+    return out
+
+
+def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, mine: list[tuple], loss32: Tensor,
+             top32: Tensor, clamp: float, tolerance: float, confirm: bool) -> tuple:
+    counts = {p: sum(1 for r in mine if r[1] == p) for p in PROBLEMS}
+    loss, agree, bad = float("nan"), float("nan"), ""
+    if confirm:
+        order: list[tuple[str, bool]] = []
+        names = [f"blocks.{layer}.{site}" for layer in range(view.n_layers) for site, _ in SITES]
+        watch = [(n, partial(_seen, order=order)) for n in names if n in view.hook_names]
+        with cast(view.model, dtype):
+            losses, top = _run(view, tokens, watch)
+        loss, agree = float(losses.mean()), float((top == top32).float().mean())
+        bad = next((n for n, ok in order if not ok), "")
+        if not bad and not math.isfinite(loss):
+            bad = "the logits"
+    base = float(loss32.mean())
+    change = math.exp(loss - base) if math.isfinite(loss) else float("inf") if confirm else float("nan")
+    layers = sorted({r[3] for r in mine if r[1] != "rounds_away"})
+    unsafe = bool(bad) or (confirm and change > 1 + tolerance) or (not confirm and counts["overflow"] > 0)
+    fix = ""
+    if unsafe:
+        where = layers or sorted({r[3] for r in mine})
+        fix = f"keep {layer_span(where)} in float32" if where else "run in float32"
+        if math.isfinite(clamp) or clamp == math.inf:
+            fix += (f", or clamp the overflowing sites to the range (+-{num(torch.finfo(dtype).max)}; a norm's input "
+                    f"to +-{num(math.sqrt(torch.finfo(dtype).max))}): perplexity x{ratio(clamp)}, measured in float32")
+    elif (counts["square_overflow"] or counts["variance_overflow"]) and confirm:
+        fix = ("none needed: the norms' squares exceed the range, yet the run stayed finite, so this model's norms "
+               f"square in a wider type; keep them so (clamping their inputs instead: perplexity x{ratio(clamp)})")
+    return (name, "unsafe" if unsafe else "safe", base, loss, change, agree, bad, *(counts[p] for p in PROBLEMS),
+            clamp, fix)
