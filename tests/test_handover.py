@@ -130,10 +130,12 @@ def test_top_level_export():
 
 def test_norm_threshold_separates_a_planted_sink(brief):
     with untouched(brief):
-        th = norm_thresholds(brief, TEXT, seq_len=32, n_seqs=2, levels=())
+        th = norm_thresholds(brief, TEXT, seq_len=32, n_seqs=2)
     f = th.to_frame()
     assert len(f) == brief.cfg.n_layers and f.separates.all() and (f.caught == 1.0).all()
-    assert ((f.kept_max < f.threshold) & (f.threshold < f.left_out_min)).all()
+    assert ((f.kept_max < f.threshold) & (f.threshold < f.massive_min)).all()
+    # layer 0 drops BOS and every WORD token (BRIEF_DIM is massive there only); later layers only BOS
+    assert f.n_massive.iloc[0] > f.n_massive.iloc[1] and (f.n_massive.iloc[1:] == 2).all()
     assert th.multiple(0) == f.threshold.iloc[0]
     with pytest.raises(MassiveLensError, match="layer"):
         th.multiple(99)
@@ -181,7 +183,8 @@ def test_massive_dims_bad_input(brief, tmp_path):
             massive_dims(brief, TEXT, seq_len=32, n_seqs=2, persistence=bad)
     (tmp_path / "other.json").write_text('{"schema": "something else"}')
     (tmp_path / "broken.json").write_text("{not json")
-    for name in ("other.json", "broken.json", "missing.json"):
+    (tmp_path / "partial.json").write_text('{"schema": "massive_lens.massive_dims", "version": 1, "details": [{}]}')
+    for name in ("other.json", "broken.json", "missing.json", "partial.json"):
         with pytest.raises(MassiveLensError, match="massive"):
             read_dims(tmp_path / name)
 

@@ -87,11 +87,28 @@ class MassiveDims(Result):
         return tuple(sorted(int(d) for d in f.loc[f["kept_out"], "dim"]))
 
     def layers_of(self, dim: int) -> list[int]:
-        """The layers where ``dim`` is massive."""
+        """The layers where ``dim`` is massive.
+
+        Args:
+            dim: a residual dim.
+
+        Returns:
+            Sorted layers (empty if the dim is massive nowhere).
+        """
         return sorted(int(x) for x in self.by_layer.loc[self.by_layer["dim"] == dim, "layer"].unique())
 
     def keep_out(self, direction: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        """A copy of ``direction`` with the kept-out dims set to zero (last axis)."""
+        """A copy of ``direction`` with the kept-out dims set to zero.
+
+        Args:
+            direction: a steering or refusal direction (or a stack of them), ``d_model`` last.
+
+        Returns:
+            A new tensor; ``direction`` is left as it was.
+
+        Raises:
+            MassiveLensError: if the last axis is not ``d_model`` long.
+        """
         if direction.shape[-1] != self.d_model:
             raise MassiveLensError(f"the direction's last axis has {direction.shape[-1]} entries but "
                                    f"{self.model_name} has d_model = {self.d_model}")
@@ -141,7 +158,17 @@ class MassiveDims(Result):
         return ax
 
     def to_json(self, path: str | os.PathLike) -> Path:
-        """Write the dims as JSON (the schema in the module docstring); returns the path."""
+        """Write the dims as JSON (the schema in the module docstring), readable with ``json.load``.
+
+        Args:
+            path: the ``.json`` file to write (replaced if it exists).
+
+        Returns:
+            The path written.
+
+        Raises:
+            MassiveLensError: if ``path`` is a folder.
+        """
         c = self.criterion
         details = [{"dim": int(r.dim), "layers": self.layers_of(int(r.dim)), "share": float(r.share),
                     "scope": r.scope, "max_abs": float(r.max_abs), "kept_out": bool(r.kept_out)}
@@ -162,6 +189,13 @@ class MassiveDims(Result):
 def read_dims(path: str | os.PathLike) -> MassiveDims:
     """A :class:`MassiveDims` back from :meth:`MassiveDims.to_json`'s file.
 
+    Args:
+        path: the JSON file.
+
+    Returns:
+        The :class:`MassiveDims` it describes (``by_layer`` holds each dim's largest ``|x|``
+        over all its layers, since the file keeps one value per dim).
+
     Raises:
         MassiveLensError: if the file is missing, not JSON, or not this schema and version.
     """
@@ -173,13 +207,17 @@ def read_dims(path: str | os.PathLike) -> MassiveDims:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("version") != VERSION:
         raise MassiveLensError(f"{path} is not a {SCHEMA} file of version {VERSION}; write it with "
                                "massive_dims(...).to_json(path)")
-    rows = [(d["dim"], layer, scope, d["max_abs"]) for d in data["details"] for layer in d["layers"]
-            for scope in d["scope"].split("+")]
-    rule = data["rule"]
-    by_layer = pd.DataFrame(rows, columns=["dim", "layer", "scope", "max_abs"])
-    return MassiveDims(by_layer, data["model"], data["d_model"], data["n_layers"], data["hook"],
-                       Criterion(rule["abs_threshold"], rule["ratio_threshold"], rule["median_over"]),
-                       rule["persistence"], data["corpus"]["n_seqs"], data["corpus"]["seq_len"])
+    try:
+        rows = [(int(d["dim"]), int(layer), scope, float(d["max_abs"])) for d in data["details"]
+                for layer in d["layers"] for scope in d["scope"].split("+")]
+        rule = data["rule"]
+        by_layer = pd.DataFrame(rows, columns=["dim", "layer", "scope", "max_abs"])
+        return MassiveDims(by_layer, data["model"], data["d_model"], data["n_layers"], data["hook"],
+                           Criterion(rule["abs_threshold"], rule["ratio_threshold"], rule["median_over"]),
+                           float(rule["persistence"]), data["corpus"]["n_seqs"], data["corpus"]["seq_len"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise MassiveLensError(f"{path} is a {SCHEMA} file with a missing or malformed field ({exc!r}); "
+                               "write it again with massive_dims(...).to_json(path)") from exc
 
 
 def massive_dims(

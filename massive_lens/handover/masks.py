@@ -20,8 +20,8 @@ A position is left out when
   :func:`~massive_lens.sink_census` (``"primary"``: the first token and every position the
   sink rule counts; ``"secondary"``; ``"transient"``).
 
-:func:`norm_thresholds` turns the mask into a norm-multiple threshold per layer, calibrated
-on a corpus, for tools that filter by norm.
+:func:`norm_thresholds` gives tools that filter by norm a norm-multiple threshold per layer,
+calibrated on a corpus against the positions massive at that layer.
 
 A tiny model whose BOS embedding carries 3,000 in dim 5 (so its residual stream does too):
 
@@ -58,6 +58,7 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.detect.find import RESIDUAL_HOOKS, find_massive
+from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 
 COLUMNS = ["seq", "pos", "token", "token_kind", "reason", "massive", "level", "dim", "value", "n_layers"]
@@ -229,19 +230,20 @@ def exclusion_mask(
 # --------------------------------------------------------------------------- norm thresholds
 
 
-THRESHOLD_COLUMNS = ["layer", "median_norm", "kept_max", "left_out_min", "threshold", "separates", "caught"]
+THRESHOLD_COLUMNS = ["layer", "median_norm", "n_massive", "kept_max", "massive_min", "threshold", "separates",
+                     "caught"]
 
 
 @dataclass(frozen=True)
 class NormThresholds(Result):
-    """Per layer, a norm multiple that drops the positions :func:`exclusion_mask` leaves out.
+    """Per layer, a norm multiple that drops the positions massive at that layer.
 
     ``to_frame()``: ``layer``, ``median_norm`` (the median residual norm over the corpus's
-    positions), ``kept_max`` (the largest norm / median among kept positions),
-    ``left_out_min`` (the smallest among left-out ones; NaN if none), ``threshold`` (the
-    multiple: positions with norm > threshold x median are dropped), ``separates`` (every
-    left-out position is above it and every kept one below), ``caught`` (the share of
-    left-out positions above it).
+    positions), ``n_massive`` (positions with a massive entry at that layer), ``kept_max``
+    (the largest norm / median among the other positions), ``massive_min`` (the smallest
+    among the massive ones; NaN if none), ``threshold`` (the multiple: positions with norm >
+    threshold x median are dropped), ``separates`` (every massive position is above it and
+    every other one below), ``caught`` (the share of massive positions above it; NaN if none).
     """
 
     frame: pd.DataFrame
@@ -250,7 +252,17 @@ class NormThresholds(Result):
     n_seqs: int
 
     def multiple(self, layer: int) -> float:
-        """The threshold at ``layer``, for dictionary_learning's ``max_activation_norm_multiple``."""
+        """The threshold at ``layer``, for dictionary_learning's ``max_activation_norm_multiple``.
+
+        Args:
+            layer: the layer whose activations the SAE trains on.
+
+        Returns:
+            The norm multiple (norm / median norm) above which a position is dropped.
+
+        Raises:
+            MassiveLensError: if the layer was not calibrated.
+        """
         rows = self.frame[self.frame["layer"] == layer]
         if rows.empty:
             raise MassiveLensError(f"no threshold for layer {layer}; layers: {self.frame['layer'].tolist()}")
@@ -261,20 +273,24 @@ class NormThresholds(Result):
 
     def summary(self) -> str:
         f = self.frame
+        with_massive = f[f["n_massive"] > 0]
         sep = f[f["separates"]]
         head = f"{self.model_name}, {self.hook}, {self.n_seqs} sequences: "
+        if with_massive.empty:
+            return head + "no position is massive at any layer; the thresholds drop nothing of this corpus"
+        text = head + f"massive positions at {layer_span(with_massive['layer'])}; the norm separates them at "
         if sep.empty:
-            return head + "no layer's norm separates the left-out positions from the kept ones"
+            return text + "no layer"
         mid = sep.iloc[len(sep) // 2]
-        return (head + f"the norm separates left-out from kept positions at {len(sep)} of {len(f)} layers; e.g. layer "
-                f"{int(mid.layer)}: drop norm > {mid.threshold:,.1f}x the median ({mid.median_norm:.3g}); kept "
-                f"positions reach {mid.kept_max:,.1f}x, left-out ones start at {mid.left_out_min:,.1f}x")
+        return (text + f"{layer_span(sep['layer'])}; e.g. layer {int(mid.layer)}: drop norm > {mid.threshold:,.1f}x "
+                f"the median ({mid.median_norm:.3g}): the other positions reach {mid.kept_max:,.1f}x, the massive "
+                f"ones start at {mid.massive_min:,.1f}x")
 
     def plot(self, ax: Any = None) -> Any:
-        """Per layer: the largest kept multiple, the smallest left-out one and the threshold (log scale)."""
+        """Per layer: the largest kept multiple, the smallest massive one and the threshold (log scale)."""
         if ax is None:
             ax = plt.subplots(figsize=(7, 4))[1]
-        for col in ("kept_max", "left_out_min", "threshold"):
+        for col in ("kept_max", "massive_min", "threshold"):
             ax.plot(self.frame["layer"], self.frame[col], marker="o", markersize=3, label=col)
         ax.set(yscale="log", xlabel="layer", ylabel="norm / median norm", title=f"{self.model_name}: norm multiples")
         ax.legend()
@@ -292,18 +308,19 @@ def norm_thresholds(
     seq_len: int = 128,
     n_seqs: int = 8,
     hook: str = "resid_post",
-    levels: str | Sequence[str] = ("primary",),
     outliers: str = "exclude",
     criterion: Criterion | None = None,
-    rule: SinkRule | None = None,
 ) -> NormThresholds:
     """A norm-multiple threshold per layer (like dictionary_learning's
     ``max_activation_norm_multiple``: drop positions whose norm exceeds the threshold times
-    the median norm), calibrated on a corpus against :func:`exclusion_mask`.
+    the median norm), calibrated on a corpus against the positions that
+    :func:`~massive_lens.find_massive` finds massive *at that layer*.
 
-    Where the left-out positions' norms all lie above the kept ones', the threshold is the
-    geometric mean of the two edges; elsewhere it is the largest kept multiple (it drops no
-    kept position of the corpus), and ``caught`` says how many left-out positions it drops.
+    Where the massive positions' norms all lie above the others', the threshold is the
+    geometric mean of the two edges; elsewhere it is the largest multiple of the other
+    positions (it drops none of them on this corpus), and ``caught`` says how many massive
+    positions it drops. A norm cannot catch a sink that draws attention without an outsized
+    norm: :func:`exclusion_mask` can.
 
     Args:
         model: a TransformerLens-style model.
@@ -311,33 +328,44 @@ def norm_thresholds(
             or None for the offline default text.
         seq_len, n_seqs: the sequences read from a text corpus.
         hook: the residual hook (``resid_post``, ``resid_mid`` or ``resid_pre``).
-        levels, outliers, criterion, rule: as for :func:`exclusion_mask`.
+        outliers, criterion: as for :func:`exclusion_mask`.
 
     Returns:
         A :class:`NormThresholds`; ``.multiple(layer)`` is the value to pass on.
 
+    Raises:
+        MassiveLensError: if ``hook`` is not a residual hook, ``outliers`` is not a choice, or
+            the corpus is too short.
+
     >>> from massive_lens import tiny_model
     >>> th = norm_thresholds(tiny_model("llama"), "Some text to read. " * 20, seq_len=16, n_seqs=2)
     >>> th.to_frame().columns.tolist()[:3], th.multiple(0) > 0
-    (['layer', 'median_norm', 'kept_max'], True)
+    (['layer', 'median_norm', 'n_massive'], True)
     """
     if hook not in RESIDUAL_HOOKS:
         raise MassiveLensError(f"hook must be one of {RESIDUAL_HOOKS}, got {hook!r}")
+    if outliers not in OUTLIER_CHOICES:
+        raise MassiveLensError(f"outliers must be one of {OUTLIER_CHOICES}, got {outliers!r}")
     view = ModelView(model)
     tokens = sequences(view, corpus, seq_len, n_seqs)
-    ex = exclusion_mask(model, tokens, levels=levels, outliers=outliers, criterion=criterion, rule=rule)
+    entries = find_massive(model, tokens, criterion=criterion or Criterion(), hook=hook).to_frame()
+    if outliers == "exclude":
+        entries = entries[entries["scope"] == "token"]
     norms: dict[int, Tensor] = {}
     names = [view.hook_name(layer, hook) for layer in range(view.n_layers)]
     hooks = [(name, partial(_keep_norm, out=norms, layer=layer)) for layer, name in enumerate(names)]
     view.forward(view.full_batch(tokens), hooks, stop_after=names[-1])
     rows = []
     for layer in range(view.n_layers):
+        massive = torch.zeros(tokens.shape, dtype=torch.bool)
+        here = entries[entries["layer"] == layer]
+        massive[here["seq"].tolist(), here["pos"].tolist()] = True
         median = float(norms[layer].median())
         multiple = norms[layer] / max(median, 1e-12)
-        kept = float(multiple[ex.keep].max()) if bool(ex.keep.any()) else 0.0
-        low = float(multiple[ex.mask].min()) if bool(ex.mask.any()) else float("nan")
+        kept = float(multiple[~massive].max()) if bool((~massive).any()) else 0.0
+        low = float(multiple[massive].min()) if bool(massive.any()) else float("nan")
         separates = low == low and low > kept
         threshold = (low * kept) ** 0.5 if separates else kept
-        caught = float((multiple[ex.mask] > threshold).float().mean()) if bool(ex.mask.any()) else float("nan")
-        rows.append((layer, median, kept, low, threshold, separates, caught))
+        caught = float((multiple[massive] > threshold).float().mean()) if bool(massive.any()) else float("nan")
+        rows.append((layer, median, int(massive.sum()), kept, low, threshold, separates, caught))
     return NormThresholds(pd.DataFrame(rows, columns=THRESHOLD_COLUMNS), view.name, hook, len(tokens))

@@ -110,7 +110,17 @@ class PrecisionCheck(Result):
         return self.problems.copy()
 
     def verdict(self, dtype: str) -> str:
-        """``"safe"`` or ``"unsafe"`` for ``dtype`` (a name checked)."""
+        """The verdict for one dtype.
+
+        Args:
+            dtype: a dtype name that was checked (``"float16"``, ``"bfloat16"``).
+
+        Returns:
+            ``"safe"`` or ``"unsafe"``.
+
+        Raises:
+            MassiveLensError: if ``dtype`` was not checked.
+        """
         rows = self.verdicts[self.verdicts["dtype"] == dtype]
         if rows.empty:
             raise MassiveLensError(f"{dtype!r} was not checked; checked: {self.verdicts['dtype'].tolist()}")
