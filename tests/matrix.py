@@ -478,8 +478,12 @@ def check_sink_attention(b: Built) -> str | None:
 
 @functools.cache
 def _calibration(arch: str) -> Any:
+    """The calibration the interventions use, outlier dimensions included: in some architectures
+    the plant reaches most tokens (a post-MLP norm's weight, solved for ``VALUE``, scales ``DIM``
+    at every token; the planted neuron fires a little wherever ``TRIGGER_DIM`` is positive),
+    which makes ``DIM`` an outlier dimension that the default calibration leaves out."""
     b = build(arch)
-    return calibrate(b.model, b.calib_tokens, progress=False)
+    return calibrate(b.model, b.calib_tokens, outliers="include", progress=False)
 
 
 def _intervention(b: Built, make: Callable[[Any, Any], Any]) -> str | None:
@@ -581,7 +585,9 @@ every value); `trace_origin`'s ledger reconstructs the residual and names the pl
 `neurons`: the planted neuron, its super weight, and a why-this-token split that sums to its
 pre-activation (in a parallel block, without that block's attention); `decompose_attention`
 reconstructs the attention output; `sink_attention` against transformers' attention weights;
-each intervention builds, runs, and leaves the model bit-identical; `perplexity` is unchanged
+each intervention builds, runs, and leaves the model bit-identical (calibrated with
+`outliers="include"`: where a post-MLP norm or the planted neuron carries the plant to most
+tokens, its dimension is an outlier dimension, which `calibrate` leaves out by default); `perplexity` is unchanged
 under a no-op hook and equals transformers' loss. **✗ [n]**: a named limitation, the error
 (a `MassiveLensError`) or the warning the analysis itself gives, quoted below.
 **– [n]**: not applicable to this tiny model.

@@ -137,7 +137,7 @@ def test_bad_input(calibrated_planted_llama):
         ablate_massive(model, "mean", calibration=calib, control=True)
     with pytest.raises(MassiveLensError, match="mode"):
         fix_sink_term(model, "half", calibration=calib)
-    with pytest.raises(MassiveLensError, match="no massive activations"):
+    with pytest.raises(MassiveLensError, match="no token-specific massive activations"):
         ablate_massive(tiny_model("gpt2"), calibration=CALIB)
 
 

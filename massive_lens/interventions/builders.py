@@ -74,6 +74,7 @@ from massive_lens.interventions.edits import (
     slot_pattern,
 )
 from massive_lens.interventions.intervention import WHERE, Intervention
+from massive_lens.interventions.sink_stats import unpad
 from massive_lens.interventions.state import HookState, Sinks, stash
 
 __all__ = ["Intervention", "ablate_massive", "bias_surgery", "fix_sink_term", "observe", "patch_sink_from",
@@ -116,7 +117,7 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
     >>> ablate_massive(tiny_model("llama"), calibration="No massive activations here. " * 5)
     Traceback (most recent call last):
     ...
-    massive_lens.errors.MassiveLensError: tiny-llama has no massive activations in the calibration text ...
+    massive_lens.errors.MassiveLensError: tiny-llama has no token-specific massive activations in the calibration ...
     """
     if where not in WHERE:
         raise MassiveLensError(f"where must be 'first' (the layer where each dim first appears) or 'every' "
@@ -128,9 +129,12 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
         raise MassiveLensError("the control zeroes median-magnitude activations: use mode='zero' with control=True")
     calib = calibration_of(model, calibration)
     if not calib.dims:
+        excluded = (f"; the outlier dimensions ({calib.outlier_text()}, massive at most tokens of a layer) were "
+                    "left out: calibrate(..., outliers='include') ablates them too"
+                    if len(calib.outlier_dims) and calib.criterion.outliers == "exclude" else "")
         raise MassiveLensError(
-            f"{ModelView(model).name} has no massive activations in the calibration text "
-            f"({calib.source}, criterion {calib.criterion}); nothing to ablate. Use more or other "
+            f"{ModelView(model).name} has no token-specific massive activations in the calibration text "
+            f"({calib.source}, criterion {calib.criterion}){excluded}; nothing to ablate. Use more or other "
             "calibration text, or a looser Criterion")
 
     def fill(layer: int, dims: list[int]) -> Tensor:
@@ -184,7 +188,7 @@ def fix_sink_term(model: Any, mode: str = "mean", *, calibration: Any = None, si
         _measured(model, calib, "sink_z", "fix_sink_term (mode='mean')")
 
     def per_layer(view: ModelView, layer: int, state: HookState) -> list:
-        mean = calib.sink_z[layer] if mode == "mean" else None
+        mean = unpad(calib.sink_z[layer]) if mode == "mean" else None
         return [(view.hook_name(layer, "attn.hook_pattern"), partial(stash, state=state, key="pattern")),
                 (view.hook_name(layer, "attn.hook_v"), partial(stash, state=state, key="v")),
                 (view.hook_name(layer, "attn.hook_z"), partial(replace_sink_term, state=state, mean=mean))]
@@ -286,9 +290,9 @@ def bias_surgery(model: Any, *, calibration: Any = None, suppress: bool = True, 
         return [(view.hook_name(layer, "attn.hook_attn_scores"), partial(stash, state=state, key="scores")),
                 (view.hook_name(layer, f"attn.hook_{query}"), partial(stash, state=state, key="q")),
                 (view.hook_name(layer, "attn.hook_pattern"),
-                 partial(slot_pattern, state=state, key=calib.sink_k[layer], scale=scale)),
+                 partial(slot_pattern, state=state, key=unpad(calib.sink_k[layer]), scale=scale)),
                 (view.hook_name(layer, "attn.hook_z"),
-                 partial(add_slot_value, state=state, value=calib.sink_v[layer]))]
+                 partial(add_slot_value, state=state, value=unpad(calib.sink_v[layer])))]
 
     def zero(layer: int, dims: list[int]) -> Tensor:
         return torch.zeros(len(dims))
@@ -307,7 +311,8 @@ def bias_surgery(model: Any, *, calibration: Any = None, suppress: bool = True, 
 
 def _measured(model: Any, calib: Any, field: str, what: str) -> None:
     """Refuse a calibration whose ``field`` was not measured (NaN) at an attention layer used."""
-    bad = [layer for layer in calib.attn_layers if not bool(torch.isfinite(getattr(calib, field)[layer]).all())]
+    measured = {layer: unpad(getattr(calib, field)[layer]) for layer in calib.attn_layers}
+    bad = [layer for layer, value in measured.items() if not value.numel() or not bool(torch.isfinite(value).all())]
     if bad:
         raise MassiveLensError(f"{ModelView(model).name}: {what} needs the calibration's {field} at layer {bad[0]}, "
                                "but this model's attention hooks did not give it there (see "

@@ -359,7 +359,8 @@ def _of_this_model(model: Any, calib: Calibration) -> Calibration:
     cfg = view.cfg
     want = (view.n_layers, cfg.n_heads, cfg.d_head, getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
     have = (*calib.sink_z.shape, calib.sink_k.shape[1])
-    if tuple(have) != want:
+    # the stack is as wide as the widest layer (local and global layers may differ in head width)
+    if have[:2] != want[:2] or have[3] != want[3] or have[2] < want[2]:
         raise MassiveLensError(f"this Calibration was measured on a model with (layers, heads, head width, kv heads) "
                                f"= {tuple(have)}, but {view.name} has {want}; calibrate this model: "
                                "calibrate(model, text)")

@@ -59,19 +59,39 @@ def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mas
         held.clear()
         bar.update()
     scale = {"z": counts[0], "mass": counts[0], "k": counts[1], "v": counts[1]}
-    shapes = _shapes(model, {key: t.shape for (key, _), t in sums.items()})
+    widest: dict[str, tuple[int, ...]] = {}
+    for (key, _), t in sums.items():  # layers may differ in heads or head width (e.g. local and global layers)
+        widest[key] = tuple(max(a, b) for a, b in zip(widest.get(key, t.shape), t.shape, strict=True))
+    shapes = _shapes(model, widest)
     out = {}
     for key in ("z", "k", "v", "mass"):
-        stacked = torch.zeros(view.n_layers, *shapes[key], dtype=torch.float64)
+        stacked = torch.full((view.n_layers, *shapes[key]), float("nan"), dtype=torch.float64)
         for layer in attn_layers:
-            stacked[layer] = sums[key, layer] / scale[key].clamp(min=1) if (key, layer) in sums else float("nan")
+            if (key, layer) in sums:
+                value = sums[key, layer] / scale[key].clamp(min=1)
+                stacked[(layer, *(slice(0, n) for n in value.shape))] = value
         out["sink_" + key] = stacked.float()
     return out
 
 
+def unpad(value: Tensor) -> Tensor:
+    """One layer's sink quantity without the NaN padding that a narrower layer carries in the
+    stacked tensor (rows and columns that are NaN throughout).
+
+    >>> unpad(torch.tensor([[1.0, float("nan")], [float("nan"), float("nan")]])).tolist()
+    [[1.0]]
+    """
+    seen = ~value.isnan()
+    ends = []
+    for axis in range(seen.dim()):
+        along = seen.movedim(axis, 0).reshape(seen.shape[axis], -1).any(1).nonzero()
+        ends.append(int(along.max()) + 1 if len(along) else 0)
+    return value[tuple(slice(0, n) for n in ends)]
+
+
 def _shapes(model: Any, seen: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The per-layer shape of each sink quantity: as measured, else from the other quantities
-    or the model's config (that quantity is then NaN)."""
+    """The per-layer shape of each sink quantity (the widest layer's): as measured, else from
+    the other quantities or the model's config (that quantity is then NaN)."""
     cfg = model.cfg
     heads = seen["mass"][0] if "mass" in seen else int(cfg.n_heads)
     kv = seen.get("v") or seen.get("k") or (int(getattr(cfg, "n_key_value_heads", None) or heads), int(cfg.d_head))
