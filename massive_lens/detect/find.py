@@ -236,8 +236,14 @@ def find_massive(
     view = ModelView(model)
     criterion = criterion or Criterion()
     batch = view.tokenize(text, prepend_bos)
-    chosen = chosen_layers(view, layers)
-    reducer = run_reducer(view, batch, criterion, hook, chosen, k=1, entries=True)
+    return find_in_batch(view, batch, criterion, chosen_layers(view, layers), hook)
+
+
+def find_in_batch(view: ModelView, batch: Batch, criterion: Criterion, layers: Sequence[int],
+                  hook: str = "resid_post") -> MassiveActivations:
+    """:func:`find_massive` on a view and batch already built, ``layers`` already chosen (see
+    :func:`chosen_layers`): the door other analyses use, so they never re-wrap the model."""
+    reducer = run_reducer(view, batch, criterion, hook, layers, k=1, entries=True)
     tokens = view.str_tokens(batch)
     kinds = view.token_kinds(batch)
     rows = []
@@ -249,14 +255,15 @@ def find_massive(
     entries = pd.DataFrame(rows, columns=["seq", "layer", "pos", "token", "token_kind", "dim", "value", "ratio",
                                           "scope"])
     outliers = pd.DataFrame([(b, layer, d, float(reducer.share[layer][b, d]))
-                             for layer in chosen for b, d in reducer.outlier[layer].nonzero().tolist()],
+                             for layer in layers for b, d in reducer.outlier[layer].nonzero().tolist()],
                             columns=["seq", "layer", "dim", "share"])
     profile = pd.DataFrame(
         [(b, layer, float(reducer.top[layer][b, 0]), float(reducer.median[layer][b]))
-         for layer in chosen for b in range(len(tokens))],
+         for layer in layers for b in range(len(tokens))],
         columns=["seq", "layer", "top1", "median"],
     )
-    return MassiveActivations(entries, profile, tuple(map(tuple, tokens)), criterion, view.name, hook, outliers)
+    return MassiveActivations(entries=entries, profile=profile, tokens=tuple(map(tuple, tokens)), criterion=criterion,
+                              model_name=view.name, hook=hook, outliers=outliers)
 
 
 # --------------------------------------------------------------------------- layer_profile

@@ -47,7 +47,7 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import waterfall_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
-from massive_lens.detect import find_massive
+from massive_lens.detect.find import chosen_layers, find_in_batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
 from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_rows
@@ -163,7 +163,7 @@ def trace_origin(
 ) -> OriginTrace:
     """Trace where the massive activations of ``text`` are born, erased and reborn.
 
-    Without ``dim``/``pos`` every token-specific massive (pos, dim) that :func:`find_massive`
+    Without ``dim``/``pos`` every token-specific massive (pos, dim) that :func:`~massive_lens.find_massive`
     finds under ``criterion`` is traced (entries of outlier dimensions, massive at most tokens of
     a layer, only when there is no token-specific one; see ``docs/detection.md``); with both,
     that entry is traced even if it is not massive; with one of them, the massive entries there
@@ -203,6 +203,42 @@ def trace_origin(
     >>> trace.targets[["pos", "dim", "massive"]].values.tolist()
     [[0, 0, False]]
     """
+    view, batch = _prepare(model, text, top_neurons=top_neurons, verify=verify, prepend_bos=prepend_bos)
+    seq = batch.tokens.shape[1]
+    dim, pos = _check_index(view, dim, pos, seq)
+    criterion = criterion or Criterion()
+    positions = _positions(view, batch, pos, dim, criterion)
+    started = time.perf_counter()
+    cap = capture(view, batch, positions, criterion)
+    pass_seconds = time.perf_counter() - started
+    tokens = view.str_tokens(batch)[0]
+    targets, scope_note = _targets(view, batch, cap, dim, pos, tokens, criterion)
+    ledger, found_events = _ledger(cap, targets, tokens, criterion)
+    error = reconstruction_error(ledger)
+    neurons, births, supers, why = _neurons(view, cap, found_events, top_neurons)
+    verified, verify_note = _bounded(targets, dim is None and pos is None) if verify else ([], "")
+    if verified:
+        _log_estimate(view, verified, births, pass_seconds, seq, corpus is not None)
+    verification = verify_targets(view, batch, cap, verified, births, neurons, corpus) if verified else []
+    heads, head_notes = head_rows(view, cap, targets)
+    notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes), *head_notes, scope_note, verify_note)
+    attribution = pd.DataFrame(
+        [r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
+        columns=ATTRIBUTION_COLUMNS)
+    return OriginTrace(
+        targets=pd.DataFrame(targets), ledger=ledger, events=found_events, attribution=attribution,
+        heads=pd.DataFrame(heads, columns=HEAD_COLUMNS), neurons=neurons,
+        super_weights=pd.DataFrame(supers, columns=neu.SUPER_COLUMNS), why=pd.DataFrame(why, columns=neu.WHY_COLUMNS),
+        verification=pd.DataFrame(verification, columns=VERIFY_COLUMNS), reconstruction_error=error,
+        notes=tuple(n for n in notes if n), model_name=view.name, n_tokens=seq)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def _prepare(model: Any, text: str | torch.Tensor, *, top_neurons: int, verify: bool,
+             prepend_bos: bool | None) -> tuple[ModelView, Batch]:
+    """The view and the one-text batch, after the argument checks."""
     view = ModelView(model)
     if not isinstance(verify, bool):
         raise MassiveLensError(f"verify must be True or False, got {verify!r}")
@@ -217,20 +253,23 @@ def trace_origin(
     if len(batch.tokens) != 1:
         raise MassiveLensError(f"trace_origin traces one text (or image); got a batch of {len(batch.tokens)} for "
                                f"{view.name}")
-    seq = batch.tokens.shape[1]
-    dim, pos = _check_index(view, dim, pos, seq)
-    criterion = criterion or Criterion()
-    positions = _positions(view, batch, pos, dim, criterion)
-    started = time.perf_counter()
-    cap = capture(view, batch, positions, criterion)
-    pass_seconds = time.perf_counter() - started
-    tokens = view.str_tokens(batch)[0]
-    targets, scope_note = _targets(view, batch, cap, dim, pos, tokens, criterion)
+    return view, batch
+
+
+def _ledger(cap: Capture, targets: list[dict[str, Any]], tokens: list[str],
+            criterion: Criterion) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The ledger of every target and its events (births, erasures, rebirths)."""
     ledger = pd.DataFrame([r for t in targets for r in ledger_rows(cap, t["pos"], t["dim"], tokens)],
                           columns=LEDGER_COLUMNS)
-    error = reconstruction_error(ledger)
-    found_events = pd.DataFrame([e for t in targets for e in events(ledger, t, criterion.abs_threshold)],
-                                columns=EVENT_COLUMNS)
+    found = pd.DataFrame([e for t in targets for e in events(ledger, t, criterion.abs_threshold)],
+                         columns=EVENT_COLUMNS)
+    return ledger, found
+
+
+def _neurons(view: ModelView, cap: Capture, found_events: pd.DataFrame, top_neurons: int,
+             ) -> tuple[pd.DataFrame, list[dict[str, Any]], list[Any], list[Any]]:
+    """The top neurons of each MLP event, the MLP births, and the births' super weights and
+    upstream sources (``why``) of their first three named neurons."""
     mlp_events = [e for e in found_events.to_dict("records") if e["component"] == "mlp"]
     neurons = pd.DataFrame([r for e in mlp_events for r in neu.neuron_rows(view, cap, e, top_neurons)],
                            columns=neu.NEURON_COLUMNS)
@@ -240,20 +279,7 @@ def trace_origin(
         names = neu.named(neurons, e)
         supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names)
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
-    verified, verify_note = _bounded(targets, dim is None and pos is None) if verify else ([], "")
-    if verified:
-        _log_estimate(view, verified, births, pass_seconds, seq, corpus is not None)
-    verification = verify_targets(view, batch, cap, verified, births, neurons, corpus) if verified else []
-    heads, head_notes = head_rows(view, cap, targets)
-    notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes), *head_notes, scope_note, verify_note)
-    notes = tuple(n for n in notes if n)
-    attribution = pd.DataFrame(
-        [r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
-        columns=ATTRIBUTION_COLUMNS)
-    return OriginTrace(pd.DataFrame(targets), ledger, found_events, attribution,
-                       pd.DataFrame(heads, columns=HEAD_COLUMNS), neurons,
-                       pd.DataFrame(supers, columns=neu.SUPER_COLUMNS), pd.DataFrame(why, columns=neu.WHY_COLUMNS),
-                       pd.DataFrame(verification, columns=VERIFY_COLUMNS), error, notes, view.name, seq)
+    return neurons, births, supers, why
 
 
 # --------------------------------------------------------------------------- targets
@@ -277,7 +303,7 @@ def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, 
         return torch.tensor([pos])
     if seq * d_mlp(view) * view.n_layers * 12 <= _CAPTURE_BUDGET:
         return torch.arange(seq)
-    found = find_massive(view.model, batch, criterion=criterion).to_frame()
+    found = find_in_batch(view, batch, criterion, chosen_layers(view, None)).to_frame()
     found = found[found.dim == dim] if dim is not None else found
     if dim is None and (found.scope == "token").any():  # outlier dimensions are traced only when asked
         found = found[found.scope == "token"]
