@@ -319,6 +319,8 @@ def precision_check(
 
 def _problems(frame: pd.DataFrame, name: str, dtype: torch.dtype, limit: float) -> list[tuple]:
     out = []
+    counts = [c for c in frame.columns if ":" in c]
+    frame = frame.assign(**{c: frame[c].fillna(0).astype(int) for c in counts})  # NaN where a site is no norm
     for r in frame.to_dict("records"):
         if r[f"over:{dtype}"]:
             out.append((name, "overflow", r["site"], r["layer"], r["seq"], r["pos"], r["dim"], r["value"], limit,
