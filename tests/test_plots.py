@@ -6,6 +6,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 from helpers import plant_massive  # noqa: E402
@@ -56,6 +57,18 @@ def test_activation_landscape_labels_massive_dims_and_tokens(family, tmp_path):
 def test_landscape_axes_rejects_wrong_shape():
     with pytest.raises(MassiveLensError, match="pos, d_model"):
         plots.landscape_axes([[1.0, 2.0]], ["a", "b"])
+
+
+def test_landscape_labels_every_massive_token_and_keeps_labels_apart():
+    """A massive token off the even grid still gets its (red) tick; no tick crowds another."""
+    values = np.ones((97, 16))
+    values[[0, 37], 5] = 900.0
+    ax = plots.landscape_axes(values, [f"tok{i}" for i in range(97)], label_dims=[5], label_tokens=[0, 37])
+    ticks = list(ax.get_yticks())
+    assert {0, 37} <= set(ticks) and len(ticks) <= 12
+    assert float(np.diff(ticks).min()) >= 5
+    red = [t.get_text() for t in ax.get_yticklabels() if t.get_color() == "tab:red"]
+    assert red == ["tok0", "tok37"]
 
 
 def test_overlay_profiles_from_results_and_variant_frames(llama, tmp_path):

@@ -1,5 +1,6 @@
 """The paper's Figure 1 drawn from values: a 3D landscape of |activation| over tokens x dims
-(:func:`landscape_axes`), and readable token tick labels (:func:`tick_label`)."""
+(:func:`landscape_axes`), and readable token tick labels (:func:`tick_label`,
+:func:`token_ticks`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,20 @@ def tick_label(token: str, width: int = 12) -> str:
     """A token string as a readable tick label (newlines and spaces made visible)."""
     shown = token.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "\u2423") or "\u2205"
     return shown if len(shown) <= width else shown[: width - 1] + "\u2026"
+
+
+def token_ticks(n_tokens: int, keep: Sequence[int] = (), most: int = 12) -> list[int]:
+    """The positions to label on a token axis: every position in ``keep`` (the tokens the
+    figure is about) and evenly spaced others, at most ``most`` in all where ``keep`` allows,
+    none of them crowding a kept one.
+
+    >>> token_ticks(40, keep=[0, 7])
+    [0, 7, 12, 16, 20, 24, 28, 32, 36]
+    """
+    keep = sorted({int(p) for p in keep if 0 <= p < n_tokens})
+    step = max(1, -(-n_tokens // max(1, most - len(keep))))
+    grid = [i for i in range(0, n_tokens, step) if all(abs(i - k) >= step for k in keep)]
+    return sorted(set(keep) | set(grid))
 
 
 def landscape_axes(
@@ -75,9 +90,8 @@ def landscape_axes(
         placed.append((dim, pos))
     for dim in outlier_dims:  # a property of the dim: labelled at the floor, not at a token's spike
         ax.text(dim, mag.shape[0] - 1, 0.0, f"dim {dim} (outlier dim)", color="0.45", fontsize=7)
-    step = max(1, len(tokens) // 20)
-    ticks = list(range(0, len(tokens), step))
-    ax.set_yticks(ticks, [tick_label(tokens[i]) for i in ticks], fontsize=7)
+    ticks = token_ticks(len(tokens), label_tokens)
+    ax.set_yticks(ticks, [tick_label(tokens[i], width=10) for i in ticks], fontsize=7)
     for label, i in zip(ax.get_yticklabels(), ticks, strict=True):
         if i in label_tokens:
             label.set_color("tab:red")
