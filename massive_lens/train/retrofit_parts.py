@@ -8,7 +8,7 @@
   massive activation.
 * The **tracked evaluation** runs held-out tokens once and reads, per layer, the largest
   ``|value|`` of the formerly massive dims (anywhere, and at the first token), the
-  top-1/median ratio of ``|residual|``, and
+  top-1/median ratio of ``|residual|`` (per sequence, then averaged), and
   the attention mass on the first token and on the off-switch slot.
 
 >>> parse_setting("softmax1-removed")
@@ -34,6 +34,7 @@ from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from massive_lens.core.criterion import Criterion, median_scale
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.load import wrap_hf_model
 from massive_lens.origin import trace_origin
@@ -160,16 +161,20 @@ def tapped(hf_model: nn.Module) -> Iterator[list[Any]]:
 def tracked_eval(hf_model: nn.Module, tokens: Int[Tensor, "batch pos"], dims: list[int],
                  loss_fn: Any) -> tuple[float, list[dict[str, Any]]]:
     """Held-out loss and per-layer rows: ``layer``, ``dims_max`` (largest ``|value|`` of
-    ``dims``), ``top1``, ``median`` and ``ratio`` of ``|residual|``, ``first_mass`` and
+    ``dims``), ``first_max`` (the same at the first token), ``top1``, ``median`` and ``ratio``
+    (top-1 / median) of ``|residual|``, each taken per sequence (the median from
+    :func:`~massive_lens.core.criterion.median_scale`, as the massive criterion takes it) and
+    averaged over sequences, as in :func:`~massive_lens.measure_outliers`; ``first_mass`` and
     ``slot_mass`` (mean attention on the first token and on the slot, queries ``>= 1``)."""
     rows: list[dict[str, Any]] = []
 
     def stats(module: nn.Module, args: Any, output: Any) -> None:
         mag = _hidden(output).detach().float().abs()
-        top1, median = float(mag.max()), float(mag.median())
+        top1, median = mag.flatten(1).amax(1), median_scale(mag, Criterion())[1]
         rows.append(dict(layer=len(rows), dims_max=float(mag[..., dims].max()) if dims else float("nan"),
                          first_max=float(mag[:, 0, dims].max()) if dims else float("nan"),
-                         top1=top1, median=median, ratio=top1 / max(median, 1e-12)))
+                         top1=float(top1.mean()), median=float(median.mean()),
+                         ratio=float((top1 / median.clamp(min=1e-12)).mean())))
 
     handles = [layer.register_forward_hook(stats) for layer in decoder_layers(hf_model)]
     was_training = hf_model.training

@@ -86,6 +86,12 @@ def test_swapped_variant_matches_massive_lm(variant):
     assert loss == pytest.approx(float(lm(tokens, return_type="loss")), abs=1e-5)
     has_slot = variant.name != "softmax"
     assert all((r["slot_mass"] > 0) == has_slot and 0 < r["first_mass"] < 1 for r in rows)
+    hidden = hf(tokens, use_cache=False, output_hidden_states=True).hidden_states[1:-1]  # the last is normed
+    for row, h in zip(rows, hidden, strict=False):  # top-1 and median per sequence, then averaged
+        top, median = h.abs().flatten(1).amax(1), torch.stack([x.abs().flatten().median() for x in h])
+        assert row["top1"] == pytest.approx(float(top.mean()), rel=1e-5)
+        assert row["median"] == pytest.approx(float(median.mean()), rel=1e-5)
+        assert row["ratio"] == pytest.approx(float((top / median).mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["softmax1", "learned_sink", "kv_bias"])
