@@ -177,8 +177,8 @@ def exclusion_mask(
         ``.token_ids()``, and a reason per left-out position in ``.to_frame()``.
 
     Raises:
-        MassiveLensError: for an empty text, an unknown level or ``outliers`` value, or what
-            :func:`~massive_lens.find_massive` refuses.
+        MassiveLensError: for an empty text, a vision model, an unknown level or ``outliers``
+            value, or what :func:`~massive_lens.find_massive` refuses.
 
     >>> from massive_lens import tiny_model
     >>> model = tiny_model("llama")
@@ -191,6 +191,7 @@ def exclusion_mask(
         raise MassiveLensError(f"outliers must be one of {OUTLIER_CHOICES}, got {outliers!r}")
     criterion = criterion or Criterion()
     view = ModelView(model)
+    view.require_text()  # positions of text: a vision model has no token ids to hand over
     batch = view.tokenize(text, prepend_bos)
     kinds = view.token_kinds(batch)
     scopes = ("token",) if outliers == "exclude" else ("token", "outlier_dim")
