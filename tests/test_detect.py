@@ -145,6 +145,20 @@ def test_layer_profile_and_scan(planted_bos):
     assert "dim 11 at bos: 100%" in scan.summary()
 
 
+def test_profile_has_one_schema(planted_bos):
+    """``.profile`` is layer_profile's per-layer table on every result that has one."""
+    texts = ["Hi. there", "One more text"]
+    with untouched(planted_bos):
+        found = find_massive(planted_bos, texts, prepend_bos=True)
+        expected = layer_profile(planted_bos, texts, k=1, prepend_bos=True).to_frame()
+        scan = scan_corpus(planted_bos, ["Some prose. More, prose.\n" * 8], seq_len=32, k=1, prepend_bos=True,
+                           progress=False)
+    assert list(found.profile.columns) == list(expected.columns) == list(scan.profile.columns)
+    assert found.profile.to_numpy() == pytest.approx(expected.to_numpy(), rel=1e-4, abs=1e-6)
+    per_seq = found.magnitudes  # one row per (seq, layer)
+    assert list(per_seq.columns) == ["seq", "layer", "top1", "median"] and len(per_seq) == 2 * len(expected)
+
+
 @pytest.mark.slow
 def test_default_model_matches_plain_transformers(default_model):
     """find_massive's values equal an output_hidden_states run of the wrapped HF model."""

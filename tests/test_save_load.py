@@ -257,6 +257,16 @@ def test_a_moved_result_class_is_found_by_name(tmp_path):
     assert type(load(folder)).__name__ == "MassiveActivations"
 
 
+def test_a_massive_activations_saved_with_its_old_field_name_loads(tmp_path):
+    folder = _saved(tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    fields = {("profile" if k == "magnitudes" else k): v for k, v in manifest["fields"].items()}
+    _edit_manifest(folder, fields=fields)  # as saved before MassiveActivations.profile became per layer
+    again, found = load(folder), load(_saved(tmp_path, "new"))
+    pd.testing.assert_frame_equal(again.magnitudes, found.magnitudes)
+    assert again.summary() == found.summary()
+
+
 def test_save_refuses_an_existing_target_unless_told(tmp_path):
     folder = _saved(tmp_path)
     trace = trace_origin(tiny_model("llama"), "Hi.", dim=3, pos=0)

@@ -243,6 +243,8 @@ def intervention_bars(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
 
 
 def _profile_columns(frame: pd.DataFrame) -> tuple[str, str]:
+    """The top-1 and median columns: a result's ``.profile`` or ``.frame`` (``top1_mean``,
+    ``median_mean``), or a DataFrame given as it is (``top1`` or ``max_inf_norm``, ``median``)."""
     for top, median in (("top1_mean", "median_mean"), ("top1", "median"), ("max_inf_norm", "median")):
         if top in frame and median in frame:
             return top, median
@@ -251,8 +253,8 @@ def _profile_columns(frame: pd.DataFrame) -> tuple[str, str]:
 
 def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = None, title: str = "") -> Any:
     """Several models' (or variants') layer profiles on one log-scale axis: top-1 solid, median
-    dashed, one colour per name. ``profiles`` maps a name to a result with ``.profile`` or
-    ``.frame`` (``LayerProfile``, ``CorpusScan``, ``MassiveActivations``) or a DataFrame;
+    dashed, one colour per name. ``profiles`` maps a name to a result with a per-layer
+    ``.profile`` (``CorpusScan``, ``MassiveActivations``) or ``.frame`` (``LayerProfile``) or a DataFrame;
     a DataFrame with a ``variant`` column (``Comparison.profiles``) is split by it.
     ``relative_depth`` puts models of different depths on a 0-1 axis.
 
@@ -281,8 +283,6 @@ def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = N
     for name, item in dict(profiles).items():
         frame = getattr(item, "profile", item)
         frame = getattr(frame, "frame", frame)
-        if "seq" in frame:  # MassiveActivations.profile: one row per (seq, layer)
-            frame = frame.groupby("layer", as_index=False)[["top1", "median"]].mean()
         top, median = _profile_columns(frame)
         x = frame["layer"] / max(1, frame["layer"].max()) if relative_depth else frame["layer"]
         line = ax.plot(x, frame[top], marker="o", markersize=3, label=f"{name} top-1")[0]

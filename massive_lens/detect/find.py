@@ -76,16 +76,38 @@ class MassiveActivations(Result):
     ``pos``, ``token``, ``token_kind``, ``dim``, ``value``, ``ratio``, ``scope``
     (``"token"``: a token-specific massive activation; ``"outlier_dim"``: the dim is massive at
     most tokens of that layer, see :func:`~massive_lens.core.criterion.outlier_dims`).
+    ``magnitudes`` has the top-1 and median ``|value|`` per (``seq``, ``layer``); ``profile``
+    is their per-layer table in :class:`LayerProfile`'s columns, as ``CorpusScan.profile``.
     ``outliers`` lists the outlier dimensions per (``seq``, ``layer``, ``dim``) with the
     ``share`` of that sequence's tokens where the dim is massive."""
 
     entries: pd.DataFrame
-    profile: pd.DataFrame  # seq, layer, top1, median
+    magnitudes: pd.DataFrame  # seq, layer, top1, median
     tokens: tuple[tuple[str, ...], ...]
     criterion: Criterion
     model_name: str
     hook: str
     outliers: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["seq", "layer", "dim", "share"]))
+
+    @classmethod
+    def _from_stored(cls, fields: dict[str, Any]) -> MassiveActivations:
+        """Results saved before ``magnitudes`` was named so stored it as ``profile``."""
+        if "magnitudes" not in fields and "profile" in fields:
+            fields = {("magnitudes" if k == "profile" else k): v for k, v in fields.items()}
+        return super()._from_stored(fields)
+
+    @property
+    def profile(self) -> pd.DataFrame:
+        """Per layer, mean and std over sequences (``ddof=0``) of top-1, median and top-1 / median:
+        ``layer``, ``top1_mean``, ``top1_std``, ``median_mean``, ``median_std``, ``ratio_mean``,
+        ``ratio_std`` (the columns of :class:`LayerProfile` with ``k=1``)."""
+        stats = self.magnitudes.assign(ratio=self.magnitudes["top1"] / self.magnitudes["median"])
+        groups = stats.groupby("layer")[["top1", "median", "ratio"]]
+        mean, std = groups.mean(), groups.std(ddof=0)
+        data: dict[str, Any] = {"layer": mean.index.to_numpy()}
+        for name in ("top1", "median", "ratio"):
+            data[f"{name}_mean"], data[f"{name}_std"] = mean[name].to_numpy(), std[name].to_numpy()
+        return pd.DataFrame(data)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -105,7 +127,7 @@ class MassiveActivations(Result):
     @property
     def peak_layer(self) -> int:
         """The layer where top-1 / median is largest (over sequences and layers)."""
-        prof = self.profile
+        prof = self.magnitudes
         return int(prof.loc[(prof["top1"] / prof["median"]).idxmax(), "layer"])
 
     @property
@@ -122,7 +144,7 @@ class MassiveActivations(Result):
         top = self.headline
         if top is not None:
             return int(top.peak_layer)
-        return int(self.profile.loc[self.profile["top1"].idxmax(), "layer"])
+        return int(self.magnitudes.loc[self.magnitudes["top1"].idxmax(), "layer"])
 
     def to_frame(self) -> pd.DataFrame:
         return scoped(self.entries)
@@ -167,8 +189,8 @@ class MassiveActivations(Result):
         token = rows[rows.scope == "token"]
         outliers = outlier_lines(self.outlier_dims())
         if rows.empty:
-            ratio = self.profile["top1"] / self.profile["median"]
-            peak = self.profile.loc[ratio.idxmax()]
+            ratio = self.magnitudes["top1"] / self.magnitudes["median"]
+            peak = self.magnitudes.loc[ratio.idxmax()]
             return (f"{head}: no massive activations in {len(self.tokens)} text(s); largest "
                     f"top-1/median is {ratio.max():,.0f}x (|x| = {peak['top1']:,.1f}) at layer {int(peak['layer'])}")
         if token.empty:
@@ -189,7 +211,7 @@ class MassiveActivations(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Top-1 magnitude and median per layer (log scale), massive layers shaded."""
-        frame = self.profile.groupby("layer")[["top1", "median"]].mean().reset_index()
+        frame = self.magnitudes.groupby("layer")[["top1", "median"]].mean().reset_index()
         return profile_axes(frame, ["top1", "median"], ax=ax, shade=self.layers,
                             title=f"{self.model_name}: residual magnitudes ({self.hook})")
 
@@ -257,13 +279,13 @@ def find_in_batch(view: ModelView, batch: Batch, criterion: Criterion, layers: S
     outliers = pd.DataFrame([(b, layer, d, float(reducer.share[layer][b, d]))
                              for layer in layers for b, d in reducer.outlier[layer].nonzero().tolist()],
                             columns=["seq", "layer", "dim", "share"])
-    profile = pd.DataFrame(
+    magnitudes = pd.DataFrame(
         [(b, layer, float(reducer.top[layer][b, 0]), float(reducer.median[layer][b]))
          for layer in layers for b in range(len(tokens))],
         columns=["seq", "layer", "top1", "median"],
     )
-    return MassiveActivations(entries=entries, profile=profile, tokens=tuple(map(tuple, tokens)), criterion=criterion,
-                              model_name=view.name, hook=hook, outliers=outliers)
+    return MassiveActivations(entries=entries, magnitudes=magnitudes, tokens=tuple(map(tuple, tokens)),
+                              criterion=criterion, model_name=view.name, hook=hook, outliers=outliers)
 
 
 # --------------------------------------------------------------------------- layer_profile
