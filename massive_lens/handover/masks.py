@@ -18,7 +18,10 @@ A position is left out when
   (``outliers="include"`` marks their positions too);
 - it is an **attention sink** of one of the chosen ``levels`` of
   :func:`~massive_lens.sink_census` (``"primary"``: the first token and every position the
-  sink rule counts; ``"secondary"``; ``"transient"``).
+  sink rule counts; ``"secondary"``; ``"transient"``). The census lists the positions that
+  draw sink-like attention; one the sink rule counts only for its persistent massive
+  activation (say, with too few later queries to be judged by attention) is left out as
+  massive.
 
 :func:`norm_thresholds` gives tools that filter by norm a norm-multiple threshold per layer,
 calibrated on a corpus against the positions massive at that layer.

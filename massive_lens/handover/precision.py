@@ -5,7 +5,10 @@ bfloat16 keeps float32's range but only 8 bits of mantissa. Two things go wrong:
 
 - **overflow**: a residual, attention or MLP value exceeds the dtype's largest value, or
   what a norm computes from its input does: the squares ``x**2`` (``(x - mean)**2`` for
-  LayerNorm) and their mean, the variance (RMSNorm's ``mean(x**2)``);
+  LayerNorm) and their mean, the variance (RMSNorm's ``mean(x**2)``). Attention's first
+  product, ``q . k`` before its ``1/sqrt(d_head)`` scaling, is measured too (at the site
+  ``attn.hook_attn_scores``, causal entries, largest over heads; ``pos`` is the query and
+  ``dim`` the key position): Qwen2.5's key biases make it overflow float16 in layer 0;
 - **rounding away**: at a massive value the dtype's spacing (the gap between neighbouring
   representable numbers) is larger than the typical activation at that site (the median
   ``|x|``), so updates of typical size vanish in that entry.
@@ -54,7 +57,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SITES = (("hook_resid_pre", "residual"), ("hook_resid_mid", "residual"), ("hook_resid_post", "residual"),
          ("attn.hook_q", "attention"), ("attn.hook_k", "attention"), ("attn.hook_v", "attention"),
          ("hook_attn_out", "attention"), ("mlp.hook_pre", "mlp"), ("mlp.hook_post", "mlp"),
-         ("hook_mlp_out", "mlp"), ("ln1.hook_in", "norm"), ("ln2.hook_in", "norm"))
+         ("hook_mlp_out", "mlp"), ("ln1.hook_in", "norm"), ("ln2.hook_in", "norm"),
+         ("attn.hook_attn_scores", "scores"))
 PROBLEMS = ("overflow", "square_overflow", "variance_overflow", "rounds_away")
 PROBLEM_COLUMNS = ["dtype", "problem", "site", "layer", "seq", "pos", "dim", "value", "limit", "count"]
 VERDICT_COLUMNS = ["dtype", "verdict", "loss_float32", "loss", "ppl_ratio", "top1_agree", "nonfinite_at", *PROBLEMS,
@@ -127,7 +131,8 @@ class PrecisionCheck(Result):
         return str(rows["verdict"].iloc[0])
 
     def summary(self) -> str:
-        peak = self.peaks.loc[self.peaks["max_abs"].idxmax()]
+        values = self.peaks[self.peaks["kind"] != "scores"]
+        peak = values.loc[values["max_abs"].idxmax()]
         lines = [f"{self.model_name}, {self.n_seqs} x {self.seq_len} tokens: largest |x| in float32 "
                  f"{num(peak.max_abs)} ({peak.site}, layer {int(peak.layer)}); at a norm's input the largest "
                  f"square is {self.peaks['max_square'].max():.3g}, the largest variance "
@@ -164,15 +169,19 @@ class PrecisionCheck(Result):
 class _Peaks:
     """Float32 statistics per (site, layer), reduced inside the hooks."""
 
-    def __init__(self, dtypes: Sequence[torch.dtype], centred: bool):
-        self.dtypes, self.centred = dtypes, centred
+    def __init__(self, dtypes: Sequence[torch.dtype], centred: bool, attn_scale: float):
+        self.dtypes, self.centred, self.attn_scale = dtypes, centred, attn_scale
         self.rows: list[dict[str, Any]] = []
 
     def hook(self, x: Tensor, hook: Any, *, site: str, kind: str, layer: int) -> None:
         x = x.detach().float()
+        if kind == "scores":  # [batch head query key] -> q.k before the scaling, at causal entries only
+            n = x.shape[-1]
+            real = torch.ones(n, n, dtype=torch.bool, device=x.device).tril() & (x > torch.finfo(x.dtype).min / 2)
+            x = (x * self.attn_scale).masked_fill(~real, 0.0).abs().amax(1)  # [batch query key], largest head
         x = x.flatten(2) if x.ndim > 3 else x  # [batch pos head d_head] -> [batch pos dim]
         mag = x.abs()
-        median = float(mag.median())
+        median = float(mag.median()) if kind != "scores" else float("nan")
         flat = int(mag.argmax())
         seq, pos, dim = (int(i) for i in torch.unravel_index(torch.tensor(flat), mag.shape))
         row = dict(site=site, kind=kind, layer=layer, seq=seq, pos=pos, dim=dim, value=float(x[seq, pos, dim]),
@@ -181,7 +190,7 @@ class _Peaks:
         for dtype in self.dtypes:
             limit = torch.finfo(dtype).max
             row[f"over:{dtype}"] = int((mag > limit).sum())
-            row[f"round:{dtype}"] = int((spacing(mag, dtype) > median).sum())
+            row[f"round:{dtype}"] = int((spacing(mag, dtype) > median).sum()) if kind != "scores" else 0
         if kind == "norm":  # what the norm computes: squares (centred for LayerNorm), then their mean
             sq = (x - x.mean(-1, keepdim=True) if self.centred else x).double().pow(2)
             var = sq.mean(-1)
@@ -239,8 +248,11 @@ def _clamp(x: Tensor, hook: Any, *, limit: float) -> Tensor:
     return x.clamp(-limit, limit)
 
 
-def _seen(x: Tensor, hook: Any, *, order: list[tuple[str, bool]]) -> None:
-    order.append((str(hook.name), bool(torch.isfinite(x).all())))
+def _seen(x: Tensor, hook: Any, *, order: list[tuple[str, bool]], name: str) -> None:
+    if name.endswith("attn_scores"):  # masked scores may hold -inf by design: only NaN and +inf count
+        order.append((name, not bool(torch.isnan(x).any() | torch.isposinf(x).any())))
+    else:
+        order.append((name, bool(torch.isfinite(x).all())))
 
 
 def _run(view: ModelView, tokens: Tensor, hooks: list[tuple[str, Any]]) -> tuple[Tensor, Tensor]:
@@ -292,7 +304,8 @@ def precision_check(
         raise MassiveLensError(f"{view.name} is in {view.dtype}; precision_check measures in float32: load it with "
                                "dtype=torch.float32 (massive_lens.load_model(..., dtype='float32'))")
     tokens = sequences(view, corpus, seq_len, n_seqs)
-    peaks = _Peaks(chosen, str(getattr(view.cfg, "normalization_type", "RMS")).startswith("LN"))
+    scale = getattr(view.cfg, "attn_scale", None) or math.sqrt(getattr(view.cfg, "d_head", 1) or 1)
+    peaks = _Peaks(chosen, str(getattr(view.cfg, "normalization_type", "RMS")).startswith("LN"), float(scale))
     hooks = [(f"blocks.{layer}.{site}", partial(peaks.hook, site=site, kind=kind, layer=layer))
              for layer in range(view.n_layers) for site, kind in SITES if f"blocks.{layer}.{site}" in view.hook_names]
     loss32, top32 = _run(view, tokens, hooks)
@@ -304,7 +317,8 @@ def precision_check(
         problems += mine
         # the cost of clamping each overflowing site to the dtype's range, in float32 (a norm's input
         # to the square root of it, so that its squares and their mean fit)
-        over = {(r[2], r[3]): limit if r[1] == "overflow" else math.sqrt(limit) for r in mine if r[1] != "rounds_away"}
+        over = {(r[2], r[3]): (limit / scale if r[2] == "attn.hook_attn_scores" else limit) if r[1] == "overflow"
+                else math.sqrt(limit) for r in mine if r[1] != "rounds_away"}
         clamp = float("nan")
         if over:
             clamp_loss, _ = _run(view, tokens, [(f"blocks.{layer}.{site}", partial(_clamp, limit=bound))
@@ -337,6 +351,12 @@ def _problems(frame: pd.DataFrame, name: str, dtype: torch.dtype, limit: float) 
     return out
 
 
+def _layer_of(hook: str) -> int | None:
+    """The block of a hook name (``blocks.3.attn.hook_out`` -> 3), None for anything else."""
+    parts = hook.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() else None
+
+
 def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, mine: list[tuple], loss32: Tensor,
              top32: Tensor, clamp: float, tolerance: float, confirm: bool) -> tuple:
     counts = {p: sum(1 for r in mine if r[1] == p) for p in PROBLEMS}
@@ -344,7 +364,7 @@ def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, min
     if confirm:
         order: list[tuple[str, bool]] = []
         names = [f"blocks.{layer}.{site}" for layer in range(view.n_layers) for site, _ in SITES]
-        watch = [(n, partial(_seen, order=order)) for n in names if n in view.hook_names]
+        watch = [(n, partial(_seen, order=order, name=n)) for n in names if n in view.hook_names]
         with cast(view.model, dtype):
             losses, top = _run(view, tokens, watch)
         loss, agree = float(losses.mean()), float((top == top32).float().mean())
@@ -357,8 +377,12 @@ def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, min
     unsafe = bool(bad) or (confirm and change > 1 + tolerance) or (not confirm and counts["overflow"] > 0)
     fix = ""
     if unsafe:
-        where = layers or sorted({r[3] for r in mine})
+        failed = _layer_of(bad)  # where the run in the dtype first saw inf or NaN
+        where = sorted({*(layers or {r[3] for r in mine}), *([failed] if failed is not None else [])})
         fix = f"keep {layer_span(where)} in float32" if where else "run in float32"
+        if failed is not None and failed not in layers:
+            fix += (f" (layer {failed} overflowed inside a computation no measured site shows, e.g. the attention "
+                    "scores; the float32 measurement did not predict it)")
         if math.isfinite(clamp) or clamp == math.inf:
             fix += (f", or clamp the overflowing sites to the range (+-{num(torch.finfo(dtype).max)}; a norm's input "
                     f"to +-{num(math.sqrt(torch.finfo(dtype).max))}): perplexity x{ratio(clamp)}, measured in float32")
