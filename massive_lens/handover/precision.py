@@ -304,7 +304,8 @@ def precision_check(
         raise MassiveLensError(f"{view.name} is in {view.dtype}; precision_check measures in float32: load it with "
                                "dtype=torch.float32 (massive_lens.load_model(..., dtype='float32'))")
     tokens = sequences(view, corpus, seq_len, n_seqs)
-    scale = getattr(view.cfg, "attn_scale", None) or math.sqrt(getattr(view.cfg, "d_head", 1) or 1)
+    scale = getattr(view.cfg, "attn_scale", None)  # the score divisor; configs may hold -1 for "sqrt(d_head)"
+    scale = scale if isinstance(scale, (int, float)) and scale > 0 else math.sqrt(getattr(view.cfg, "d_head", 1) or 1)
     peaks = _Peaks(chosen, str(getattr(view.cfg, "normalization_type", "RMS")).startswith("LN"), float(scale))
     hooks = [(f"blocks.{layer}.{site}", partial(peaks.hook, site=site, kind=kind, layer=layer))
              for layer in range(view.n_layers) for site, kind in SITES if f"blocks.{layer}.{site}" in view.hook_names]
