@@ -238,7 +238,8 @@ def massive_dims(
             or None for the offline default text.
         persistence: the share of the model's layers a dim must be massive in (at any
             position of any sequence) to be kept out; heretic's rule is 0.25 (the default).
-        seq_len, n_seqs: the sequences read from a text corpus.
+        seq_len: tokens per sequence read from a text corpus.
+        n_seqs: sequences read from a text corpus.
         criterion: when an activation is massive (None: ``Criterion()``, heretic's 100 and 1000x).
         hook: the residual hook read (default ``resid_post``).
 

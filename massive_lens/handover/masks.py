@@ -330,9 +330,11 @@ def norm_thresholds(
         model: a TransformerLens-style model.
         corpus: a text file, a string, strings, ``hf:`` name, a ``[seq, pos]`` token tensor,
             or None for the offline default text.
-        seq_len, n_seqs: the sequences read from a text corpus.
+        seq_len: tokens per sequence read from a text corpus.
+        n_seqs: sequences read from a text corpus.
         hook: the residual hook (``resid_post``, ``resid_mid`` or ``resid_pre``).
-        outliers, criterion: as for :func:`exclusion_mask`.
+        outliers: as for :func:`exclusion_mask`.
+        criterion: as for :func:`exclusion_mask`.
 
     Returns:
         A :class:`NormThresholds`; ``.multiple(layer)`` is the value to pass on.

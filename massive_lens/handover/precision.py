@@ -279,7 +279,8 @@ def precision_check(
         corpus: a text file, a string, strings, ``hf:`` name, a ``[seq, pos]`` token tensor,
             or None for the offline default text.
         dtypes: names among ``"float16"`` and ``"bfloat16"``.
-        seq_len, n_seqs: the sequences read from a text corpus.
+        seq_len: tokens per sequence read from a text corpus.
+        n_seqs: sequences read from a text corpus.
         tolerance: the largest relative perplexity change (dtype over float32, minus 1) that
             is still ``safe`` (default 0.01).
         confirm: run the model in each dtype to confirm (default True); without it the
