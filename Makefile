@@ -14,6 +14,9 @@ STAMP_TL3 := $(VENV_TL3)/.installed
 TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py tests/test_origin.py
 TL3_SELECT ?= -m "not real" -k "not plain_transformers"
 
+# make test runs the test files on this many processes (pytest-xdist; each file stays in one process, so a
+# module's fixtures load once). Each process may hold a real model: keep it at 2 on a 24 GiB machine.
+TEST_WORKERS ?= 2
 # The quick loop (make check, tests/conftest.py's --quick): tiny llama models only; the other families,
 # the real models, torchrun, the notebooks, the browser, the docs, the architecture matrix and the
 # doctests are left to make test.
@@ -44,7 +47,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 check: $(STAMP)
 	$(BIN)/lint-imports

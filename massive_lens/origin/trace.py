@@ -236,7 +236,7 @@ def trace_origin(
 # --------------------------------------------------------------------------- steps
 
 
-def _prepare(model: Any, text: str | torch.Tensor, *, top_neurons: int, verify: bool,
+def _prepare(model: Any, text: str | torch.Tensor, *, top_neurons: int, verify: Any,
              prepend_bos: bool | None) -> tuple[ModelView, Batch]:
     """The view and the one-text batch, after the argument checks."""
     view = ModelView(model)
