@@ -4,6 +4,7 @@ per session) and the quick report of a planted model. Plain helpers (planting, t
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -14,6 +15,15 @@ from matrix import build
 
 from massive_lens import load_model, tiny_model
 from massive_lens.models import FAMILIES
+
+# Under pytest-xdist (make test), each worker gets its share of the cores: two workers with torch's
+# default of one thread per core oversubscribe them, and OpenMP's spinning threads made the suite
+# 1.8x slower than one process (measured on 2 cores); one thread per worker made it faster.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)  # subprocesses (notebooks, the CLI) inherit it
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 QUICK_SKIPPED_MODULES = {  # minutes each on 2 cores: whole reports, training runs, the docs site, the matrix
     "test_notebooks", "test_browser", "test_matrix", "test_architectures", "test_docs", "test_docs_examples",

@@ -2,11 +2,13 @@
 views render, the console stays clean, nothing is fetched from the network, and the page
 reads well at 1400 px (no table wider than the page, no element past its right edge, names on
 one line, no table row taller than ``MAX_ROW_PX``); a screenshot is saved to
-``$MASSIVE_LENS_ARTIFACTS`` (default ``out/``)."""
+``$MASSIVE_LENS_ARTIFACTS`` (default: ``massive_lens_artifacts`` in the temporary folder, so that
+nothing is written into the checkout while other test files run beside this one)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from helpers import untouched
 
 from massive_lens import tiny_model
 
-ARTIFACTS = Path(os.environ.get("MASSIVE_LENS_ARTIFACTS", Path(__file__).resolve().parents[1] / "out"))
+ARTIFACTS = Path(os.environ.get("MASSIVE_LENS_ARTIFACTS", Path(tempfile.gettempdir()) / "massive_lens_artifacts"))
 WIDTH = 1400  # the window the layout checks use
 MAX_ROW_PX = 160  # a table row taller than this means cells wrap where they should not
 
