@@ -68,7 +68,7 @@ result.plot_activations();
 # first token and to the slot?
 
 # %%
-last = result.layers[result.layers.step == result.layers.step.max()]
+last = result.per_layer[result.per_layer.step == result.per_layer.step.max()]
 last.pivot_table(index='layer', columns='setting', values=['dims_max', 'first_mass', 'slot_mass']).round(3)
 
 # %% [markdown]

@@ -178,7 +178,7 @@ def answer(diffs: pd.DataFrame, frame: pd.DataFrame) -> str:
 def figures(merged: Retrofit, frame: pd.DataFrame, out: Path = FIGURES) -> None:
     """loss.png (held-out loss, mean and interval band), activations.png, lowbit.png."""
     curves = merged.curves.dropna(subset=["val_loss"])
-    peak = merged.layers.groupby(["setting", "seed", "step"])[["first_max", "dims_max"]].max().reset_index()
+    peak = merged.per_layer.groupby(["setting", "seed", "step"])[["first_max", "dims_max"]].max().reset_index()
     panels = (("loss", curves, "val_loss", "held-out loss (nats)", False),
               ("activations", peak, "first_max", "first token's largest abs. value, traced dims", True))
     for name, data, column, title, log in panels:

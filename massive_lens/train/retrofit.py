@@ -70,7 +70,7 @@ class Retrofit(Result):
     """Results of :func:`retrofit`.
 
     ``curves``: setting, seed, step, tokens, loss (train), val_loss (held-out), seconds.
-    ``layers``: setting, seed, step, layer, dims_max, first_max, top1, median, ratio, first_mass,
+    ``per_layer``: setting, seed, step, layer, dims_max, first_max, top1, median, ratio, first_mass,
     slot_mass (see :func:`~massive_lens.train.retrofit_parts.tracked_eval`). ``finals``:
     setting, seed, steps and the :data:`FINALS` columns of the fine-tuned model.
     ``super_weights``: the zeroed entries; ``dims``: the formerly massive dims.
@@ -78,18 +78,25 @@ class Retrofit(Result):
 
     model_name: str
     curves: pd.DataFrame
-    layers: pd.DataFrame
+    per_layer: pd.DataFrame
     finals: pd.DataFrame
     super_weights: pd.DataFrame
     dims: list[int] = field(default_factory=list)
     budget: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def _from_stored(cls, fields: dict[str, Any]) -> Retrofit:
+        """Results saved before ``per_layer`` was named so stored it as ``layers``."""
+        if "per_layer" not in fields and "layers" in fields:
+            fields = {("per_layer" if k == "layers" else k): v for k, v in fields.items()}
+        return super()._from_stored(fields)
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (setting, seed): first and last held-out loss, the traced dims'
         largest ``|value|`` (any layer; anywhere, and ``first_max`` at the first token) at the
         start and end, first-token and slot mass at the end, and the final W8A8 columns."""
         rows = []
-        for (setting, seed), group in self.layers.groupby(["setting", "seed"], sort=False):
+        for (setting, seed), group in self.per_layer.groupby(["setting", "seed"], sort=False):
             steps = sorted(group.step.unique())
             first, last = group[group.step == steps[0]], group[group.step == steps[-1]]
             mine = (self.curves.setting == setting) & (self.curves.seed == seed)
@@ -144,7 +151,7 @@ class Retrofit(Result):
             raise MassiveLensError("merge needs one or more retrofit results of the same model and removal")
         first = results[0]
         frames = [pd.concat([getattr(r, name) for r in results if len(getattr(r, name))] or [getattr(first, name)],
-                            ignore_index=True) for name in ("curves", "layers", "finals")]
+                            ignore_index=True) for name in ("curves", "per_layer", "finals")]
         runs = len(frames[0][["setting", "seed"]].drop_duplicates())
         budget = dict(first.budget, runs=runs, wall_s=sum(r.budget.get("wall_s", 0) for r in results))
         return cls(first.model_name, *frames, first.super_weights, list(first.dims), budget)
@@ -152,7 +159,7 @@ class Retrofit(Result):
     def plot_activations(self, ax: Any = None) -> Any:
         """The formerly massive dims' largest ``|value|`` (any layer) over steps, per setting:
         anywhere (solid) and at the first token (dashed)."""
-        peak = self.layers.groupby(["setting", "seed", "step"], sort=False)[["dims_max", "first_max"]].max()
+        peak = self.per_layer.groupby(["setting", "seed", "step"], sort=False)[["dims_max", "first_max"]].max()
         ax = curve_axes(peak.reset_index(), y=("dims_max", "first_max"), by="setting", ax=ax,
                         title=f"{self.model_name}: formerly massive dims (solid: anywhere, dashed: first token)")
         ax.set_yscale("log")
@@ -236,15 +243,15 @@ def retrofit(
     cfg = TrainConfig(steps=steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1, weight_decay=0.0)
     budget = dict(tokens_per_step=batch_size * seq_len, steps=steps, runs=len(parsed) * len(seeds))
     curves: list[dict] = []
-    layers: list[dict] = []
+    per_layer: list[dict] = []
     finals: list[dict] = []
     t_start = time.perf_counter()
 
     def snapshot() -> Retrofit:
         done = dict(budget, wall_s=round(time.perf_counter() - t_start))
-        result = Retrofit(getattr(model.cfg, "model_name", "model"), pd.DataFrame(curves), pd.DataFrame(layers),
+        result = Retrofit(getattr(model.cfg, "model_name", "model"), pd.DataFrame(curves), pd.DataFrame(per_layer),
                           pd.DataFrame(finals, columns=["setting", "seed", "steps", *FINALS]), supers, dims, done)
-        if out_dir is not None and curves and layers:
+        if out_dir is not None and curves and per_layer:
             _write(result, Path(out_dir))
         return result
 
@@ -266,7 +273,7 @@ def retrofit(
                     val, rows = tracked_eval(hf, eval_tokens, dims, lm_loss)
                     curves.append(dict(setting=setting.name, seed=seed, step=step, tokens=step * batch_size * seq_len,
                                        loss=step_loss, val_loss=val, seconds=time.perf_counter() - t0))
-                    layers += [dict(setting=setting.name, seed=seed, step=step, **r) for r in rows]
+                    per_layer += [dict(setting=setting.name, seed=seed, step=step, **r) for r in rows]
                     if progress:
                         log.info("%s seed %d step %d: train %.3f held-out %.3f, traced max %.1f (%.0fs)",
                                  setting.name, seed, step, step_loss, val, max(r["dims_max"] for r in rows),
@@ -326,7 +333,7 @@ def _write(result: Retrofit, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     result.save(out / "result", overwrite=True)
     result.curves.to_csv(out / "curves.csv", index=False)
-    result.layers.to_csv(out / "layers.csv", index=False)
+    result.per_layer.to_csv(out / "per_layer.csv", index=False)
     result.to_frame().to_csv(out / "summary.csv", index=False)
     (out / "summary.txt").write_text(result.summary() + "\n")
     for name, draw in (("loss", result.plot), ("activations", result.plot_activations)):

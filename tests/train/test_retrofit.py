@@ -142,7 +142,7 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
                           eval_every=3, eval_seqs=2, out_dir=tmp_path, progress=False, models=models,
                           save_models=tmp_path / "models")
     assert result.dims == [SINK_DIM] and BIRTH in set(result.super_weights.neuron)
-    start = result.layers[result.layers.step == 0].groupby("setting").dims_max.max()
+    start = result.per_layer[result.per_layer.step == 0].groupby("setting").dims_max.max()
     assert start["softmax-kept"] > 1000 > 10 * start["softmax1-removed"]  # removal took the planted value away
     frame = result.to_frame().set_index("setting")
     assert (frame.val_loss < frame.val_loss_start).all()  # every setting learns
@@ -154,7 +154,7 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
     assert variant_of(saved) == "kv_bias"
     loaded = load(tmp_path / "result")
     assert isinstance(loaded, Retrofit) and loaded.summary() == result.summary()
-    parts = [Retrofit(result.model_name, *(f[f.setting == s] for f in (result.curves, result.layers, result.finals)),
+    parts = [Retrofit(result.model_name, *(f[f.setting == s] for f in (result.curves, result.per_layer, result.finals)),
                       result.super_weights, result.dims, result.budget) for s in result.curves.setting.unique()]
     pd.testing.assert_frame_equal(Retrofit.merge(*parts).to_frame(), result.to_frame())
     with pytest.raises(MassiveLensError):
@@ -173,7 +173,7 @@ def test_default_model_few_steps(default_model, tmp_path):
     # stay large at other positions: docs/retrofit.md measures about 2,000 there)
     untouched_first = find_massive(default_model, "The history of the city begins here.").by_dim()
     untouched_first = float(untouched_first[untouched_first.pos == 0].value.abs().max())
-    first = result.layers[result.layers.step == 0].first_max.max()
+    first = result.per_layer[result.per_layer.step == 0].first_max.max()
     assert first < 0.1 * untouched_first, (first, untouched_first)
     assert (frame.val_loss < frame.val_loss_start).all()
 
@@ -243,3 +243,18 @@ def test_retrofit_checks_length_against_context_and_data(tmp_path):
         with pytest.raises(MassiveLensError, match=message):
             retrofit(model, ["softmax-kept"], steps=1, batch_size=1, eval_data=TEXT, progress=False,
                      measure=False, **{"data": TEXT, **kwargs})
+
+
+def test_a_result_saved_before_per_layer_was_named_loads():
+    """The committed runs behind docs/retrofit.md were saved with the per-layer table named
+    ``layers``; they load with it as ``per_layer`` and merge with new results."""
+    from pathlib import Path
+
+    saved = sorted((Path(__file__).resolve().parents[2] / "docs" / "retrofit" / "seeds").glob("*/result"))
+    if not saved:
+        pytest.skip("no committed retrofit runs")
+    old = load(saved[0])
+    assert {"layer", "dims_max", "first_max"} <= set(old.per_layer.columns) and len(old.per_layer)
+    merged = Retrofit.merge(old, old)
+    assert len(merged.per_layer) == 2 * len(old.per_layer)
+    assert merged.to_frame()[["setting", "seed"]].values.tolist() == old.to_frame()[["setting", "seed"]].values.tolist()
