@@ -15,7 +15,8 @@ TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py test
 TL3_SELECT ?= -m "not real" -k "not plain_transformers"
 
 # make test runs the test files on this many processes (pytest-xdist; each file stays in one process, so a
-# module's fixtures load once). Each process may hold a real model: keep it at 2 on a 24 GiB machine.
+# module's fixtures load once; tests/conftest.py gives each its share of the cores). Each process may
+# hold a real model: keep it at 2 on a 24 GiB machine.
 TEST_WORKERS ?= 2
 # The quick loop (make check, tests/conftest.py's --quick): tiny llama models only; the other families,
 # the real models, torchrun, the notebooks, the browser, the docs, the architecture matrix and the
@@ -51,10 +52,10 @@ test: $(STAMP)
 
 check: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest tests -q -x --quick
+	$(BIN)/python -m pytest tests -q -x --quick -n $(TEST_WORKERS) --dist loadfile
 
 test-tl3: $(STAMP_TL3)
-	$(VENV_TL3)/bin/python -m pytest $(TL3_SELECT) $(TL3_TESTS)
+	$(VENV_TL3)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(TL3_SELECT) $(TL3_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks --write docs/benchmarks.md

@@ -29,12 +29,14 @@ QUICK_SKIPPED_MODULES = {  # minutes each on 2 cores: whole reports, training ru
     "test_notebooks", "test_browser", "test_matrix", "test_architectures", "test_docs", "test_docs_examples",
     "test_distributed", "test_real_models", "test_report", "test_compare", "test_cli_train", "test_evaluate",
     "test_interrupt", "test_vit", "test_plots"}
+QUICK_SKIPPED_MARKERS = ("slow", "real", "dist", "heavy")
+QUICK_SKIPPED_FIXTURES = {"planted_report", "story_report"}  # whole reports: tens of seconds each
 
 
 def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true",
-                     help="the development loop (make check): tiny llama models only; no slow, real or dist tests, "
-                          "notebooks, browser, docs build or architecture matrix")
+                     help="the development loop (make check): tiny llama models only; no slow, real, dist or heavy "
+                          "tests, whole reports, notebooks, browser, docs build or architecture matrix")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,7 +48,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         quick = (item.module.__name__.rsplit(".", 1)[-1] not in QUICK_SKIPPED_MODULES
-                 and not any(item.get_closest_marker(m) for m in ("slow", "real", "dist"))
+                 and not any(item.get_closest_marker(m) for m in QUICK_SKIPPED_MARKERS)
+                 and not QUICK_SKIPPED_FIXTURES & set(getattr(item, "fixturenames", ()))
                  and not others & {v for v in params.values() if isinstance(v, str)})
         (keep if quick else drop).append(item)
     items[:] = keep

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from examples import StandInSAE
 from helpers import untouched
 
 import massive_lens
@@ -46,6 +47,7 @@ from massive_lens import (
     trace_origin,
 )
 from massive_lens.cli import main
+from massive_lens.handover import exclusion_mask, massive_dims, precision_check, read_dims, sae_check
 from massive_lens.interventions import (
     calibrate,
     fix_sink_term,
@@ -103,6 +105,9 @@ def files(tmp_path_factory) -> Path:
     _hf_model().save_pretrained(folder / "tiny")
     byte_tokenizer().save_pretrained(folder / "tiny")
     (folder / "not_a_model.gguf").write_bytes(b"not a gguf file at all" * 4)
+    (folder / "other.json").write_text('{"schema": "something else"}')
+    (folder / "broken.json").write_text("{not json")
+    (folder / "partial.json").write_text('{"schema": "massive_lens.massive_dims", "version": 1, "details": [{}]}')
     return folder
 
 
@@ -164,8 +169,16 @@ def _with_cache_at(path: Path) -> None:
             os.environ["MASSIVE_LENS_CACHE"] = old
 
 
-def row(model: str, call: Any, expected: str, name: str) -> Any:
-    return pytest.param(model, call, expected, id=name)
+def _sae(d_in: int = 64, hook: str = "blocks.1.hook_resid_post", **changes: Any) -> Any:
+    """A stand-in SAE (encode, decode, cfg as sae-lens has them) with ``changes`` to its attributes."""
+    sae = StandInSAE(d_in, hook)
+    for name, value in changes.items():
+        setattr(sae.cfg if name in ("d_in", "hook_name") else sae, name, value)
+    return sae
+
+
+def row(model: str, call: Any, expected: str, name: str, heavy: bool = False) -> Any:
+    return pytest.param(model, call, expected, id=name, marks=[pytest.mark.heavy] if heavy else [])
 
 
 CASES = [
@@ -378,7 +391,7 @@ CASES = [
     row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "parquet")), "not a readable Parquet",
         "load-truncated-parquet"),
     row("tiny", lambda m, d: massive_lens.load(_oversized_run(d)), "does not match its stored weights",
-        "load-train-run-asking-for-a-larger-model"),
+        "load-train-run-asking-for-a-larger-model", heavy=True),
     row("tiny", lambda m, d: run_interventions(m, CORPUS, seq_len=16, n_seqs=2, progress=False, calibration=calibrate(
         tiny_model("llama", num_hidden_layers=2), "Some calibration text. " * 8, progress=False)),
         "was measured on a model", "run_interventions-calibration-of-another-model"),
@@ -395,6 +408,49 @@ CASES = [
         "tiny_model-heads-not-dividing-width"),
     row("tiny", lambda m, d: tiny_model("llama", num_key_value_heads=3), "not a multiple of num_key_value_heads",
         "tiny_model-kv-heads-not-dividing"),
+    # --- issue 25's hand-over functions: masks, massive dims, the half-precision check, the SAE check
+    row("tiny", lambda m, d: exclusion_mask(m, "Hello.", levels=("tertiary",)), "levels must be sink levels",
+        "exclusion_mask-unknown-level"),
+    row("tiny", lambda m, d: exclusion_mask(m, "Hello.", levels="nope"), "levels must be sink levels",
+        "exclusion_mask-level-string"),
+    row("tiny", lambda m, d: exclusion_mask(m, "Hello.", outliers="drop"), "outliers must be one of",
+        "exclusion_mask-outliers-drop"),
+    row("tiny", lambda m, d: exclusion_mask(m, ""), "empty text", "exclusion_mask-empty-text"),
+    *[row("tiny", lambda m, d, bad=bad: massive_dims(m, CORPUS, seq_len=16, n_seqs=2, persistence=bad),
+          "persistence is the share of layers", f"massive_dims-persistence-{bad}")
+      for bad in (0, 1.5, -0.25, float("nan"), True)],
+    row("tiny", lambda m, d: read_dims(d / "other.json"), "is not a massive_lens.massive_dims file",
+        "read_dims-other-schema"),
+    row("tiny", lambda m, d: read_dims(d / "broken.json"), "cannot read", "read_dims-broken-json"),
+    row("tiny", lambda m, d: read_dims(d / "missing.json"), "cannot read", "read_dims-missing-file"),
+    row("tiny", lambda m, d: read_dims(d / "partial.json"), "missing or malformed field", "read_dims-partial"),
+    row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, dtypes=("float8",)), "float8",
+        "precision_check-float8"),
+    row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, dtypes=("float16", "float16")),
+        "each dtype once", "precision_check-dtype-twice"),
+    row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, dtypes=()), "each dtype once",
+        "precision_check-no-dtypes"),
+    row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, tolerance=-1), "tolerance is",
+        "precision_check-tolerance-negative"),
+    row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, tolerance=float("nan")),
+        "tolerance is", "precision_check-tolerance-nan"),
+    row("tiny", lambda m, d: precision_check(tiny_model("llama").to(torch.bfloat16, print_details=False), CORPUS,
+                                             seq_len=16, n_seqs=2), "measures in float32",
+        "precision_check-bfloat16-model"),
+    row("tiny", lambda m, d: sae_check(m, m.cfg, CORPUS, seq_len=16, n_seqs=2), "no encode/decode",
+        "sae_check-not-an-sae"),
+    row("tiny", lambda m, d: sae_check(m, _sae(hook_name=None), CORPUS, seq_len=16, n_seqs=2),
+        "sae.cfg.metadata.hook_name", "sae_check-no-hook-name"),
+    row("tiny", lambda m, d: sae_check(m, _sae(hook="blocks.7.hook_resid_post"), CORPUS, seq_len=16, n_seqs=2),
+        "has no hook 'blocks.7.hook_resid_post', which the SAE reads", "sae_check-hook-missing"),
+    row("tiny", lambda m, d: sae_check(m, _sae(d_in=32), CORPUS, seq_len=16, n_seqs=2), "the SAE takes d_in=32",
+        "sae_check-d_in-mismatch"),
+    row("tiny", lambda m, d: sae_check(m, _sae(d_in="64"), CORPUS, seq_len=16, n_seqs=2), "cfg.d_in",
+        "sae_check-d_in-not-an-int"),
+    row("tiny", lambda m, d: sae_check(m, _sae(scale=float("nan")), CORPUS, seq_len=16, n_seqs=2),
+        "reconstruction of blocks.1.hook_resid_post (sequence 0) holds NaN or inf", "sae_check-nan-reconstruction"),
+    row("tiny", lambda m, d: sae_check(m, _sae(decode=lambda z: z), CORPUS, seq_len=16, n_seqs=2), "has shape",
+        "sae_check-reconstruction-of-another-shape"),
 ]
 
 

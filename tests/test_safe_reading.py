@@ -73,6 +73,7 @@ def test_the_payload_runs_when_unpickled(tmp_path):
     assert sentinel.read_text() == "code ran"
 
 
+@pytest.mark.heavy
 def test_a_pickled_checkpoint_runs_nothing_in_any_reader(tmp_path, evil):
     write, _ = evil
     write(tmp_path / "run" / LEGACY)

@@ -132,6 +132,7 @@ def test_bad_settings_and_variants():
                  eval_data=TEXT, progress=False, measure=False)
 
 
+@pytest.mark.heavy
 def test_smoke_removal_swap_and_loss_falls(tmp_path):
     model = tiny_model("llama")
     plant_sink(model)
