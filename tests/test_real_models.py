@@ -22,9 +22,13 @@ from massive_lens import (
     scan_corpus,
     trace_origin,
 )
+from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import ablate_massive
 from massive_lens.models.offline import find_offline
+from massive_lens.report.render import Section
+from massive_lens.report.sections import Inputs, massive_section
+from massive_lens.report.write import settings_for
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]  # `-m "not slow"` skips them in a quick run; CI runs them
 
@@ -83,6 +87,42 @@ def test_found_values_match_plain_transformers(real_model, found):
     assert not rows.empty
     for row in rows.itertuples():
         assert row.value == pytest.approx(float(hidden[row.layer + 1][0, row.pos, row.dim]), rel=1e-3)
+
+
+def test_the_reports_first_screen_names_the_headline(real_model, found):
+    """Issue 26's first screen on each real model: the report's massive-activation section names
+    the headline activation (the largest token-specific value), its layer and its value; the
+    headline figure shows that layer; outlier dimensions are listed apart, below. The headline
+    is checked against the wrapped HF model's hidden states, not against find_massive itself."""
+    inputs = Inputs(real_model, TEXT, WIKITEXT_TEST, settings_for(True, seq_len=32, scan_seqs=2))
+    section = Section("Massive activations")
+    massive_section(inputs, section)
+    top = found.headline
+    token = found.by_dim().query("scope == 'token'")
+    assert top is not None and top.scope == "token" and abs(top.value) == token.value.abs().max()
+    tokens = ModelView(real_model).tokenize(TEXT).tokens
+    with torch.no_grad():
+        hidden = real_model.original_model(tokens, output_hidden_states=True).hidden_states
+    last = real_model.cfg.n_layers - 1  # HF's last hidden state is after the final norm
+    column = torch.stack([hidden[layer + 1][0, top.pos, top.dim] for layer in range(last)]).abs()
+    assert float(column.max()) <= abs(top.value) * (1 + 1e-3)
+    if top.peak_layer < last:
+        assert int(column.argmax()) == top.peak_layer
+        assert float(column[top.peak_layer]) == pytest.approx(abs(top.value), rel=1e-3)
+    first = next(text for kind, text, _ in section.blocks if kind == "pre")
+    assert f"the largest is {num(top.value)} (dim {top.dim} at" in first and f"at layer {top.peak_layer}" in first
+    figure = next(caption for kind, _, caption in section.blocks if kind == "figure")
+    assert figure.startswith(f"activation landscape at layer {top.peak_layer} (the layer of the headline "
+                             f"activation: dim {top.dim} at")
+    tables = [caption for kind, _, caption in section.blocks if kind == "table"]
+    assert tables[0].startswith("token-specific massive (position, dim) pairs")
+    if not found.outlier_dims().empty:
+        assert tables[1].startswith("outlier dimensions, listed apart")
+        lines = first.splitlines()
+        apart = next(i for i, line in enumerate(lines) if line.startswith("outlier dimensions ("))
+        token_lines = [i for i, line in enumerate(lines) if "x median)" in line]
+        assert token_lines and max(token_lines) < apart  # grouped below every token-specific line
+        assert all("an outlier dimension" in line or "more outlier" in line for line in lines[apart + 1:])
 
 
 def test_ledger_reconstructs_the_residual(trace):
