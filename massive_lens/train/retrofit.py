@@ -30,6 +30,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,66 @@ def retrofit(
             a model without a Hugging Face model inside, or nothing to remove.
     """
     parsed = [parse_setting(s) for s in settings]
+    _check_sizes(model, parsed, seeds, steps, batch_size, seq_len, eval_every, eval_seqs)
+    tokenizer = model.tokenizer
+    bos = start_token(tokenizer)
+    train, held = _streams(tokenizer, seq_len, data, eval_data)
+    eval_tokens = sample_batch(held, eval_seqs, seq_len, bos, seed=12345, step=0)
+    probe = sample_batch(train, 1, min(seq_len, 64), bos, seed=999, step=0)
+    supers, dims = _removal(model, probe, any(p.remove for p in parsed))
+    sink_kv = sink_keys_values(model, probe)
+    cfg = TrainConfig(steps=steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1, weight_decay=0.0)
+    runs = _Runs(getattr(model.cfg, "model_name", "model"), supers, dims, out_dir,
+                 dict(tokens_per_step=batch_size * seq_len, steps=steps, runs=len(parsed) * len(seeds)))
+    for seed in seeds:
+        for setting in parsed:
+            hf, handles = _starting_copy(model, setting, seed, sink_kv, supers, dims)
+            try:
+                _fine_tune(hf, setting, seed, cfg, runs, partial(sample_batch, train, batch_size, seq_len, bos, seed),
+                           eval_tokens, eval_every, progress)
+            finally:
+                for h in handles:
+                    h.remove()
+            if measure:
+                runs.finals.append(dict(setting=setting.name, seed=seed, steps=steps,
+                                        **_final(hf, tokenizer, eval_tokens, dims, setting.hold, supers)))
+            if models is not None:
+                models[f"{setting.name}/seed{seed}"] = hf
+            if save_models is not None:
+                save_retrofitted(hf, Path(save_models) / f"{setting.name}_seed{seed}",
+                                 dict(setting=setting.name, seed=seed, steps=steps, dims=dims,
+                                      hold_start=int(supers.layer.min()) if setting.hold else None), tokenizer)
+            del hf
+            runs.snapshot()
+    return runs.snapshot()
+
+
+@dataclass
+class _Runs:
+    """What the runs have measured so far; :meth:`snapshot` builds the result (and writes it)."""
+
+    model_name: str
+    supers: pd.DataFrame
+    dims: list[int]
+    out_dir: str | os.PathLike | None
+    budget: dict[str, Any]
+    curves: list[dict] = field(default_factory=list)
+    per_layer: list[dict] = field(default_factory=list)
+    finals: list[dict] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+    def snapshot(self) -> Retrofit:
+        done = dict(self.budget, wall_s=round(time.perf_counter() - self.started))
+        result = Retrofit(self.model_name, pd.DataFrame(self.curves), pd.DataFrame(self.per_layer),
+                          pd.DataFrame(self.finals, columns=["setting", "seed", "steps", *FINALS]), self.supers,
+                          self.dims, done)
+        if self.out_dir is not None and self.curves and self.per_layer:
+            _write(result, Path(self.out_dir))
+        return result
+
+
+def _check_sizes(model: Any, parsed: list, seeds: Sequence[int], steps: int, batch_size: int, seq_len: int,
+                 eval_every: int, eval_seqs: int) -> None:
     if min(steps, batch_size, eval_every, eval_seqs) < 1 or not parsed or not list(seeds):
         raise MassiveLensError("steps, batch_size, eval_every and eval_seqs must be >= 1 and settings and seeds "
                                "non-empty")
@@ -228,75 +289,55 @@ def retrofit(
     if seq_len < 2 or (n_ctx is not None and seq_len > n_ctx):
         raise MassiveLensError(f"seq_len {seq_len} must be at least 2 (BOS and one token to predict) and at most "
                                f"the model's context ({n_ctx})")
-    tokenizer = model.tokenizer
-    bos = start_token(tokenizer)
+
+
+def _streams(tokenizer: Any, seq_len: int, data: str | None, eval_data: str | None) -> tuple[Any, Any]:
+    """The training and held-out token streams, each at least one sequence long."""
     train = token_stream(data or data_file("wikitext-2/valid.txt"), tokenizer)
     held = token_stream(eval_data or data_file("wikitext-2/test.txt"), tokenizer)
     for what, stream in (("training data", train), ("held-out data", held)):
         if len(stream) < seq_len:
             raise MassiveLensError(f"the {what} holds {len(stream)} tokens, fewer than one sequence of {seq_len}: "
                                    "give a longer text or a smaller seq_len")
-    eval_tokens = sample_batch(held, eval_seqs, seq_len, bos, seed=12345, step=0)
-    probe = sample_batch(train, 1, min(seq_len, 64), bos, seed=999, step=0)
-    supers, dims = _removal(model, probe, any(p.remove for p in parsed))
-    sink_k, sink_v = sink_keys_values(model, probe)
-    cfg = TrainConfig(steps=steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1, weight_decay=0.0)
-    budget = dict(tokens_per_step=batch_size * seq_len, steps=steps, runs=len(parsed) * len(seeds))
-    curves: list[dict] = []
-    per_layer: list[dict] = []
-    finals: list[dict] = []
-    t_start = time.perf_counter()
+    return train, held
 
-    def snapshot() -> Retrofit:
-        done = dict(budget, wall_s=round(time.perf_counter() - t_start))
-        result = Retrofit(getattr(model.cfg, "model_name", "model"), pd.DataFrame(curves), pd.DataFrame(per_layer),
-                          pd.DataFrame(finals, columns=["setting", "seed", "steps", *FINALS]), supers, dims, done)
-        if out_dir is not None and curves and per_layer:
-            _write(result, Path(out_dir))
-        return result
 
-    for seed in seeds:
-        for setting in parsed:
-            hf = swap_attention(plain_copy(model), setting.variant)
-            if setting.variant in ("kv_bias", "k_bias"):
-                init_slots(hf, sink_k, sink_v)
-            seed_slots(hf, seed)
-            handles = []
-            if setting.remove:
-                zero_super_weights(hf, supers)
-                if setting.hold:
-                    handles = hold_dims(hf, dims, int(supers.layer.min()))
-            optimizer = make_optimizer(hf, cfg)
-            t0, step_loss = time.perf_counter(), float("nan")
-            for step in range(steps + 1):
-                if step % eval_every == 0 or step == steps:
-                    val, rows = tracked_eval(hf, eval_tokens, dims, lm_loss)
-                    curves.append(dict(setting=setting.name, seed=seed, step=step, tokens=step * batch_size * seq_len,
-                                       loss=step_loss, val_loss=val, seconds=time.perf_counter() - t0))
-                    per_layer += [dict(setting=setting.name, seed=seed, step=step, **r) for r in rows]
-                    if progress:
-                        log.info("%s seed %d step %d: train %.3f held-out %.3f, traced max %.1f (%.0fs)",
-                                 setting.name, seed, step, step_loss, val, max(r["dims_max"] for r in rows),
-                                 time.perf_counter() - t0)
-                    snapshot()
-                if step == steps:
-                    break
-                batch = sample_batch(train, batch_size, seq_len, bos, seed, step)
-                step_loss = _train_step(hf, optimizer, cfg, step, batch)
-            for h in handles:
-                h.remove()
-            if measure:
-                finals.append(dict(setting=setting.name, seed=seed, steps=steps,
-                                   **_final(hf, tokenizer, eval_tokens, dims, setting.hold, supers)))
-            if models is not None:
-                models[f"{setting.name}/seed{seed}"] = hf
-            if save_models is not None:
-                save_retrofitted(hf, Path(save_models) / f"{setting.name}_seed{seed}",
-                                 dict(setting=setting.name, seed=seed, steps=steps, dims=dims,
-                                      hold_start=int(supers.layer.min()) if setting.hold else None), tokenizer)
-            del hf, optimizer
-            snapshot()
-    return snapshot()
+def _starting_copy(model: Any, setting: Any, seed: int, sink_kv: tuple, supers: pd.DataFrame,
+                   dims: list[int]) -> tuple[Any, list]:
+    """A fresh Hugging Face copy in the setting's variant: slots initialised and seeded, super
+    weights zeroed where the setting removes them, and the hooks that hold the dims."""
+    hf = swap_attention(plain_copy(model), setting.variant)
+    if setting.variant in ("kv_bias", "k_bias"):
+        init_slots(hf, *sink_kv)
+    seed_slots(hf, seed)
+    handles = []
+    if setting.remove:
+        zero_super_weights(hf, supers)
+        if setting.hold:
+            handles = hold_dims(hf, dims, int(supers.layer.min()))
+    return hf, handles
+
+
+def _fine_tune(hf: Any, setting: Any, seed: int, cfg: TrainConfig, runs: _Runs, batch_at: Any,
+               eval_tokens: torch.Tensor, eval_every: int, progress: bool) -> None:
+    """``cfg.steps`` optimizer steps on ``batch_at(step)``, evaluated every ``eval_every`` steps
+    (step 0 and the last always) into ``runs``."""
+    optimizer = make_optimizer(hf, cfg)
+    t0, step_loss = time.perf_counter(), float("nan")
+    for step in range(cfg.steps + 1):
+        if step % eval_every == 0 or step == cfg.steps:
+            val, rows = tracked_eval(hf, eval_tokens, runs.dims, lm_loss)
+            tokens = step * runs.budget["tokens_per_step"]
+            runs.curves.append(dict(setting=setting.name, seed=seed, step=step, tokens=tokens, loss=step_loss,
+                                    val_loss=val, seconds=time.perf_counter() - t0))
+            runs.per_layer += [dict(setting=setting.name, seed=seed, step=step, **r) for r in rows]
+            if progress:
+                log.info("%s seed %d step %d: train %.3f held-out %.3f, traced max %.1f (%.0fs)", setting.name,
+                         seed, step, step_loss, val, max(r["dims_max"] for r in rows), time.perf_counter() - t0)
+            runs.snapshot()
+        if step == cfg.steps:
+            break
+        step_loss = _train_step(hf, optimizer, cfg, step, batch_at(step))
 
 
 def _removal(model: Any, probe: torch.Tensor, needed: bool) -> tuple[pd.DataFrame, list[int]]:
