@@ -28,13 +28,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="default,qwen2.5-coder-1.5b")
     parser.add_argument("--n-seqs", type=int, default=8)
+    parser.add_argument("--table-only", action="store_true", help="print the table of the CSVs already written")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in args.models.split(","):
+    for name in [] if args.table_only else args.models.split(","):
         model = load_model(name)
         for seq_len in LENGTHS:
             table = run_interventions(model, str(DATA / "test.txt"), calibration=str(DATA / "valid.txt"),
-                                      settings=SETTINGS, seq_len=seq_len, n_seqs=args.n_seqs,
+                                      settings=["original", *SETTINGS], seq_len=seq_len, n_seqs=args.n_seqs,
                                       calibration_seqs=args.n_seqs, progress=False)
             frame = table.to_frame().assign(model=table.model_name, seq_len=seq_len)
             frame.to_csv(OUT / f"{name}_{seq_len}.csv", index=False)
@@ -45,9 +46,10 @@ def main() -> None:
     print("|---|---|---|" + "---|" * len(SETTINGS))
     for (model, seq_len), group in rows.groupby(["model", "seq_len"], sort=False):
         by = group.set_index("setting")
+        original = float(by.at[SETTINGS[0], "perplexity"] / by.at[SETTINGS[0], "ratio"])  # the ratios' baseline
         cells = [f"x{by.at[s, 'ratio']:.3g} [{by.at[s, 'ratio_low']:.3g}, {by.at[s, 'ratio_high']:.3g}]"
                  for s in SETTINGS]
-        print(f"| {model} | {seq_len} | {by.at['original', 'perplexity']:.2f} | " + " | ".join(cells) + " |")
+        print(f"| {model} | {seq_len} | {original:.2f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
