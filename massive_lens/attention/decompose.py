@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -28,6 +27,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, SinkSet, post_attention_norm, sink_mask, sink_term
+from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_content_axes
 from massive_lens.core.results import Result
@@ -163,12 +163,10 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
     mask, source = found.mask, found.source
     keep = batch.mask & ~mask
     weights = {layer: output_weights(view, layer) for layer in layers}
-    stash: dict[tuple[str, int], Tensor] = {}
     out: dict[str, list] = {"sink": [], "content": [], "bias": [], "stats": [], "errors": []}
 
-    def split(layer: int) -> None:
+    def split(layer: int, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
         W_O, b_O = weights[layer]
-        pattern, v, attn_out = (stash.pop((key, layer)) for key in ("pattern", "v", "out"))
         _check_shapes(view, layer, pattern, v, W_O, attn_out)
         device = attn_out.device
         stash_keys = mask.to(device)
@@ -188,12 +186,11 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
         out["content"].append(content.cpu())
         out["bias"].append(bias.cpu())
 
-    hooks = []
-    for i in layers:  # the three fire in any order (some bridges fire the pattern after the output)
-        for key, name in (("pattern", "attn.hook_pattern"), ("v", "attn.hook_v"), ("out", _output_hook(view, i))):
-            hooks.append((view.hook_name(i, name), partial(_put, stash=stash, key=(key, i), ready=split)))
+    gather = LayerGather(("pattern", "v", "out"), split)  # they fire in any order (some bridges: pattern last)
+    hooks = [(view.hook_name(i, name), gather.hook(key, i)) for i in layers
+             for key, name in (("pattern", "attn.hook_pattern"), ("v", "attn.hook_v"), ("out", _output_hook(view, i)))]
     view.forward(batch, hooks, stop_after=view.hook_name(max(layers), "resid_post"))
-    missed = sorted({layer for _, layer in stash} | (set(layers) - {layer for layer, _ in out["errors"]}))
+    missed = sorted(set(gather.pending) | (set(layers) - set(gather.done)))
     if missed:
         raise MassiveLensError(f"{view.name}: the pattern, value and output hooks of attention layer {missed[0]} did "
                                "not all fire; decompose_attention cannot split that layer")
@@ -204,15 +201,6 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
         frame=frame, errors=pd.DataFrame(out["errors"], columns=["layer", "rel_error"]), layers=layers,
         sink=torch.stack(out["sink"]), content=torch.stack(out["content"]), bias=torch.stack(out["bias"]),
         sink_mask=mask, sink_source=source, model_name=view.name, sinks=found, post_norm=post_attention_norm(model))
-
-
-def _put(act: Tensor, hook: Any, *, stash: dict[tuple[str, int], Tensor], key: tuple[str, int],
-         ready: Any) -> None:
-    """Keep one of a layer's pattern/value/output; the third to arrive runs ``ready(layer)``."""
-    stash[key] = act
-    layer = key[1]
-    if all((k, layer) in stash for k in ("pattern", "v", "out")):
-        ready(layer)
 
 
 # relative error of sink + content + b_O above which a decomposition is refused, by dtype

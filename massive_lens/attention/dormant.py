@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -31,6 +30,7 @@ from torch import Tensor
 
 from massive_lens.attention.decompose import output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
+from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
@@ -133,11 +133,10 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     queries = (batch.mask & ~sink & (sink.long().cumsum(1) > 0)).float()
     real = batch.mask.float()
     weights = {layer: output_weights(view, layer)[0] for layer in range(view.n_layers)}
-    stash: dict[tuple[str, int], Tensor] = {}
     rows: list[Tensor] = []
 
-    def ready(layer: int) -> None:
-        pattern, z = (stash.pop((key, layer)).detach().float() for key in ("pattern", "z"))
+    def ready(layer: int, *acts: Tensor) -> None:
+        pattern, z = (act.detach().float() for act in acts)
         q, r, s = queries.to(z.device), real.to(z.device), sink.to(z.device).float()
         mass = torch.einsum("bhqk,bk,bq->bh", pattern, s, q) / q.sum(1, keepdim=True).clamp(min=1)
         out = torch.einsum("bqhd,hdm->bqhm", z, weights[layer].to(z)).norm(dim=-1)  # [b q h]
@@ -147,10 +146,9 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
         rows.append(torch.stack([b.flatten().float(), torch.full((b.numel(),), float(layer)), h.flatten().float(),
                                  mass.flatten().cpu(), out.flatten().cpu(), ratio.flatten().cpu()], 1))
 
-    hooks = []
-    for layer in range(view.n_layers):
-        for key, name in (("pattern", "attn.hook_pattern"), ("z", "attn.hook_z")):
-            hooks.append((view.hook_name(layer, name), partial(_put, stash=stash, key=(key, layer), ready=ready)))
+    gather = LayerGather(("pattern", "z"), ready)
+    hooks = [(view.hook_name(layer, name), gather.hook(key, layer)) for layer in range(view.n_layers)
+             for key, name in (("pattern", "attn.hook_pattern"), ("z", "attn.hook_z"))]
     view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
     if len(rows) != view.n_layers:
         raise MassiveLensError(f"{view.name}: the pattern and z hooks did not fire in every layer; dormant_heads "
@@ -161,10 +159,3 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     frame["dormant"] = (frame["sink_mass"] > sink_share) & (frame["norm_ratio"] < norm_ratio)
     frame = frame.sort_values(["seq", "layer", "head"], ignore_index=True)
     return DormantHeads(frame, view.name, found.source, float(sink_share), float(norm_ratio), found)
-
-
-def _put(act: Tensor, hook: Any, *, stash: dict[tuple[str, int], Tensor], key: tuple[str, int], ready: Any) -> None:
-    """Keep a layer's pattern or z; the second to arrive runs ``ready(layer)``."""
-    stash[key] = act
-    if all((k, key[1]) in stash for k in ("pattern", "z")):
-        ready(key[1])

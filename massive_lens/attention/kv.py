@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -45,6 +44,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
+from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
@@ -200,12 +200,11 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
         raise MassiveLensError("every real position is a sink: sink_kv needs other tokens to compare with; "
                                "give a longer text")
     rotary = _rotary(view)
-    stash: dict[tuple[str, int], Tensor] = {}
     rows: list[list[Any]] = []
     bands: list[list[Any]] = []
 
-    def ready(layer: int) -> None:
-        q, k, v, pattern = (stash.pop((key, layer)).detach() for key in ("q", "k", "v", "pattern"))
+    def ready(layer: int, *acts: Tensor) -> None:
+        q, k, v, pattern = (act.detach() for act in acts)
         if q.ndim != 4 or k.ndim != 4 or q.shape[2] % k.shape[2]:
             raise MassiveLensError(f"{view.name}: layer {layer} has q {tuple(q.shape)}, k {tuple(k.shape)}; sink_kv "
                                    "needs [batch, pos, head, d_head] with query heads a multiple of kv heads")
@@ -214,12 +213,12 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
         if rotary is not None:
             bands.extend(_band_rows(layer, q, k, r, rotary))
 
-    hooks = []
+    gather, hooks = LayerGather(("q", "k", "v", "pattern"), ready), []
     for layer in chosen:
         rot = f"blocks.{layer}.attn.hook_rot_q" in view.hook_names
         for key, name in (("q", "attn.hook_rot_q" if rot else "attn.hook_q"), ("k", "attn.hook_rot_k" if rot else
                           "attn.hook_k"), ("v", "attn.hook_v"), ("pattern", "attn.hook_pattern")):
-            hooks.append((view.hook_name(layer, name), partial(_put, stash=stash, key=(key, layer), ready=ready)))
+            hooks.append((view.hook_name(layer, name), gather.hook(key, layer)))
     view.forward(batch, hooks, stop_after=view.hook_name(max(chosen), "resid_post"))
     frame = pd.DataFrame(rows, columns=COLUMNS)
     if sorted(set(frame["layer"])) != chosen:
@@ -229,10 +228,3 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     band_frame = pd.DataFrame(bands, columns=BAND_COLUMNS)
     band_frame[["layer", "head", "band"]] = band_frame[["layer", "head", "band"]].astype(int)
     return SinkKV(frame, band_frame, view.name, found.source, rotary is not None, found)
-
-
-def _put(act: Tensor, hook: Any, *, stash: dict[tuple[str, int], Tensor], key: tuple[str, int], ready: Any) -> None:
-    """Keep one of a layer's q/k/v/pattern; the fourth to arrive runs ``ready(layer)``."""
-    stash[key] = act
-    if all((k, key[1]) in stash for k in ("q", "k", "v", "pattern")):
-        ready(key[1])
