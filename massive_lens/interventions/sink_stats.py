@@ -12,6 +12,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from massive_lens.attention.sinks import sink_term
+from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions.access import attention_access
 
@@ -24,7 +25,6 @@ def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mas
     access = attention_access(model)
     sums: dict[tuple[str, int], Tensor] = {}
     counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
-    held: dict[tuple[str, int], Tensor] = {}
 
     def add(key: str, layer: int, value: Tensor) -> None:
         value = value.double().cpu()
@@ -32,31 +32,33 @@ def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mas
 
     def on_act(act: Tensor, hook: Any, layer: int, kind: str, sinks: Tensor) -> None:
         sinks = sinks.to(act.device)
-        queries = (~sinks).double()
         if kind == "pattern":
-            add("mass", layer, torch.einsum("bhqk,bk,bq->h", act.double(), sinks.double(), queries))
-        elif kind in ("k", "v"):
+            add("mass", layer, torch.einsum("bhqk,bk,bq->h", act.double(), sinks.double(), (~sinks).double()))
+        else:
             add(kind, layer, torch.einsum("bkhd,bk->hd", act.double(), sinks.double()))
-        if kind in ("pattern", "v"):
-            held[kind, layer] = act
-        if ("pattern", layer) in held and ("v", layer) in held:
-            term = sink_term(held.pop(("pattern", layer)), held.pop(("v", layer)), sinks)
-            add("z", layer, torch.einsum("bqhd,bq->hd", term.double(), queries))
+
+    def on_term(layer: int, pattern: Tensor, v: Tensor, sinks: Tensor) -> None:
+        sinks = sinks.to(v.device)
+        term = sink_term(pattern, v, sinks)
+        add("z", layer, torch.einsum("bqhd,bq->hd", term.double(), (~sinks).double()))
 
     for start, chunk in chunks:
         sinks = mask[start:start + len(chunk)]
         counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
-        hooks = []
+        hooks, term = [], LayerGather(("pattern", "v"), partial(on_term, sinks=sinks))  # the two in any order
         for layer in attn_layers:
             a = access[layer]
             per_head = a.per_head("v")  # else (latent attention) neither keys nor values are per head
             reads = {"pattern": "pattern" if a.fires("pattern") else None,
                      "v": "v" if per_head else None, "k": a.key_hook if per_head else None}
-            hooks += [(view.hook_name(layer, f"attn.hook_{hook}"), partial(on_act, layer=layer, kind=kind, sinks=sinks))
-                      for kind, hook in reads.items() if hook is not None]
+            for kind, hook in reads.items():
+                if hook is not None:
+                    name = view.hook_name(layer, f"attn.hook_{hook}")
+                    hooks.append((name, partial(on_act, layer=layer, kind=kind, sinks=sinks)))
+                    if kind in term.keys:
+                        hooks.append((name, term.hook(kind, layer)))
         if hooks:
             view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(attn_layers[-1], "resid_post"))
-        held.clear()
         bar.update()
     scale = {"z": counts[0], "mass": counts[0], "k": counts[1], "v": counts[1]}
     widest: dict[str, tuple[int, ...]] = {}
