@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from types import SimpleNamespace
 
+import torch
 from planting import plant_sink
 
 import massive_lens
@@ -26,7 +28,7 @@ from massive_lens.attention.census import sink_census
 from massive_lens.attention.dormant import dormant_heads
 from massive_lens.attention.kv import sink_kv
 from massive_lens.core.results import Result
-from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check
+from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check, sae_check
 from massive_lens.quantize import lowbit_grid
 from massive_lens.train import compare_variants, retrofit, train_model
 from massive_lens.train.layers import MassiveLMConfig
@@ -34,8 +36,8 @@ from massive_lens.train.model import MassiveLM
 
 RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace", "SinkAttention",
                 "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
-                "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus",
-                "SinkKV", "DormantHeads", "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck"]
+                "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
+                "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -82,7 +84,24 @@ def result_examples() -> dict[str, object]:
         "NormThresholds": norm_thresholds(_planted(), TEXT, seq_len=16, n_seqs=2),
         "MassiveDims": massive_dims(_planted(), TEXT, seq_len=16, n_seqs=2),
         "PrecisionCheck": precision_check(_planted(), TEXT, seq_len=16, n_seqs=2),
+        "SAECheck": sae_check(_planted(), StandInSAE(64), TEXT, seq_len=16, n_seqs=2),
     }
+
+
+class StandInSAE:
+    """What ``sae_check`` reads of a SAELens SAE (``encode``, ``decode``, ``cfg``), without sae-lens:
+    ``d_sae = 2 * d_in`` latents (``relu(x)`` and ``relu(-x)``) decoded to ``scale * x``."""
+
+    def __init__(self, d_in: int, hook: str = "blocks.1.hook_resid_post", scale: float = 0.9):
+        self.cfg = SimpleNamespace(d_in=d_in, hook_name=hook)
+        self.scale = scale
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, -x], -1).relu()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        d = self.cfg.d_in
+        return self.scale * (z[..., :d] - z[..., d:])
 
 
 def _planted():

@@ -1,6 +1,7 @@
 """massive_lens.handover: exclusion masks, norm thresholds, massive dims (JSON) and the
 half-precision check, on planted tiny models with known answers, and on the default model
-(``slow``)."""
+(``slow``). Their bad-input rows are in ``test_bad_inputs.py``'s table; ``sae_check`` is in
+``test_sae.py`` (it needs sae-lens)."""
 
 from __future__ import annotations
 
@@ -109,18 +110,6 @@ def test_token_ids_drop_an_id_that_is_kept_somewhere():
     assert ex.token_ids() == [1] and ex.token_ids(every=False) == [1, 7]
 
 
-@pytest.mark.parametrize("kwargs, words", [(dict(levels=("tertiary",)), "levels"), (dict(outliers="drop"), "outliers"),
-                                           (dict(levels="nope"), "levels")])
-def test_mask_bad_arguments(brief, kwargs, words):
-    with pytest.raises(MassiveLensError, match=words):
-        exclusion_mask(brief, "Hello.", **kwargs)
-
-
-def test_mask_refuses_empty_text(brief):
-    with pytest.raises(MassiveLensError, match="empty"):
-        exclusion_mask(brief, "")
-
-
 def test_top_level_export():
     assert massive_lens.exclusion_mask is exclusion_mask and "exclusion_mask" in massive_lens.__all__
 
@@ -175,18 +164,6 @@ def test_massive_dims_json_reads_with_the_standard_library_alone(brief, tmp_path
     back = read_dims(path)
     pd.testing.assert_frame_equal(back.to_frame(), found.to_frame())
     assert back.dims == found.dims and back.summary() == found.summary()
-
-
-def test_massive_dims_bad_input(brief, tmp_path):
-    for bad in (0, 1.5, -0.25, float("nan"), True):
-        with pytest.raises(MassiveLensError, match="persistence"):
-            massive_dims(brief, TEXT, seq_len=32, n_seqs=2, persistence=bad)
-    (tmp_path / "other.json").write_text('{"schema": "something else"}')
-    (tmp_path / "broken.json").write_text("{not json")
-    (tmp_path / "partial.json").write_text('{"schema": "massive_lens.massive_dims", "version": 1, "details": [{}]}')
-    for name in ("other.json", "broken.json", "missing.json", "partial.json"):
-        with pytest.raises(MassiveLensError, match="massive"):
-            read_dims(tmp_path / name)
 
 
 # --------------------------------------------------------------------------- precision_check
@@ -268,21 +245,6 @@ def test_cast_puts_back_the_same_tensors():
         assert next(model.parameters()).dtype == torch.float16
         assert all(b.dtype == torch.float16 for b in model.buffers() if b.is_floating_point())
     assert _state(model) == before
-
-
-@pytest.mark.parametrize("kwargs, words", [(dict(dtypes=("float8",)), "float8"),
-                                           (dict(dtypes=("float16", "float16")), "once"),
-                                           (dict(dtypes=()), "once"), (dict(tolerance=-1), "tolerance"),
-                                           (dict(tolerance=float("nan")), "tolerance")])
-def test_precision_bad_arguments(kwargs, words):
-    with pytest.raises(MassiveLensError, match=words):
-        precision_check(tiny_model("llama"), TEXT, seq_len=32, n_seqs=2, **kwargs)
-
-
-def test_precision_needs_a_float32_model():
-    model = tiny_model("llama").to(torch.bfloat16, print_details=False)
-    with pytest.raises(MassiveLensError, match="float32"):
-        precision_check(model, TEXT, seq_len=32, n_seqs=2)
 
 
 # --------------------------------------------------------------------------- the default model

@@ -11,12 +11,15 @@ overflow. This subpackage gives them the library's own definitions (``find_massi
 - :func:`norm_thresholds`: a norm-multiple threshold per layer (dictionary_learning);
 - :func:`massive_dims`: the dims to keep out of a direction, as a small JSON file;
 - :func:`precision_check`: whether float16 / bfloat16 hold the model's values, confirmed by
-  running it in each.
+  running it in each;
+- :func:`sae_check`: an SAE's reconstruction error at massive and sink positions against the
+  rest, and the latents that fire only there.
 """
 
 from massive_lens.handover.dims import MassiveDims, massive_dims, read_dims
 from massive_lens.handover.masks import ExclusionMask, NormThresholds, exclusion_mask, norm_thresholds
 from massive_lens.handover.precision import PrecisionCheck, precision_check
+from massive_lens.handover.sae import SAECheck, sae_check
 
-__all__ = ["ExclusionMask", "MassiveDims", "NormThresholds", "PrecisionCheck", "exclusion_mask", "massive_dims",
-           "norm_thresholds", "precision_check", "read_dims"]
+__all__ = ["ExclusionMask", "MassiveDims", "NormThresholds", "PrecisionCheck", "SAECheck", "exclusion_mask",
+           "massive_dims", "norm_thresholds", "precision_check", "read_dims", "sae_check"]
