@@ -29,6 +29,7 @@ from massive_lens.attention.dormant import dormant_heads
 from massive_lens.attention.kv import sink_kv
 from massive_lens.core.results import Result
 from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check, sae_check
+from massive_lens.interventions import head_curve
 from massive_lens.quantize import lowbit_grid
 from massive_lens.train import compare_variants, retrofit, train_model
 from massive_lens.train.layers import MassiveLMConfig
@@ -37,7 +38,7 @@ from massive_lens.train.model import MassiveLM
 RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace", "SinkAttention",
                 "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
-                "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck"]
+                "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -85,6 +86,7 @@ def result_examples() -> dict[str, object]:
         "MassiveDims": massive_dims(_planted(), TEXT, seq_len=16, n_seqs=2),
         "PrecisionCheck": precision_check(_planted(), TEXT, seq_len=16, n_seqs=2),
         "SAECheck": sae_check(_planted(), StandInSAE(64), TEXT, seq_len=16, n_seqs=2),
+        "HeadCurve": head_curve(model, TEXT, calibration=TEXT[::-1], shares=(0.25,), draws=2, seq_len=16, n_seqs=2),
     }
 
 

@@ -23,13 +23,14 @@ from massive_lens.interventions.builders import (
 )
 from massive_lens.interventions.calibration import Calibration, calibrate
 from massive_lens.interventions.checks import REBUILT
+from massive_lens.interventions.head_curve import HeadCurve, head_curve
 from massive_lens.interventions.heads import zero_dormant_heads
 from massive_lens.interventions.intervention import Intervention
 from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS, InterventionSetting, register
 from massive_lens.interventions.table import InterventionTable, run_interventions
 
 __all__ = [
-    "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "Intervention", "InterventionSetting",
-    "InterventionTable", "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term", "observe",
+    "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "HeadCurve", "Intervention", "InterventionSetting",
+    "InterventionTable", "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term", "head_curve", "observe",
     "patch_sink_from", "register", "remove_sink_attention", "run_interventions", "zero_dormant_heads",
 ]

@@ -1,0 +1,163 @@
+"""Perplexity against the share of heads zeroed: the most dormant heads first, against random
+heads (Sandoval-Segura et al. 2025: zeroing more than 4% of the heads, the dormant ones, keeps
+accuracy; Guo et al. 2024).
+
+The heads are ranked once on calibration text (:func:`~massive_lens.interventions.heads.ranked_heads`
+over :func:`~massive_lens.attention.dormant.dormant_heads`), never on the evaluation text. Each
+share zeroes the first ``round(share * n_heads)`` heads of that ranking, and of ``draws``
+random orders (one per seed; a draw's heads at a larger share include its heads at a smaller
+one). Every point is a perplexity ratio against the untouched model on the same sequences: the
+dormant-first point with a paired 95% bootstrap interval over sequences, the random points
+with the mean and a 95% interval over draws (t distribution).
+
+>>> from massive_lens import tiny_model
+>>> text = "The cat sat on the mat. " * 40
+>>> curve = head_curve(tiny_model("llama"), text, calibration="A dog ran in the park. " * 40,
+...                    shares=(0.25,), draws=2, seq_len=16, n_seqs=2)
+>>> curve.to_frame()[["order", "draw", "n_heads"]].values.tolist()
+[['dormant', 0, 4], ['random', 0, 4], ['random', 1, 4]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from massive_lens.attention.dormant import dormant_heads
+from massive_lens.core.corpora import default_text, sequences
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.results import Result
+from massive_lens.errors import MassiveLensError
+from massive_lens.interventions.heads import ranked_heads, zero_dormant_heads
+from massive_lens.metrics import bootstrap_mean, perplexity
+
+SHARES = (0.02, 0.04, 0.08, 0.16, 0.32)
+T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by dof
+
+
+@dataclass(frozen=True)
+class HeadCurve(Result):
+    """Results of :func:`head_curve`. ``frame``: one row per (order, draw, share): ``order``
+    (``dormant`` or ``random``), ``draw``, ``share``, ``n_heads``, ``perplexity``, ``ratio`` (to
+    the untouched model), ``ratio_low``/``ratio_high`` (the dormant rows: paired 95% bootstrap
+    over sequences; NaN for the random rows, whose interval is over draws, see :meth:`curve`),
+    ``heads`` (the zeroed heads, ``layer.head``)."""
+
+    frame: pd.DataFrame
+    baseline: float
+    model_name: str
+    source: str
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def curve(self) -> pd.DataFrame:
+        """Per (order, share): ``n_heads``, ``ratio`` (random: the mean over draws) and its 95%
+        interval (dormant: over sequences; random: over draws)."""
+        rows = []
+        for (order, share), g in self.frame.groupby(["order", "share"], sort=False):
+            if order == "dormant" or len(g) == 1:
+                low, high = float(g.ratio_low.iloc[0]), float(g.ratio_high.iloc[0])
+                rows.append(dict(order=order, share=share, n_heads=int(g.n_heads.iloc[0]),
+                                 ratio=float(g.ratio.iloc[0]), low=low, high=high, draws=len(g)))
+                continue
+            mean, sd = float(g.ratio.mean()), float(g.ratio.std(ddof=1))
+            half = T_95.get(len(g) - 1, 1.96) * sd / math.sqrt(len(g))
+            rows.append(dict(order=order, share=share, n_heads=int(g.n_heads.iloc[0]), ratio=mean, low=mean - half,
+                             high=mean + half, draws=len(g)))
+        return pd.DataFrame(rows)
+
+    def summary(self) -> str:
+        curve = self.curve()
+        lines = [f"{self.model_name}: perplexity ratio with a share of heads zeroed (untouched perplexity "
+                 f"{self.baseline:.2f}; {self.source})"]
+        for share, g in curve.groupby("share", sort=True):
+            parts = []
+            for r in g.itertuples():
+                what = "dormant-first" if r.order == "dormant" else f"random ({r.draws} draws)"
+                parts.append(f"{what} x{r.ratio:.3g} [{r.low:.3g}, {r.high:.3g}]")
+            lines.append(f"  {share:.0%} of heads ({int(g.n_heads.iloc[0])}): " + "; ".join(parts))
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None) -> Any:
+        """Ratio against the share of heads zeroed, dormant-first and random, with intervals."""
+        ax = ax or plt.subplots(figsize=(6, 4))[1]
+        for order, g in self.curve().groupby("order", sort=False):
+            label = "dormant heads first" if order == "dormant" else f"random heads (mean of {g.draws.max()} draws)"
+            ax.plot(g.share * 100, g.ratio, marker="o", label=label)
+            ax.fill_between(g.share * 100, g.low, g.high, alpha=0.2)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("heads zeroed (% of all heads)")
+        ax.set_ylabel("perplexity ratio to the untouched model")
+        ax.set_title(f"{self.model_name}: zeroing heads")
+        ax.legend(frameon=False, fontsize=8)
+        return ax
+
+
+def head_curve(model: Any, corpus: Any = None, *, calibration: Any = None, shares: Sequence[float] = SHARES,
+               draws: int = 5, seq_len: int = 128, n_seqs: int = 8, calibration_seqs: int = 4) -> HeadCurve:
+    """Perplexity with a growing share of heads zeroed, most dormant first against random heads.
+
+    Args:
+        model: a TransformerLens-style model.
+        corpus: the evaluation text (a file, text, token tensor; None: the offline default text).
+        calibration: the text the dormant heads are ranked on (None: the ``calibration_seqs``
+            sequences of ``corpus`` after the evaluation ones); use other text than ``corpus``.
+        shares: shares of all heads to zero, each in (0, 1] (default :data:`SHARES`).
+        draws: random orders (seeds 0 to ``draws - 1``), at least 1.
+        seq_len: tokens per sequence (evaluation and calibration).
+        n_seqs: evaluation sequences.
+        calibration_seqs: calibration sequences.
+
+    Returns:
+        A :class:`HeadCurve`.
+
+    Raises:
+        MassiveLensError: for an empty ``shares``, a share outside (0, 1], ``draws`` below 1, or
+            an unusable model or corpus (see :func:`~massive_lens.perplexity`).
+    """
+    shares = sorted({float(s) for s in shares})
+    if not shares or not 0 < shares[0] <= shares[-1] <= 1 or draws < 1:
+        raise MassiveLensError(f"shares must be non-empty and in (0, 1], draws >= 1; got {shares}, {draws}")
+    view = ModelView(model)
+    if calibration is None:  # the sequences after the evaluation ones (disjoint text), as the report does
+        both = sequences(view, default_text() if corpus is None else corpus, seq_len, n_seqs + calibration_seqs)
+        tokens, calib = both[:n_seqs], both[n_seqs:]
+        if len(calib) == 0:
+            raise MassiveLensError(f"the corpus gives {len(both)} sequences of {seq_len} tokens, none left to rank "
+                                   "the heads on after the evaluation ones; give more text or pass calibration=")
+    else:
+        tokens = sequences(view, corpus, seq_len, n_seqs)
+        calib = sequences(view, calibration, seq_len, calibration_seqs)
+    if tokens.shape == calib.shape and bool(torch.equal(tokens, calib)):
+        raise MassiveLensError("the calibration text gives the same sequences as the evaluation text: rank the "
+                               "heads on other text (calibration=)")
+    ranked = ranked_heads(dormant_heads(model, calib))
+    base = perplexity(model, tokens, progress=False)
+    rows = []
+
+    def point(order: str, draw: int, share: float, heads: list[tuple[int, int]]) -> None:
+        run = perplexity(model, tokens, hooks=zero_dormant_heads(model, heads=heads), progress=False)
+        diff = run.per_seq - base.per_seq
+        low, high = bootstrap_mean(diff) if order == "dormant" else (math.nan, math.nan)
+        rows.append(dict(order=order, draw=draw, share=share, n_heads=len(heads), perplexity=run.perplexity,
+                         ratio=math.exp(float(diff.mean())), ratio_low=math.exp(low), ratio_high=math.exp(high),
+                         heads=" ".join(f"{layer}.{head}" for layer, head in sorted(heads))))
+
+    n_all = len(ranked)
+    for share in shares:
+        k = max(1, round(share * n_all))
+        point("dormant", 0, share, ranked[:k])
+        for draw in range(draws):
+            order = torch.randperm(n_all, generator=torch.Generator().manual_seed(draw)).tolist()
+            point("random", draw, share, [ranked[i] for i in order[:k]])
+    frame = pd.DataFrame(rows).sort_values(["share", "order", "draw"], ignore_index=True)
+    source = (f"{len(tokens)} sequences of {tokens.shape[1]} tokens; heads ranked on {len(calib)} calibration "
+              f"sequences")
+    return HeadCurve(frame, base.perplexity, view.name, source)

@@ -1,0 +1,56 @@
+"""head_curve on the planted dormant heads of test_dormant: zeroing exactly the planted heads
+(dormant-first) leaves perplexity where it was, zeroing as many random heads does not."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import untouched
+from test_census import N_LAYERS, TEXTS, _tokens
+from test_dormant import plant_dormant
+
+from massive_lens import tiny_model
+from massive_lens.errors import MassiveLensError
+from massive_lens.interventions import head_curve
+
+OTHER = ["The river ran past the old mill and into the town.", "A bird sang in the tall tree near the school.",
+         "The market opened early and the bakers sold bread.", "Snow fell on the hills through the long night."]
+
+
+@pytest.fixture(scope="module")
+def planted():
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS)
+    return model, plant_dormant(model)
+
+
+def test_dormant_first_zeroes_the_planted_heads_and_keeps_perplexity(planted):
+    model, expected = planted
+    n_heads = N_LAYERS * model.cfg.n_heads
+    with untouched(model):
+        curve = head_curve(model, _tokens(model, TEXTS), calibration=_tokens(model, OTHER),
+                           shares=(len(expected) / n_heads,), draws=3)
+    frame = curve.to_frame()
+    dormant = frame[frame.order == "dormant"].iloc[0]
+    assert dormant.heads == " ".join(f"{layer}.{head}" for layer, head in expected)
+    assert dormant.ratio == pytest.approx(1.0, abs=0.01)
+    random = frame[frame.order == "random"]
+    assert len(random) == 3 and (random.n_heads == len(expected)).all()
+    assert abs(random.ratio - 1).mean() > 5 * abs(dormant.ratio - 1)
+    curve_rows = curve.curve()
+    assert set(curve_rows.order) == {"dormant", "random"} and (curve_rows.low <= curve_rows.high).all()
+    assert f"{len(expected)})" in curve.summary() and "random (3 draws)" in curve.summary()
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    (dict(shares=()), "shares must be non-empty"), (dict(shares=(1.5,)), "in \\(0, 1\\]"),
+    (dict(draws=0), "draws >= 1"),
+])
+def test_bad_options_are_refused(planted, options, expected):
+    model, _ = planted
+    with pytest.raises(MassiveLensError, match=expected):
+        head_curve(model, _tokens(model, TEXTS), calibration=_tokens(model, OTHER), **options)
+
+
+def test_the_same_text_for_ranking_and_evaluation_is_refused(planted):
+    model, _ = planted
+    with pytest.raises(MassiveLensError, match="rank the heads on other text"):
+        head_curve(model, _tokens(model, TEXTS), calibration=_tokens(model, TEXTS))
