@@ -11,7 +11,7 @@ STAMP_TL3 := $(VENV_TL3)/.installed
 # What it runs: the core tests on tiny models and the default model, which is a HookedTransformer there
 # (a few minutes; the notebooks, browser, architecture-matrix and real-Qwen tests run in the main
 # environment only, and so do the checks of a bridge's Hugging Face model against plain transformers).
-TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py tests/test_origin.py
+TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py tests/test_origin.py tests/test_sae.py
 TL3_SELECT ?= -m "not real" -k "not plain_transformers"
 
 # make test runs the test files on this many processes (pytest-xdist; each file stays in one process, so a
