@@ -37,7 +37,7 @@ def test_dormant_first_zeroes_the_planted_heads_and_keeps_perplexity(planted):
     assert abs(random.ratio - 1).mean() > 5 * abs(dormant.ratio - 1)
     curve_rows = curve.curve()
     assert set(curve_rows.order) == {"dormant", "random"} and (curve_rows.low <= curve_rows.high).all()
-    assert f"{len(expected)})" in curve.summary() and "random (3 draws)" in curve.summary()
+    assert f"{len(expected)})" in curve.summary() and "random (3 draws, geometric mean)" in curve.summary()
 
 
 @pytest.mark.parametrize(("options", "expected"), [

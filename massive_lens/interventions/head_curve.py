@@ -8,7 +8,7 @@ share zeroes the first ``round(share * n_heads)`` heads of that ranking, and of 
 random orders (one per seed; a draw's heads at a larger share include its heads at a smaller
 one). Every point is a perplexity ratio against the untouched model on the same sequences: the
 dormant-first point with a paired 95% bootstrap interval over sequences, the random points
-with the mean and a 95% interval over draws (t distribution).
+with the geometric mean and a 95% interval over draws (t distribution on the log ratios).
 
 >>> from massive_lens import tiny_model
 >>> text = "The cat sat on the mat. " * 40
@@ -58,8 +58,9 @@ class HeadCurve(Result):
         return self.frame.copy()
 
     def curve(self) -> pd.DataFrame:
-        """Per (order, share): ``n_heads``, ``ratio`` (random: the mean over draws) and its 95%
-        interval (dormant: over sequences; random: over draws)."""
+        """Per (order, share): ``n_heads``, ``ratio`` (random: the geometric mean over draws) and its
+        95% interval (dormant: paired bootstrap over sequences; random: t interval over draws, on the
+        log ratios)."""
         rows = []
         for (order, share), g in self.frame.groupby(["order", "share"], sort=False):
             if order == "dormant" or len(g) == 1:
@@ -67,10 +68,10 @@ class HeadCurve(Result):
                 rows.append(dict(order=order, share=share, n_heads=int(g.n_heads.iloc[0]),
                                  ratio=float(g.ratio.iloc[0]), low=low, high=high, draws=len(g)))
                 continue
-            mean, sd = float(g.ratio.mean()), float(g.ratio.std(ddof=1))
-            half = T_95.get(len(g) - 1, 1.96) * sd / math.sqrt(len(g))
-            rows.append(dict(order=order, share=share, n_heads=int(g.n_heads.iloc[0]), ratio=mean, low=mean - half,
-                             high=mean + half, draws=len(g)))
+            logs = g.ratio.map(math.log)  # ratios are heavy-tailed: the interval is taken on their logs
+            mean, half = float(logs.mean()), T_95.get(len(g) - 1, 1.96) * float(logs.std(ddof=1)) / math.sqrt(len(g))
+            rows.append(dict(order=order, share=share, n_heads=int(g.n_heads.iloc[0]), ratio=math.exp(mean),
+                             low=math.exp(mean - half), high=math.exp(mean + half), draws=len(g)))
         return pd.DataFrame(rows)
 
     def summary(self) -> str:
@@ -80,7 +81,7 @@ class HeadCurve(Result):
         for share, g in curve.groupby("share", sort=True):
             parts = []
             for r in g.itertuples():
-                what = "dormant-first" if r.order == "dormant" else f"random ({r.draws} draws)"
+                what = "dormant-first" if r.order == "dormant" else f"random ({r.draws} draws, geometric mean)"
                 parts.append(f"{what} x{r.ratio:.3g} [{r.low:.3g}, {r.high:.3g}]")
             lines.append(f"  {share:.0%} of heads ({int(g.n_heads.iloc[0])}): " + "; ".join(parts))
         return "\n".join(lines)
@@ -89,10 +90,11 @@ class HeadCurve(Result):
         """Ratio against the share of heads zeroed, dormant-first and random, with intervals."""
         ax = ax or plt.subplots(figsize=(6, 4))[1]
         for order, g in self.curve().groupby("order", sort=False):
-            label = "dormant heads first" if order == "dormant" else f"random heads (mean of {g.draws.max()} draws)"
+            label = "dormant heads first" if order == "dormant" else f"random heads ({g.draws.max()} draws)"
             ax.plot(g.share * 100, g.ratio, marker="o", label=label)
             ax.fill_between(g.share * 100, g.low, g.high, alpha=0.2)
         ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")
         ax.set_xlabel("heads zeroed (% of all heads)")
         ax.set_ylabel("perplexity ratio to the untouched model")
         ax.set_title(f"{self.model_name}: zeroing heads")
