@@ -285,7 +285,7 @@ def bias_surgery(model: Any, *, calibration: Any = None, suppress: bool = True, 
     def per_layer(view: ModelView, layer: int, state: HookState) -> list:
         query = access[layer].query_hook
         d_head = access[layer].shapes[query][-1]
-        scale = float(getattr(getattr(model.blocks[layer].attn, "original_component", None), "scaling",
+        scale = float(getattr(getattr(view.blocks[layer].attn, "original_component", None), "scaling",
                               d_head ** -0.5))
         return [(view.hook_name(layer, "attn.hook_attn_scores"), partial(stash, state=state, key="scores")),
                 (view.hook_name(layer, f"attn.hook_{query}"), partial(stash, state=state, key="q")),
