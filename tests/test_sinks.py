@@ -204,3 +204,19 @@ def test_default_model_sinks(default_model):
         found = find_sinks(default_model, texts)
     assert found.mask[:, 0].all() and found.by_attention[:, 0].all() and found.by_massive[:, 0].all()
     assert set(found.kind_counts) <= {"bos", "first", "delimiter"}
+
+
+def test_a_sink_set_keeps_the_result_contract():
+    """SinkSet is public (find_sinks, table.sinks): it summarizes, draws and tabulates."""
+    import matplotlib.axes
+    import torch
+
+    from massive_lens.attention.sinks import SinkSet
+
+    s = SinkSet(torch.tensor([[True, False, True], [True, False, False]]), torch.tensor([[0, 3, 2], [0, 3, 3]]),
+                "given")
+    assert s.summary() == "sinks (given): 1-2 per sequence (mean 1.5): bos 2, delimiter 1"
+    ax = s.plot()
+    assert isinstance(ax, matplotlib.axes.Axes) and [p.get_height() for p in ax.patches] == [2, 1]
+    assert s.to_frame()[["seq", "pos", "token_kind"]].values.tolist() == [[0, 0, "bos"], [0, 2, "delimiter"],
+                                                                         [1, 0, "bos"]]

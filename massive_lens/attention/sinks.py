@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
@@ -89,6 +90,18 @@ class SinkSet:
         low, high = int(n.min()), int(n.max())
         count = f"{low} per sequence" if low == high else f"{low}-{high} per sequence (mean {float(n.mean()):.3g})"
         return f"{count}: {self.kinds_text}"
+
+    def summary(self) -> str:
+        """What the sinks are and how they were chosen, in one line (as results summarize)."""
+        return f"sinks ({self.source}): {self.describe()}"
+
+    def plot(self, ax: Any = None) -> Any:
+        """Sink positions per token kind (a bar each)."""
+        ax = ax or plt.subplots(figsize=(5, 3))[1]
+        counts = self.kind_counts
+        ax.bar(list(counts), list(counts.values()))
+        ax.set(xlabel="token kind", ylabel="sink positions", title=f"sinks: {self.source}")
+        return ax
 
     def to_frame(self) -> pd.DataFrame:
         """One row per sink: ``seq``, ``pos``, ``token_kind``, ``by_attention``, ``by_massive``."""
