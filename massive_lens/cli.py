@@ -7,6 +7,7 @@
     massive-lens trace --verify            # where the massive activations are born
     massive-lens intervene --corpus test.txt --calibration valid.txt
     massive-lens precision                 # does the model hold in float16 / bfloat16? (measured, then run)
+    massive-lens sinks --corpus test.txt --out-dir sinks   # census, keys and values, dormant heads
     massive-lens train smoke runs/smoke steps=50 lr=3e-4     # one run (also under torchrun)
     massive-lens train-compare --variants softmax,softmax1 --preset smoke
 """
@@ -21,8 +22,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from massive_lens.attention import dormant_heads, sink_census, sink_kv
+from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion
-from massive_lens.core.outputs import check_out_file
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.outputs import check_out_dir, check_out_file
 from massive_lens.detect import find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover import precision_check
@@ -30,6 +34,7 @@ from massive_lens.interventions import run_interventions
 from massive_lens.models.load import load_model
 from massive_lens.origin import trace_origin
 from massive_lens.report import compare_models, write_report
+from massive_lens.report.sections import SKIPPABLE
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
 from massive_lens.train.compare import compare_main
 from massive_lens.train.data import TOKENIZERS, write_token_file
@@ -103,6 +108,23 @@ def cmd_precision(args: argparse.Namespace) -> None:
     print(check.summary())
 
 
+SINK_ANALYSES = {"census": sink_census, "kv": sink_kv, "dormant": dormant_heads}
+
+
+def cmd_sinks(args: argparse.Namespace) -> None:
+    chosen = [name.strip() for name in args.only.split(",") if name.strip()]
+    if not chosen or set(chosen) - set(SINK_ANALYSES):
+        raise MassiveLensError(f"--only takes some of {','.join(SINK_ANALYSES)}, got {args.only!r}")
+    folder = check_out_dir(args.out_dir) if args.out_dir else None  # before the model loads
+    model = _load(args)
+    text = args.text if args.corpus is None else sequences(ModelView(model), args.corpus, args.seq_len, args.n_seqs)
+    for name in chosen:
+        result = SINK_ANALYSES[name](model, text)
+        print(result.summary(), end="\n\n")
+        if folder is not None:
+            print(f"wrote {result.save(folder / name, overwrite=True)}", end="\n\n")
+
+
 def cmd_train_compare(args: argparse.Namespace) -> None:
     print(compare_main(variants=args.variants, preset=args.preset, seeds=args.seeds, out_dir=args.out_dir,
                        until_step=args.until_step))
@@ -137,6 +159,7 @@ def _report_args(parser: argparse.ArgumentParser) -> None:
     add("--pos", type=int, default=None, help="trace this token position (default: the largest massive entry's)")
     add("--layer", type=int, default=None,
         help="layer of the landscape, attention and magnitude figures (default: the first massive layer)")
+    add("--skip", default=None, help="comma-separated sections to leave out: " + ",".join(SKIPPABLE))
     add("--quick", action="store_true", help="small settings: seconds on a tiny model")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     add("--no-tables", dest="tables", action="store_false", help="do not write the tables as CSV files")
@@ -183,6 +206,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "intervene": (cmd_intervene, "the paper's Table 3: perplexity under zero/mean ablation and sink interventions"),
     "precision": (cmd_precision, "whether float16 / bfloat16 hold the model's activations: measured in float32, "
                   "then confirmed by running in each"),
+    "sinks": (cmd_sinks, "the sink census (levels and lifetimes), the sink's keys and values, and dormant heads"),
     "train": (cmd_train, "train one MassiveLM from a preset (data parallel under torchrun)"),
     "train-compare": (cmd_train_compare,
                       "train small models with softmax, softmax1 and other attention variants and compare"),
@@ -201,10 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cmd = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
     corpus_help = "text file, 'hf:NAME[:CONFIG[:SPLIT]]', or omitted for the offline default text"
-    for name in ("report", "scan", "trace", "intervene", "precision"):
+    for name in ("report", "scan", "trace", "intervene", "precision", "sinks"):
         _model_args(cmd[name], several=name == "report")
         cmd[name].add_argument("--corpus", default=None, help=corpus_help)
-    for name in ("scan", "trace"):
+    for name in ("scan", "trace", "sinks"):
         cmd[name].add_argument("--text", default=EXAMPLE_TEXT, help="text to inspect token by token")
     for name in ("scan", "trace"):
         _criterion_args(cmd[name])
@@ -229,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest relative perplexity change still called safe (default 0.01)")
     prec.add_argument("--no-confirm", dest="confirm", action="store_false",
                       help="verdict from the float32 measurement alone (no run in each dtype)")
+    sinks = cmd["sinks"]
+    sinks.add_argument("--only", default=",".join(SINK_ANALYSES),
+                       help=f"comma-separated analyses (default all: {','.join(SINK_ANALYSES)})")
+    sinks.add_argument("--seq-len", type=int, default=128, help="tokens per corpus sequence (default 128)")
+    sinks.add_argument("--n-seqs", type=int, default=8, help="corpus sequences (default 8)")
+    sinks.add_argument("--out-dir", "--out", dest="out_dir", default=None,
+                       help="save each result here (massive_lens.load reads it back)")
     train = cmd["train-compare"]
     train.add_argument("--variants", default="softmax,softmax1", help="comma-separated attention variants")
     train.add_argument("--preset", default="smoke", help="smoke, cpu, gpu-small or gpu-gpt2 (default smoke)")

@@ -26,7 +26,7 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    for command in ("report", "scan", "trace", "intervene", "train-compare", "tokenize"):
+    for command in ("report", "scan", "trace", "intervene", "sinks", "precision", "train-compare", "tokenize"):
         assert command in out
 
 
@@ -53,6 +53,22 @@ def test_tokenize_writes_a_token_file_training_can_read(tmp_path, capsys):
 def test_trace(model_dir, capsys):
     assert main(["trace", "--model", model_dir, "--text", "Hello there.", "--dim", "3", "--pos", "0"]) == 0
     assert "dim 3" in capsys.readouterr().out
+
+
+def test_sinks_prints_and_saves_each_analysis(model_dir, tmp_path, capsys):
+    from massive_lens import load
+
+    out = tmp_path / "sinks"
+    assert main(["sinks", "--model", model_dir, "--corpus", "Some text. " * 200, "--seq-len", "32", "--n-seqs", "2",
+                 "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 sequence(s), sink = a head gives it > 0.3" in printed and "sink key norm" in printed
+    assert [type(load(out / name)).__name__ for name in ("census", "kv", "dormant")] == \
+        ["SinkCensus", "SinkKV", "DormantHeads"]
+    assert main(["sinks", "--model", model_dir, "--only", "kv", "--text", "Hello there."]) == 0
+    assert "sink key norm" in capsys.readouterr().out
+    assert main(["sinks", "--model", model_dir, "--only", "census,keys"]) == 2
+    assert "--only takes some of census,kv,dormant" in capsys.readouterr().err
 
 
 def test_errors_are_reported_not_raised(capsys):

@@ -11,7 +11,7 @@ from massive_lens import MassiveLensError, tiny_model
 from massive_lens.interventions import SETTINGS
 from massive_lens.report import write as rep
 
-SECTION_TITLES = [title for title, _, _ in rep.SECTIONS]
+SECTION_TITLES = [title for _, title, _, _ in rep.SECTIONS]
 
 
 def test_html_is_self_contained(planted_report):
@@ -45,10 +45,10 @@ def test_failing_section_becomes_a_note_and_later_sections_still_run(tmp_path, m
         raise MassiveLensError("this model cannot do that")
 
     monkeypatch.setattr(rep, "SECTIONS", [
-        ("Model", rep.sec.model_section, ()),
-        (rep.MASSIVE, broken, ()),  # skipped: its result is None for the sections that take it
-        ("Origin", rep.sec.origin_section, (rep.MASSIVE,)),
-        ("Attention", rep.sec.attention_section, (rep.MASSIVE,)),
+        ("model", "Model", rep.sec.model_section, ()),
+        ("massive", rep.MASSIVE, broken, ()),  # skipped: its result is None for the sections that take it
+        ("origin", "Origin", rep.sec.origin_section, (rep.MASSIVE,)),
+        ("attention", "Attention", rep.sec.attention_section, (rep.MASSIVE,)),
     ])
     path = rep.write_report(tiny_model("gpt2"), out_dir=tmp_path, quick=True, progress=False)
     md = (path.parent / "report.md").read_text()
@@ -61,7 +61,8 @@ def test_a_bug_in_a_section_is_not_hidden(tmp_path, monkeypatch):
     def buggy(inputs, section):
         import massive_lens.not_a_module  # noqa: F401
 
-    monkeypatch.setattr(rep, "SECTIONS", [("Model", rep.sec.model_section, ()), ("Buggy", buggy, ())])
+    monkeypatch.setattr(rep, "SECTIONS", [("model", "Model", rep.sec.model_section, ()),
+                                              ("buggy", "Buggy", buggy, ())])
     with pytest.raises(ImportError, match="not_a_module"):
         rep.write_report(tiny_model("gpt2"), out_dir=tmp_path, quick=True, progress=False)
 
@@ -113,6 +114,27 @@ def test_every_option_steers_the_report_and_the_report_names_what_it_used(tmp_pa
     assert re.search(r"the analyses added \d+ MiB, [\d.]+x the weights", md)  # a loaded model was given
     assert "seq_len=24, n_seqs=3, scan_seqs=5, calibration_seqs=2, verify=True, dim=4, pos=1, layer=1" in md
     assert not (path.parent / "tables").exists()
+
+
+def test_the_new_sections_say_which_sinks_and_what_half_precision_does(planted_report):
+    md = (planted_report.parent / "report.md").read_text()
+    census = md.split("## Sink census, keys, values and dormant heads")[1].split("## ")[0]
+    assert "primary sink" in census and "sink key norm" in census and "dormant = sink mass >" in census
+    assert "census level primary; secondary sinks not included" in md  # every sink table names its level
+    assert "float16: SAFE" in md and "Not run in float16 (confirm=False)" in md
+
+
+def test_skip_leaves_sections_out_and_says_so(tmp_path):
+    path = rep.write_report(tiny_model("llama"), out_dir=tmp_path / "out", quick=True, progress=False, tables=False,
+                            skip="origin, sinks,interventions")
+    md = (path.parent / "report.md").read_text()
+    for key in ("origin", "sinks", "interventions"):
+        assert f"Skipped: skip={key!r} was asked for." in md
+    assert "sink key norm" not in md and "perplexity ratio to the untouched model" not in md
+    assert "Attention sinks and the value-update decomposition" in md and "sinks = positions" in md
+    with pytest.raises(MassiveLensError, match="unknown section key.*'census'.*the keys are massive, origin"):
+        rep.write_report(tiny_model("llama"), out_dir=tmp_path / "bad", quick=True, progress=False, skip=["census"])
+    assert not (tmp_path / "bad").exists()
 
 
 def test_the_calibration_count_is_the_one_used(planted_report):

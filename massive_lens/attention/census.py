@@ -249,8 +249,8 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         A :class:`SinkCensus`.
 
     Raises:
-        MassiveLensError: if ``min_layers`` or ``batch_size`` is below 1, or the text cannot be
-            read (see ``find_sinks``).
+        MassiveLensError: if ``min_layers`` or ``batch_size`` is below 1, the model has no
+            attention pattern, or the text cannot be read (see ``find_sinks``).
 
     >>> from massive_lens import tiny_model
     >>> census = sink_census(tiny_model("llama"), "Hello there, world. " * 4)
@@ -262,6 +262,9 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     if isinstance(min_layers, bool) or not isinstance(min_layers, int) or min_layers < 1 or batch_size < 1:
         raise MassiveLensError(f"min_layers and batch_size must be integers >= 1, got {min_layers!r}, {batch_size!r}")
     view = ModelView(model)
+    if not any(f"blocks.{layer}.attn.hook_pattern" in view.hook_names for layer in range(view.n_layers)):
+        raise MassiveLensError(f"{view.name} has no attention pattern in any layer (a recurrent or state-space "
+                               "model?): sink_census reads the attention that positions draw")
     whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
     rows: list[dict[str, Any]] = []
     kind_seqs = torch.zeros(len(TOKEN_KINDS))

@@ -137,6 +137,12 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
 
     def ready(layer: int, *acts: Tensor) -> None:
         pattern, z = (act.detach().float() for act in acts)
+        heads = weights[layer].shape[0]
+        if z.ndim != 4 or tuple(z.shape[:2]) != tuple(sink.shape) or z.shape[2] != heads or pattern.shape[1] != heads:
+            raise MassiveLensError(f"{view.name}: layer {layer} has z {tuple(z.shape)}, pattern "
+                                   f"{tuple(pattern.shape)} and W_O for {heads} heads; dormant_heads needs one [batch, "
+                                   "pos, head, d_head] z and one pattern per head of W_O (multi-head latent attention "
+                                   "is not read)")
         q, r, s = queries.to(z.device), real.to(z.device), sink.to(z.device).float()
         mass = torch.einsum("bhqk,bk,bq->bh", pattern, s, q) / q.sum(1, keepdim=True).clamp(min=1)
         out = torch.einsum("bqhd,hdm->bqhm", z, weights[layer].to(z)).norm(dim=-1)  # [b q h]

@@ -205,9 +205,13 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
 
     def ready(layer: int, *acts: Tensor) -> None:
         q, k, v, pattern = (act.detach() for act in acts)
-        if q.ndim != 4 or k.ndim != 4 or q.shape[2] % k.shape[2]:
-            raise MassiveLensError(f"{view.name}: layer {layer} has q {tuple(q.shape)}, k {tuple(k.shape)}; sink_kv "
-                                   "needs [batch, pos, head, d_head] with query heads a multiple of kv heads")
+        shaped = all(t.ndim == 4 and tuple(t.shape[:2]) == tuple(sink.shape) for t in (q, k, v))
+        if not shaped or q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2] or pattern.shape[1] != q.shape[2]:
+            raise MassiveLensError(f"{view.name}: layer {layer} has q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                                   f"{tuple(v.shape)}, pattern {tuple(pattern.shape)}; sink_kv needs [batch, pos, "
+                                   "head, d_head] with query heads a multiple of the kv heads and one pattern per "
+                                   "query head (multi-head latent attention compresses its keys and values, and is "
+                                   "not read)")
         s, r = sink.to(q.device), batch.mask.to(q.device)
         rows.extend(_layer_rows(layer, q, k, v, pattern, s, r))
         if rotary is not None:

@@ -42,7 +42,10 @@ def sink_term(pattern: Float[Tensor, "batch head_index query_pos key_pos"],
                         v.repeat_interleave(group, dim=2))
 
 
-FOUND = "positions with massive activations that persist across layers, or that draw attention as sinks"
+# The sink rule's sinks are the census's primary level (``sink_census``); secondary and transient
+# sinks are never treated as sinks unless given, and every summary says so through this text.
+LEVEL = "census level primary; secondary sinks not included"
+FOUND = f"positions with massive activations that persist across layers, or that draw attention as sinks; {LEVEL}"
 
 
 @dataclass(frozen=True)

@@ -141,11 +141,13 @@ class PrecisionCheck(Result):
             mine = self.problems[self.problems["dtype"] == v.dtype]
             found = "; ".join(f"{p} at {n} site(s) in {layer_span(g['layer'])}"
                               for p, g in mine.groupby("problem", sort=False) for n in [len(g)]) or "no problems"
-            ran = (f"inf/NaN from {v.nonfinite_at}" if v.nonfinite_at else
-                   f"loss {v.loss:.4f} vs {v.loss_float32:.4f} in float32 (perplexity x{ratio(v.ppl_ratio)}, "
-                   f"top-1 agreement {v.top1_agree:.1%})")
-            lines.append(f"  {v.dtype}: {v.verdict.upper()}. Predicted: {found}. Confirmed by running in "
-                         f"{v.dtype}: {ran}." + (f" Fix: {v.fix}" if v.fix else ""))
+            ran = (f"Confirmed by running in {v.dtype}: inf/NaN from {v.nonfinite_at}." if v.nonfinite_at else
+                   f"Not run in {v.dtype} (confirm=False): the verdict rests on the float32 measurement."
+                   if math.isnan(v.loss) else
+                   f"Confirmed by running in {v.dtype}: loss {v.loss:.4f} vs {v.loss_float32:.4f} in float32 "
+                   f"(perplexity x{ratio(v.ppl_ratio)}, top-1 agreement {v.top1_agree:.1%}).")
+            lines.append(f"  {v.dtype}: {v.verdict.upper()}. Predicted: {found}. {ran}" + (f" Fix: {v.fix}" if v.fix
+                                                                                           else ""))
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:

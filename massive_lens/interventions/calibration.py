@@ -37,7 +37,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention.sinks import FOUND, SinkSet, sinks_from
+from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, sinks_from
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, massive_mask, token_specific
 from massive_lens.core.fmt import num, short
@@ -160,7 +160,7 @@ class Calibration(Result):
             found += (f"; outlier dimensions (massive at most tokens of a layer) {self.outlier_text()}, {how} "
                       "the massive dims")
         return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; sinks "
-                f"(positions that draw attention as sinks or carry persistent massive activations) {sinks}; "
+                f"(positions that draw attention as sinks or carry persistent massive activations; {LEVEL}) {sinks}; "
                 f"mean attention to the sinks after them {mass:.2f}. Online sink rule (interventions without "
                 f"sinks=): {self.online_rule()}; on this text it misses {self.online_missed} and adds "
                 f"{self.online_extra} sink positions")

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention.sinks import SinkSet, sinks_of
+from massive_lens.attention.sinks import LEVEL, SinkSet, sinks_of
 from massive_lens.core.budget import logit_batches
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import ratio as _num
@@ -102,8 +102,8 @@ class InterventionTable(Result):
         if "check" not in self.frame:
             return "\n".join(lines)
         if self.sinks is not None:
-            lines.append(f"sinks (positions that draw attention as sinks or carry persistent massive activations): "
-                         f"{self.sinks.describe()}")
+            lines.append(f"sinks (positions that draw attention as sinks or carry persistent massive activations; "
+                         f"{LEVEL}): {self.sinks.describe()}")
         calib = self.calibration
         if calib is not None and len(getattr(calib, "outlier_dims", ())):
             how = ("excluded: no setting edits them" if calib.criterion.outliers == "exclude"

@@ -89,9 +89,9 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
                    calibration: Corpus = None, out_dir: str | Path = "report", seq_len: int | None = None,
                    n_seqs: int | None = None, scan_seqs: int | None = None, calibration_seqs: int | None = None,
                    verify: bool | None = None, dim: int | None = None, pos: int | None = None,
-                   layer: int | None = None, device: str | torch.device | None = None,
-                   dtype: torch.dtype | str | None = None, quick: bool = False, progress: bool = True,
-                   tables: bool = True) -> Path:
+                   layer: int | None = None, skip: str | Sequence[str] | None = None,
+                   device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
+                   quick: bool = False, progress: bool = True, tables: bool = True) -> Path:
     """Run the report's analyses on each model and write one page comparing them side by side.
 
     The options are :func:`~massive_lens.write_report`'s, with the same names and defaults
@@ -143,9 +143,9 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     if isinstance(models, (str, Path)) or not isinstance(models, Sequence) or len(models) < 2:
         raise MassiveLensError("compare_models needs a list of two or more models or names; for one model "
                                "use write_report")
-    if verify or layer is not None:
-        raise MassiveLensError("verify and layer apply to the one-model report (write_report), not to the "
-                               "comparison page; leave them None")
+    if verify or layer is not None or skip:
+        raise MassiveLensError("verify, layer and skip apply to the one-model report (write_report), not to the "
+                               "comparison page; leave them unset")
     settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
                             calibration_seqs=calibration_seqs,
                             verify=False, dim=dim, pos=pos)

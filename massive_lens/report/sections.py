@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -37,6 +38,8 @@ from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view
 
 log = logging.getLogger(__name__)
+# The sections a report may leave out (``skip=``), by key; the model section always runs.
+SKIPPABLE = ("massive", "origin", "attention", "sinks", "interventions", "quantization")
 SECOND_TEXT = "Another text, on another topic.\nIt has two lines."
 VERIFY_SEQS = 4  # evaluation sequences the origin's causal check measures perplexity on
 
@@ -58,6 +61,8 @@ class ReportOptions:
         pos: the token position to trace (None: that of the text's largest massive entry).
         layer: the layer of the landscape, attention and magnitude figures (None: the layer
             of the headline activation, the text's largest token-specific massive value).
+        skip: keys of sections to leave out, among ``SKIPPABLE`` (a comma-separated string
+            or a sequence); a skipped section shows one line saying so.
     """
 
     seq_len: int = 128
@@ -68,8 +73,17 @@ class ReportOptions:
     dim: int | None = None
     pos: int | None = None
     layer: int | None = None
+    skip: str | Sequence[str] = ()
 
     def __post_init__(self) -> None:
+        skip = self.skip.split(",") if isinstance(self.skip, str) else self.skip
+        if not isinstance(skip, (list, tuple)) or not all(isinstance(k, str) for k in skip):
+            raise MassiveLensError(f"skip takes section keys among {SKIPPABLE}, got {self.skip!r}")
+        skip = tuple(k.strip() for k in skip if k.strip())
+        unknown = sorted(set(skip) - set(SKIPPABLE))
+        if unknown:
+            raise MassiveLensError(f"skip: unknown section key(s) {unknown}; the keys are {', '.join(SKIPPABLE)}")
+        object.__setattr__(self, "skip", skip)
         sizes = dict(seq_len=self.seq_len, n_seqs=self.n_seqs, scan_seqs=self.scan_seqs,
                      calibration_seqs=self.calibration_seqs)
         bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}

@@ -12,8 +12,13 @@ its figures under ``DIR/figures/``:
    causal check of that story;
 4. sink attention and the value-update decomposition (sink term vs content term), with
    interactive attention and magnitude views;
-5. the intervention table, judged by perplexity (run_interventions);
-6. what the outliers cost under W8A8 quantization (measure_outliers).
+5. the sink census (levels and lifetimes), the sink's key and value, dormant heads
+   (sink_census, sink_kv, dormant_heads);
+6. the intervention table, judged by perplexity (run_interventions);
+7. what the outliers cost under W8A8 quantization (measure_outliers), and whether float16 and
+   bfloat16 hold the activations (precision_check, from the float32 measurement).
+
+Any section but the model's can be left out with ``skip=`` (``--skip`` on the command line).
 
 ReportOptions are small so the default model finishes in a few minutes on 2 CPU cores;
 ``quick=True`` shrinks them further for tests on tiny models, and every size, the traced
@@ -26,6 +31,7 @@ A section that cannot run on a model is replaced by a note that says why; nothin
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -40,18 +46,20 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.models.load import load_model
 from massive_lens.report import sections as sec
 from massive_lens.report.memory import PeakMemory
-from massive_lens.report.render import render_figures, to_html, to_markdown, write_tables
+from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
+from massive_lens.report.sink_section import quantize_and_precision, sinks_section
 
 DEFAULT_TEXT = "Summer is warm. Winter is cold.\nThe cat sat on the mat, and the dog slept."
 MASSIVE = "Massive activations"
-# (title, section function, titles of the earlier sections whose results it takes)
-SECTIONS: list[tuple[str, Any, tuple[str, ...]]] = [
-    ("Model", sec.model_section, ()),
-    (MASSIVE, sec.massive_section, ()),
-    ("Origin", sec.origin_section, (MASSIVE,)),
-    ("Attention sinks and the value-update decomposition", sec.attention_section, (MASSIVE,)),
-    ("Interventions", sec.intervention_section, ()),
-    ("W8A8 quantization", sec.quantize_section, ()),
+# (key for skip=, title, section function, titles of the earlier sections whose results it takes)
+SECTIONS: list[tuple[str, str, Any, tuple[str, ...]]] = [
+    ("model", "Model", sec.model_section, ()),
+    ("massive", MASSIVE, sec.massive_section, ()),
+    ("origin", "Origin", sec.origin_section, (MASSIVE,)),
+    ("attention", "Attention sinks and the value-update decomposition", sec.attention_section, (MASSIVE,)),
+    ("sinks", "Sink census, keys, values and dormant heads", sinks_section, ()),
+    ("interventions", "Interventions", sec.intervention_section, ()),
+    ("quantization", "W8A8 quantization and half precision", quantize_and_precision, ()),
 ]
 INTRO = ("Massive activations (Sun et al., 2024): residual values above 100 and about 1,000x the "
          "median of their hidden state. This report finds them, traces where they are born, shows "
@@ -63,8 +71,9 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
                  out_dir: str | Path = "report", seq_len: int | None = None, n_seqs: int | None = None,
                  scan_seqs: int | None = None, calibration_seqs: int | None = None, verify: bool | None = None,
                  dim: int | None = None, pos: int | None = None, layer: int | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
-                 quick: bool = False, progress: bool = True, tables: bool = True) -> Path:
+                 skip: str | Sequence[str] | None = None, device: str | torch.device | None = None,
+                 dtype: torch.dtype | str | None = None, quick: bool = False, progress: bool = True,
+                 tables: bool = True) -> Path:
     """Run the analyses and write ``out_dir/index.html`` and ``out_dir/report.md``.
 
     ``massive-lens report`` takes the same options, as flags of the same names
@@ -89,6 +98,9 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         pos: the token position to trace (None: that of the largest massive entry).
         layer: the layer of the landscape, attention and magnitude figures (None: the first
             layer with a massive activation).
+        skip: sections to leave out, by key: ``"massive"``, ``"origin"``, ``"attention"``,
+            ``"sinks"``, ``"interventions"``, ``"quantization"`` (a comma-separated string or a
+            tuple); each shows one line saying it was skipped.
         device: where to load a model given by name (None: the loader's choice); for a
             loaded model it must match (:func:`~massive_lens.load_model` never moves one).
         dtype: the dtype of a model given by name (None: float32); for a loaded model
@@ -116,7 +128,8 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     ('index.html', [])
     """
     settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
-                            calibration_seqs=calibration_seqs, verify=verify, dim=dim, pos=pos, layer=layer)
+                            calibration_seqs=calibration_seqs, verify=verify, dim=dim, pos=pos, layer=layer,
+                            skip=skip)
     text = check_inputs(text, corpus, calibration)
     folder = check_out_dir(out_dir)
     given = model
@@ -127,9 +140,13 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         started = time.perf_counter()
         sections, results = [], {}
         with tqdm(total=len(SECTIONS), desc="report", disable=not progress, unit="section") as bar:
-            for title, fn, takes in SECTIONS:
+            for key, title, fn, takes in SECTIONS:
                 bar.set_postfix_str(title[:30])
-                section, results[title] = sec.run_section(title, fn, inputs, *(results.get(t) for t in takes))
+                if key in settings.skip:
+                    section, results[title] = Section(title), None
+                    section.note(f"Skipped: skip={key!r} was asked for.")
+                else:
+                    section, results[title] = sec.run_section(title, fn, inputs, *(results.get(t) for t in takes))
                 sections.append(section)
                 bar.update()
         del results
