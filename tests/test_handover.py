@@ -28,7 +28,8 @@ from massive_lens.handover import (
     read_dims,
 )
 from massive_lens.handover import precision as precision_module
-from massive_lens.handover.precision import cast, spacing
+from massive_lens.handover.mixed import cast
+from massive_lens.handover.precision import spacing
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +190,8 @@ def test_a_value_past_float16_is_predicted_and_confirmed():
     half, brain = (check.verdicts.set_index("dtype").loc[d] for d in ("float16", "bfloat16"))
     assert half.verdict == "unsafe" and half.nonfinite_at and "float32" in half.fix and "clamp" in half.fix
     assert math.isfinite(half.clamp_ppl_ratio)
+    # a residual past float16 reaches every block and the final norm: no block set in float32 fixes it
+    assert half.kept_float32 == "" and "run in float32 (keeping" in half.fix
     assert brain.verdict == "safe" and brain.overflow == 0 and not brain.nonfinite_at
     assert check.verdict("bfloat16") == "safe" and "UNSAFE" in check.summary()
 
@@ -217,6 +220,8 @@ def test_an_attention_product_past_float16_is_predicted_and_confirmed():
     assert check.peaks.query("site in ('attn.hook_q', 'attn.hook_k')").max_abs.max() < 65504
     row = check.verdicts.iloc[0]
     assert row.verdict == "unsafe" and row.nonfinite_at == "blocks.0.attn.hook_attn_scores" and "layer 0" in row.fix
+    # the fix, measured: block 0 in float32 and the rest in float16 runs, within the tolerance of float32
+    assert row.kept_float32 == "layer 0" and row.kept_ppl_ratio <= 1.01 and "measured" in row.fix
 
 
 def test_precision_check_restores_the_model_when_it_fails(monkeypatch):

@@ -31,9 +31,8 @@ run shows.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -50,6 +49,7 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
+from massive_lens.handover.mixed import block_dtype_hooks, cast
 from massive_lens.metrics import next_token_stats
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,7 +62,7 @@ SITES = (("hook_resid_pre", "residual"), ("hook_resid_mid", "residual"), ("hook_
 PROBLEMS = ("overflow", "square_overflow", "variance_overflow", "rounds_away")
 PROBLEM_COLUMNS = ["dtype", "problem", "site", "layer", "seq", "pos", "dim", "value", "limit", "count"]
 VERDICT_COLUMNS = ["dtype", "verdict", "loss_float32", "loss", "ppl_ratio", "top1_agree", "nonfinite_at", *PROBLEMS,
-                   "clamp_ppl_ratio", "fix"]
+                   "clamp_ppl_ratio", "kept_float32", "kept_ppl_ratio", "fix"]
 
 
 def spacing(value: Float[Tensor, "..."], dtype: torch.dtype) -> Float[Tensor, "..."]:
@@ -97,7 +97,9 @@ class PrecisionCheck(Result):
     (``loss_float32``, ``loss``, ``ppl_ratio``, ``top1_agree``, ``nonfinite_at``: the first hook
     that saw inf or NaN, ``""`` if none), the problem counts, ``clamp_ppl_ratio`` (float32
     perplexity with the overflowing sites clamped to the dtype's range, over the unclamped; NaN
-    when nothing overflows) and ``fix``.
+    when nothing overflows), ``kept_float32`` and ``kept_ppl_ratio`` (the blocks an unsafe,
+    confirmed verdict keeps in float32, and the perplexity ratio of that mixed run, measured; ""
+    and NaN otherwise) and ``fix``.
     ``peaks``: per site and layer, the float32 ``max_abs``, ``median`` and, at a norm's input,
     ``max_square`` and ``max_variance``.
     """
@@ -205,45 +207,6 @@ class _Peaks:
                 row[f"sq:{dtype}"] = int((sq.amax(-1) > limit).sum())
                 row[f"var:{dtype}"] = int((var > limit).sum())
         self.rows.append(row)
-
-
-@contextlib.contextmanager
-def cast(model: Any, dtype: torch.dtype) -> Iterator[None]:
-    """Run the block with ``model``'s floating parameters and buffers in ``dtype``; every one
-    is put back afterwards (the same tensors: dtype, device and bits), exceptions included.
-
-    >>> from massive_lens import tiny_model
-    >>> m = tiny_model("llama")
-    >>> with cast(m, torch.bfloat16):
-    ...     inside = next(m.parameters()).dtype
-    >>> inside, next(m.parameters()).dtype
-    (torch.bfloat16, torch.float32)
-    """
-    inner = getattr(model, "original_model", None)
-    trees = [model, *([inner] if isinstance(inner, torch.nn.Module) else [])]
-    params = list({id(p): p for tree in trees for p in tree.parameters()}.values())
-    saved = [(p, p.data) for p in params]
-    buffers = list({(id(m), name): (m, name, b) for tree in trees for m in tree.modules()
-                    for name, b in m._buffers.items() if b is not None and b.is_floating_point()}.values())
-    cfg = getattr(model, "cfg", None)
-    had_dtype = cfg is not None and hasattr(cfg, "dtype")
-    old_dtype = getattr(cfg, "dtype", None)
-    try:
-        for p in params:
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for m, name, b in buffers:
-            m._buffers[name] = b.to(dtype)
-        if had_dtype:
-            cfg.dtype = dtype
-        yield
-    finally:
-        for p, data in saved:
-            p.data = data
-        for m, name, b in buffers:
-            m._buffers[name] = b
-        if had_dtype:
-            cfg.dtype = old_dtype
 
 
 def _clamp(x: Tensor, hook: Any, *, limit: float) -> Tensor:
@@ -379,11 +342,16 @@ def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, min
     change = math.exp(loss - base) if math.isfinite(loss) else float("inf") if confirm else float("nan")
     layers = sorted({r[3] for r in mine if r[1] != "rounds_away"})
     unsafe = bool(bad) or (confirm and change > 1 + tolerance) or (not confirm and counts["overflow"] > 0)
-    fix = ""
+    fix, kept, kept_change = "", "", float("nan")
     if unsafe:
         failed = _layer_of(bad)  # where the run in the dtype first saw inf or NaN
         where = sorted({*(layers or {r[3] for r in mine}), *([failed] if failed is not None else [])})
         fix = f"keep {layer_span(where)} in float32" if where else "run in float32"
+        if confirm and where:
+            where, kept_change = _fewest_kept(view, tokens, dtype, mine, failed, where, base, tolerance)
+            kept = layer_span(where) if where else ""
+            fix = (f"keep {kept} in float32 (measured: the rest in {name}, perplexity x{ratio(kept_change)})"
+                   if where else f"run in float32 (keeping {layer_span(layers)} in float32 was not enough)")
         if failed is not None and failed not in layers:
             fix += (f" (layer {failed} overflowed inside a computation no measured site shows, e.g. the attention "
                     "scores; the float32 measurement did not predict it)")
@@ -394,4 +362,24 @@ def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, min
         fix = ("none needed: the norms' squares exceed the range, yet the run stayed finite, so this model's norms "
                f"square in a wider type; keep them so (clamping their inputs instead: perplexity x{ratio(clamp)})")
     return (name, "unsafe" if unsafe else "safe", base, loss, change, agree, bad, *(counts[p] for p in PROBLEMS),
-            clamp, fix)
+            clamp, kept, kept_change, fix)
+
+
+def _fewest_kept(view: ModelView, tokens: Tensor, dtype: torch.dtype, mine: list[tuple], failed: int | None,
+                 where: list[int], base: float, tolerance: float) -> tuple[list[int], float]:
+    """The blocks to keep in float32, measured: first only those where a value itself overflows
+    (and the one where the run failed), then every block with a problem; the first set whose
+    mixed run stays finite and within ``tolerance`` of float32, with its perplexity ratio
+    (``[]`` and the last ratio when none does)."""
+    values = sorted({r[3] for r in mine if r[1] == "overflow"} | ({failed} if failed is not None else set()))
+    change = float("inf")
+    for keep in dict.fromkeys((tuple(values), tuple(where))):
+        if not keep:
+            continue
+        with cast(view.model, dtype, keep=keep):
+            losses, _ = _run(view, tokens, block_dtype_hooks(view, dtype, keep))
+        loss = float(losses.mean())
+        change = math.exp(loss - base) if math.isfinite(loss) else float("inf")
+        if change <= 1 + tolerance:
+            return list(keep), change
+    return [], change
