@@ -55,9 +55,9 @@ def dormant_table(model, texts: dict, log) -> pd.DataFrame:
                              dormant_every=int((share == 1).sum()), dormant_any=int((share > 0).sum()),
                              dormant_half=len(sets[name, ratio]), sink_mass_median=float(f["sink_mass"].median())))
     frame = pd.DataFrame(rows)
-    frame["jaccard_vs_wikitext"] = [
-        (len(sets[r.domain, r.norm_ratio] & sets["wikitext", r.norm_ratio]) /
-         max(1, len(sets[r.domain, r.norm_ratio] | sets["wikitext", r.norm_ratio]))) for r in frame.itertuples()]
+    frame["jaccard_vs_wikitext"] = [  # NaN where neither domain has a dormant head
+        len(a & b) / len(a | b) if a | b else float("nan")
+        for r in frame.itertuples() for a, b in [(sets[r.domain, r.norm_ratio], sets["wikitext", r.norm_ratio])]]
     return frame
 
 

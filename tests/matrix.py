@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import transformers
 from helpers import untouched
+from matrix_sinks import ANALYSES as SINK_ANALYSES
 from matrix_vit import cls_trigger, images, is_vision, tiny_vit
 from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -530,6 +531,7 @@ ANALYSES: dict[str, Callable[[Built], str | None]] = {
     "sink_attention": check_sink_attention,
     **{name: functools.partial(_intervention, make=make) for name, make in INTERVENTIONS.items()},
     "perplexity": check_perplexity,
+    **SINK_ANALYSES,
 }
 
 
@@ -588,7 +590,12 @@ reconstructs the attention output; `sink_attention` against transformers' attent
 each intervention builds, runs, and leaves the model bit-identical (calibrated with
 `outliers="include"`: where a post-MLP norm or the planted neuron carries the plant to most
 tokens, its dimension is an outlier dimension, which `calibrate` leaves out by default); `perplexity` is unchanged
-under a no-op hook and equals transformers' loss. **✗ [n]**: a named limitation, the error
+under a no-op hook and equals transformers' loss; `sink_census` (at a threshold lowered to 0.1, so that random
+weights have sinks to list) lists exactly the positions that transformers' attention weights make sinks, in as
+many layers, with the same peak mass; `sink_kv` and `dormant_heads`: the attention on the sink per head against
+transformers' attention weights, and where the attention has its own `v_proj` / `o_proj`, the sink's value norm
+(and the others' median) against `v_proj`'s output and each head's output norm against `o_proj`'s input times
+that head's columns. **✗ [n]**: a named limitation, the error
 (a `MassiveLensError`) or the warning the analysis itself gives, quoted below.
 **– [n]**: not applicable to this tiny model.
 """
