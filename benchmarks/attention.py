@@ -1,5 +1,6 @@
 """Attention: intervention perplexity runs against the plain perplexity run, and
-``decompose_attention`` over all layers against one plain forward pass."""
+``decompose_attention``, ``sink_census``, ``sink_kv`` and ``dormant_heads`` over all layers
+against one plain forward pass."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Row, fit_batch, median_times
-from massive_lens.attention import decompose_attention
+from massive_lens.attention import decompose_attention, dormant_heads, sink_census, sink_kv
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import bias_surgery, calibrate, fix_sink_term
 from massive_lens.metrics import perplexity
 
 N_SEQS, SEQ_LEN = 4, 128
-INTERVENTION_GOAL, DECOMPOSE_GOAL = 1.15, 3.0
+INTERVENTION_GOAL, DECOMPOSE_GOAL, SINK_GOAL = 1.15, 3.0, 1.3
+# issue 22's analyses, each against one forward pass (sinks given, as after a census: finding them is one more pass)
+SINKS = {"sink_census": lambda model, one: sink_census(model, one),
+         "sink_kv (sinks given)": lambda model, one: sink_kv(model, one, sinks=[0]),
+         "dormant_heads (sinks given)": lambda model, one: dormant_heads(model, one, sinks=[0])}
 
 
 def rows(model: Any, tokens: torch.Tensor, repeats: int = 3) -> list[Row]:
@@ -36,6 +41,8 @@ def rows(model: Any, tokens: torch.Tensor, repeats: int = 3) -> list[Row]:
     runs["forward"] = forward
     runs["decompose, sinks given"] = lambda: decompose_attention(model, one, sinks=[0])
     runs["decompose, sinks found by find_massive"] = lambda: decompose_attention(model, one)
+    for name, call in SINKS.items():
+        runs[name] = lambda call=call: call(model, one)
     seconds = median_times(runs, repeats)
     out = [Row("attention", f"intervention perplexity run ({name}) / plain perplexity run",
                seconds[name] / seconds["plain"], INTERVENTION_GOAL,
@@ -44,6 +51,10 @@ def rows(model: Any, tokens: torch.Tensor, repeats: int = 3) -> list[Row]:
     for name in ("decompose, sinks given", "decompose, sinks found by find_massive"):
         out.append(Row("attention", f"decompose_attention (all layers, {name.split(', ')[1]}) / one forward",
                        seconds[name] / seconds["forward"], DECOMPOSE_GOAL,
+                       f"{view.n_layers} layers, {one.shape[1]} tokens, median {seconds[name]:.2f} s vs "
+                       f"{seconds['forward']:.2f} s", view.name))
+    for name in SINKS:
+        out.append(Row("attention", f"{name} (all layers) / one forward", seconds[name] / seconds["forward"], SINK_GOAL,
                        f"{view.n_layers} layers, {one.shape[1]} tokens, median {seconds[name]:.2f} s vs "
                        f"{seconds['forward']:.2f} s", view.name))
     return out
