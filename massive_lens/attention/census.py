@@ -145,8 +145,8 @@ class _Tally:
     the most attention one head gives it, its residual norm and cosine to the first token, the
     MLP's norm growth and the neuron that writes most there."""
 
-    def __init__(self, view: ModelView, batch: Batch, rule: SinkRule):
-        self.view, self.batch, self.rule = view, batch, rule
+    def __init__(self, view: ModelView, batch: Batch, rule: SinkRule, evidence: SinkEvidence):
+        self.view, self.batch, self.rule, self.evidence = view, batch, rule, evidence
         shape = (view.n_layers, *batch.tokens.shape)
         self.heads = torch.zeros(shape, dtype=torch.long)
         self.mass, self.norm, self.cos, self.growth = (torch.zeros(shape) for _ in range(4))
@@ -179,6 +179,7 @@ class _Tally:
 
     def _pattern(self, pattern: Tensor, hook: Any, *, layer: int) -> None:
         mass, count = key_attention(pattern.detach(), self.batch.mask)
+        self.evidence.add_key_attention(mass, count)  # the sink rule's evidence, from the same reduction
         mass = (mass * (count >= self.rule.min_queries)[:, None]).cpu()
         self.heads[layer] = (mass > self.rule.threshold).sum(1)
         self.mass[layer] = mass.max(1).values
@@ -270,9 +271,9 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     kind_seqs = torch.zeros(len(TOKEN_KINDS))
     seq0 = 0
     for batch in whole.split(batch_size):
-        tally = _Tally(view, batch, rule)
         evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-        hooks = [*sink_hooks(view, evidence), *tally.hooks()]
+        tally = _Tally(view, batch, rule, evidence)
+        hooks = [*sink_hooks(view, evidence, patterns=False), *tally.hooks()]
         view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
         kinds = view.token_kinds(batch)
         present = torch.zeros(len(batch.tokens), len(TOKEN_KINDS), dtype=torch.bool)

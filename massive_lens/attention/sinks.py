@@ -117,12 +117,13 @@ class SinkSet:
         return frame
 
 
-def sink_hooks(view: ModelView, evidence: SinkEvidence) -> list[tuple[str, Any]]:
+def sink_hooks(view: ModelView, evidence: SinkEvidence, patterns: bool = True) -> list[tuple[str, Any]]:
     """Hooks that feed ``evidence`` every layer's residual stream and attention pattern (layers
-    without an attention pattern, as in recurrent or hybrid models, give only the former)."""
+    without an attention pattern, as in recurrent or hybrid models, give only the former;
+    ``patterns=False``: the residual only, for a caller that feeds the patterns itself)."""
     hooks = []
     for layer in range(view.n_layers):
-        if f"blocks.{layer}.attn.hook_pattern" in view.hook_names:
+        if patterns and f"blocks.{layer}.attn.hook_pattern" in view.hook_names:
             hooks.append((view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, evidence=evidence)))
         hooks.append((view.hook_name(layer, "resid_post"), partial(_add_resid, evidence=evidence, layer=layer)))
     return hooks

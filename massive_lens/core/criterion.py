@@ -301,10 +301,13 @@ class SinkEvidence:
 
     def add_pattern(self, pattern: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
         """Count, per key position, the heads of this layer that are sink heads for it."""
-        mass, count = key_attention(pattern, self.valid)
+        self.add_key_attention(*key_attention(pattern, self.valid))
+
+    def add_key_attention(self, mass: Float[Tensor, "batch head_index pos"], count: Float[Tensor, "batch pos"]) -> None:
+        """:meth:`add_pattern` from the layer's :func:`key_attention`, for a caller that computed it."""
         judged = (count >= self.rule.min_queries).cpu()
         self.sink_heads += ((mass > self.rule.threshold).sum(1).cpu() * judged).float()
-        self.n_heads += pattern.shape[1]
+        self.n_heads += mass.shape[1]
 
     @property
     def head_share(self) -> Float[Tensor, "batch pos"]:
