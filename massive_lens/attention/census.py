@@ -172,8 +172,10 @@ class _Tally:
 
     def _pre(self, resid: Tensor, hook: Any, *, layer: int) -> None:
         x = resid.detach().float()
-        self.norm[layer] = x.norm(dim=-1).cpu()
-        self.cos[layer] = torch.nn.functional.cosine_similarity(x, x[:, :1], dim=-1).cpu()
+        norm = x.norm(dim=-1)
+        dot = torch.einsum("bpd,bd->bp", x, x[:, 0])  # the cosine to the first token, from the norms just taken
+        self.norm[layer] = norm.cpu()
+        self.cos[layer] = (dot / (norm * norm[:, :1]).clamp(min=1e-8)).cpu()
         if "blocks.0.hook_resid_mid" not in self.view.hook_names:
             self.mid[layer] = self.norm[layer]  # no resid_mid: the growth is the whole block's
 
