@@ -17,9 +17,10 @@ bfloat16 keeps float32's range but only 8 bits of mantissa. Two things go wrong:
 dtype's range and spacing (no cast needed), giving each problem's site, layer, position
 and dim. It then **confirms** by running the model in each dtype on the same tokens. The
 weights are cast in place, and every parameter and buffer is put back, bit for bit, on every
-exit path. The verdict is ``safe`` or ``unsafe``. An unsafe verdict comes with its fix: the
-layers to keep in float32, or clamping at the dtype's limit, whose perplexity cost is
-measured in float32. Whether a norm's square overflows in practice depends on the
+exit path. The verdict is ``safe`` or ``unsafe``. An unsafe verdict comes with its fix, both
+measured: the fewest blocks to keep in float32 (a mixed run, :mod:`~massive_lens.handover.mixed`,
+with those blocks in float32 and the rest in the dtype), or clamping at the dtype's limit,
+whose perplexity cost is measured in float32. Whether a norm's square overflows in practice depends on the
 implementation (Hugging Face's RMSNorm squares in float32), which is what the confirmation
 run shows.
 
