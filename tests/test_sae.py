@@ -98,6 +98,27 @@ def test_a_latent_that_reads_only_the_massive_dim_fires_only_there(model, tokens
     assert check.n_dead == int((~fired.flatten(0, 1).any(0)).sum())
 
 
+def test_an_sae_on_hook_z_reads_the_heads_concatenated(model, tokens):
+    """An SAE at ``attn.hook_z`` ([batch, pos, head, d_head]) sees each position's heads
+    concatenated, as SAELens's attention SAEs are trained; its error agrees with sae-lens's own
+    encode/decode on that flattening."""
+    hook = "blocks.1.attn.hook_z"
+    z = _resid(model, tokens, hook)
+    assert z.ndim == 4
+    sae = standard_sae(z.shape[2] * z.shape[3], 64, hook=hook, seed=2)
+    with untouched(model), untouched(sae):
+        check = sae_check(model, sae, tokens)
+    x = z.flatten(2)
+    with torch.no_grad():
+        expected = (sae.decode(sae.encode(x)) - x).pow(2).sum(-1)
+    torch.testing.assert_close(check.sq_error, expected, rtol=1e-4, atol=1e-4)
+    groups = check.to_frame().set_index("group")
+    assert groups.loc["all"].error_share == pytest.approx(1.0)
+    assert groups.loc["excluded", "n_positions"] + groups.loc["rest", "n_positions"] == tokens.numel()
+    with pytest.raises(MassiveLensError):  # the per-head width alone is not what hook_z holds per position
+        sae_check(model, standard_sae(z.shape[3], 16, hook=hook), tokens)
+
+
 def test_the_older_cfg_hook_name_reads_the_same(model, tokens):
     sae = standard_sae(model.cfg.d_model, 2 * model.cfg.d_model)
     older = SimpleNamespace(encode=sae.encode, decode=sae.decode,  # sae-lens < 6 kept hook_name on cfg itself
