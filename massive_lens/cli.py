@@ -8,6 +8,8 @@
     massive-lens intervene --corpus test.txt --calibration valid.txt
     massive-lens precision                 # does the model hold in float16 / bfloat16? (measured, then run)
     massive-lens sinks --corpus test.txt --out-dir sinks   # census, keys and values, dormant heads
+    massive-lens mask --corpus test.txt    # positions and token ids to leave out of SAE training
+    massive-lens dims --json dims.json     # massive dims to keep out of an abliteration direction
     massive-lens train smoke runs/smoke steps=50 lr=3e-4     # one run (also under torchrun)
     massive-lens train-compare --variants softmax,softmax1 --preset smoke
 """
@@ -30,6 +32,7 @@ from massive_lens.core.outputs import check_out_dir, check_out_file
 from massive_lens.detect import find_massive, scan_corpus
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover import precision_check
+from massive_lens.handover.cli import DIMS_HELP, MASK_HELP, add_dims_arguments, add_mask_arguments, cmd_dims, cmd_mask
 from massive_lens.interventions import run_interventions
 from massive_lens.models.load import load_model
 from massive_lens.origin import trace_origin
@@ -206,6 +209,8 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "intervene": (cmd_intervene, "the paper's Table 3: perplexity under zero/mean ablation and sink interventions"),
     "precision": (cmd_precision, "whether float16 / bfloat16 hold the model's activations: measured in float32, "
                   "then confirmed by running in each"),
+    "mask": (cmd_mask, MASK_HELP),
+    "dims": (cmd_dims, DIMS_HELP),
     "sinks": (cmd_sinks, "the sink census (levels and lifetimes), the sink's keys and values, and dormant heads"),
     "train": (cmd_train, "train one MassiveLM from a preset (data parallel under torchrun)"),
     "train-compare": (cmd_train_compare,
@@ -225,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cmd = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
     corpus_help = "text file, 'hf:NAME[:CONFIG[:SPLIT]]', or omitted for the offline default text"
-    for name in ("report", "scan", "trace", "intervene", "precision", "sinks"):
+    for name in ("report", "scan", "trace", "intervene", "precision", "sinks", "mask", "dims"):
         _model_args(cmd[name], several=name == "report")
         cmd[name].add_argument("--corpus", default=None, help=corpus_help)
     for name in ("scan", "trace", "sinks"):
@@ -253,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest relative perplexity change still called safe (default 0.01)")
     prec.add_argument("--no-confirm", dest="confirm", action="store_false",
                       help="verdict from the float32 measurement alone (no run in each dtype)")
+    add_mask_arguments(cmd["mask"])
+    add_dims_arguments(cmd["dims"])
     sinks = cmd["sinks"]
     sinks.add_argument("--only", default=",".join(SINK_ANALYSES),
                        help=f"comma-separated analyses (default all: {','.join(SINK_ANALYSES)})")

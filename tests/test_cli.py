@@ -26,7 +26,8 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    for command in ("report", "scan", "trace", "intervene", "sinks", "precision", "train-compare", "tokenize"):
+    for command in ("report", "scan", "trace", "intervene", "sinks", "mask", "dims", "precision", "train-compare",
+                    "tokenize"):
         assert command in out
 
 
@@ -69,6 +70,26 @@ def test_sinks_prints_and_saves_each_analysis(model_dir, tmp_path, capsys):
     assert "sink key norm" in capsys.readouterr().out
     assert main(["sinks", "--model", model_dir, "--only", "census,keys"]) == 2
     assert "--only takes some of census,kv,dormant" in capsys.readouterr().err
+
+
+def test_mask_and_dims_hand_over(model_dir, tmp_path, capsys):
+    import json
+
+    corpus = ["Some text. " * 200]
+    assert main(["mask", "--model", model_dir, "--text", "Hello there. Bye now.", "--levels", "primary,secondary"]) == 0
+    out = capsys.readouterr().out
+    assert "positions left out" in out and "Sink levels primary, secondary" in out and "Token ids" in out
+    assert main(["mask", "--model", model_dir, "--corpus", corpus[0], "--seq-len", "16", "--n-seqs", "2",
+                 "--thresholds"]) == 0
+    out = capsys.readouterr().out.split("\n\n")  # the mask's summary, then the thresholds'
+    assert "positions left out" in out[0] and "resid_post, 2 sequences: " in out[1]
+    path = tmp_path / "dims.json"
+    assert main(["dims", "--model", model_dir, "--corpus", corpus[0], "--seq-len", "16", "--n-seqs", "2",
+                 "--json", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    assert json.loads(path.read_text())["schema"]
+    assert main(["mask", "--model", model_dir, "--text", "Hi.", "--levels", "tertiary"]) == 2
+    assert "tertiary" in capsys.readouterr().err
 
 
 def test_errors_are_reported_not_raised(capsys):
