@@ -118,6 +118,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
         dim: the hidden dimension to trace in every model (None: each one's largest entry's).
         pos: the token position to trace (None: each model's largest massive entry's).
         layer: must be None: the page draws no per-layer figures.
+        skip: must be None or empty: the page runs its own set of analyses.
         device: where to load models given by name (None: the loader's choice).
         dtype: the dtype of models given by name (None: float32).
         quick: tiny settings (seconds on a tiny model), for tests.
