@@ -77,6 +77,55 @@ def fake_quant_tokens(x: Tensor, bits: int = 8) -> Tensor:
     return (x / scale).round().clamp(-qmax, qmax) * scale
 
 
+GRANULARITIES = ("tensor", "channel", "token", "group")
+
+
+def rtn(x: Tensor, bits: int, low: Tensor | float, high: Tensor | float, *, symmetric: bool = True) -> Tensor:
+    """Round-to-nearest on the range ``[low, high]`` (broadcast against ``x``; values outside clip).
+
+    Symmetric: ``2^(b-1) - 1`` levels each side of zero, scale ``max(|low|, |high|) / qmax``;
+    asymmetric: ``2^b`` levels on ``[min(low, 0), max(high, 0)]`` with an integer zero point
+    (the grids of :func:`fake_quant_weight` and :func:`fake_quant_activation`).
+
+    >>> rtn(torch.tensor([1.0, -0.6, 0.001]), 4, -1.0, 1.0).tolist()
+    [1.0, -0.5714285969734192, 0.0]
+    >>> rtn(torch.tensor([0.0, 0.5, 2.0]), 8, 0.0, 1.0, symmetric=False).tolist()[2]
+    1.0
+    """
+    low, high = torch.as_tensor(low, dtype=x.dtype), torch.as_tensor(high, dtype=x.dtype)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = torch.maximum(low.abs(), high.abs()).clamp(min=1e-12) / qmax
+        return (x / scale).round().clamp(-qmax, qmax) * scale
+    low, high = low.clamp(max=0.0), high.clamp(min=0.0)
+    scale = (high - low).clamp(min=1e-12) / (2 ** bits - 1)
+    zero = (-low / scale).round()
+    return ((x / scale).round() + zero).clamp(0, 2 ** bits - 1).sub(zero) * scale
+
+
+def fake_quant(x: Tensor, bits: int, granularity: str = "token", *, symmetric: bool = True, group_size: int = 128
+               ) -> Tensor:
+    """Dynamic round-to-nearest of ``x``, ranges from ``x`` itself: one range for the whole tensor
+    (``"tensor"``), per row of the last axis (``"token"``, or ``"channel"`` for a weight's
+    output rows) or per ``group_size`` consecutive entries of the last axis (``"group"``; a last
+    partial group is its own group).
+
+    >>> fake_quant(torch.tensor([[1.0, 0.3], [100.0, 0.3]]), 4).tolist()
+    [[1.0, 0.2857142984867096], [100.0, 0.0]]
+    """
+    if granularity not in GRANULARITIES:
+        raise MassiveLensError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "tensor":
+        return rtn(x, bits, x.amin(), x.amax(), symmetric=symmetric)
+    if granularity in ("token", "channel"):
+        return rtn(x, bits, x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), symmetric=symmetric)
+    width = x.shape[-1]
+    pad = -width % group_size
+    grouped = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, group_size))  # zeros never widen a range
+    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+    return rtn(grouped, bits, low, high, symmetric=symmetric).flatten(-2)[..., :width]
+
+
 @contextlib.contextmanager
 def fake_quantized(
     model: Any, calibration: Int[Tensor, "batch pos"] | None = None, *, per_channel: bool = True,

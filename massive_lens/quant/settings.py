@@ -1,0 +1,75 @@
+"""A low-bit setting by name: ``W4A4``, ``W4A4KV4``, ``W4A4@tensor+hadamard+kvsink``.
+
+``W<w>A<a>`` weight and activation bits (16: full precision), ``KV<b>`` the key-value cache
+(default 16), ``@<granularity>`` (``tensor``, ``channel``, ``token`` or ``group``; default: the
+grid's), ``+hadamard`` or ``+orthogonal`` (a rotation of the residual stream), ``+kvsink`` (the
+sinks kept in full precision; ``+sinks`` for short) or ``+prefix`` (PrefixQuant's prefix).
+
+>>> Setting.parse("w4a4kv8@tensor+hadamard+sinks").name
+'W4A4KV8@tensor+hadamard+kvsink'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from massive_lens.errors import MassiveLensError
+from massive_lens.lowbit import GRANULARITIES
+
+ROTATIONS = (None, "orthogonal", "hadamard")
+KEEP = (None, "kvsink", "prefix")
+GRID = ("W8A8", "W4A16", "W4A4", "W4A4+hadamard", "W4A4+hadamard+kvsink")
+_NAME = re.compile(r"w(\d+)a(\d+)(?:kv(\d+))?(?:@([a-z]+))?((?:\+[a-z]+)*)")
+_FLAGS = {"hadamard": ("rotation", "hadamard"), "orthogonal": ("rotation", "orthogonal"),
+          "kvsink": ("keep_sinks", "kvsink"), "sinks": ("keep_sinks", "kvsink"), "prefix": ("keep_sinks", "prefix")}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One low-bit setting (bits 16 = full precision; ``granularity`` None: the grid's)."""
+
+    weights: int = 4
+    activations: int = 4
+    kv: int = 16
+    granularity: str | None = None
+    rotation: str | None = None
+    keep_sinks: str | None = None
+
+    def __post_init__(self) -> None:
+        for what in ("weights", "activations", "kv"):
+            bits = getattr(self, what)
+            if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
+                raise MassiveLensError(f"{what} bits must be an integer from 2 to 16 (16: full precision), "
+                                       f"got {bits!r}")
+        if self.granularity is not None and self.granularity not in GRANULARITIES:
+            raise MassiveLensError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.rotation not in ROTATIONS:
+            raise MassiveLensError(f"rotation must be None, 'orthogonal' or 'hadamard', got {self.rotation!r}")
+        if self.keep_sinks not in KEEP:
+            raise MassiveLensError(f"keep_sinks must be None, 'kvsink' or 'prefix', got {self.keep_sinks!r}")
+
+    @property
+    def name(self) -> str:
+        kv = f"KV{self.kv}" if self.kv < 16 else ""
+        at = f"@{self.granularity}" if self.granularity else ""
+        flags = "".join(f"+{f}" for f in (self.rotation, self.keep_sinks) if f)
+        return f"W{self.weights}A{self.activations}{kv}{at}{flags}"
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        """A setting from its name (module docstring).
+
+        Raises:
+            MassiveLensError: for a name of another form.
+        """
+        match = _NAME.fullmatch(text.strip().lower()) if isinstance(text, str) else None
+        flags = match.group(5).split("+")[1:] if match else []
+        if match is None or any(f not in _FLAGS for f in flags):
+            raise MassiveLensError(
+                f"bad low-bit setting {text!r}: write W<bits>A<bits>[KV<bits>][@tensor|channel|token|group]"
+                "[+hadamard|+orthogonal][+kvsink|+prefix], e.g. W4A4, W4A4KV4@tensor+hadamard+kvsink")
+        fields = dict(weights=int(match.group(1)), activations=int(match.group(2)),
+                      kv=int(match.group(3) or 16), granularity=match.group(4))
+        fields.update(dict(_FLAGS[f] for f in flags))
+        return cls(**fields)

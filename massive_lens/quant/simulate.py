@@ -1,0 +1,205 @@
+"""The fused, rotated, fake-quantized model, simulated one linear layer at a time.
+
+No weight of the user's model is rewritten for longer than its own layer runs: hooks on each
+linear layer rotate its input (``u Q``, or ``x H`` before the down-projection), quantize it,
+swap in its rotated and quantized weight (``W diag(g) Q``, ``Q^T W`` or ``Q^T W H``) for the
+length of its forward, rotate a writer's output back into the stream's own basis and quantize
+the key and value projections' outputs (the KV cache). The residual stream itself stays in the
+original basis, which changes nothing: an RMSNorm without its gain commutes with ``Q``, and a
+sum of rotated writes is the rotated sum. Kept positions (the sinks, or a prefix) are computed
+in full precision throughout: their inputs, their outputs and their keys and values.
+
+Keys are quantized as ``k_proj`` writes them, before RoPE (as KVQuant does); values as
+``v_proj`` writes them. Per-head Hadamard rotations of values and keys (QuaRot's online
+attention rotations) are not applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from massive_lens.lowbit import fake_quant, rtn
+from massive_lens.quant.rotation import Rotation
+from massive_lens.quant.sites import Site
+
+STATIC = ("tensor", "channel")  # activation granularities with calibrated ranges
+
+
+@dataclass
+class Bits:
+    """What one simulation quantizes: widths (None: full precision) and how."""
+
+    weights: int | None
+    activations: int | None
+    kv: int | None
+    granularity: str = "token"
+    symmetric: bool = True
+    group_size: int = 128
+
+
+@dataclass
+class Seen:
+    """What the activation quantizer saw at the residual readers (kept positions left out) and
+    the per-token relative quantization error there, summed over readers."""
+
+    max_abs: float = 0.0
+    kurtosis_sum: float = 0.0
+    rows: int = 0
+    top1_median: float = 0.0
+    errors: list[Tensor] = field(default_factory=list)  # one [batch, pos] per forward pass
+
+    def add(self, x: Tensor, keep: Tensor | None) -> None:
+        rows = (x[~keep] if keep is not None else x.flatten(0, -2)).float()
+        if not len(rows):
+            return
+        mag = rows.abs()
+        self.max_abs = max(self.max_abs, float(mag.max()))
+        centered = rows - rows.mean(-1, keepdim=True)
+        kurt = centered.pow(4).mean(-1) / centered.pow(2).mean(-1).pow(2).clamp(min=1e-24)
+        self.kurtosis_sum += float(kurt.sum())
+        self.rows += len(rows)
+        self.top1_median = max(self.top1_median, float(mag.max() / mag.median().clamp(min=1e-12)))
+
+
+class Simulator:
+    """Hooks that make ``sites`` compute as the rotated, quantized model (module docstring).
+
+    ``mode`` is ``"calibrate"`` (record activation and KV ranges, compute in full precision) or
+    ``"run"``; ``keep`` is the ``[batch, pos]`` mask of full-precision positions of the next pass.
+    """
+
+    def __init__(self, sites: list[Site], bits: Bits, residual: Rotation | None = None,
+                 online: dict[int, Rotation] | None = None) -> None:
+        self.sites, self.bits, self.residual, self.online = sites, bits, residual, online
+        self.mode = "run"
+        self.keep: Tensor | None = None
+        self.ranges: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self.seen = Seen()
+        self._err: Tensor | None = None
+        self._n_err = 0
+
+    # ------------------------------------------------------------------ transforms
+    def _input(self, site: Site, x: Tensor) -> Tensor:
+        if self.residual is not None and site.role in ("reader", "head"):
+            return self.residual.apply(x / site.gain.to(x.device, x.dtype))
+        if self.online and site.role == "down":
+            return self.online[x.shape[-1]].apply(x)
+        return x
+
+    def _weight(self, site: Site, w: Tensor) -> Tensor:
+        if self.residual is not None:
+            if site.role in ("reader", "head"):
+                w = self.residual.apply(w * site.gain.to(w.device, w.dtype))
+            elif site.role in ("writer", "down"):
+                if site.role == "down" and self.online:
+                    w = self.online[w.shape[-1]].apply(w)
+                w = self.residual.apply(w.T).T
+        if self.bits.weights is not None:
+            kind = {"tensor": "tensor", "group": "group"}.get(self.bits.granularity, "channel")
+            w = fake_quant(w, self.bits.weights, kind, symmetric=self.bits.symmetric, group_size=self.bits.group_size)
+        return w
+
+    def _quant(self, x: Tensor, bits: int, key: tuple[int, str]) -> Tensor:
+        b = self.bits
+        if b.granularity in STATIC:
+            low, high = self.ranges[key]
+            return rtn(x, bits, low.to(x.device, x.dtype), high.to(x.device, x.dtype), symmetric=b.symmetric)
+        return fake_quant(x, bits, b.granularity, symmetric=b.symmetric, group_size=b.group_size)
+
+    def _observe(self, x: Tensor, key: tuple[int, str]) -> None:
+        rows = (x[~self._keep(x)] if self._keep(x) is not None else x.flatten(0, -2)).detach().float()
+        if not len(rows):
+            return
+        low, high = (rows.amin(0), rows.amax(0)) if self.bits.granularity == "channel" else (rows.min(), rows.max())
+        if key in self.ranges:
+            low, high = torch.minimum(self.ranges[key][0], low), torch.maximum(self.ranges[key][1], high)
+        self.ranges[key] = (low, high)
+
+    def _keep(self, x: Tensor) -> Tensor | None:
+        keep = self.keep
+        if keep is None or x.ndim < 3 or tuple(x.shape[:2]) != tuple(keep.shape):
+            return None
+        return keep.to(x.device)
+
+    # ------------------------------------------------------------------ hooks
+    def _hooks(self, i: int, site: Site) -> tuple[Any, Any]:
+        saved: list[Any] = []
+
+        def pre(module: Any, args: tuple, kwargs: dict) -> Any:
+            key = next(iter(kwargs)) if not args else None
+            x = args[0] if args else kwargs[key]
+            keep = self._keep(x)
+            x_in = self._input(site, x)
+            if self.mode == "calibrate":
+                if self.bits.activations is not None:
+                    self._observe(x_in, (i, "in"))
+                return None
+            if site.role in ("reader", "head"):
+                self.seen.add(x_in, keep)
+            xq = x_in
+            if self.bits.activations is not None:
+                xq = self._quant(x_in, self.bits.activations, (i, "in"))
+                if keep is not None:
+                    xq = torch.where(keep[..., None], x_in, xq)
+                if site.role == "reader":
+                    self._add_error((xq - x_in).float().norm(dim=-1) / x_in.float().norm(dim=-1).clamp(min=1e-12))
+            saved.append((site.weight.data, x))
+            site.weight.data = self._weight(site, site.weight.data)
+            return ((xq, *args[1:]), kwargs) if args else (args, {**kwargs, key: xq})
+
+        def post(module: Any, args: tuple, out: Tensor) -> Any:
+            if self.mode == "calibrate":
+                if site.kv is not None and self.bits.kv is not None:
+                    self._observe(out, (i, "kv"))
+                return None
+            weight, x = saved.pop()
+            site.weight.data = weight
+            bias = getattr(module, "bias", None)
+            if self.residual is not None and site.role in ("writer", "down"):
+                out = out if bias is None else out - bias
+                out = self.residual.apply_t(out)
+                out = out if bias is None else out + bias
+            keep = self._keep(out)
+            if keep is not None:
+                out = out.clone()
+                out[keep] = torch.nn.functional.linear(x[keep], weight, bias)
+            if site.kv is not None and self.bits.kv is not None:
+                q = self._quant(out, self.bits.kv, (i, "kv"))
+                out = q if keep is None else torch.where(keep[..., None], out, q)
+            return out
+
+        return pre, post
+
+    def _add_error(self, err: Tensor) -> None:
+        err = err.detach().cpu()
+        self._err = err if self._err is None else self._err + err
+        self._n_err += 1
+
+    def end_pass(self) -> None:
+        """Close one forward pass: its per-token error (mean over the residual readers) is kept."""
+        if self._err is not None:
+            self.seen.errors.append(self._err / self._n_err)
+        self._err, self._n_err = None, 0
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[Simulator]:
+        """The hooks on every site for the block; hooks removed and weights put back on every exit."""
+        handles = []
+        weights = [(s.weight, s.weight.data) for s in self.sites]
+        try:
+            for i, site in enumerate(self.sites):
+                pre, post = self._hooks(i, site)
+                handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(site.module.register_forward_hook(post))
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            for weight, data in weights:
+                weight.data = data
