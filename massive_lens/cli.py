@@ -36,6 +36,9 @@ from massive_lens.handover.cli import DIMS_HELP, MASK_HELP, add_dims_arguments, 
 from massive_lens.interventions import run_interventions
 from massive_lens.models.load import load_model
 from massive_lens.origin import trace_origin
+from massive_lens.quant.cli import HELP as QUANTIZE_HELP
+from massive_lens.quant.cli import add_arguments as quantize_arguments
+from massive_lens.quant.cli import cmd_quantize
 from massive_lens.report import compare_models, write_report
 from massive_lens.report.sections import SKIPPABLE
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
@@ -217,6 +220,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
                       "train small models with softmax, softmax1 and other attention variants and compare"),
     "tokenize": (cmd_tokenize, "tokenize a corpus once into a .bin token file that training reads by memmap"),
     "retrofit": (cmd_retrofit, RETROFIT_HELP),
+    "quantize": (cmd_quantize, QUANTIZE_HELP),
 }
 
 
@@ -285,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("overrides", nargs="*", help="TrainConfig fields as key=value (Python literals or strings)")
     tok.add_argument("--max-chars", type=int, default=None, help="stop after this many characters")
     retrofit_arguments(cmd["retrofit"])
+    quantize_arguments(cmd["quantize"])
     return parser
 
 
