@@ -9,7 +9,8 @@ The public API, one line per task (every result has ``.to_frame()``, ``.summary(
 - attention: :func:`sink_attention`, :func:`decompose_attention`, :func:`sink_census`
 - intervene and evaluate: :func:`perplexity`, :func:`run_interventions`, :func:`calibrate`
   (the interventions themselves live in :mod:`massive_lens.interventions`)
-- quantize and train: :func:`measure_outliers`, :func:`train_model`, :func:`compare_variants`
+- quantize and train: :func:`measure_outliers`, :func:`quantize_grid` (low bits, rotations, kept
+  sinks; more in :mod:`massive_lens.quant`), :func:`train_model`, :func:`compare_variants`
   (more in :mod:`massive_lens.train`)
 - show: :func:`write_report`, :func:`compare_models` (several models on one page; figures
   and views in :mod:`massive_lens.viz`)
@@ -43,6 +44,7 @@ try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends
     from massive_lens.models.load import load_model
     from massive_lens.models.tiny import tiny_model
     from massive_lens.origin import trace_origin
+    from massive_lens.quant import quantize_grid
     from massive_lens.quantize import measure_outliers
     from massive_lens.report import compare_models, write_report
     from massive_lens.train import compare_variants, train_model
@@ -69,6 +71,7 @@ __all__ = [
     "load_model",
     "measure_outliers",
     "perplexity",
+    "quantize_grid",
     "run_interventions",
     "scan_corpus",
     "sink_attention",

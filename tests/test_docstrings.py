@@ -23,12 +23,13 @@ import pytest
 
 import massive_lens
 import massive_lens.interventions
+import massive_lens.quant
 import massive_lens.train
 import massive_lens.viz
 from massive_lens.models import byte_tokenizer, wrap_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC_MODULES = (massive_lens, massive_lens.interventions, massive_lens.train, massive_lens.viz)
+PUBLIC_MODULES = (massive_lens, massive_lens.interventions, massive_lens.train, massive_lens.viz, massive_lens.quant)
 EXTRA_FUNCTIONS = {"massive_lens.models.byte_tokenizer": byte_tokenizer,
                    "massive_lens.models.wrap_hf_model": wrap_hf_model}
 SKIPPED_PARAMS = {"self", "cls"}

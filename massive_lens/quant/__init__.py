@@ -6,7 +6,6 @@
 
 from massive_lens.quant.api import quantize, quantize_grid
 from massive_lens.quant.result import Quantization
-from massive_lens.quant.rotation import Rotation, hadamard_factors
 from massive_lens.quant.settings import GRID, Setting
 
-__all__ = ["GRID", "Quantization", "Rotation", "Setting", "hadamard_factors", "quantize", "quantize_grid"]
+__all__ = ["GRID", "Quantization", "Setting", "quantize", "quantize_grid"]

@@ -238,7 +238,9 @@ def quantize_grid(
             settings that name none.
         symmetric: symmetric grids (default) or asymmetric with a zero point.
         group_size: the group width of ``granularity="group"`` (default 128).
-        seq_len, n_seqs, calibration: as in :func:`~massive_lens.measure_outliers`.
+        seq_len: tokens per sequence (default 128).
+        n_seqs: evaluation sequences (default 8; as many calibrate).
+        calibration: other text for the static ranges and the prefix (default: the corpus's next sequences).
         include_head: also quantize the unembedding (default False).
         seed: the seed of the random rotations.
         criterion: when an activation is massive (the token groups; default ``Criterion()``).
@@ -295,13 +297,23 @@ def quantize(
     """One low-bit setting: :func:`quantize_grid` with ``settings=[Setting(weights, activations, kv, ...)]``.
 
     Args:
-        model, corpus: as in :func:`quantize_grid`.
-        weights, activations, kv: bits (16: full precision; default W4A4, the KV cache unquantized).
-        granularity, symmetric: as in :func:`quantize_grid`.
+        model: as in :func:`quantize_grid`.
+        corpus: as in :func:`quantize_grid`.
+        weights: weight bits (default 4; 16: full precision).
+        activations: activation bits (default 4; 16: full precision).
+        kv: key-value cache bits (default 16: not quantized).
+        granularity: as in :func:`quantize_grid`.
+        symmetric: as in :func:`quantize_grid`.
         rotation: None, ``"orthogonal"`` or ``"hadamard"``.
         keep_sinks: None, ``"kvsink"`` or ``"prefix"``.
         **options: ``group_size``, ``seq_len``, ``n_seqs``, ``calibration``, ``include_head``,
             ``seed``, ``criterion`` of :func:`quantize_grid`.
+
+    Returns:
+        A :class:`~massive_lens.quant.result.Quantization` with one row.
+
+    Raises:
+        MassiveLensError: for bad bits, rotation, kept-sink mode or option, or as :func:`quantize_grid`.
 
     >>> from massive_lens import tiny_model
     >>> r = quantize(tiny_model("llama"), "One. Two. Three. " * 40, kv=4, seq_len=32, n_seqs=2)

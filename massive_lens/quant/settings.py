@@ -60,6 +60,12 @@ class Setting:
     def parse(cls, text: str) -> Setting:
         """A setting from its name (module docstring).
 
+        Args:
+            text: the name, e.g. ``"W4A4KV4@tensor+hadamard+kvsink"`` (case does not matter).
+
+        Returns:
+            The :class:`Setting`.
+
         Raises:
             MassiveLensError: for a name of another form.
         """

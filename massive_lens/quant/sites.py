@@ -127,8 +127,9 @@ def rotation_sites(model: Any, include_head: bool) -> list[Site]:
     norm_gain(blocks[0].ln1, width, f"{name} layer 0's norm")
     sites = structured_sites(model, include_head)
     if sites is None:
-        raise MassiveLensError(f"{name}: found no nn.Linear layers reading the residual stream (attn.o and mlp.out "
-                               "told apart from the rest); a rotation cannot be simulated; use rotation=None")
+        raise MassiveLensError(f"{name}: cannot tell the layers that read the residual stream from those that write "
+                               "it (a rotation needs attn.o and mlp.out as nn.Linear; a mixture of experts or GPT-2's "
+                               "Conv1D has none); use rotation=None")
     gains: dict[int, Tensor] = {}
     for site in sites:
         if site.role in ("reader", "head"):
