@@ -278,7 +278,7 @@ def quantize_grid(
         rows.append(row)
         token_frames.append(per_token)
     tokens_frame = pd.concat(token_frames, ignore_index=True) if any(len(f) for f in token_frames) else token_frames[0]
-    return Quantization(view.name, pd.DataFrame(rows), tokens_frame, float(run.fp.mean()))
+    return Quantization(view.name, pd.DataFrame(rows), float(run.fp.mean()), tokens_frame)
 
 
 def quantize(

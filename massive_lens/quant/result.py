@@ -8,13 +8,13 @@ from typing import Any
 
 import pandas as pd
 
-from massive_lens.core.results import Result
+from massive_lens.quantize import LowBitGrid
 
 GROUPS = ("sink", "massive", "other")
 
 
 @dataclass(frozen=True)
-class Quantization(Result):
+class Quantization(LowBitGrid):
     """Loss, perplexity, quantization error and outlier statistics of one model under low-bit settings.
 
     ``to_frame()``: one row per setting: ``setting``, ``weights``, ``activations``, ``kv`` (bits,
@@ -24,21 +24,12 @@ class Quantization(Result):
     activation quantization error ``|q(x) - x| / |x|`` of the residual readers' inputs, per token
     group), ``max_abs``, ``kurtosis``, ``top1_median`` (what the activation quantizer sees: the
     largest ``|x|``, the mean non-excess kurtosis per token, the largest top-1/median of one input),
-    ``n_seqs``. :attr:`tokens` is the per-token table: ``setting``, ``seq``, ``pos``, ``group``
+    ``n_seqs``, ``rotation_error`` (the rotated model's largest relative logit error before quantization).
+    :attr:`tokens` is the per-token table: ``setting``, ``seq``, ``pos``, ``group``
     (``sink``, ``massive`` or ``other``), ``error``.
     """
 
-    model_name: str
-    frame: pd.DataFrame
-    tokens: pd.DataFrame
-    fp_loss: float
-
-    def to_frame(self) -> pd.DataFrame:
-        return self.frame.copy()
-
-    def gaps(self) -> dict[str, float]:
-        """``{setting: gap}``."""
-        return dict(zip(self.frame.setting, self.frame.gap, strict=True))
+    tokens: pd.DataFrame  # after LowBitGrid's model_name, frame and fp_loss (to_frame and gaps are its own)
 
     def summary(self) -> str:
         parts = []
