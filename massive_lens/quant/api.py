@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.sinks import sinks_of
-from massive_lens.core.budget import logit_batches
+from massive_lens.core.budget import logit_batches, weight_bytes
 from massive_lens.core.corpora import Corpus
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.model_view import ModelView, model_lock
@@ -55,7 +55,8 @@ from massive_lens.quant.simulate import STATIC, Bits, Simulator
 from massive_lens.quant.sites import Site, plain, rotation_sites, structured_sites
 from massive_lens.quantize import _eval_and_calibration
 
-EXACT = {torch.float32: 1e-5, torch.float64: 1e-9}  # relative logit error a rotation may add; else 2e-2
+EXACT = {torch.float32: 1e-5, torch.float64: 1e-9}  # relative logit error a rotation may add; else 2e-3
+LOGITS_SHARE = 0.4  # a pass's logits may take this share of the weights' bytes (the issue's budget: 1.5x)
 
 
 class _Run:
@@ -67,7 +68,7 @@ class _Run:
         self.include_head, self.seed = include_head, seed
         losses, flags, sinks = [], [], []
         self.first: Tensor | None = None
-        for chunk in logit_batches(self.model, tokens):
+        for chunk in self.batches(tokens):
             hit = torch.zeros(chunk.shape, dtype=torch.bool)
 
             def resid(x: Tensor, hook: Any, hit: Tensor = hit) -> None:
@@ -85,10 +86,16 @@ class _Run:
         self._sites: dict[bool, list[Site]] = {}
         self.exactness: dict[str, float] = {}
 
+    def batches(self, tokens: Tensor) -> list[Tensor]:
+        """``tokens`` in as few passes as keep the logits under ``LOGITS_SHARE`` of the weights: every
+        pass rotates and quantizes every weight again, so fewer, larger passes are much faster."""
+        per_seq = tokens.shape[1] * int(getattr(self.view.cfg, "d_vocab", 0) or 1) * 4
+        return logit_batches(self.model, tokens, max(1, int(weight_bytes(self.model) * LOGITS_SHARE) // per_seq))
+
     def calib_sinks(self) -> Tensor:
         if self._calib_sinks is None:
             self._calib_sinks = torch.cat([sinks_of(self.view, self.view.tokenize(c)).mask.cpu()
-                                           for c in logit_batches(self.model, self.calib)])
+                                           for c in self.batches(self.calib)])
         return self._calib_sinks
 
     def prefix(self) -> Tensor:
@@ -116,7 +123,7 @@ class _Run:
         prefix = self.prefix() if keep == "prefix" else None
         # the prefix's first token replaces the sequence's when every sequence starts with it (BOS)
         drop = int(prefix is not None and bool((tokens[:, 0] == prefix[0]).all()))
-        for chunk in logit_batches(self.model, tokens):
+        for chunk in self.batches(tokens):
             rows = slice(offset, offset + len(chunk))
             offset += len(chunk)
             if prefix is None:
