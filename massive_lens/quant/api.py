@@ -77,7 +77,7 @@ class _Run:
             hooks = [(view.hook_name(layer, "resid_post"), resid) for layer in range(view.n_layers)]
             logits = view.forward(view.tokenize(chunk), hooks)
             losses.append(next_token_stats(logits, chunk.to(logits.device))[0].cpu())
-            self.first = logits[:1].detach().float() if self.first is None else self.first
+            self.first = logits[:1].detach().float().clone() if self.first is None else self.first  # not a view
             flags.append(hit)
             sinks.append(sinks_of(view, view.tokenize(chunk)).mask.cpu())
         self.fp = torch.cat(losses)
