@@ -1,0 +1,139 @@
+"""The StreamingLLM rolling cache as attention-score hooks, in one forward pass.
+
+StreamingLLM (Xiao et al., 2023) keeps, for each new token, the key-value cache of the first
+``k`` tokens (the sinks) and of the ``W`` most recent tokens, and gives every cached key its
+position *within the cache*: sink ``i`` is at ``i``, the recent tokens at ``k, k+1, ...``, the
+query at the end. Every token's hidden states are computed once, when it is the query, with the
+cache of that moment.
+
+A causal model computes token ``t``'s hidden states from its own row of each attention pattern
+only, so one forward pass whose attention row ``t`` sees exactly token ``t``'s cache gives every
+hidden state the cache loop gives. Under rotary embeddings the logit of query ``t`` on key ``j``
+depends only on their distance, so positions within the cache change nothing for the recent
+keys (their distance ``t - j`` is the same) and change the sink keys' distance from ``t - i`` to
+``min(t, k + W - 1) - i``. :func:`window_hooks` does exactly that at each layer's
+``attn.hook_attn_scores``:
+
+- keys outside ``{i < k} | {t - W < j <= t}`` get the most negative logit (weight zero);
+- a sink key's logit is recomputed from the model's own rotated query and key
+  (``attn.hook_rot_q``, ``hook_rot_k``), with the key turned on by ``delta = t - min(t, k + W - 1)``
+  positions using the model's own ``cos``/``sin`` (``attn.hook_cos``, ``hook_sin``, HF's
+  rotate-half layout), and the score scale read off the unedited logits.
+
+Two checks run on every pass and fail loudly: the model's rotated keys must equal the model's
+keys turned by its own ``cos``/``sin`` (the rotation this module applies is the model's), and its
+logits on the sink keys must be one scale times ``q . k`` (no soft-capping or bias this module
+would miss). ``positions="original"`` keeps the original positions (any positional scheme, the
+mask alone).
+
+>>> visible(5, 2, 1).int().tolist()[4]
+[1, 0, 0, 1, 1]
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from massive_lens.core.model_view import ModelView
+from massive_lens.errors import MassiveLensError
+
+POSITIONS = ("cache", "original")
+
+
+def visible(n: int, window: int, sinks: int) -> Bool[Tensor, "query_pos key_pos"]:
+    """Which keys query ``t`` sees: the first ``sinks`` tokens and the last ``window`` (itself included)."""
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None]
+    return (k <= q) & ((k < sinks) | (k > q - window))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _turn(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x`` (``[..., d_head]``) turned by the model's ``cos``/``sin`` (``[..., rotary_dim]``)."""
+    dim = cos.shape[-1]
+    head, tail = x[..., :dim], x[..., dim:]
+    turned = head * cos + _rotate_half(head) * sin
+    return torch.cat([turned, tail.expand(*turned.shape[:-1], tail.shape[-1])], dim=-1)
+
+
+def _check_rotation(view: ModelView, layer: int, seen: dict[str, Tensor]) -> None:
+    k, rot_k = seen["k"].float(), seen["rot_k"].float()
+    cos, sin = seen["cos"][0].float(), seen["sin"][0].float()  # [pos rotary_dim]
+    if k.ndim != 4 or cos.shape[0] != k.shape[1]:
+        raise MassiveLensError(f"{view.name} layer {layer}: keys {tuple(k.shape)} and cos {tuple(cos.shape)} are not "
+                               "[batch, pos, head, d_head] and [1, pos, rotary_dim]; use positions='original'")
+    mine = _turn(k, cos[None, :, None], sin[None, :, None])
+    scale = rot_k.abs().amax().clamp(min=1e-6)
+    if float((mine - rot_k).abs().amax() / scale) > 1e-3 or not torch.allclose(cos[0], torch.ones_like(cos[0])):
+        raise MassiveLensError(f"{view.name} layer {layer}: its rotary embedding is not HF's rotate-half rotation "
+                               "with cos/sin (or scales position 0); the cache positions cannot be re-assigned here. "
+                               "Use positions='original'")
+
+
+def _sink_logits(view: ModelView, layer: int, scores: Tensor, seen: dict[str, Tensor], window: int, sinks: int
+                 ) -> Tensor:
+    """``scores`` with the sink keys' logits at their distance within the cache."""
+    n = scores.shape[-1]
+    delta = (torch.arange(n) - (sinks + window - 1)).clamp(min=0).to(scores.device)
+    if not bool((delta > 0).any()):
+        return scores
+    q, k = seen["rot_q"].float(), seen["rot_k"][:, :sinks].float()  # [b pos head d], [b sinks kv d]
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    cos, sin = seen["cos"][0].float()[delta], seen["sin"][0].float()[delta]  # [pos rotary_dim]
+    turned = _turn(k[:, None], cos[None, :, None, None], sin[None, :, None, None])  # [b pos sinks head d]
+    new = torch.einsum("bthd,btihd->bhti", q, turned)
+    old = torch.einsum("bthd,bihd->bhti", q, k)
+    causal = (torch.arange(n)[:, None] >= torch.arange(sinks)[None]).to(scores.device)  # [pos sinks]
+    given = scores[..., :sinks].float()
+    o, g = old[..., causal], given[..., causal]
+    scale = (o * g).sum() / (o * o).sum().clamp(min=1e-30)
+    if float((g - scale * o).abs().amax()) > 1e-3 * float(g.abs().amax().clamp(min=1e-6)) + 1e-4:
+        raise MassiveLensError(f"{view.name} layer {layer}: its attention logits are not one scale times the rotated "
+                               "q . k (soft-capping, a bias or ALiBi?), so the sink keys cannot be moved within the "
+                               "cache; use positions='original'")
+    out = scores.clone()
+    out[..., :sinks] = (given + scale * (new - old)).to(scores.dtype)
+    return out
+
+
+def _keep(x: Tensor, hook: Any, *, seen: dict[str, Tensor], key: str) -> None:
+    seen[key] = x.detach()
+
+
+def _scores(scores: Tensor, hook: Any, *, view: ModelView, layer: int, seen: dict[str, Tensor], window: int,
+            sinks: int, positions: str) -> Tensor:
+    if positions == "cache" and sinks > 0:
+        _check_rotation(view, layer, seen)
+        scores = _sink_logits(view, layer, scores, seen, window, sinks)
+    keep = visible(scores.shape[-1], window, sinks).to(scores.device)
+    return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+
+
+def window_hooks(view: ModelView, window: int, sinks: int, positions: str = "cache") -> list[tuple[str, Any]]:
+    """Hooks that give each query the StreamingLLM cache of ``sinks`` first and ``window`` recent
+    tokens (see the module docstring), at every layer."""
+    if positions not in POSITIONS:
+        raise MassiveLensError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    hooks: list[tuple[str, Any]] = []
+    for layer in range(view.n_layers):
+        seen: dict[str, Tensor] = {}
+        if positions == "cache" and sinks > 0:
+            needed = ("k", "rot_q", "rot_k", "cos", "sin")
+            missing = [h for h in needed if f"blocks.{layer}.attn.hook_{h}" not in view.hook_names]
+            if missing:
+                raise MassiveLensError(f"{view.name} has no rotary hooks {missing} at layer {layer} (no rotary "
+                                       "embedding, or not one TransformerLens exposes): positions within the cache "
+                                       "cannot be re-assigned; use positions='original'")
+            hooks += [(view.hook_name(layer, f"attn.hook_{h}"), partial(_keep, seen=seen, key=h)) for h in needed]
+        hooks.append((view.hook_name(layer, "attn.hook_attn_scores"),
+                      partial(_scores, view=view, layer=layer, seen=seen, window=window, sinks=sinks,
+                              positions=positions)))
+    return hooks

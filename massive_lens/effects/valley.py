@@ -1,0 +1,233 @@
+"""The compression valley: where the first token's norm explodes, the representations collapse.
+
+Queipo-de-Llano et al. (2025, "Attention Sinks and Compression Valleys") find that in the
+layers where the first token's residual norm explodes, the **matrix entropy** of the token
+representations drops (the sequence's residual stream is nearly rank one: the massive
+first token dominates it) and the **sink rate** rises, in the same layers, from 410M to 120B
+parameters. Their causal claim: remove the massive activation and the valley goes away.
+
+:func:`compression_valley` measures all three per layer over a corpus, with 95% bootstrap
+intervals over sequences:
+
+- ``entropy``: the matrix entropy of one sequence's residual stream ``X`` (``[pos, d_model]``,
+  ``hook_resid_post``), centered over positions: with ``s`` the singular values of the centered
+  ``X`` and ``p = s^2 / sum(s^2)`` (the eigenvalues of the normalized Gram matrix),
+  ``H = -sum p log p / log(min(pos, d_model))``, in ``[0, 1]``: 1 when every direction carries
+  the same variance, 0 for rank one (:func:`matrix_entropy`);
+- ``first_norm``: the first token's residual norm, and ``first_norm_ratio``: that over the
+  median norm of the other tokens;
+- ``sink_rate``: the sink metric of Gu et al. per layer: the share of the layer's heads whose
+  mean attention to the first token (over the first 64 queries) exceeds 0.3.
+
+With ``ablate="zero_every"`` (the default) it measures the same again with the massive
+activations set to zero at every layer where they are massive (the ``every`` form of
+:func:`~massive_lens.interventions.ablate_massive`, calibrated on ``calibration``), so the two
+curves answer the paper's question in one figure.
+
+>>> import torch
+>>> x = torch.zeros(8, 6); x[:4, 0] = 1.0; x[4:, 0] = -1.0
+>>> round(matrix_entropy(x), 6)
+0.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from massive_lens.core.corpora import Corpus, sequences
+from massive_lens.core.criterion import first_token_mass, sink_metric
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.results import Result
+from massive_lens.effects.common import band, with_intervals
+from massive_lens.errors import MassiveLensError
+from massive_lens.interventions import REGISTRY, calibrate
+from massive_lens.metrics import as_hooks
+
+METRICS = ("entropy", "first_norm", "first_norm_ratio", "sink_rate")
+ORIGINAL = "original"
+
+
+def matrix_entropy(x: Float[Tensor, "pos d_model"]) -> float:
+    """Normalized matrix entropy of ``x`` centered over positions (see the module docstring).
+
+    Args:
+        x: one sequence's representations, ``[pos, d_model]`` with ``pos >= 2``.
+
+    Returns:
+        ``-sum p log p / log(min(pos, d_model))`` with ``p`` the normalized squared singular
+        values; 0 for a centered input that is all zero.
+
+    >>> import torch
+    >>> x = torch.zeros(8, 4)
+    >>> x[:, 0], x[:, 1] = torch.tensor([1.0, -1.0] * 4), torch.tensor([1.0, 1.0, -1.0, -1.0] * 2)
+    >>> matrix_entropy(x)  # two orthogonal directions of equal variance: log 2 / log 4
+    0.5
+    """
+    if x.ndim != 2 or x.shape[0] < 2:
+        raise MassiveLensError(f"matrix_entropy needs [pos, d_model] with pos >= 2, got {tuple(x.shape)}")
+    centered = x.double() - x.double().mean(0, keepdim=True)
+    s2 = torch.linalg.svdvals(centered).pow(2)
+    total = s2.sum()
+    if total <= 0:
+        return 0.0
+    p = s2[s2 > 0] / total
+    return float(-(p * p.log()).sum() / math.log(min(x.shape)))
+
+
+@dataclass(frozen=True)
+class CompressionValley(Result):
+    """Matrix entropy, first-token norm and sink rate per layer, with and without the massive
+    activations (see the module docstring).
+
+    ``to_frame()``: one row per ``setting`` (``original``, and the ablation, e.g.
+    ``zero_every``) and ``layer``: ``entropy``, ``first_norm``, ``first_norm_ratio``,
+    ``sink_rate``, each with ``<metric>_low`` and ``<metric>_high`` (95% bootstrap interval
+    over sequences), and ``n_seqs``. ``per_seq``: the same metrics per ``seq``.
+    """
+
+    frame: pd.DataFrame
+    per_seq: pd.DataFrame
+    model_name: str
+    seq_len: int
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def setting(self, name: str) -> pd.DataFrame:
+        """The rows of one setting, by layer."""
+        return self.frame[self.frame["setting"] == name].sort_values("layer")
+
+    def summary(self) -> str:
+        orig = self.setting(ORIGINAL)
+        low = orig.loc[orig["entropy"].idxmin()]
+        peak = orig.loc[orig["first_norm"].idxmax()]
+        lines = [f"{self.model_name}, {int(orig['n_seqs'].iloc[0])} sequences of {self.seq_len} tokens: "
+                 f"matrix entropy lowest at layer {int(low['layer'])} ({low['entropy']:.3f}, 95% CI "
+                 f"{low['entropy_low']:.3f}-{low['entropy_high']:.3f}; first layer {orig['entropy'].iloc[0]:.3f}, "
+                 f"last {orig['entropy'].iloc[-1]:.3f}); first-token norm peaks at layer {int(peak['layer'])} "
+                 f"({peak['first_norm']:.1f}, {peak['first_norm_ratio']:.1f}x the median token); sink rate "
+                 f"{orig['sink_rate'].max():.0%} at most (layer {int(orig.loc[orig['sink_rate'].idxmax(), 'layer'])})"]
+        for name in self.frame["setting"].unique():
+            if name == ORIGINAL:
+                continue
+            other = self.setting(name)
+            at = other[other["layer"] == low["layer"]].iloc[0]
+            lines.append(f"with {name}: entropy at layer {int(low['layer'])} {at['entropy']:.3f} (95% CI "
+                         f"{at['entropy_low']:.3f}-{at['entropy_high']:.3f}), lowest {other['entropy'].min():.3f}; "
+                         f"first-token norm at most {other['first_norm'].max():.1f}; sink rate at most "
+                         f"{other['sink_rate'].max():.0%}")
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None) -> Any:
+        """Entropy and sink rate (left axis) and first-token norm (right axis, log) per layer,
+        one color per setting, with 95% intervals."""
+        if ax is None:
+            ax = plt.subplots(figsize=(8, 4.5), layout="constrained")[1]
+        right = ax.twinx()
+        for i, name in enumerate(self.frame["setting"].unique()):
+            rows, color = self.setting(name), f"C{i}"
+            band(ax, rows, "entropy", color=color, label=f"{name}: matrix entropy")
+            band(ax, rows, "sink_rate", color=color, ls=":", label=f"{name}: sink rate")
+            band(right, rows, "first_norm", color=color, ls="--", label=f"{name}: first-token norm")
+        ax.set(xlabel="layer", ylabel="matrix entropy, sink rate", ylim=(0, 1.05),
+               title=f"{self.model_name}: compression valley")
+        right.set(ylabel="first-token residual norm (log)", yscale="log")
+        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, fontsize=7, loc="lower left")
+        return ax
+
+
+def _measure(view: ModelView, tokens: Tensor, layers: list[int], extra: list, setting: str,
+             batch_size: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    seq0 = 0
+    for chunk in tokens.split(batch_size):
+        seen: dict[tuple[str, int], Tensor] = {}
+        hooks = list(extra)
+        for layer in layers:
+            for kind, name in (("pattern", "attn.hook_pattern"), ("resid", "resid_post")):
+                hooks.append((view.hook_name(layer, name), partial(_keep, seen=seen, key=(kind, layer))))
+        view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(max(layers), "resid_post"))
+        for layer in layers:
+            resid, masses = seen[("resid", layer)], seen[("pattern", layer)]
+            norms = resid.norm(dim=-1)
+            for b in range(len(chunk)):
+                rows.append(dict(setting=setting, seq=seq0 + b, layer=layer, entropy=matrix_entropy(resid[b]),
+                                 first_norm=float(norms[b, 0]),
+                                 first_norm_ratio=float(norms[b, 0] / norms[b, 1:].median().clamp(min=1e-12)),
+                                 sink_rate=sink_metric(masses[b])))
+        seq0 += len(chunk)
+    return rows
+
+
+def first_token_mass_per_seq(pattern: Float[Tensor, "batch head_index query_pos key_pos"]) -> Tensor:
+    """Per sequence and head, the mean attention to the first token over the first 64 queries."""
+    return torch.stack([first_token_mass(pattern[b:b + 1]) for b in range(len(pattern))]).float().cpu()
+
+
+def _keep(x: Tensor, hook: Any, *, seen: dict, key: tuple[str, int]) -> None:
+    seen[key] = x.detach().float().cpu() if key[0] == "resid" else first_token_mass_per_seq(x)
+
+
+def compression_valley(model: Any, corpus: Corpus = None, *, layers: int | Sequence[int] | None = None,
+                       seq_len: int = 256, n_seqs: int = 8, batch_size: int = 4, ablate: str | None = "zero_every",
+                       calibration: Any = None, hooks: Any = ()) -> CompressionValley:
+    """Per layer: matrix entropy, first-token norm and sink rate over a corpus, with and without
+    the massive activations (see the module docstring).
+
+    Args:
+        model: a TransformerLens-style model.
+        corpus: a text file, a string, strings, ``hf:`` name, a ``[seq, pos]`` token tensor, or
+            None for the offline default text.
+        layers: a layer or a sequence of layers (None: all).
+        seq_len: tokens per sequence (BOS included; default 256), for text input.
+        n_seqs: sequences (default 8), for text input.
+        batch_size: sequences per forward pass (default 4).
+        ablate: the intervention setting measured beside the original (a name in
+            :data:`~massive_lens.interventions.REGISTRY`; default ``"zero_every"``), or None
+            for the original only.
+        calibration: where the ablation finds the massive activations: a corpus (None: the
+            offline default text) or a :class:`~massive_lens.interventions.Calibration`;
+            use other text than ``corpus``.
+        hooks: extra ``(hook_name, function)`` pairs (or an intervention) attached in every
+            pass, before the ablation.
+
+    Returns:
+        A :class:`CompressionValley`.
+
+    Raises:
+        MassiveLensError: for an unknown ``ablate`` setting, one that needs massive activations
+            when the calibration text has none, bad ``layers``, ``batch_size`` below 1, or a
+            corpus too short for one sequence.
+
+    >>> from massive_lens import tiny_model
+    >>> valley = compression_valley(tiny_model("llama"), "a b c d e f " * 40, seq_len=32, n_seqs=2, ablate=None)
+    >>> sorted(valley.to_frame()["layer"].unique().tolist()), bool(valley.to_frame()["entropy"].between(0, 1).all())
+    ([0, 1, 2, 3], True)
+    """
+    view = ModelView(model)
+    chosen = view.chosen_layers(layers)
+    if batch_size < 1:
+        raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
+    if ablate is not None and ablate not in REGISTRY:
+        raise MassiveLensError(f"unknown ablate setting {ablate!r}; choose one of {sorted(REGISTRY)} or None")
+    extra = as_hooks(hooks)
+    tokens = sequences(view, corpus, seq_len, n_seqs)
+    rows = _measure(view, tokens, chosen, extra, ORIGINAL, batch_size)
+    if ablate is not None:
+        calib = calibrate(model, calibration, progress=False)
+        iv = REGISTRY[ablate].build(model, calib)
+        rows += _measure(view, tokens, chosen, extra + list(iv.fwd_hooks), ablate, batch_size)
+    per_seq = pd.DataFrame(rows)
+    frame = with_intervals(per_seq, ["setting", "layer"], METRICS)
+    return CompressionValley(frame, per_seq, view.name, int(tokens.shape[1]))

@@ -1,0 +1,189 @@
+"""The effect analyses (massive_lens.effects): compression valley, streaming window, over-mixing.
+
+Each has an analytic or planted case with an exact answer, leaves the model as found (exceptions
+included) and refuses bad input with a MassiveLensError."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import plant_massive, untouched
+
+from massive_lens import load, tiny_model
+from massive_lens.effects import compression_valley, matrix_entropy, over_mixing, streaming_window
+from massive_lens.errors import MassiveLensError
+
+TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 12
+CALIB = "Calibration is other text, read for its massive activations. " * 12
+
+
+# --------------------------------------------------------------------------- matrix entropy
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+def test_matrix_entropy_of_a_known_low_rank_input(rank):
+    """Centered rows spanning ``rank`` orthogonal directions with equal variance: log(rank) / log(min(n, d))."""
+    n, d = 16, 12
+    basis = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64)).Q[:rank]  # [rank d] orthonormal
+    coords = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64)).Q[:, :rank]  # [n rank] orthonormal
+    coords = coords - coords.mean(0)  # centered: the columns stay orthogonal only if re-orthogonalized
+    coords = torch.linalg.qr(coords).Q * 5.0
+    x = coords @ basis + torch.randn(d, dtype=torch.float64)  # a shared offset: centering removes it
+    assert matrix_entropy(x) == pytest.approx(math.log(rank) / math.log(min(n, d)), abs=1e-9)
+
+
+def test_matrix_entropy_edges():
+    assert matrix_entropy(torch.ones(5, 3)) == 0.0  # centered to zero
+    assert 0.9 < matrix_entropy(torch.randn(400, 8)) <= 1.0  # isotropic noise: nearly 1
+    with pytest.raises(MassiveLensError, match="pos >= 2"):
+        matrix_entropy(torch.ones(1, 3))
+
+
+# --------------------------------------------------------------------------- compression valley
+
+
+def test_compression_valley_columns_and_ranges():
+    model = tiny_model("llama")
+    with untouched(model):
+        valley = compression_valley(model, TEXT, seq_len=32, n_seqs=3, ablate=None, layers=[0, 2])
+    frame = valley.to_frame()
+    assert sorted(frame["layer"]) == [0, 2] and set(frame["setting"]) == {"original"}
+    for col in ("entropy", "sink_rate"):
+        assert frame[col].between(0, 1).all()
+        assert (frame[f"{col}_low"] <= frame[col] + 1e-12).all() and (frame[col] <= frame[f"{col}_high"] + 1e-12).all()
+    assert (frame["n_seqs"] == 3).all() and len(valley.per_seq) == 6
+
+
+def test_compression_valley_planted_massive_activation_is_removed_by_zero_every():
+    """A planted 600 in dim 7 at BOS makes the first token's norm huge and the sequence nearly rank
+    one; zeroing it at every layer takes the norm down and the entropy up."""
+    model = tiny_model("llama")
+    plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=model.tokenizer.bos_token_id, trigger_dim=3)
+    with untouched(model):
+        valley = compression_valley(model, TEXT, seq_len=32, n_seqs=3, calibration=CALIB)
+    orig, ablated = valley.setting("original").set_index("layer"), valley.setting("zero_every").set_index("layer")
+    assert orig.loc[3, "first_norm"] > 500 and ablated.loc[3, "first_norm"] < 100
+    assert ablated.loc[3, "entropy"] > 100 * orig.loc[3, "entropy"]  # rank one no longer
+    assert "zero_every" in valley.summary()
+
+
+def test_compression_valley_bad_input_and_model_left_as_found():
+    model = tiny_model("llama")
+    with pytest.raises(MassiveLensError, match="unknown ablate"):
+        compression_valley(model, TEXT, seq_len=32, n_seqs=2, ablate="nonsense")
+    with pytest.raises(MassiveLensError, match="has no token-specific massive"):  # nothing to ablate: say so
+        compression_valley(model, TEXT, seq_len=32, n_seqs=2, calibration=CALIB)
+    model.train()
+
+    def boom(x, hook):
+        raise RuntimeError("boom")
+
+    with untouched(model), pytest.raises(RuntimeError, match="boom"):
+        compression_valley(model, TEXT, seq_len=32, n_seqs=2, ablate=None, hooks=[("blocks.1.hook_resid_post", boom)])
+    assert all(m.training for m in model.modules())
+
+
+# --------------------------------------------------------------------------- streaming window
+
+
+def test_streaming_window_equals_the_cache_loop_on_one_layer():
+    """One layer: a token's keys and values depend only on its embedding, so StreamingLLM's
+    prediction at query t is a fresh pass over [first k tokens] + [last W tokens] (positions
+    within the cache), computed here independently."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    tokens = torch.randint(1, 250, (2, 40))
+    window = 8
+    with untouched(model):
+        run = streaming_window(model, tokens, window=window, sinks=(0, 1, 2, 4), census=False, bins=4)
+    for i, k in enumerate((0, 1, 2, 4)):
+        for t in (20, 38):
+            ctx = torch.cat([tokens[:, :k], tokens[:, t - window + 1:t + 1]], 1)
+            ref = torch.nn.functional.cross_entropy(model(ctx)[:, -1], tokens[:, t + 1], reduction="none")
+            assert torch.allclose(run.losses[i + 1][:, t], ref, atol=1e-4), (k, t)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_streaming_window_as_long_as_the_text_is_full_attention_exactly(family):
+    model = tiny_model(family)
+    tokens = torch.randint(1, 250, (2, 48))
+    run = streaming_window(model, tokens, window=48, sinks=(0, 1, 4), census=False)
+    for i in range(1, 4):
+        assert torch.equal(run.losses[0], run.losses[i])
+    assert (run.to_frame()["ratio"] == 1.0).all()
+
+
+def test_streaming_window_small_window_differs_and_reports():
+    model = tiny_model("llama")
+    run = streaming_window(model, TEXT, window=8, sinks=(0, 1), seq_len=48, n_seqs=2, bins=6)
+    frame = run.to_frame()
+    assert frame["setting"].tolist() == ["full", "k=0", "k=1"] and (frame["window"] == 8).all()
+    assert not torch.equal(run.losses[0], run.losses[1])
+    assert torch.equal(run.losses[0][:, :7], run.losses[1][:, :7])  # before the window fills nothing changes
+    assert set(run.curve["setting"]) == {"full", "k=0", "k=1"} and run.predicted_k >= 0
+    assert "window 8" in run.summary()
+
+
+def test_streaming_window_positions_and_bad_input():
+    gpt2 = tiny_model("gpt2")
+    with pytest.raises(MassiveLensError, match="positions='original'"):
+        streaming_window(gpt2, TEXT, window=8, sinks=(1,), seq_len=32, n_seqs=1, census=False)
+    run = streaming_window(gpt2, TEXT, window=8, sinks=(0, 1), seq_len=32, n_seqs=1, census=False,
+                           positions="original")
+    assert run.positions == "original"
+    model = tiny_model("llama")
+    for kwargs, match in [(dict(window=0), "window"), (dict(sinks=(-1,)), "sinks"), (dict(sinks=()), "sinks"),
+                          (dict(positions="nowhere"), "positions")]:
+        with untouched(model), pytest.raises(MassiveLensError, match=match):
+            streaming_window(model, TEXT, seq_len=32, n_seqs=1, census=False, **{"window": 8, **kwargs})
+
+
+# --------------------------------------------------------------------------- over-mixing
+
+
+def _diagonal(pattern, hook):
+    return torch.eye(pattern.shape[-1], dtype=pattern.dtype, device=pattern.device).expand_as(pattern).clone()
+
+
+def test_over_mixing_cannot_spread_with_attention_masked_to_the_diagonal():
+    model = tiny_model("llama")
+    hooks = [(f"blocks.{layer}.attn.hook_pattern", _diagonal) for layer in range(model.cfg.n_layers)]
+    with untouched(model):
+        mix = over_mixing(model, TEXT, seq_len=24, n_seqs=2, remove=False, hooks=hooks)
+    frame = mix.to_frame()
+    assert (frame["spread"] == 0).all() and (frame["self_change"] > 0).all()
+
+
+def test_over_mixing_spreads_and_compares_with_sinks_removed():
+    model = tiny_model("llama")
+    with untouched(model):
+        mix = over_mixing(model, TEXT, seq_len=24, n_seqs=2, calibration=CALIB)
+    frame = mix.to_frame()
+    assert set(frame["setting"]) == {"sinks_intact", "sink_attention_removed"}
+    assert (frame["spread"] > 0).all()
+    assert (frame[frame["setting"] == "sinks_intact"]["self_change"] > 0.005).all()  # the nudge is 1% of the norm
+    assert "sinks removed" in mix.summary() or "removed" in mix.summary()
+
+
+def test_over_mixing_bad_input():
+    model = tiny_model("llama")
+    for kwargs, match in [(dict(pos=23), "pos must"), (dict(pos=-1), "pos must"), (dict(scale=0), "scale"),
+                          (dict(scale=float("nan")), "scale"), (dict(batch_size=0), "batch_size")]:
+        with pytest.raises(MassiveLensError, match=match):
+            over_mixing(model, TEXT, seq_len=24, n_seqs=1, remove=False, **kwargs)
+
+
+# --------------------------------------------------------------------------- the result contract
+
+
+def test_effect_results_save_load_and_plot(tmp_path):
+    model = tiny_model("llama")
+    results = [compression_valley(model, TEXT, seq_len=24, n_seqs=2, ablate=None),
+               streaming_window(model, TEXT, window=8, sinks=(0, 1), seq_len=32, n_seqs=2, census=False),
+               over_mixing(model, TEXT, seq_len=24, n_seqs=2, remove=False)]
+    for i, result in enumerate(results):
+        back = load(result.save(tmp_path / str(i)))
+        assert back.summary() == result.summary()
+        assert back.to_frame().equals(result.to_frame())
+        assert result.plot() is not None and result._repr_html_()
