@@ -12,7 +12,13 @@ import torch
 from helpers import plant_massive, untouched
 
 from massive_lens import load, tiny_model
-from massive_lens.effects import compression_valley, matrix_entropy, over_mixing, streaming_window
+from massive_lens.effects import (
+    compression_valley,
+    matrix_entropy,
+    over_mixing,
+    repeated_token_probe,
+    streaming_window,
+)
 from massive_lens.errors import MassiveLensError
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 12
@@ -187,3 +193,32 @@ def test_effect_results_save_load_and_plot(tmp_path):
         assert back.summary() == result.summary()
         assert back.to_frame().equals(result.to_frame())
         assert result.plot() is not None and result._repr_html_()
+
+
+# --------------------------------------------------------------------------- the repeated-token circuit
+
+
+def test_repeated_token_probe_finds_and_patches_a_planted_circuit():
+    """Neuron 5 of layer 1 writes 600 into dim 7 at every BOS: repeat BOS and every repeat looks
+    like the first token from position 1; the probe names that neuron and zeroing it stops it."""
+    model = tiny_model("llama")
+    bos = model.tokenizer.bos_token_id
+    plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=bos, trigger_dim=3)
+    with untouched(model):
+        probe = repeated_token_probe(model, bos, 16, text=TEXT, seq_len=24, n_seqs=2)
+    assert (probe.dim, probe.onset, probe.neuron_layer, probe.neuron) == (7, 1, 1, 5)
+    frame = probe.to_frame()
+    assert (frame["norm_ratio"][1:] > 0.9).all() and (frame["patched_ratio"][1:] < 0.1).all()
+    assert (frame["kl"][1:] > 0).all() and frame["kl"][0] == pytest.approx(0, abs=1e-6)  # first: not patched
+    assert set(probe.ppl["setting"]) == {"original", "patched"} and len(probe.heads) == model.cfg.n_heads
+    assert "neuron 5 of layer 1" in probe.summary()
+
+
+def test_repeated_token_probe_without_a_circuit_and_bad_input():
+    model = tiny_model("llama")
+    probe = repeated_token_probe(model, "a", 12, like=1.0, text=TEXT, seq_len=24, n_seqs=2)
+    assert probe.neuron == -1 and probe.frame["patched_ratio"].isna().all()
+    bad = [(("ab", 16), {}, "2 tokens"), (("a", 4), {}, "n must"), (("a", 16), {"like": 0}, "like")]
+    for args, kwargs, match in bad:
+        with untouched(model), pytest.raises(MassiveLensError, match=match):
+            repeated_token_probe(model, *args, **kwargs)
