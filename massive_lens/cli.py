@@ -12,6 +12,7 @@
     massive-lens dims --json dims.json     # massive dims to keep out of an abliteration direction
     massive-lens train smoke runs/smoke steps=50 lr=3e-4     # one run (also under torchrun)
     massive-lens train-compare --variants softmax,softmax1 --preset smoke
+    massive-lens effects valley            # what the sink does: valley, streaming, mixing, repeated
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outputs import check_out_dir, check_out_file
 from massive_lens.detect import find_massive, scan_corpus
+from massive_lens.effects.cli import HELP as EFFECTS_HELP
+from massive_lens.effects.cli import add_arguments as effects_arguments
+from massive_lens.effects.cli import cmd_effects
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover import precision_check
 from massive_lens.handover.cli import DIMS_HELP, MASK_HELP, add_dims_arguments, add_mask_arguments, cmd_dims, cmd_mask
@@ -221,6 +225,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "tokenize": (cmd_tokenize, "tokenize a corpus once into a .bin token file that training reads by memmap"),
     "retrofit": (cmd_retrofit, RETROFIT_HELP),
     "quantize": (cmd_quantize, QUANTIZE_HELP),
+    "effects": (cmd_effects, EFFECTS_HELP),
 }
 
 
@@ -290,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--max-chars", type=int, default=None, help="stop after this many characters")
     retrofit_arguments(cmd["retrofit"])
     quantize_arguments(cmd["quantize"])
+    effects_arguments(cmd["effects"])
     return parser
 
 

@@ -222,3 +222,35 @@ def test_repeated_token_probe_without_a_circuit_and_bad_input():
     for args, kwargs, match in bad:
         with untouched(model), pytest.raises(MassiveLensError, match=match):
             repeated_token_probe(model, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@pytest.mark.parametrize("argv", [["valley", "--seq-len", "24", "--n-seqs", "2", "--layers", "0,1"],
+                                  ["streaming", "--seq-len", "32", "--n-seqs", "1", "--window", "8", "--sinks", "0,1"],
+                                  ["mixing", "--seq-len", "24", "--n-seqs", "2", "--calibration", CALIB]])
+def test_effects_command_runs_each_experiment(argv):
+    import argparse
+
+    from massive_lens.effects.cli import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv + ["--corpus", TEXT])
+    model = tiny_model("llama")
+    if args.experiment == "valley":
+        plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=model.tokenizer.bos_token_id, trigger_dim=3)
+        args.calibration = CALIB
+    with untouched(model):
+        assert run(args, model).summary()
+
+
+def test_effects_command_checks_before_loading(tmp_path, capsys):
+    from massive_lens.cli import main
+
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    assert main(["effects", "valley", "--out-dir", str(afile)]) == 2
+    assert main(["effects", "streaming", "--sinks", "0,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
