@@ -28,6 +28,7 @@ from massive_lens.attention.census import sink_census
 from massive_lens.attention.dormant import dormant_heads
 from massive_lens.attention.kv import sink_kv
 from massive_lens.core.results import Result
+from massive_lens.effects import compression_valley, over_mixing, repeated_token_probe, streaming_window
 from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check, sae_check
 from massive_lens.interventions import head_curve
 from massive_lens.quantize import lowbit_grid
@@ -38,7 +39,8 @@ from massive_lens.train.model import MassiveLM
 RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace", "SinkAttention",
                 "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
-                "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve"]
+                "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
+                "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -87,6 +89,10 @@ def result_examples() -> dict[str, object]:
         "PrecisionCheck": precision_check(_planted(), TEXT, seq_len=16, n_seqs=2),
         "SAECheck": sae_check(_planted(), StandInSAE(64), TEXT, seq_len=16, n_seqs=2),
         "HeadCurve": head_curve(model, TEXT, calibration=TEXT[::-1], shares=(0.25,), draws=2, seq_len=16, n_seqs=2),
+        "CompressionValley": compression_valley(_planted(), TEXT, seq_len=16, n_seqs=2, calibration=TEXT[::-1]),
+        "StreamingWindow": streaming_window(model, TEXT, window=4, sinks=(0, 1), seq_len=24, n_seqs=2, bins=4),
+        "OverMixing": over_mixing(model, TEXT, seq_len=16, n_seqs=2, calibration=TEXT[::-1]),
+        "RepeatedToken": repeated_token_probe(model, "a", 12, text=TEXT, seq_len=16, n_seqs=2),
     }
 
 
