@@ -9,6 +9,8 @@ The public API, one line per task (every result has ``.to_frame()``, ``.summary(
 - attention: :func:`sink_attention`, :func:`decompose_attention`, :func:`sink_census`
 - intervene and evaluate: :func:`perplexity`, :func:`run_interventions`, :func:`calibrate`
   (the interventions themselves live in :mod:`massive_lens.interventions`)
+- what sinks do: the compression valley, the StreamingLLM window, over-mixing and the
+  repeated-token circuit, in :mod:`massive_lens.effects`
 - quantize and train: :func:`measure_outliers`, :func:`quantize_grid` (low bits, rotations, kept
   sinks; more in :mod:`massive_lens.quant`), :func:`train_model`, :func:`compare_variants`
   (more in :mod:`massive_lens.train`)
