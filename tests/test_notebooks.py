@@ -32,7 +32,7 @@ PUBLIC = {"massive_lens", "massive_lens.interventions", "massive_lens.train", "m
 
 
 def test_notebooks_exist_with_badge_and_setup():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
     assert [p.stem for p in SOURCES] == [p.stem for p in NOTEBOOKS], "every notebook needs its .py source"
     for path in NOTEBOOKS:
         notebook = json.loads(path.read_text())
