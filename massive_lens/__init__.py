@@ -9,8 +9,8 @@ The public API, one line per task (every result has ``.to_frame()``, ``.summary(
 - attention: :func:`sink_attention`, :func:`decompose_attention`, :func:`sink_census`
 - intervene and evaluate: :func:`perplexity`, :func:`run_interventions`, :func:`calibrate`
   (the interventions themselves live in :mod:`massive_lens.interventions`)
-- what sinks do: the compression valley, the StreamingLLM window, over-mixing and the
-  repeated-token circuit, in :mod:`massive_lens.effects`
+- what sinks do: :func:`compression_valley`, :func:`streaming_window`, :func:`over_mixing`,
+  :func:`repeated_token_probe` (their results in :mod:`massive_lens.effects`)
 - quantize and train: :func:`measure_outliers`, :func:`quantize_grid` (low bits, rotations, kept
   sinks; more in :mod:`massive_lens.quant`), :func:`train_model`, :func:`compare_variants`
   (more in :mod:`massive_lens.train`)
@@ -39,6 +39,7 @@ try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends
     from massive_lens.core.criterion import Criterion
     from massive_lens.core.restore import load
     from massive_lens.detect import find_massive, layer_profile, scan_corpus
+    from massive_lens.effects import compression_valley, over_mixing, repeated_token_probe, streaming_window
     from massive_lens.errors import MassiveLensError
     from massive_lens.handover import exclusion_mask
     from massive_lens.interventions import calibrate, run_interventions
@@ -64,6 +65,7 @@ __all__ = [
     "calibrate",
     "compare_models",
     "compare_variants",
+    "compression_valley",
     "decompose_attention",
     "default_text",
     "exclusion_mask",
@@ -72,12 +74,15 @@ __all__ = [
     "load",
     "load_model",
     "measure_outliers",
+    "over_mixing",
     "perplexity",
     "quantize_grid",
+    "repeated_token_probe",
     "run_interventions",
     "scan_corpus",
     "sink_attention",
     "sink_census",
+    "streaming_window",
     "tiny_model",
     "trace_origin",
     "train_model",

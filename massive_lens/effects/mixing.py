@@ -149,6 +149,11 @@ def over_mixing(model: Any, text: Corpus = None, *, pos: int = 1, scale: float |
     Raises:
         MassiveLensError: if ``pos`` leaves no later token, ``scale`` is not a positive finite
             number, or ``layers`` / ``batch_size`` are invalid.
+
+    >>> from massive_lens import tiny_model
+    >>> mix = over_mixing(tiny_model("llama"), "a b c d e f " * 20, seq_len=24, n_seqs=2, layers=[0, 3], remove=False)
+    >>> mix.to_frame()["layer"].tolist(), mix.pos
+    ([0, 3], 1)
     """
     view = ModelView(model)
     chosen = view.chosen_layers(layers)

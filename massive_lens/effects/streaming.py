@@ -154,6 +154,12 @@ def streaming_window(model: Any, text: Corpus = None, *, window: int = 256, sink
     Raises:
         MassiveLensError: for a window below 1, a negative ``k``, unknown ``positions``, or
             ``positions="cache"`` on a model without HF-style rotary embeddings.
+
+    >>> from massive_lens import tiny_model
+    >>> run = streaming_window(tiny_model("llama"), "a b c d " * 40, window=64, sinks=(0, 1), seq_len=64, n_seqs=1,
+    ...                        census=False)
+    >>> run.to_frame()["ratio"].tolist()  # the window holds the whole text: full attention exactly
+    [1.0, 1.0, 1.0]
     """
     view = ModelView(model)
     ks = list(sinks)

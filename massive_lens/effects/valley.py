@@ -104,7 +104,14 @@ class CompressionValley(Result):
         return self.frame.copy()
 
     def setting(self, name: str) -> pd.DataFrame:
-        """The rows of one setting, by layer."""
+        """The rows of one setting, by layer.
+
+        Args:
+            name: ``"original"`` or the ablation's name (e.g. ``"zero_every"``).
+
+        Returns:
+            The rows of ``to_frame()`` of that setting, sorted by layer.
+        """
         return self.frame[self.frame["setting"] == name].sort_values("layer")
 
     def summary(self) -> str:
