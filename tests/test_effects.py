@@ -94,11 +94,12 @@ def test_compression_valley_bad_input_and_model_left_as_found():
 # --------------------------------------------------------------------------- streaming window
 
 
-def test_streaming_window_equals_the_cache_loop_on_one_layer():
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_streaming_window_equals_the_cache_loop_on_one_layer(family):
     """One layer: a token's keys and values depend only on its embedding, so StreamingLLM's
     prediction at query t is a fresh pass over [first k tokens] + [last W tokens] (positions
     within the cache), computed here independently."""
-    model = tiny_model("llama", num_hidden_layers=1)
+    model = tiny_model(family, num_hidden_layers=1)
     tokens = torch.randint(1, 250, (2, 40))
     window = 8
     with untouched(model):
@@ -129,6 +130,14 @@ def test_streaming_window_small_window_differs_and_reports():
     assert torch.equal(run.losses[0][:, :7], run.losses[1][:, :7])  # before the window fills nothing changes
     assert set(run.curve["setting"]) == {"full", "k=0", "k=1"} and run.predicted_k >= 0
     assert "window 8" in run.summary()
+
+
+def test_streaming_window_refuses_a_rotation_it_cannot_move():
+    """cos/sin that are not a rotation linear in the position (here: scaled) are refused."""
+    model = tiny_model("llama")
+    scaled = [(f"blocks.{layer}.attn.hook_cos", lambda cos, hook: cos * 0.5) for layer in range(model.cfg.n_layers)]
+    with untouched(model), model.hooks(fwd_hooks=scaled), pytest.raises(MassiveLensError, match="rotate-half"):
+        streaming_window(model, TEXT, window=8, sinks=(1,), seq_len=32, n_seqs=1, census=False)
 
 
 def test_streaming_window_positions_and_bad_input():

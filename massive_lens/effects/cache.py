@@ -20,11 +20,11 @@ keys (their distance ``t - j`` is the same) and change the sink keys' distance f
   positions using the model's own ``cos``/``sin`` (``attn.hook_cos``, ``hook_sin``, HF's
   rotate-half layout), and the score scale read off the unedited logits.
 
-Two checks run on every pass and fail loudly: the model's rotated keys must equal the model's
-keys turned by its own ``cos``/``sin`` (the rotation this module applies is the model's), and its
-logits on the sink keys must be one scale times ``q . k`` (no soft-capping or bias this module
-would miss). ``positions="original"`` keeps the original positions (any positional scheme, the
-mask alone).
+Two checks run on every pass and fail loudly: the model's ``cos``/``sin`` must be a pure rotation
+by an angle linear in the position, in HF's rotate-half layout (so turning a key by ``cos[d]``,
+``sin[d]`` moves it ``d`` positions), and its logits on the sink keys must be one scale times the
+rotated ``q . k`` (no soft-capping or bias this module would miss). ``positions="original"``
+keeps the original positions (any positional scheme, the mask alone).
 
 >>> visible(5, 2, 1).int().tolist()[4]
 [1, 0, 0, 1, 1]
@@ -65,17 +65,25 @@ def _turn(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _check_rotation(view: ModelView, layer: int, seen: dict[str, Tensor]) -> None:
-    k, rot_k = seen["k"].float(), seen["rot_k"].float()
-    cos, sin = seen["cos"][0].float(), seen["sin"][0].float()  # [pos rotary_dim]
-    if k.ndim != 4 or cos.shape[0] != k.shape[1]:
-        raise MassiveLensError(f"{view.name} layer {layer}: keys {tuple(k.shape)} and cos {tuple(cos.shape)} are not "
-                               "[batch, pos, head, d_head] and [1, pos, rotary_dim]; use positions='original'")
-    mine = _turn(k, cos[None, :, None], sin[None, :, None])
-    scale = rot_k.abs().amax().clamp(min=1e-6)
-    if float((mine - rot_k).abs().amax() / scale) > 1e-3 or not torch.allclose(cos[0], torch.ones_like(cos[0])):
-        raise MassiveLensError(f"{view.name} layer {layer}: its rotary embedding is not HF's rotate-half rotation "
-                               "with cos/sin (or scales position 0); the cache positions cannot be re-assigned here. "
-                               "Use positions='original'")
+    """The model's ``cos``/``sin`` must be a pure rotation by an angle linear in the position,
+    in HF's rotate-half layout, so that turning a rotated key by ``cos[d]``/``sin[d]`` moves it
+    ``d`` positions (what the logits of the sink keys are then recomputed with)."""
+    cos, sin = seen["cos"][0].double(), seen["sin"][0].double()  # [pos rotary_dim]
+    k = seen["rot_k"]
+    half = cos.shape[-1] // 2
+    ok = (cos.ndim == 2 and k.ndim == 4 and cos.shape[0] == k.shape[1] and cos.shape[-1] <= k.shape[-1]
+          and cos.shape[-1] % 2 == 0)
+    if ok:
+        ok = (torch.allclose(cos[0], torch.ones_like(cos[0])) and torch.allclose(sin[0], torch.zeros_like(sin[0]))
+              and torch.allclose(cos.pow(2) + sin.pow(2), torch.ones_like(cos), atol=1e-4)
+              and torch.allclose(cos[:, :half], cos[:, half:]) and torch.allclose(sin[:, :half], sin[:, half:])
+              and torch.allclose(cos[1:], cos[1:2] * cos[:-1] - sin[1:2] * sin[:-1], atol=1e-4)
+              and torch.allclose(sin[1:], sin[1:2] * cos[:-1] + cos[1:2] * sin[:-1], atol=1e-4))
+    if not ok:
+        raise MassiveLensError(f"{view.name} layer {layer}: its attn.hook_cos/hook_sin ({tuple(cos.shape)}) are not a "
+                               "rotation by an angle linear in the position in HF's rotate-half layout (or they "
+                               "scale position 0), so the cache positions cannot be re-assigned safely; use "
+                               "positions='original'")
 
 
 def _sink_logits(view: ModelView, layer: int, scores: Tensor, seen: dict[str, Tensor], window: int, sinks: int
@@ -126,7 +134,7 @@ def window_hooks(view: ModelView, window: int, sinks: int, positions: str = "cac
     for layer in range(view.n_layers):
         seen: dict[str, Tensor] = {}
         if positions == "cache" and sinks > 0:
-            needed = ("k", "rot_q", "rot_k", "cos", "sin")
+            needed = ("rot_q", "rot_k", "cos", "sin")
             missing = [h for h in needed if f"blocks.{layer}.attn.hook_{h}" not in view.hook_names]
             if missing:
                 raise MassiveLensError(f"{view.name} has no rotary hooks {missing} at layer {layer} (no rotary "
