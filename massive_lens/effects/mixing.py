@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from torch import Tensor
@@ -36,7 +35,7 @@ from torch import Tensor
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
-from massive_lens.effects.common import band, with_intervals
+from massive_lens.effects.common import axes, band, with_intervals
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import calibrate, remove_sink_attention
 from massive_lens.metrics import as_hooks
@@ -82,8 +81,7 @@ class OverMixing(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Relative spread to later tokens per layer (log), one line per setting, with intervals."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 4), layout="constrained")[1]
+        ax = axes(ax, (7, 4))
         for name, rows in self.frame.groupby("setting", sort=False):
             band(ax, rows.sort_values("layer"), "spread", label=name)
         ax.set(xlabel="layer", ylabel="relative change of later tokens (log)", yscale="log",

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from torch import Tensor
@@ -31,6 +30,7 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.effects.cache import POSITIONS, window_hooks
+from massive_lens.effects.common import axes
 from massive_lens.errors import MassiveLensError
 from massive_lens.metrics import bootstrap_mean
 
@@ -87,8 +87,7 @@ class StreamingWindow(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Perplexity over position (log), one line per setting; the window's end marked."""
-        if ax is None:
-            ax = plt.subplots(figsize=(8, 4.5), layout="constrained")[1]
+        ax = axes(ax, (8, 4.5))
         for name, rows in self.curve.groupby("setting", sort=False):
             mid = (rows["pos_start"] + rows["pos_end"]) / 2
             ax.plot(mid, rows["perplexity"], marker="o", markersize=3, label=name, lw=2 if name == FULL else 1.2)

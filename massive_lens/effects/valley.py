@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from jaxtyping import Float
@@ -48,7 +47,7 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import first_token_mass, sink_metric
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
-from massive_lens.effects.common import band, with_intervals
+from massive_lens.effects.common import axes, band, with_intervals
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, calibrate
 from massive_lens.metrics import as_hooks
@@ -138,8 +137,7 @@ class CompressionValley(Result):
     def plot(self, ax: Any = None) -> Any:
         """Entropy and sink rate (left axis) and first-token norm (right axis, log) per layer,
         one color per setting, with 95% intervals."""
-        if ax is None:
-            ax = plt.subplots(figsize=(8, 4.5), layout="constrained")[1]
+        ax = axes(ax, (8, 4.5))
         right = ax.twinx()
         for i, name in enumerate(self.frame["setting"].unique()):
             rows, color = self.setting(name), f"C{i}"
