@@ -28,7 +28,8 @@ NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 SOURCES = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.py"))
 REGENERATE = ".venv/bin/jupytext --update --to ipynb notebooks/[0-9][0-9]_*.py"
-PUBLIC = {"massive_lens", "massive_lens.interventions", "massive_lens.train", "massive_lens.viz", "massive_lens.effects"}
+PUBLIC = {"massive_lens", "massive_lens.interventions", "massive_lens.train", "massive_lens.viz",
+          "massive_lens.effects"}
 
 
 def test_notebooks_exist_with_badge_and_setup():
