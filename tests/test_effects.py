@@ -127,7 +127,8 @@ def test_streaming_window_small_window_differs_and_reports():
     frame = run.to_frame()
     assert frame["setting"].tolist() == ["full", "k=0", "k=1"] and (frame["window"] == 8).all()
     assert not torch.equal(run.losses[0], run.losses[1])
-    assert torch.equal(run.losses[0][:, :7], run.losses[1][:, :7])  # before the window fills nothing changes
+    for i in (1, 2):  # before the window fills nothing changes, exactly
+        assert torch.equal(run.losses[0][:, :7], run.losses[i][:, :7])
     assert set(run.curve["setting"]) == {"full", "k=0", "k=1"} and run.predicted_k >= 0
     assert "window 8" in run.summary()
 

@@ -107,8 +107,9 @@ def _sink_logits(view: ModelView, layer: int, scores: Tensor, seen: dict[str, Te
         raise MassiveLensError(f"{view.name} layer {layer}: its attention logits are not one scale times the rotated "
                                "q . k (soft-capping, a bias or ALiBi?), so the sink keys cannot be moved within the "
                                "cache; use positions='original'")
+    moved = (delta > 0)[:, None]  # [pos 1]: only queries whose cache is full move the sink keys
     out = scores.clone()
-    out[..., :sinks] = (given + scale * (new - old)).to(scores.dtype)
+    out[..., :sinks] = torch.where(moved, given + scale * (new - old), given).to(scores.dtype)
     return out
 
 
