@@ -31,6 +31,7 @@ from massive_lens.core.results import Result
 from massive_lens.effects import compression_valley, over_mixing, repeated_token_probe, streaming_window
 from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check, sae_check
 from massive_lens.interventions import head_curve
+from massive_lens.quant import quantize_grid
 from massive_lens.quantize import lowbit_grid
 from massive_lens.train import compare_variants, retrofit, train_model
 from massive_lens.train.layers import MassiveLMConfig
@@ -40,7 +41,7 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
-                "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken"]
+                "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -78,6 +79,8 @@ def result_examples() -> dict[str, object]:
         "Comparison": compare_variants(["softmax"], preset="smoke", seeds=[0], progress=False, measure_seqs=1,
                                        **TINY_TRAIN),
         "LowBitGrid": lowbit_grid(model, TEXT, settings=["W8A8", "W4A16"], seq_len=16, n_seqs=2),
+        "Quantization": quantize_grid(model, TEXT, settings=["W8A8", "W4A4KV4+hadamard+kvsink"], seq_len=16, n_seqs=2,
+                                      calibration=TEXT[::-1]),
         "SinkCensus": sink_census(model, ["The cat sat. The dog ran!", "A bird sang, loudly."]),
         "SinkKV": sink_kv(model, "The cat sat. The dog ran!"),
         "DormantHeads": dormant_heads(model, "The cat sat. The dog ran!"),
