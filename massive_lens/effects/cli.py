@@ -5,8 +5,8 @@
     massive-lens effects mixing --corpus test.txt --calibration valid.txt
     massive-lens effects repeated --token " the" --n 3000
 
-``massive_lens.cli`` registers the command with :func:`add_arguments` and :func:`cmd_effects`;
-``python -m massive_lens.effects.cli`` runs it directly. With ``--out-dir`` the result is saved
+``massive_lens.cli`` registers the command with :func:`add_arguments` and :func:`cmd_effects`.
+With ``--out-dir`` the result is saved
 there (``massive_lens.load`` reads it back) with its figure as ``<experiment>.png``.
 
 >>> import argparse
@@ -20,8 +20,6 @@ there (``massive_lens.load`` reads it back) with its figure as ``<experiment>.pn
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,19 +92,3 @@ def cmd_effects(args: argparse.Namespace) -> None:
     if out is not None:
         result.save(out / args.experiment, overwrite=True)
         save_figure(result.plot(), Path(out) / args.experiment, formats=("png",))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command outside ``massive-lens``."""
-    parser = argparse.ArgumentParser(prog="massive-lens effects", description=HELP)
-    add_arguments(parser)
-    try:
-        cmd_effects(parser.parse_args(argv))
-    except MassiveLensError as err:
-        print(f"massive-lens effects: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,6 @@
 """``massive-lens quantize``: the argparse wiring of :func:`massive_lens.quant.quantize_grid`.
 
-``massive_lens.cli`` registers the command with :func:`add_arguments` and :func:`cmd_quantize`;
-``python -m massive_lens.quant.cli`` runs it directly.
+``massive_lens.cli`` registers the command with :func:`add_arguments` and :func:`cmd_quantize`.
 
 >>> import argparse
 >>> parser = argparse.ArgumentParser()
@@ -13,8 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from massive_lens.errors import MassiveLensError
@@ -77,19 +74,3 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         ax = result.plot()
         ax.figure.savefig(out / "quantization.png", dpi=120, bbox_inches="tight")
         plt.close(ax.figure)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command outside ``massive-lens``."""
-    parser = argparse.ArgumentParser(prog="massive-lens quantize", description=HELP)
-    add_arguments(parser)
-    try:
-        cmd_quantize(parser.parse_args(argv))
-    except MassiveLensError as err:
-        print(f"massive-lens quantize: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
