@@ -9,10 +9,10 @@ The public API, one line per task (every result has ``.to_frame()``, ``.summary(
 - attention: :func:`sink_attention`, :func:`decompose_attention`, :func:`sink_census`
 - intervene and evaluate: :func:`perplexity`, :func:`run_interventions`, :func:`calibrate`
   (the interventions themselves live in :mod:`massive_lens.interventions`)
-- what sinks do: :func:`compression_valley`, :func:`streaming_window`, :func:`over_mixing`,
-  :func:`repeated_token_probe` (their results in :mod:`massive_lens.effects`)
-- quantize and train: :func:`measure_outliers`, :func:`quantize_grid` (low bits, rotations, kept
-  sinks; more in :mod:`massive_lens.quant`), :func:`train_model`, :func:`compare_variants`
+- what sinks do (the compression valley, the StreamingLLM window, over-mixing, the
+  repeated-token circuit): :mod:`massive_lens.effects`
+- quantize and train: :func:`measure_outliers` (low bits with rotations and kept sinks:
+  :mod:`massive_lens.quant`), :func:`train_model`, :func:`compare_variants`
   (more in :mod:`massive_lens.train`)
 - show: :func:`write_report`, :func:`compare_models` (several models on one page; figures
   and views in :mod:`massive_lens.viz`)
@@ -34,12 +34,13 @@ A tiny random model with a planted massive activation (the BOS token's embedding
 import sys as _sys
 
 try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends with one line like the rest
+    from massive_lens import effects as effects  # public subpackages; importing them registers their results
+    from massive_lens import quant as quant  # for massive_lens.load
     from massive_lens.attention import decompose_attention, sink_attention, sink_census
     from massive_lens.core.corpora import default_text
     from massive_lens.core.criterion import Criterion
     from massive_lens.core.restore import load
     from massive_lens.detect import find_massive, layer_profile, scan_corpus
-    from massive_lens.effects import compression_valley, over_mixing, repeated_token_probe, streaming_window
     from massive_lens.errors import MassiveLensError
     from massive_lens.handover import exclusion_mask
     from massive_lens.interventions import calibrate, run_interventions
@@ -47,7 +48,6 @@ try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends
     from massive_lens.models.load import load_model
     from massive_lens.models.tiny import tiny_model
     from massive_lens.origin import trace_origin
-    from massive_lens.quant import quantize_grid
     from massive_lens.quantize import measure_outliers
     from massive_lens.report import compare_models, write_report
     from massive_lens.train import compare_variants, train_model
@@ -65,7 +65,6 @@ __all__ = [
     "calibrate",
     "compare_models",
     "compare_variants",
-    "compression_valley",
     "decompose_attention",
     "default_text",
     "exclusion_mask",
@@ -74,15 +73,11 @@ __all__ = [
     "load",
     "load_model",
     "measure_outliers",
-    "over_mixing",
     "perplexity",
-    "quantize_grid",
-    "repeated_token_probe",
     "run_interventions",
     "scan_corpus",
     "sink_attention",
     "sink_census",
-    "streaming_window",
     "tiny_model",
     "trace_origin",
     "train_model",
