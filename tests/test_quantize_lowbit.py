@@ -310,7 +310,7 @@ def test_bad_quantize_input(planted_llama):
 
 
 def test_quantize_command(monkeypatch, tmp_path, capsys):
-    from massive_lens.cli import COMMANDS, build_parser
+    from massive_lens.cli import COMMANDS, build_parser, main
     from massive_lens.quant import cli
 
     assert "quantize" in COMMANDS
@@ -319,8 +319,8 @@ def test_quantize_command(monkeypatch, tmp_path, capsys):
     corpus = tmp_path / "text.txt"
     corpus.write_text(TEXT)
     out = tmp_path / "out"
-    assert cli.main(["--corpus", str(corpus), "--settings", "W8A8,W4A4KV4+hadamard", "--seq-len", "32",
-                     "--n-seqs", "2", "--out-dir", str(out)]) == 0
+    assert main(["quantize", "--corpus", str(corpus), "--settings", "W8A8,W4A4KV4+hadamard", "--seq-len", "32",
+                 "--n-seqs", "2", "--out-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "W4A4KV4+hadamard" in printed and "gap_low" in printed
     assert isinstance(load(out / "result"), Quantization)
@@ -328,5 +328,5 @@ def test_quantize_command(monkeypatch, tmp_path, capsys):
     for argv, match in ((["--settings", "W4"], "bad low-bit setting"), (["--corpus", str(tmp_path / "no.txt")],
                                                                         "no such file"),
                         (["--n-seqs", "0"], "at least 1"), (["--out-dir", str(corpus)], "is a file")):
-        assert cli.main(argv) == 2
+        assert main(["quantize", *argv]) == 2
         assert match in capsys.readouterr().err
