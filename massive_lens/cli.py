@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from massive_lens.attention import dormant_heads, sink_census, sink_kv
+from massive_lens.attention import dormant_heads, find_sinks, sink_census, sink_kv
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
@@ -128,8 +128,9 @@ def cmd_sinks(args: argparse.Namespace) -> None:
     folder = check_out_dir(args.out_dir) if args.out_dir else None  # before the model loads
     model = _load(args)
     text = args.text if args.corpus is None else sequences(ModelView(model), args.corpus, args.seq_len, args.n_seqs)
+    sinks = find_sinks(model, text) if {"kv", "dormant"} <= set(chosen) else None  # one pass for both
     for name in chosen:
-        result = SINK_ANALYSES[name](model, text)
+        result = SINK_ANALYSES[name](model, text) if name == "census" else SINK_ANALYSES[name](model, text, sinks=sinks)
         print(result.summary(), end="\n\n")
         if folder is not None:
             print(f"wrote {result.save(folder / name, overwrite=True)}", end="\n\n")

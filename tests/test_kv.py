@@ -106,3 +106,15 @@ def test_default_model_agrees_with_transformers(default_model):
 
 def _close(column, want: torch.Tensor) -> None:
     torch.testing.assert_close(torch.tensor(column.values, dtype=torch.float32), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sink_set_found_once_serves_both_analyses():
+    from massive_lens.attention import dormant_heads, find_sinks
+
+    model = tiny_model("llama")
+    text = "Hello there, world. The cat sat."
+    found = find_sinks(model, text)
+    assert sink_kv(model, text, sinks=found).to_frame().equals(sink_kv(model, text).to_frame())
+    assert dormant_heads(model, text, sinks=found).to_frame().equals(dormant_heads(model, text).to_frame())
+    with pytest.raises(MassiveLensError, match="find the sinks on the same text"):
+        sink_kv(model, "Hi.", sinks=found)

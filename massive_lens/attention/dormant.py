@@ -107,7 +107,8 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     Args:
         model: a TransformerLens-style model.
         text: a string, a list of strings (padded into one batch; each is one input) or a token tensor.
-        sinks: sink positions (a list of ints, or a bool ``[batch, pos]`` mask); None: the
+        sinks: sink positions (a list of ints, a bool ``[batch, pos]`` mask, or a ``SinkSet`` that
+            ``find_sinks`` gave for the same text); None: the
             positions that act as sinks (``find_sinks``), else the first token.
         sink_share: attention on the sinks above which a head may be dormant, in (0, 1).
         norm_ratio: output norm, as a share of its layer's mean head, below which it may be dormant (> 0).

@@ -175,7 +175,8 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     Args:
         model: a TransformerLens-style model.
         text: a string, a list of strings (padded into one batch) or a token tensor.
-        sinks: sink positions (a list of ints, or a bool ``[batch, pos]`` mask); None: the
+        sinks: sink positions (a list of ints, a bool ``[batch, pos]`` mask, or a ``SinkSet`` that
+            ``find_sinks`` gave for the same text); None: the
             positions that act as sinks (``find_sinks``, one more forward pass), else the first token.
         layers: a layer or a sequence of layers (None: all).
 

@@ -25,8 +25,6 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.errors import MassiveLensError
 
-Sinks = Sequence[int] | Tensor | None
-
 
 def sink_term(pattern: Float[Tensor, "batch head_index query_pos key_pos"],
               v: Float[Tensor, "batch key_pos kv_head d_head"],
@@ -117,6 +115,11 @@ class SinkSet:
         return frame
 
 
+# sink positions as the analyses take them: a list of positions, a bool [batch, pos] mask, a SinkSet
+# found earlier on the same batch (``find_sinks``; one pass for several analyses), or None (found here)
+Sinks = Sequence[int] | Tensor | SinkSet | None
+
+
 def sink_hooks(view: ModelView, evidence: SinkEvidence, patterns: bool = True) -> list[tuple[str, Any]]:
     """Hooks that feed ``evidence`` every layer's residual stream and attention pattern (layers
     without an attention pattern, as in recurrent or hybrid models, give only the former;
@@ -195,6 +198,11 @@ def sink_mask(model: Any, batch: Batch, sinks: Sinks) -> SinkSet:
     view = ModelView(model)
     n, pos = batch.tokens.shape
     mask = torch.zeros(n, pos, dtype=torch.bool)
+    if isinstance(sinks, SinkSet):
+        if tuple(sinks.mask.shape) != (n, pos):
+            raise MassiveLensError(f"the SinkSet is for a batch of {list(sinks.mask.shape)} positions, this text has "
+                                   f"{[n, pos]}; find the sinks on the same text")
+        return sinks
     if isinstance(sinks, Tensor):
         if sinks.dtype != torch.bool or tuple(sinks.shape) != (n, pos):
             raise MassiveLensError(f"a sinks tensor must be bool [batch, pos] = {[n, pos]}, got "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from massive_lens.attention import dormant_heads, sink_census, sink_kv
+from massive_lens.attention import dormant_heads, find_sinks, sink_census, sink_kv
 from massive_lens.handover import precision_check
 from massive_lens.report.render import Section
 from massive_lens.report.sections import SECOND_TEXT, Inputs, quantize_section
@@ -25,9 +25,10 @@ def sinks_section(inputs: Inputs, s: Section) -> None:
     """Census over the evaluation sequences; keys, values and dormant heads on the two short texts."""
     census = sink_census(inputs.model, inputs.eval_tokens, batch_size=inputs.batch_size)
     s.text(f"Census over {inputs.eval_source}. A position acts as a sink at a layer when one head gives it more "
-           "than 0.3 of its attention (Gu et al.'s threshold, per head); primary sinks are the first token and "
-           "what the sink rule counts (the sinks every other analysis and intervention uses), secondary sinks the "
-           "other positions that act as sinks in at least 2 layers, transient the rest.")
+           f"than {census.rule.threshold:g} of its attention (Gu et al.'s threshold, per head); primary sinks are "
+           "the first token and what the sink rule counts (the sinks every other analysis and intervention uses), "
+           f"secondary sinks the other positions that act as sinks in at least {census.min_layers} layers, "
+           "transient the rest.")
     s.pre(census.summary())
     s.figure(census.plot(), "sink census: sinks per layer, by level")
     frame = census.to_frame()
@@ -40,14 +41,15 @@ def sinks_section(inputs: Inputs, s: Section) -> None:
     if not census.by_kind.empty:
         s.table(census.by_kind.round(3), "how often each token kind becomes a secondary sink, and at which layers")
     texts = [inputs.text, SECOND_TEXT]
-    kv = sink_kv(inputs.model, texts)
+    sinks = find_sinks(inputs.model, texts)  # once, for both analyses below
+    kv = sink_kv(inputs.model, texts, sinks=sinks)
     s.pre(kv.summary())
     s.figure(kv.plot(), "the sink's key and value against the other tokens', per layer (medians over heads)")
     s.table(kv.to_frame().groupby("layer")[KV_COLUMNS].median().round(3).reset_index(),
             "per layer, medians over heads: key_ratio (sink key norm / other keys' median), key_cos_query, "
             "bias_share (share of each query's logit on the sink that one constant per head explains), "
             "value_ratio, sink_mass (attention to the sink), drain (sink_mass x sink value norm)")
-    dormant = dormant_heads(inputs.model, texts)
+    dormant = dormant_heads(inputs.model, texts, sinks=sinks)
     s.pre(dormant.summary())
     s.figure(dormant.plot(), "dormant heads: attention on the sinks against output norm, per head")
 
