@@ -1,4 +1,6 @@
-"""Origin: :func:`massive_lens.trace_origin` (no verification) against one plain forward pass.
+"""Origin: :func:`massive_lens.trace_origin` (no verification) against one plain forward pass,
+in this process's CPU time (other jobs on a shared machine barely move it; wall-clock ratios
+swung by 0.3x under load).
 
 >>> from massive_lens import tiny_model
 >>> from massive_lens.core.corpora import token_batches
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -21,7 +24,7 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.origin import trace_origin
 
 SEQ_LEN = 64
-GOAL = 2.0
+GOAL = 1.3  # issue 28
 
 
 def rows(model: Any, tokens: torch.Tensor, repeats: int = 7) -> list[Row]:
@@ -41,9 +44,9 @@ def rows(model: Any, tokens: torch.Tensor, repeats: int = 7) -> list[Row]:
         "plain forward": plain,
         "trace all massive": lambda: trace_origin(model, one, **every),
         "trace given dim/pos": lambda: trace_origin(model, one, dim=int(found.dim), pos=int(found.pos)),
-    }, repeats)
+    }, repeats, clock=time.process_time)
     base = seconds["plain forward"]
     return [Row("origin", f"trace_origin, {name} ({one.shape[1]} tokens, no verify) / plain forward",
                 seconds[name] / base, GOAL,
-                f"median of {repeats}: {seconds[name] * 1e3:.0f} ms vs {base * 1e3:.0f} ms", ModelView(model).name)
+                f"median of {repeats}: {seconds[name] * 1e3:.0f} ms vs {base * 1e3:.0f} ms CPU time", ModelView(model).name)
             for name in ("trace all massive", "trace given dim/pos")]

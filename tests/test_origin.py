@@ -170,6 +170,32 @@ def test_restored_after_failures(monkeypatch):
         trace_origin(model, TEXT, dim=DIM, pos=0, verify=True, prepend_bos=True)
 
 
+def test_an_activation_changed_in_place_after_its_hook_is_captured_as_it_was(monkeypatch):
+    """The capture keeps activations without copying them; one that the model changes in place
+    later in the pass (its version counter moves) makes the pass run again with copies, so the
+    capture holds the value the hook saw."""
+    import massive_lens.origin.capture as capture_module
+    from massive_lens.core.criterion import Criterion
+    from massive_lens.core.model_view import ModelView
+
+    model = tiny_model("llama")
+    view = ModelView(model)
+    batch = view.tokenize(TEXT, None)
+    seen = view.activation(batch, "blocks.0.mlp.hook_pre")[0]  # the gate pre-activation, copied at its hook
+    real, copies = capture_module.capture, []
+    monkeypatch.setattr(capture_module, "capture", lambda *a, **k: copies.append(k.get("copy", False)) or real(*a, **k))
+    every = torch.arange(batch.tokens.shape[1])
+    assert torch.equal(real(view, batch, every, Criterion()).at("pre", 0), seen) and copies == []  # views
+    act_fn = model.original_model.model.layers[0].mlp.act_fn
+    handle = act_fn.register_forward_pre_hook(lambda module, args: args[0].add_(1.0))  # after hook_pre fired
+    try:
+        cap = real(view, batch, every, Criterion())
+    finally:
+        handle.remove()
+    assert copies == [True]  # the second pass, with copies
+    assert torch.equal(cap.at("pre", 0), seen)
+
+
 # --------------------------------------------------------------------------- the real default model
 
 

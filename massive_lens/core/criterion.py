@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -101,7 +102,7 @@ class Criterion:
         Returns:
             A bool tensor shaped like ``mag``: which entries pass (before any outlier-dimension rule).
         """
-        return (mag > self.abs_threshold) & (mag > self.ratio_threshold * scale)
+        return mag > (self.ratio_threshold * scale).clamp(min=self.abs_threshold)  # both, in one comparison
 
 
 def median_scale(
@@ -114,15 +115,34 @@ def median_scale(
     >>> scale.shape, median.tolist()
     (torch.Size([1, 1, 1]), [2.0])
     """
-    if valid is None:
-        nan_mag = mag
+    if valid is None or bool(valid.all()):
+        nan_mag, median = mag, lower_median  # no pads: a selection, not a sort
     else:
         nan_mag = mag.masked_fill(~valid.to(mag.device)[..., None], float("nan"))
+        median = _nanmedian
     if criterion.median_over == "hidden_state":
-        median = nan_mag.flatten(1).nanmedian(1).values
-        return median[:, None, None], median
-    per_token = nan_mag.nanmedian(-1).values  # [batch pos]
-    return per_token[..., None], per_token.nanmedian(-1).values
+        per_sequence = median(nan_mag.flatten(1))
+        return per_sequence[:, None, None], per_sequence
+    per_token = median(nan_mag)  # [batch pos]
+    return per_token[..., None], _nanmedian(per_token)
+
+
+def lower_median(x: Float[Tensor, "*rows n"]) -> Float[Tensor, "*rows"]:
+    """The median of each row's last axis, the lower middle value when ``n`` is even: what
+    ``torch.median`` returns, found by a linear-time selection on the CPU (``numpy.partition``,
+    about 10x faster than torch's sort-based median), by torch elsewhere.
+
+    >>> lower_median(torch.tensor([[4.0, 1.0, 3.0, 2.0]])).tolist()
+    [2.0]
+    """
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.shape[-1] == 0:
+        return x.median(-1).values
+    k = (x.shape[-1] - 1) // 2
+    return torch.from_numpy(np.partition(x.detach().numpy(), k, axis=-1)[..., k].copy())
+
+
+def _nanmedian(x: Tensor) -> Tensor:
+    return x.nanmedian(-1).values
 
 
 def massive_mask(

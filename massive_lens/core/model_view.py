@@ -281,7 +281,7 @@ class ModelView:
         with model_lock(self.model), contextlib.ExitStack() as stack:
             inner = getattr(self.model, "original_model", None)  # a bridge keeps its HF model outside modules()
             trees = [self.model, *([inner] if isinstance(inner, torch.nn.Module) else [])]
-            training = list({id(m): m for tree in trees for m in tree.modules() if m.training}.values())
+            training = _training_modules(trees)
             if training:
                 stack.callback(lambda: [setattr(m, "training", True) for m in training])
                 for m in training:
@@ -407,6 +407,22 @@ def readable_name(name: str) -> str:
         return text
     stem = PurePath(text).name
     return stem.removesuffix(".gguf") if stem.endswith(".gguf") else stem
+
+
+def _training_modules(trees: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every module in train mode under ``trees``, each once (a plain walk of ``_modules``: several
+    times faster than ``Module.modules()`` on a bridge's thousands of modules)."""
+    seen: set[int] = set()
+    stack, out = list(trees), []
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        if module.training:
+            out.append(module)
+        stack.extend(module._modules.values())
+    return out
 
 
 def _finite_checked(fn: Any, mask: Any, seen: list[tuple[str, Tensor]]) -> Any:

@@ -34,6 +34,7 @@ class ResidualReducer:
         self.outlier: dict[int, Tensor] = {}  # layer -> [batch d_model] bool: an outlier dimension there
         self.share: dict[int, Tensor] = {}  # layer -> [batch d_model]: share of real tokens where the dim is massive
         self.peak = 0.0
+        self.all_real = bool(batch.mask.all())  # no pads: no masking needed
 
     def hook(self, layer: int):
         def reduce(resid: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
@@ -43,10 +44,14 @@ class ResidualReducer:
 
     def _reduce(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> None:
         valid = self.batch.mask.to(resid.device)
-        mag = resid.abs().float().masked_fill(~valid[..., None], 0.0)
-        scale, median = median_scale(mag, self.criterion, valid)
+        padded = not self.all_real
+        mag = resid.abs().float()
+        if padded:
+            mag = mag.masked_fill(~valid[..., None], 0.0)
+        scale, median = median_scale(mag, self.criterion, valid if padded else None)
         flat = mag.flatten(1)
-        self.top[layer] = flat.topk(min(self.k, flat.shape[1]), dim=1).values.cpu()
+        top = flat.amax(1, keepdim=True) if self.k == 1 else flat.topk(min(self.k, flat.shape[1]), dim=1).values
+        self.top[layer] = top.cpu()
         self.median[layer] = median.cpu()
         self.peak = max(self.peak, float(self.top[layer][:, 0].max()))
         massive = self.criterion.passes(mag, scale)
@@ -65,6 +70,13 @@ class ResidualReducer:
         if self.kinds is not None:
             token = massive & ~outlier[:, None, :]
             self.kind_hits[layer] = kind_hits(token, self.kinds.to(resid.device)).cpu()
+
+    def first_nonfinite(self) -> int | None:
+        """The first layer whose residual holds NaN or inf at a real position (the largest
+        ``|x|`` of a layer is NaN or inf exactly then), or None: a free overflow check for a
+        pass run without :meth:`ModelView.forward`'s per-hook one."""
+        bad = [layer for layer, top in sorted(self.top.items()) if not bool(torch.isfinite(top).all())]
+        return bad[0] if bad else None
 
     def found(self, scope: str | None = None) -> set[tuple[int, int, int]]:
         """Every massive (seq, pos, dim), over all layers; with ``scope="token"`` only those

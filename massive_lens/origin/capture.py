@@ -81,9 +81,13 @@ class Capture:
     plans: tuple[BlockPlan, ...] = ()
     neuron_data: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # layer -> post, pre, up, ...
     notes: list[str] = field(default_factory=list)
+    _where: dict[int, int] | None = field(default=None, repr=False)  # position -> index, see index()
+    norms: dict[int, tuple[Tensor, Tensor, bool]] = field(default_factory=dict, repr=False)  # layer -> norm_affine
 
     def index(self, pos: int) -> int:
-        return int((self.positions == pos).nonzero()[0, 0])
+        if self._where is None:  # built once: analyses ask for the same few positions hundreds of times
+            self._where = {int(p): i for i, p in enumerate(self.positions.tolist())}
+        return self._where[int(pos)]
 
     def at(self, key: str, layer: int) -> Tensor | None:
         """``[pos, _]`` of a per-block key (neuron keys: None for a block without them)."""
@@ -175,17 +179,27 @@ def d_mlp(view: ModelView) -> int:
     return max(widths, default=4 * view.d_model)
 
 
+_LAYERED = ("resid_pre", "resid_post", "attn", "mlp", "resid_mid")  # [layer, pos, d_model] in Capture.layers
 _NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw", "attn_raw", "z", "pattern")
 
 
 def capture(
-    view: ModelView, batch: Batch, positions: Int[Tensor, " pos"], criterion: Criterion | None
+    view: ModelView, batch: Batch, positions: Int[Tensor, " pos"], criterion: Criterion | None, copy: bool = False
 ) -> Capture:
-    """One no-grad forward pass; with ``criterion`` also find the massive entries (in-hook)."""
+    """One no-grad forward pass; with ``criterion`` also find the massive entries (in-hook).
+
+    Where every position of a one-text float32 CPU batch is kept, the per-neuron hooks keep
+    the activations themselves, not copies; an activation the model then changes in place (its
+    version counter moved) makes the pass run again with copies (``copy=True``)."""
     plans = tuple(block_plan(view, layer) for layer in range(view.n_layers))
     store: dict[tuple[str, int], Tensor] = {}
+    layered: dict[str, Tensor] = {}
+    filled: set[tuple[str, int]] = set()
     idx = positions.to(view.input_device)
     n_batch, seq = batch.tokens.shape
+    every = len(positions) == seq and bool((positions.cpu() == torch.arange(seq)).all())  # no gather needed
+    keep_views = every and n_batch == 1 and not copy
+    versions: dict[tuple[str, int], int] = {}
 
     def grab(key: str, layer: int):
         def hook(act: Tensor, hook: Any) -> None:
@@ -199,7 +213,17 @@ def capture(
                 act = act.flatten(2)
             wide = key != "pos_embed" or act.shape[-1] == view.d_model
             if act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide:
-                store[key, layer] = act[0, idx].detach().float().cpu()
+                part = (act[0] if every else act[0, idx]).detach()
+                if key in _LAYERED and layer >= 0 and part.shape[-1] == view.d_model:
+                    if key not in layered:  # [layer, pos, d_model], filled in place: no stack afterwards
+                        layered[key] = torch.empty(view.n_layers, len(idx), view.d_model)
+                    layered[key][layer].copy_(part)
+                    filled.add((key, layer))
+                elif keep_views and part.dtype == torch.float32 and part.device.type == "cpu":
+                    store[key, layer] = part  # the activation itself: no copy (checked below)
+                    versions[key, layer] = part._version
+                else:
+                    store[key, layer] = part.to("cpu", torch.float32, copy=True)
 
         return hook
 
@@ -217,21 +241,33 @@ def capture(
     handles = [h for p in plans if p.experts is not None
                for h in record(p.experts, positions, n_batch, seq, moe[p.layer])]
     try:
-        view.forward(batch, hooks, stop_after=last)
+        # with a reducer the residual's largest |x| per layer is the overflow check (see below), so
+        # the per-hook checks are not needed
+        view.forward(batch, hooks, stop_after=last, check_finite=reducer is None)
     finally:
         for handle in handles:
             handle.remove()
+    bad = None if reducer is None else reducer.first_nonfinite()
+    if bad is not None:
+        first = next((key for key in ("resid_pre", "attn", "resid_mid", "mlp") if (key, bad) in filled
+                      and not bool(torch.isfinite(layered[key][bad]).all())), "resid_post")
+        raise view.overflow_error(plans[bad].hooks.get(first, plans[bad].hooks["resid_post"]))
+    if any(store[key]._version != version for key, version in versions.items()):
+        return capture(view, batch, positions, criterion, copy=True)  # changed in place after its hook
     notes: list[str] = []
     layers = {}
     for key in ("resid_pre", "resid_post", "attn", "mlp"):
-        missed = [p.hooks[key] for p in plans if (key, p.layer) not in store]
+        missed = [p.hooks[key] for p in plans if (key, p.layer) not in filled]
         if missed:
             raise MassiveLensError(f"{view.name}: hook {missed[0]} exists but did not fire with a [batch, pos, "
                                    "d_model] activation; trace_origin cannot read that term of the residual stream")
-        layers[key] = torch.stack([store[key, p.layer] for p in plans])
+        layers[key] = layered[key]
     # a parallel block has no residual between its attention and its MLP: resid_pre + attn
-    layers["resid_mid"] = torch.stack([store["resid_mid", p.layer] if ("resid_mid", p.layer) in store
-                                       else store["resid_pre", p.layer] + store["attn", p.layer] for p in plans])
+    mid = layered.get("resid_mid", torch.empty_like(layers["resid_pre"]))
+    for p in plans:
+        if ("resid_mid", p.layer) not in filled:
+            mid[p.layer] = layers["resid_pre"][p.layer] + layers["attn"][p.layer]
+    layers["resid_mid"] = mid
     neuron_data = {p.layer: _neuron_data(p, store) for p in plans}
     for layer, data in moe.items():
         neuron_data[layer].update({f"moe_{k}": v for k, v in data.items()})

@@ -40,22 +40,28 @@ def head_rows(view: ModelView, cap: Capture, targets: list[dict[str, Any]]) -> t
     rows: list[dict[str, Any]] = []
     unsplit: dict[int, str] = {}
     index = sorted({cap.index(t["pos"]) for t in targets})  # rows of the capture that are traced
+    dims = sorted({t["dim"] for t in targets})  # and their columns
     for layer in range(len(cap.plans)):
-        split = _layer_split(view, cap, layer, torch.tensor(index, dtype=torch.long))
+        split = _layer_split(view, cap, layer, torch.tensor(index, dtype=torch.long), dims)
         if isinstance(split, str):
             unsplit[layer] = split
             continue
-        per_head, bias, pattern = split  # [traced, head, d_model], [d_model], [traced, head, 2] or None
+        per_head, bias, pattern = split  # [traced, head, dims], [d_model], [traced, head, 2] or None
+        per_head = per_head.tolist()
+        pattern = None if pattern is None else pattern.tolist()
         for t in targets:
-            d, i = t["dim"], index.index(cap.index(t["pos"]))
-            term = float(cap.layers["attn"][layer, cap.index(t["pos"]), d])
-            factor = _post_norm_factor(cap, layer, cap.index(t["pos"]), d)
-            values = [*(per_head[i, :, d] * factor).tolist(), float(bias[d]) * factor]
+            d, row = t["dim"], cap.index(t["pos"])
+            i = index.index(row)
+            term = float(cap.layers["attn"][layer, row, d])
+            factor = _post_norm_factor(cap, layer, row, d)
+            column = dims.index(d)
+            values = [*(h[column] * factor for h in per_head[i]), float(bias[d]) * factor]
+            nan = [float("nan")] * 2
             for head, value in enumerate(values):
                 is_bias = head == len(values) - 1
                 if is_bias and bias[d] == 0:
                     continue
-                seen = pattern[i, head].tolist() if pattern is not None and not is_bias else [float("nan")] * 2
+                seen = pattern[i][head] if pattern is not None and not is_bias else nan
                 rows.append(dict(pos=t["pos"], dim=d, layer=layer, head=-1 if is_bias else head,
                                  contribution=value, share=value / term if term else float("nan"),
                                  first_token_attention=seen[0], max_attention=seen[1]))
@@ -67,10 +73,11 @@ def head_rows(view: ModelView, cap: Capture, targets: list[dict[str, Any]]) -> t
     return rows, notes
 
 
-def _layer_split(view: ModelView, cap: Capture, layer: int, index: Tensor
+def _layer_split(view: ModelView, cap: Capture, layer: int, index: Tensor, dims: list[int]
                  ) -> tuple[Tensor, Tensor, Tensor | None] | str:
-    """``z_h @ W_O[h]`` per head at the capture rows ``index``, ``b_O`` and the pattern summary
-    there; or why the layer does not split."""
+    """``z_h @ W_O[h]`` per head at the capture rows ``index`` and columns ``dims``, ``b_O`` and
+    the pattern summary there; or why the layer does not split (the heads' sum plus ``b_O`` must
+    give the attention output at those entries)."""
     z = cap.at("z", layer)
     if z is None:
         return "no attn.hook_z fired"
@@ -81,11 +88,14 @@ def _layer_split(view: ModelView, cap: Capture, layer: int, index: Tensor
     heads, d_head, d_model = W_O.shape
     if z.shape[-1] != heads * d_head:
         return f"hook_z has {z.shape[-1]} values per position, W_O {tuple(W_O.shape)}"
-    per_head = torch.einsum("phd,hdm->phm", z[index].view(-1, heads, d_head).double(), W_O.double().cpu())
-    bias = torch.zeros(d_model, dtype=torch.float64) if b_O is None else b_O.double().cpu()
+    W_O = W_O.float().cpu()
+    z = z[index]
+    per_head = torch.einsum("phd,hdk->phk", z.view(-1, heads, d_head), W_O[:, :, dims])  # [pos, head, dims]
+    bias = torch.zeros(d_model) if b_O is None else b_O.float().cpu()
     raw = cap.at("attn_raw", layer) if cap.at("attn_raw", layer) is not None else cap.layers["attn"][layer]
     raw = raw[index]
-    err = (per_head.sum(1) + bias - raw.double()).norm(dim=-1) / raw.double().norm(dim=-1).clamp(min=1e-12)
+    # the split must give the attention output at the entries it splits (relative to the output's norm)
+    err = (per_head.sum(1) + bias[dims] - raw[:, dims]).norm(dim=-1) / raw.norm(dim=-1).clamp(min=1e-12)
     if float(err.max()) > SPLIT_TOL:
         return f"sum of z_h @ W_O[h] + b_O misses the attention output by {float(err.max()):.1e} (relative)"
     pattern = cap.at("pattern", layer)

@@ -27,9 +27,10 @@ def ledger_rows(cap: Capture, pos: int, dim: int, tokens: list[str]) -> list[dic
     rows = [("embed", 0, cap.embed[i, dim], cap.embed[i, dim] if cap.pos_embed is not None else cap.resid_pre0[i, dim])]
     if cap.pos_embed is not None:
         rows.append(("pos_embed", 0, cap.pos_embed[i, dim], cap.resid_pre0[i, dim]))
-    for layer in range(L["attn"].shape[0]):
-        rows.append(("attn", layer, L["attn"][layer, i, dim], L["resid_mid"][layer, i, dim]))
-        rows.append(("mlp", layer, L["mlp"][layer, i, dim], L["resid_post"][layer, i, dim]))
+    attn, mid, mlp, post = (L[key][:, i, dim].tolist() for key in ("attn", "resid_mid", "mlp", "resid_post"))
+    for layer in range(len(attn)):
+        rows.append(("attn", layer, attn[layer], mid[layer]))
+        rows.append(("mlp", layer, mlp[layer], post[layer]))
     return [dict(pos=pos, dim=dim, token=tokens[pos], layer=layer, component=c, contribution=float(v),
                  resid=float(r)) for c, layer, v, r in rows]
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
+import numpy as np
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -104,15 +105,18 @@ def _moe_data(cap: Capture, layer: int) -> dict[str, Tensor]:
     return {k[4:]: v for k, v in cap.neuron_data.get(layer, {}).items() if k.startswith("moe_")}
 
 
-def named(neurons: pd.DataFrame, event: dict[str, Any], *, experts: bool = True) -> list[Unit]:
+def named(neurons: pd.DataFrame | list[dict[str, Any]], event: dict[str, Any], *, experts: bool = True) -> list[Unit]:
     """The neurons an event's story names: same sign as the event, largest first, until they
     explain 90% of the MLP's term (see ``NAMED_SHARE``); ``(expert, neuron)`` in a mixture of
     experts (none with ``experts=False``)."""
-    rows = neurons[(neurons.pos == event["pos"]) & (neurons.dim == event["dim"]) & (neurons.layer == event["layer"])]
-    rows = rows[rows.named.astype(bool)]  # astype: an empty frame's column is object-typed
-    if "expert" not in rows or not (rows.expert >= 0).any():
-        return rows.neuron.tolist()
-    return [(int(e), int(n)) for e, n in zip(rows.expert, rows.neuron, strict=True)] if experts else []
+    if isinstance(neurons, pd.DataFrame):
+        rows = neurons[(neurons.pos == event["pos"]) & (neurons.dim == event["dim"]) & (neurons.layer == event["layer"])]
+        rows = rows[rows.named.astype(bool)].to_dict("records")  # astype: an empty frame's column is object-typed
+    else:  # the event's own rows, as neuron_rows returns them
+        rows = [r for r in neurons if r["named"]]
+    if not any(r.get("expert", -1) >= 0 for r in rows):
+        return [int(r["neuron"]) for r in rows]
+    return [(int(r["expert"]), int(r["neuron"])) for r in rows] if experts else []
 
 
 def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
@@ -126,25 +130,38 @@ def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
     return f"blocks.{layer}.mlp.W_out", False
 
 
-def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit]) -> list[dict[str, Any]]:
+def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit],
+                      seen: dict[int, Any] | None = None) -> list[dict[str, Any]]:
     """``W_out[neuron, dim]`` of each named neuron (an expert's down weight, by expert), with
-    its z-score and rank among the matrix's entries and its Hugging Face name and index."""
+    its z-score and rank among the matrix's entries and its Hugging Face name and index.
+    ``seen`` (a dict kept by the caller for one trace) holds each layer's matrix statistics, so
+    several births in one layer read its ``W_out`` once."""
     if not neurons:
         return []
     if isinstance(neurons[0], tuple):
         return _expert_super_rows(view, pos, dim, layer, neurons)
     weight = w_out(view, layer)
-    name, transposed = hf_param(view.model, layer, weight)
-    flat = weight.detach().float().flatten()
-    mean, std, mags = float(flat.mean()), float(flat.std()), flat.abs()
+    seen = {} if seen is None else seen
+    if layer not in seen:
+        mags = weight.detach().float()
+        mags = mags.T if mags.T.is_contiguous() else mags.contiguous()  # the stored order: no copy
+        seen[layer] = (*hf_param(view.model, layer, weight), *_mean_std(mags), mags.abs().flatten().cpu().numpy())
+    name, transposed, mean, std, mags = seen[layer]
     rows = []
     for n in neurons:
         value = float(weight[n, dim].detach())
         row, col = (dim, n) if transposed else (n, dim)
         rows.append(dict(pos=pos, dim=dim, layer=layer, expert=-1, neuron=n, value=value, zscore=(value - mean) / std,
-                         rank=int((mags > abs(value)).sum()) + 1, n_entries=len(flat),
+                         rank=int(np.count_nonzero(mags > abs(value))) + 1, n_entries=len(mags),
                          hf_param=name, hf_row=row, hf_col=col))
     return rows
+
+
+def _mean_std(matrix: Tensor) -> tuple[float, float]:
+    """Mean and (n - 1) standard deviation of a matrix's entries, in two float32 passes (torch's
+    cascade sums; ``torch.std_mean`` is several times slower on a large matrix)."""
+    mean = matrix.mean()
+    return float(mean), float(torch.linalg.vector_norm(matrix - mean)) / math.sqrt(max(matrix.numel() - 1, 1))
 
 
 def _expert_super_rows(view: ModelView, pos: int, dim: int, layer: int,
@@ -196,7 +213,9 @@ def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequ
     if columns is None:
         return []
     norm = getattr(view.block(layer), plan.mlp_norm) if plan.mlp_norm else None
-    weight, bias, centred = norm_affine(norm, view.d_model, view.dtype)
+    if layer not in cap.norms:  # probed once per layer and trace
+        cap.norms[layer] = norm_affine(norm, view.d_model, view.dtype)
+    weight, bias, centred = cap.norms[layer]
     sources = _sources(cap, layer, i)
     total, measured = torch.stack([v for _, _, v in sources]).sum(0), cap.at("norm_in", layer)[i]
     miss = float((total - measured).abs().max() / measured.abs().max().clamp(min=1e-12))

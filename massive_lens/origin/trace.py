@@ -271,15 +271,15 @@ def _neurons(view: ModelView, cap: Capture, found_events: pd.DataFrame, top_neur
     """The top neurons of each MLP event, the MLP births, and the births' super weights and
     upstream sources (``why``) of their first three named neurons."""
     mlp_events = [e for e in found_events.to_dict("records") if e["component"] == "mlp"]
-    neurons = pd.DataFrame([r for e in mlp_events for r in neu.neuron_rows(view, cap, e, top_neurons)],
-                           columns=neu.NEURON_COLUMNS)
-    births = [e for e in mlp_events if e["kind"] != "erasure"]
-    supers, why = [], []
-    for e in births:
-        names = neu.named(neurons, e)
-        supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names)
+    per_event = [neu.neuron_rows(view, cap, e, top_neurons) for e in mlp_events]
+    neurons = pd.DataFrame([r for rows in per_event for r in rows], columns=neu.NEURON_COLUMNS)
+    births = [(e, rows) for e, rows in zip(mlp_events, per_event, strict=True) if e["kind"] != "erasure"]
+    supers, why, seen = [], [], {}
+    for e, rows in births:
+        names = neu.named(rows, e)
+        supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names, seen)
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
-    return neurons, births, supers, why
+    return neurons, [e for e, _ in births], supers, why
 
 
 # --------------------------------------------------------------------------- targets
