@@ -48,5 +48,6 @@ def rows(model: Any, tokens: torch.Tensor, repeats: int = 7) -> list[Row]:
     base = seconds["plain forward"]
     return [Row("origin", f"trace_origin, {name} ({one.shape[1]} tokens, no verify) / plain forward",
                 seconds[name] / base, GOAL,
-                f"median of {repeats}: {seconds[name] * 1e3:.0f} ms vs {base * 1e3:.0f} ms CPU time", ModelView(model).name)
+                f"median of {repeats}: {seconds[name] * 1e3:.0f} ms vs {base * 1e3:.0f} ms CPU time",
+                ModelView(model).name)
             for name in ("trace all massive", "trace given dim/pos")]

@@ -11,8 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import pandas as pd
 import numpy as np
+import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -110,7 +110,8 @@ def named(neurons: pd.DataFrame | list[dict[str, Any]], event: dict[str, Any], *
     explain 90% of the MLP's term (see ``NAMED_SHARE``); ``(expert, neuron)`` in a mixture of
     experts (none with ``experts=False``)."""
     if isinstance(neurons, pd.DataFrame):
-        rows = neurons[(neurons.pos == event["pos"]) & (neurons.dim == event["dim"]) & (neurons.layer == event["layer"])]
+        at = (neurons.pos == event["pos"]) & (neurons.dim == event["dim"]) & (neurons.layer == event["layer"])
+        rows = neurons[at]
         rows = rows[rows.named.astype(bool)].to_dict("records")  # astype: an empty frame's column is object-typed
     else:  # the event's own rows, as neuron_rows returns them
         rows = [r for r in neurons if r["named"]]
