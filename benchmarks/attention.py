@@ -1,9 +1,10 @@
 """Attention: intervention perplexity runs against the plain perplexity run, and
 ``decompose_attention``, ``sink_census``, ``sink_kv`` and ``dormant_heads`` over all layers
-against one plain forward pass."""
+against one plain forward pass, in this process's CPU time."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from massive_lens.interventions import bias_surgery, calibrate, fix_sink_term
 from massive_lens.metrics import perplexity
 
 N_SEQS, SEQ_LEN = 4, 128
-INTERVENTION_GOAL, DECOMPOSE_GOAL, SINK_GOAL = 1.15, 3.0, 1.3
+INTERVENTION_GOAL, DECOMPOSE_GOAL, SINK_GOAL = 1.15, 1.5, 1.3  # issue 28: decompose with sinks found <= 1.5x
 # issue 22's analyses, each against one forward pass (sinks given, as after a census: finding them is one more pass)
 SINKS = {"sink_census": lambda model, one: sink_census(model, one),
          "sink_kv (sinks given)": lambda model, one: sink_kv(model, one, sinks=[0]),
@@ -43,7 +44,7 @@ def rows(model: Any, tokens: torch.Tensor, repeats: int = 3) -> list[Row]:
     runs["decompose, sinks found by find_massive"] = lambda: decompose_attention(model, one)
     for name, call in SINKS.items():
         runs[name] = lambda call=call: call(model, one)
-    seconds = median_times(runs, repeats)
+    seconds = median_times(runs, repeats, clock=time.process_time)  # CPU time: steady on a shared machine
     out = [Row("attention", f"intervention perplexity run ({name}) / plain perplexity run",
                seconds[name] / seconds["plain"], INTERVENTION_GOAL,
                f"{len(evaluate)}x{SEQ_LEN} tokens, median {seconds[name]:.2f} s vs {seconds['plain']:.2f} s", view.name)

@@ -23,6 +23,25 @@ def test_reconstruction_every_family(tiny):
             assert result.sink.shape[:2] == (tiny.cfg.n_layers, len(TEXTS))
 
 
+def test_sinks_found_in_the_same_pass_split_as_when_given(tiny, monkeypatch):
+    """decompose_attention finds the sinks in its own pass (keeping a few candidate key columns per
+    layer): the terms equal those of a run given the same sinks; a sink outside the candidates
+    costs a second pass and gives the same terms, never a wrong split."""
+    import massive_lens.attention.decompose as module
+
+    found = decompose_attention(tiny, TEXTS)
+    given = decompose_attention(tiny, TEXTS, sinks=found.sinks)
+    for name in ("sink", "content"):
+        torch.testing.assert_close(getattr(found, name), getattr(given, name), rtol=1e-4, atol=1e-5)
+    passes = []
+    real = module.decompose_attention
+    monkeypatch.setattr(module, "decompose_attention", lambda *a, **k: passes.append(k["sinks"]) or real(*a, **k))
+    monkeypatch.setattr(module, "_candidates", lambda view, batch: torch.tensor([], dtype=torch.long))  # none kept
+    again = real(tiny, TEXTS)
+    assert len(passes) == 1 and torch.equal(passes[0].mask, found.sink_mask)  # the second pass, sinks given
+    torch.testing.assert_close(again.sink, found.sink, rtol=1e-4, atol=1e-5)
+
+
 def test_sink_term_matches_model_z_under_gqa(family):
     """With every key a 'sink', the sink term is the model's own z: checks the kv-head map."""
     from massive_lens import tiny_model

@@ -26,11 +26,13 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from massive_lens.attention.sinks import Sinks, SinkSet, post_attention_norm, sink_mask, sink_term
+from massive_lens.attention.sinks import Sinks, SinkSet, post_attention_norm, sink_hooks, sink_mask, sinks_from
+from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_content_axes
 from massive_lens.core.results import Result
+from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.errors import MassiveLensError
 
 _EXCLUDED = "constancy statistics exclude the sink query positions (a sink attends to itself)"
@@ -87,44 +89,50 @@ class AttentionDecomposition(Result):
         return sink_content_axes(self.frame, ax=ax, title=f"{self.model_name}: sink vs content term")
 
 
-def _constancy(x: Float[Tensor, "batch pos head_index d_model"], keep: Bool[Tensor, "batch pos"]) -> Tensor:
-    """[head, 5]: norm, rel_std_pos, cos_pos, rel_std_text, cos_text (see the result class).
+def _reductions(x: Float[Tensor, "batch head_index pos d_model"], keep: Bool[Tensor, "batch pos"]
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One term's sums over the positions that count, per text and head (a few passes over x):
+    the mean vector, the sum of unit vectors, the mean squared norm and the mean norm."""
+    w = keep.to(x.dtype)
+    share = w / w.sum(1).clamp(min=1)[:, None]  # [batch pos]
+    norms = torch.linalg.vector_norm(x, dim=-1)  # [batch head pos]
+    mean = (share[:, None, None, :] @ x)[:, :, 0]  # [batch head d_model]
+    unit_sum = ((w[:, None, :] / norms.clamp(min=1e-12))[:, :, None, :] @ x)[:, :, 0]
+    return mean, unit_sum, (norms.pow(2) * share[:, None]).sum(-1), (norms * share[:, None]).sum(-1)
+
+
+def _constancy(parts: Sequence[tuple[Tensor, ...]], keep: Bool[Tensor, "batch pos"]) -> Float[Tensor, "term head 5"]:
+    """Per term (one :func:`_reductions` each) and head: norm, rel_std_pos, cos_pos,
+    rel_std_text, cos_text (see the result class), for all terms at once.
 
     Uses E||x - mean||^2 = E||x||^2 - ||mean||^2 and, for unit vectors u, mean pairwise
-    cosine = (||sum u||^2 - n) / (n (n - 1)), so each text costs a few passes over x.
+    cosine = (||sum u||^2 - n) / (n (n - 1)).
     """
-    stats, means = [], []
-    for b in range(x.shape[0]):
-        rows = x[b, keep[b]]  # [n head d_model]
-        n = rows.shape[0]
-        if n == 0:
-            continue
-        mean = rows.mean(0)
-        sq = rows.pow(2).sum(-1)  # [n head]
-        norms = sq.sqrt()
-        mean_sq = mean.pow(2).sum(-1)
-        spread = (sq.mean(0) - mean_sq).clamp(min=0).sqrt() / mean_sq.sqrt().clamp(min=1e-12)
-        unit_sum = torch.einsum("nh,nhm->hm", 1 / norms.clamp(min=1e-12), rows)
-        cos = (unit_sum.pow(2).sum(-1) - n) / (n * (n - 1)) if n > 1 else torch.full_like(spread, float("nan"))
-        means.append(mean.double())
-        stats.append(torch.stack([norms.mean(0), spread, cos], 1))
-    if not stats:
-        return torch.full((x.shape[2], 5), float("nan"))
-    text_means = torch.stack(means)
-    grand = text_means.mean(0)
-    spread = (text_means - grand).pow(2).sum(-1).mean(0).sqrt() / grand.norm(dim=-1).clamp(min=1e-12)
-    across = torch.stack([spread if len(means) > 1 else torch.full_like(spread, float("nan")),
-                          _mean_cosine(text_means)], 1)
-    return torch.cat([torch.stack(stats).nanmean(0).double(), across], 1).float()
+    mean, unit_sum, sq_mean, norm_mean = (torch.stack(t).cpu() for t in zip(*parts, strict=True))  # [term batch ...]
+    n = keep.sum(1).to(mean.dtype)  # [batch]
+    mean_sq = mean.pow(2).sum(-1)
+    spread = (sq_mean - mean_sq).clamp(min=0).sqrt() / mean_sq.sqrt().clamp(min=1e-12)
+    pairs = (n * (n - 1))[:, None]
+    cos = torch.where(pairs > 0, (unit_sum.pow(2).sum(-1) - n[:, None]) / pairs.clamp(min=1), float("nan"))
+    texts = n > 0
+    if not bool(texts.any()):
+        return torch.full((*mean.shape[:1], mean.shape[2], 5), float("nan"))
+    stats = torch.stack([norm_mean, spread, cos], -1)[:, texts]  # [term text head 3]
+    text_means = mean[:, texts].double()
+    grand = text_means.mean(1, keepdim=True)
+    spread = (text_means - grand).pow(2).sum(-1).mean(1).sqrt() / grand[:, 0].norm(dim=-1).clamp(min=1e-12)
+    across = torch.stack([spread if text_means.shape[1] > 1 else torch.full_like(spread, float("nan")),
+                          _mean_cosine(text_means)], -1)
+    return torch.cat([stats.nanmean(1).double(), across], -1).float()
 
 
-def _mean_cosine(rows: Float[Tensor, "n head d_model"]) -> Float[Tensor, " head"]:
-    """Mean cosine over distinct pairs: (||sum u||^2 - n) / (n (n - 1)) for unit vectors u."""
-    n = rows.shape[0]
+def _mean_cosine(rows: Float[Tensor, "term n head d_model"]) -> Float[Tensor, "term head"]:
+    """Mean cosine over distinct pairs (axis 1): (||sum u||^2 - n) / (n (n - 1)) for unit vectors u."""
+    n = rows.shape[1]
     if n < 2:
-        return torch.full(rows.shape[1:2], float("nan"), dtype=rows.dtype)
+        return torch.full((rows.shape[0], rows.shape[2]), float("nan"), dtype=rows.dtype)
     unit = rows / rows.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-    return (unit.sum(0).pow(2).sum(-1) - n) / (n * (n - 1))
+    return (unit.sum(1).pow(2).sum(-1) - n) / (n * (n - 1))
 
 
 def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
@@ -159,48 +167,101 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
     view = ModelView(model)
     layers = tuple(view.chosen_layers(layers))
     batch = view.tokenize(text)
-    found = sink_mask(model, batch, sinks)
-    mask, source = found.mask, found.source
-    keep = batch.mask & ~mask
     weights = {layer: output_weights(view, layer) for layer in layers}
+    given = None if sinks is None else sink_mask(model, batch, sinks)
+    # the key columns kept per layer: the given sinks' or, when the sinks are found in this same pass,
+    # every position that could turn out to be one (see _candidates)
+    columns = _candidates(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
+    kept: dict[int, tuple[Tensor, ...]] = {}
     out: dict[str, list] = {"sink": [], "content": [], "bias": [], "stats": [], "errors": []}
 
-    def split(layer: int, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
-        W_O, b_O = weights[layer]
-        _check_shapes(view, layer, pattern, v, W_O, attn_out)
-        device = attn_out.device
-        stash_keys = mask.to(device)
-        terms = []
-        for keys in (stash_keys, ~stash_keys):
-            z = sink_term(pattern, v, keys)
-            terms.append(torch.einsum("bqhd,hdm->bqhm", z, W_O.to(z)))
-        bias = torch.zeros_like(attn_out[0, 0]) if b_O is None else b_O.to(attn_out)
-        sink, content = terms[0].sum(2), terms[1].sum(2)
-        valid = batch.mask.to(device)[..., None]
-        err = ((sink + content + bias - attn_out) * valid).norm() / (attn_out * valid).norm().clamp(min=1e-12)
-        _check_error(view, layer, float(err), attn_out.dtype)
-        out["errors"].append((layer, float(err)))
-        for name, t in (("sink", terms[0]), ("content", terms[1])):
-            out["stats"].append((layer, name, _constancy(t.cpu(), keep)))
-        out["sink"].append(sink.cpu())
-        out["content"].append(content.cpu())
-        out["bias"].append(bias.cpu())
+    def take(layer: int, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
+        _check_shapes(view, layer, pattern, v, weights[layer][0], attn_out)
+        v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)  # one value head per query head
+        cols = columns.to(pattern.device)
+        parts = (torch.einsum("bhqk,bkhd->bqhd", pattern, v), pattern[..., cols], v[:, cols], attn_out)
+        if given is None:
+            kept[layer] = tuple(t.detach().cpu() for t in parts)  # until the pass has found the sinks
+        else:
+            _split(view, layer, *parts, given.mask[:, columns], weights[layer], batch.mask, given.mask, out)
 
-    gather = LayerGather(("pattern", "v", "out"), split)  # they fire in any order (some bridges: pattern last)
+    gather = LayerGather(("pattern", "v", "out"), take)  # they fire in any order (some bridges: pattern last)
     hooks = [(view.hook_name(i, name), gather.hook(key, i)) for i in layers
              for key, name in (("pattern", "attn.hook_pattern"), ("v", "attn.hook_v"), ("out", _output_hook(view, i)))]
-    view.forward(batch, hooks, stop_after=view.hook_name(max(layers), "resid_post"))
+    last = view.hook_name(max(layers), "resid_post")
+    if given is None:  # the sink rule reads every layer
+        evidence = SinkEvidence(batch.mask, view.n_layers)
+        hooks += sink_hooks(view, evidence)
+        last = hooks[-1][0]
+    view.forward(batch, hooks, stop_after=last)
     missed = sorted(set(gather.pending) | (set(layers) - set(gather.done)))
     if missed:
         raise MassiveLensError(f"{view.name}: the pattern, value and output hooks of attention layer {missed[0]} did "
                                "not all fire; decompose_attention cannot split that layer")
-    rows = [(layer, h, term, *vals.tolist()) for layer, term, s in out["stats"] for h, vals in enumerate(s)]
+    found = given
+    if given is None:
+        found = sinks_from(evidence, view.token_kinds(batch))
+        inside = found.mask[:, columns]
+        if int(inside.sum()) < int(found.mask.sum()):  # a sink outside the kept columns: a second pass
+            return decompose_attention(model, text, layers=layers, sinks=found)
+        for layer in layers:
+            _split(view, layer, *kept.pop(layer), inside, weights[layer], batch.mask, found.mask, out)
+    stats = _constancy([parts for _, _, parts in out["stats"]], batch.mask & ~found.mask)  # [term head 5]
+    rows = [(layer, h, term, *vals) for (layer, term, _), per_head in zip(out["stats"], stats.tolist(), strict=True)
+            for h, vals in enumerate(per_head)]
     frame = pd.DataFrame(rows, columns=["layer", "head", "term", "norm", "rel_std_pos", "cos_pos",
                                         "rel_std_text", "cos_text"])
     return AttentionDecomposition(
         frame=frame, errors=pd.DataFrame(out["errors"], columns=["layer", "rel_error"]), layers=layers,
         sink=torch.stack(out["sink"]), content=torch.stack(out["content"]), bias=torch.stack(out["bias"]),
-        sink_mask=mask, sink_source=source, model_name=view.name, sinks=found, post_norm=post_attention_norm(model))
+        sink_mask=found.mask, sink_source=found.source, model_name=view.name, sinks=found,
+        post_norm=post_attention_norm(model))
+
+
+# at most this many key columns are kept per layer while the sinks are found in the same pass
+MAX_CANDIDATES = 64
+
+
+def _candidates(view: ModelView, batch: Any) -> Tensor:
+    """Key positions that could be sinks, kept per layer while the pass finds the sinks: the first
+    four positions and every position that is not an ordinary token (first token, delimiters,
+    an image's class and register tokens) in some sequence; at most ``MAX_CANDIDATES`` (a sink
+    elsewhere costs a second pass, never a wrong split)."""
+    kinds = view.token_kinds(batch)
+    ordinary = torch.tensor([TOKEN_KINDS.index("other"), TOKEN_KINDS.index("patch")])
+    special = (~torch.isin(kinds, ordinary) & batch.mask).any(0)
+    special[:4] = True
+    return special.nonzero()[:MAX_CANDIDATES, 0]
+
+
+def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, attn_out: Tensor, keys: Tensor,
+           weights: tuple[Tensor, Tensor | None], valid: Tensor, sinks: Tensor, out: dict[str, list]) -> None:
+    """One layer's terms from the heads' outputs ``z [batch query head d_head]``, the attention on
+    the kept key columns ``pattern [batch head query col]`` and their values ``v [batch col head
+    d_head]``; ``keys [batch col]`` marks the sinks among the columns. The sink term is mapped
+    through ``W_O`` column by column (a few), the content term is the rest of the heads' output."""
+    W_O, b_O = weights
+    device = attn_out.device
+    W_O = W_O.to(z)
+    z, pattern, v, keys = z.to(device), pattern.to(device), v.to(device), keys.to(device)
+    used = keys.any(0).nonzero()[:, 0]  # the columns that are a sink in some sequence
+    pattern, v, keys = pattern[..., used], v[:, used], keys[:, used]
+    at_sinks = pattern * keys[:, None, None, :].to(pattern.dtype)  # [batch head query sink]
+    z_content = z - torch.einsum("bhqk,bkhd->bqhd", at_sinks, v)  # the heads' outputs from the other keys
+    content_heads = torch.einsum("bqhd,hdm->bhqm", z_content, W_O)  # [batch head query d_model]: einsum's own layout
+    sink_heads = at_sinks @ torch.einsum("bkhd,hdm->bhkm", v, W_O)  # each sink's value through W_O, weighted
+    bias = torch.zeros_like(attn_out[0, 0]) if b_O is None else b_O.to(attn_out)
+    sink, content = sink_heads.sum(1), content_heads.sum(1)
+    real = valid.to(device)[..., None]
+    err = ((sink + content + bias - attn_out) * real).norm() / (attn_out * real).norm().clamp(min=1e-12)
+    _check_error(view, layer, float(err), attn_out.dtype)
+    out["errors"].append((layer, float(err)))
+    keep = (valid & ~sinks).to(device)
+    for name, t in (("sink", sink_heads), ("content", content_heads)):
+        out["stats"].append((layer, name, _reductions(t, keep)))
+    out["sink"].append(sink.cpu())
+    out["content"].append(content.cpu())
+    out["bias"].append(bias.cpu())
 
 
 # relative error of sink + content + b_O above which a decomposition is refused, by dtype
