@@ -46,6 +46,7 @@ from massive_lens import (
     tiny_model,
     trace_origin,
 )
+from massive_lens.attention import sink_census
 from massive_lens.cli import main
 from massive_lens.handover import exclusion_mask, massive_dims, precision_check, read_dims, sae_check
 from massive_lens.interventions import (
@@ -277,6 +278,10 @@ CASES = [
     row("overflow", lambda m, d: sink_attention(m, TEXT), "holds NaN or inf", "sink_attention-overflow"),
     row("overflow", lambda m, d: decompose_attention(m, TEXT), "holds NaN or inf", "decompose_attention-overflow"),
     row("overflow", lambda m, d: trace_origin(m, TEXT, dim=0, pos=0), "holds NaN or inf", "trace_origin-overflow"),
+    row("overflow", lambda m, d: trace_origin(m, TEXT), "blocks.2", "trace_origin-overflow-found"),
+    row("overflow", lambda m, d: sink_census(m, TEXT), "blocks.2", "sink_census-overflow"),
+    row("overflow", lambda m, d: decompose_attention(m, TEXT, sinks=[0]), "holds NaN or inf",
+        "decompose_attention-overflow-given"),
     row("overflow", lambda m, d: scan_corpus(m, CORPUS, seq_len=16, max_tokens=64, progress=False),
         "bfloat16", "scan_corpus-overflow"),
     row("overflow", lambda m, d: perplexity(m, CORPUS, seq_len=16, n_seqs=2, progress=False), "NaN or inf logits",

@@ -170,6 +170,15 @@ class _Tally:
                     out.append((name, partial(fn, layer=layer)))
         return out
 
+    def check_finite(self) -> None:
+        """The overflow error naming the first residual hook (in forward order) whose norm is NaN or
+        inf at a real position, if any: every NaN or inf in a block reaches its residual stream."""
+        real = self.batch.mask
+        for layer in range(self.view.n_layers):
+            for name, norms in (("resid_pre", self.norm), ("resid_mid", self.mid), ("resid_post", self.growth)):
+                if not bool(torch.isfinite(norms[layer][real]).all()):
+                    raise self.view.overflow_error(self.view.hook_name(layer, name))
+
     def _pre(self, resid: Tensor, hook: Any, *, layer: int) -> None:
         x = resid.detach().float()
         norm = x.norm(dim=-1)
@@ -284,7 +293,9 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
         tally = _Tally(view, batch, rule, evidence)
         hooks = [*sink_hooks(view, evidence, patterns=False), *tally.hooks()]
-        view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+        # the tally's residual norms at every layer are the overflow check (NaN or inf reach them)
+        view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"), check_finite=False)
+        tally.check_finite()
         kinds = view.token_kinds(batch)
         present = torch.zeros(len(batch.tokens), len(TOKEN_KINDS), dtype=torch.bool)
         present.scatter_(1, kinds.masked_fill(~batch.mask, kinds[0, 0]), True)

@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -306,6 +307,8 @@ def _check_shapes(view: ModelView, layer: int, pattern: Tensor, v: Tensor, W_O: 
 def _check_error(view: ModelView, layer: int, err: float, dtype: torch.dtype) -> None:
     """Refuse a decomposition that does not reconstruct the attention output."""
     tol = RECONSTRUCTION_TOL.get(dtype, RECONSTRUCTION_TOL_FLOAT32)
+    if not math.isfinite(err):  # NaN or inf reached the layer: an overflow, not a wrong split
+        raise view.overflow_error(view.hook_name(layer, _output_hook(view, layer)))
     if not err <= tol:
         raise MassiveLensError(
             f"{view.name}: sink + content + b_O misses the attention output of layer {layer} by {err:.1e} "
