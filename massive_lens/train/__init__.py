@@ -13,11 +13,12 @@ from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import PRESETS, TrainConfig, get_preset
 from massive_lens.train.retrofit import Retrofit, retrofit
+from massive_lens.train.stability import TrainingStability, find_spikes, training_stability
 from massive_lens.train.trainer import TrainRun, load_run, train_model
 from massive_lens.train.variants import VARIANTS, VariantConfig
 
 __all__ = [
     "VARIANTS", "VariantConfig", "MassiveLM", "MassiveLMConfig", "TrainConfig", "PRESETS",
     "get_preset", "train_model", "load_run", "TrainRun", "compare_variants", "compare_main",
-    "Comparison", "retrofit", "Retrofit", "swap_attention",
+    "Comparison", "retrofit", "Retrofit", "swap_attention", "training_stability", "TrainingStability", "find_spikes",
 ]

@@ -8,8 +8,10 @@ that a Ctrl-C can catch before it moves; a Ctrl-C that arrives inside ``optimize
 is held back until the update is whole (:func:`interrupt_after`).
 
 A checkpoint is one safetensors file, ``checkpoint.safetensors``: the model's and the
-optimizer's tensors, with the step, configuration, history and the optimizer's plain values
-as JSON in its metadata. Nothing in it can run code when read (a pickle could). It is written
+optimizer's tensors, with the step, configuration, history, the per-step record (columns of
+:data:`~massive_lens.train.recorder.STEP_COLUMNS`, ``per_step``) and the optimizer's plain values
+as JSON in its metadata. Next to it, ``log.csv`` (the history) and ``steps.parquet`` (the per-step
+record) are for reading. Nothing in it can run code when read (a pickle could). It is written
 to a temporary name and renamed into place, so a checkpoint on disk is always a whole one; a
 damaged one (truncated, or not a checkpoint) is a clear error.
 """
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 CKPT = "checkpoint.safetensors"
 LEGACY = "checkpoint.pt"  # the pickled format of older versions: refused, see convert_checkpoint
 META_KEY = "massive_lens_checkpoint"
+STEPS = "steps.parquet"  # the per-step record, next to the checkpoint (what the stability analysis reads)
 
 
 def updates_applied(optimizer: torch.optim.Optimizer) -> int | None:
@@ -106,9 +109,11 @@ def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
             "optimizer": _optimizer_from(meta["optimizer"], tensors, path)}
 
 
-def save_checkpoint(out: Path, model: Any, optimizer: Any, config: dict, step: int, history: list) -> None:
+def save_checkpoint(out: Path, model: Any, optimizer: Any, config: dict, step: int, history: list,
+                    per_step: list | None = None) -> None:
     """Write the checkpoint (one safetensors file: tensors, plus everything else as JSON in its
-    metadata) and the logs to temporary files, then rename them into place."""
+    metadata) and the logs to temporary files, then rename them into place. ``per_step``: the
+    per-step rows (stored as columns; none for a run that did not record)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     optim = optimizer.state_dict()
@@ -120,18 +125,23 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, config: dict, step: i
                 tensors[f"optim.{index}.{key}"] = value
             else:
                 plain_state[str(index)][key] = value
+    steps = pd.DataFrame(per_step or [])
     meta = dict(step=step, config=config, model_cfg=model.cfg.to_dict(), history=history,
-                optimizer=dict(state=plain_state, param_groups=optim["param_groups"]))
+                per_step={k: steps[k].tolist() for k in steps}, optimizer=dict(state=plain_state,
+                                                                             param_groups=optim["param_groups"]))
     # a copy per tensor: safetensors refuses tensors that share memory (tied weights)
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
     _atomic(out / CKPT, lambda p: save_file(tensors, str(p), metadata={META_KEY: json.dumps(meta)}))
     _atomic(out / "log.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
+    if len(steps):
+        _atomic(out / STEPS, lambda p: steps.to_parquet(p, index=False))
     summary = dict(config=config, step=step, last=history[-1] if history else None)
     _atomic(out / "run.json", lambda p: Path(p).write_text(json.dumps(summary, indent=1)))
 
 
-def resume_from(path: Path, model: Any, optimizer: Any, config: dict, defaults: dict) -> tuple[int, list]:
-    """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; ``(step, history)``.
+def resume_from(path: Path, model: Any, optimizer: Any, config: dict, defaults: dict) -> tuple[int, list, list]:
+    """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; ``(step, history, per_step)``
+    (``per_step`` is empty for a checkpoint written before runs recorded every step).
 
     ``config`` is the run's configuration as a dict and ``defaults`` the configuration's
     defaults (fields added since the checkpoint was written take them). A checkpoint made with
@@ -149,11 +159,12 @@ def resume_from(path: Path, model: Any, optimizer: Any, config: dict, defaults: 
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     log.info("resuming from step %d (%s)", state["step"], path)
-    return int(state["step"]), list(state["history"])
+    columns = state.get("per_step") or {}
+    return int(state["step"]), list(state["history"]), pd.DataFrame(columns).to_dict("records")
 
 
 def save_interrupted(out: Path, model: Any, optimizer: Any, config: dict, start: int,
-                     applied_at_start: int | None, history: list) -> None:
+                     applied_at_start: int | None, history: list, per_step: list | None = None) -> None:
     """On Ctrl-C: save the state labelled with the updates the optimizer really applied
     (history rows of later steps than that are dropped); nothing when no update was applied
     since the start, or when an update stopped half-way (the last checkpoint stays)."""
@@ -164,7 +175,8 @@ def save_interrupted(out: Path, model: Any, optimizer: Any, config: dict, start:
     done = start + applied - applied_at_start
     if done > start:
         log.warning("interrupted after step %d; saving a checkpoint in %s", done, out)
-        save_checkpoint(out, model, optimizer, config, done, [h for h in history if h["step"] <= done])
+        save_checkpoint(out, model, optimizer, config, done, [h for h in history if h["step"] <= done],
+                        [r for r in per_step or [] if r["step"] <= done])
 
 
 def convert_checkpoint(out_dir: str | os.PathLike) -> Path:

@@ -24,7 +24,7 @@ import numbers
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from massive_lens.quantize import measure_outliers
 from massive_lens.train.data import get_tokenizer, sample_batch, split_held_out, start_token, token_stream
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.presets import get_preset
+from massive_lens.train.stability import TrainingStability, training_stability
 from massive_lens.train.trainer import train_model
 from massive_lens.train.variants import VARIANTS
 
@@ -54,12 +55,20 @@ class Comparison(Result):
     ``runs``: one row per (variant, seed) with the :data:`METRICS` columns plus
     ``val_loss``, ``steps`` and ``seconds``. ``curves``: variant, seed, step, loss,
     val_loss. ``profiles``: variant, seed, layer, max_inf_norm, median, ratio, kurtosis.
+    ``per_step``: variant, seed and every step's record (:data:`~massive_lens.train.recorder.STEP_COLUMNS`;
+    empty with ``record=False``), which :meth:`stability` reads.
     """
 
     preset: str
     runs: pd.DataFrame
     curves: pd.DataFrame
     profiles: pd.DataFrame
+    per_step: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    def stability(self, **options: Any) -> TrainingStability:
+        """The loss spikes and the massive activations around them
+        (:func:`~massive_lens.train.stability.training_stability`; ``options``: its window and factors)."""
+        return training_stability(self, **options)
 
     @property
     def baseline_massive(self) -> bool | None:
@@ -113,6 +122,7 @@ def compare_variants(
     until_step: int | None = None,
     progress: bool = True,
     measure_seqs: int = 8,
+    record: bool = True,
     **overrides: Any,
 ) -> Comparison:
     """Train every variant for every seed under one preset, then measure each model.
@@ -133,6 +143,7 @@ def compare_variants(
         progress: show training progress bars.
         measure_seqs: held-out sequences each model is evaluated on (as many again
             calibrate the W8A8 activation ranges; default 8).
+        record: record every training step (:attr:`Comparison.per_step`; default True).
         **overrides: :class:`~massive_lens.train.TrainConfig` fields for every run
             (``model=`` dicts are merged into the preset's).
 
@@ -164,13 +175,13 @@ def compare_variants(
     stream = token_stream(base.data, tokenizer, base.max_chars)
     _, held_out = split_held_out(stream, base.model.get("n_ctx", MassiveLMConfig.n_ctx), base.val_fraction)
     bos = start_token(tokenizer, base.prepend_bos)
-    runs, curves, profiles = [], [], []
+    runs, curves, profiles, per_step = [], [], [], []
     for variant in variants:
         for seed in seeds:
             cfg = get_preset(base.with_attention(variant), seed=seed)
             folder = None if out_dir is None else Path(out_dir) / variant / f"seed{seed}"
             t0 = time.perf_counter()
-            run = train_model(cfg, out_dir=folder, until_step=until_step, progress=progress)
+            run = train_model(cfg, out_dir=folder, until_step=until_step, progress=progress, record=record)
             seconds = time.perf_counter() - t0
             n_ctx = run.model.cfg.n_ctx
             tokens = sample_batch(held_out, 2 * measure_seqs, min(n_ctx, len(held_out) - 1),
@@ -182,9 +193,13 @@ def compare_variants(
             curves += [dict(variant=variant, seed=seed, step=h["step"], loss=h["loss"],
                             val_loss=h["val_loss"]) for h in run.history]
             profiles += [dict(variant=variant, seed=seed, **r) for r in report.to_frame().to_dict("records")]
+            if len(run.per_step):
+                per_step.append(run.per_step.assign(variant=variant, seed=seed)[["variant", "seed",
+                                                                                  *run.per_step.columns]])
             log.info("%s seed %d: %s", variant, seed, report.summary())
     name = preset if isinstance(preset, str) else "custom"
-    return Comparison(name, pd.DataFrame(runs), pd.DataFrame(curves), pd.DataFrame(profiles))
+    steps = pd.concat(per_step, ignore_index=True) if per_step else pd.DataFrame()
+    return Comparison(name, pd.DataFrame(runs), pd.DataFrame(curves), pd.DataFrame(profiles), steps)
 
 
 def compare_main(
@@ -200,7 +215,9 @@ def compare_main(
 
     ``variants`` and ``seeds`` may be comma-separated strings. Writes ``runs.csv``,
     ``summary.csv``, ``curves.csv``, ``profiles.csv``, ``summary.txt`` and
-    ``comparison.png`` into ``out_dir``.
+    ``comparison.png`` into ``out_dir``, and the training-stability analysis of every step
+    (:meth:`Comparison.stability`) as ``stability/`` (``massive_lens.load`` reads it),
+    ``stability.png``, ``stability_runs.csv`` and ``spikes.csv``.
 
     Args:
         variants: variant names, as a list or one comma-separated string (default
@@ -234,6 +251,13 @@ def compare_main(
     result.curves.to_csv(out / "curves.csv", index=False)
     result.profiles.to_csv(out / "profiles.csv", index=False)
     text = result.summary()
+    if len(result.per_step):
+        stable = result.stability()
+        stable.save(out / "stability", overwrite=True)
+        stable.to_frame().to_csv(out / "stability_runs.csv", index=False)
+        stable.spikes.to_csv(out / "spikes.csv", index=False)
+        save_figure(stable.plot(), out / "stability", formats=("png",), dpi=120)
+        text += "\n" + stable.summary()
     (out / "summary.txt").write_text(text + "\n")
     save_figure(result.plot(), out / "comparison", formats=("png",), dpi=120)
     return text

@@ -12,6 +12,10 @@ NCCL on GPU). Two properties matter for science:
   and renamed into place; calling :func:`train_model` again with the same ``out_dir``
   resumes from the last checkpoint and reaches the same loss.
 
+Every step is also recorded (:mod:`massive_lens.train.recorder`: loss, gradient norm, the
+largest residual |activation| and its ratio to the median, attention on the first token) from
+hooks on the training pass itself; :mod:`massive_lens.train.stability` finds the loss spikes in it.
+
 Each training sequence starts with BOS (as ``to_tokens`` does), so a first-token sink
 can form exactly where analyses look for it; ``prepend_bos=False`` trains on bare windows
 (as nanoGPT does), so the first token is arbitrary.
@@ -65,6 +69,7 @@ from massive_lens.train.data import (
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import TrainConfig, get_preset
+from massive_lens.train.recorder import StepRecorder
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TrainRun(Result):
     """A finished (or stopped) run: the model, its logged history and where it lives.
+
+    ``history``: one row every ``log_every`` steps (:meth:`to_frame`); ``per_step``: one row per
+    step with the :data:`~massive_lens.train.recorder.STEP_COLUMNS` (empty with ``record=False``).
 
     ``save(path)`` stores the model's config and weights with the rest; ``massive_lens.load``
     rebuilds the :class:`MassiveLM` on the CPU (with the run's tokenizer, ``config.tokenizer``).
@@ -82,6 +90,7 @@ class TrainRun(Result):
     history: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
     out_dir: str | None = None
+    per_step: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def final_loss(self) -> float:
@@ -159,6 +168,7 @@ def train_model(
     until_step: int | None = None,
     device: str | None = None,
     attention: Any = None,
+    record: bool = True,
     **overrides: Any,
 ) -> TrainRun:
     """Train a MassiveLM with a preset (plus ``TrainConfig`` field overrides).
@@ -182,6 +192,8 @@ def train_model(
             if there is one, else the CPU).
         attention: the attention variant (a name, a dict of ``VariantConfig`` fields or a
             ``VariantConfig``); None keeps the preset's (``softmax`` unless it says otherwise).
+        record: record every step (:attr:`TrainRun.per_step`, ``steps.parquet`` in ``out_dir``);
+            it does not change the training numbers and costs a few percent of a step's time.
         **overrides: :class:`~massive_lens.train.TrainConfig` fields to replace
             (``model=`` dicts are merged into the preset's).
 
@@ -206,28 +218,30 @@ def train_model(
     tokenizer = get_tokenizer(cfg.tokenizer)
     stream = token_stream(cfg.data, tokenizer, cfg.max_chars)  # before the model: bad data fails fast
     model, optimizer = _build(cfg, tokenizer, dev)
-    start, history = 0, []
+    start, history, per_step = 0, [], []
     if out is not None and resume and ((out / CKPT).is_file() or (out / LEGACY).is_file()):
-        start, history = resume_from(out / CKPT, model, optimizer, cfg.to_dict(), TrainConfig().to_dict())
+        start, history, per_step = resume_from(out / CKPT, model, optimizer, cfg.to_dict(), TrainConfig().to_dict())
     train, val = _split(cfg, stream, model.cfg.n_ctx, world)
+    recorder = StepRecorder(model) if record else None
     loop = _Loop(cfg, model, optimizer, _wrap_ddp(model, world, dev), train, start_token(tokenizer, cfg.prepend_bos),
-                 _autocast(cfg, dev), rank, world, dev)
+                 _autocast(cfg, dev), rank, world, dev, recorder, per_step)
     stop = min(cfg.steps, until_step if until_step is not None else cfg.steps)
     bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
     applied_at_start = updates_applied(optimizer)  # the checkpointed step is read from the optimizer
     try:
-        for step in range(start, stop):
-            loop.step(step, history, val, stop, bar)
-            if out is not None and rank == 0 and (step + 1 == stop or (step + 1) % cfg.ckpt_every == 0):
-                save_checkpoint(out, model, optimizer, cfg.to_dict(), step + 1, history)
+        with recorder or contextlib.nullcontext():
+            for step in range(start, stop):
+                loop.step(step, history, val, stop, bar)
+                if out is not None and rank == 0 and (step + 1 == stop or (step + 1) % cfg.ckpt_every == 0):
+                    save_checkpoint(out, model, optimizer, cfg.to_dict(), step + 1, history, per_step)
     except KeyboardInterrupt:
         if out is not None and rank == 0:
-            save_interrupted(out, model, optimizer, cfg.to_dict(), start, applied_at_start, history)
+            save_interrupted(out, model, optimizer, cfg.to_dict(), start, applied_at_start, history, per_step)
         raise
     finally:
         bar.close()
     model.eval()
-    return TrainRun(model, cfg, history, max(stop, start), None if out is None else str(out))
+    return TrainRun(model, cfg, history, max(stop, start), None if out is None else str(out), pd.DataFrame(per_step))
 
 
 @dataclass
@@ -245,6 +259,8 @@ class _Loop:
     rank: int
     world: int
     dev: torch.device
+    recorder: StepRecorder | None
+    per_step: list
     t0: float = field(default_factory=time.perf_counter)
     tokens_seen: int = 0
 
@@ -255,6 +271,9 @@ class _Loop:
         batch = sample_batch(self.train, cfg.batch_size, self.model.cfg.n_ctx, self.bos, cfg.seed, step)
         loss_sum = self._gradients(batch)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if self.recorder is not None:  # before the update: an interrupted save keeps rows <= the updates applied
+            self.per_step.append(self.recorder.row(step=step + 1, loss=_mean(loss_sum, self.world),
+                                                   grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"]))
         with interrupt_after():  # a Ctrl-C here waits until the update is whole
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -276,7 +295,7 @@ class _Loop:
             rows = batch[i * micro : (i + 1) * micro][self.rank :: self.world].to(self.dev)
             last = i == cfg.grad_accum - 1
             sync = contextlib.nullcontext() if last or self.world == 1 else self.wrapped.no_sync()
-            with sync, self.amp:
+            with sync, self.amp, self.recorder.watching() if self.recorder else contextlib.nullcontext():
                 loss = self.wrapped(rows, return_type="loss") / cfg.grad_accum
             loss.backward()
             loss_sum += loss.detach()
@@ -284,9 +303,12 @@ class _Loop:
 
 
 def _build(cfg: TrainConfig, tokenizer: Any, dev: torch.device) -> tuple[MassiveLM, Any]:
-    """The model, initialised from the run's seed (the global RNG left as it was), and its optimizer."""
-    model = MassiveLM(_model_config(cfg, tokenizer, dev), tokenizer)
+    """The model, initialised from the run's seed (the global RNG left as it was), and its optimizer.
+    The variant's own parameters (slot keys and values, gates) are drawn from the seed too, so
+    two runs with one seed start alike whatever ran before them in the process."""
     with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = MassiveLM(_model_config(cfg, tokenizer, dev), tokenizer)
         torch.manual_seed(cfg.seed)
         model._init_weights()
     model.to(dev)

@@ -180,14 +180,29 @@ class AttentionVariant(nn.Module):
             pattern = hooks.hook_pattern(self.normalize(scores))
             return pattern @ v
         k_s, v_s, bias = slots
-        slot_scores = torch.einsum("bhqd,hsd->bhqs", q, k_s.to(q.dtype)) / math.sqrt(self.d_head)
-        if bias is not None:
-            slot_scores = slot_scores + bias[None, :, None, :]
-        weights = self.normalize(torch.cat([scores, slot_scores], -1))
+        weights = self.normalize(torch.cat([scores, self._slot_scores(q, k_s, bias)], -1))
         n_real = scores.shape[-1]
         pattern = hooks.hook_pattern(weights[..., :n_real])
         slot_pattern = hooks.hook_slot_pattern(weights[..., n_real:])
         return pattern @ v + torch.einsum("bhqs,hsd->bhqd", slot_pattern, v_s.to(v.dtype))
+
+
+    def _slot_scores(self, q: Tensor, k_s: Tensor, bias: Tensor | None) -> Tensor:
+        """The logits of the queries on the slot keys ``[batch, head, query, slot]``."""
+        slot_scores = torch.einsum("bhqd,hsd->bhqs", q, k_s.to(q.dtype)) / math.sqrt(self.d_head)
+        return slot_scores if bias is None else slot_scores + bias[None, :, None, :]
+
+    @torch.no_grad()
+    def first_key_weight(
+        self, q: Float[Tensor, "batch head_index query_pos d_head"], k: Float[Tensor, "batch head_index key_pos d_head"]
+    ) -> Float[Tensor, "batch head_index query_pos"]:
+        """The weight each query puts on key 0 (what ``hook_pattern[..., 0]`` shows), computed
+        aside from the pass and without its hooks, so a fused pass stays fused (for recording)."""
+        scores = causal_scores(q, k)
+        slots = self.slots()
+        if slots is not None:
+            scores = torch.cat([scores, self._slot_scores(q, slots[0], slots[2])], -1)
+        return self.normalize(scores)[..., 0]
 
 
 class SlotAttention(AttentionVariant):

@@ -1,0 +1,281 @@
+"""Training stability: do loss spikes come with massive activations?
+
+Every :func:`~massive_lens.train.train_model` step is recorded (:mod:`massive_lens.train.recorder`:
+loss, gradient norm, the largest residual |activation| and its ratio to the median, attention on
+the first token). :func:`training_stability` finds the **spikes** in that record and measures the
+massive activations around each one.
+
+A step is a *loss spike* when its loss exceeds ``loss_factor`` times the median loss of the
+``window`` steps before it, and a *gradient spike* when its gradient norm exceeds ``grad_factor``
+times their median gradient norm (only once ``window`` steps precede it). Flagged steps less than
+``around`` steps apart are one spike. Around each spike, ``act_before`` is the median of the
+largest |activation| over the ``around`` steps before it, ``act_after`` the largest over the spike
+and the ``around`` steps after it, and ``act_growth`` their ratio (likewise ``ratio_*`` for the
+top-1/median ratio and ``attn_*`` for the first-token attention, means).
+
+Per run, ``to_frame()`` gives the number of spikes and the state at the end (means over the last
+``window`` steps); :meth:`TrainingStability.table` the mean per variant with a 95% t-interval over
+seeds (with 3 seeds the interval is wide, as it should be).
+
+>>> import numpy as np
+>>> loss = np.full(200, 3.0); loss[120] = 6.0
+>>> int(find_spikes(loss, window=50, factor=1.2).sum()), int(find_spikes(np.full(200, 3.0)).sum())
+(1, 0)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from massive_lens.core.results import Result
+from massive_lens.errors import MassiveLensError
+from massive_lens.train.checkpoint import STEPS
+
+WINDOW, LOSS_FACTOR, GRAD_FACTOR, AROUND = 50, 1.2, 3.0, 10
+END_METRICS = ("loss", "max_act", "act_ratio", "first_attn", "first_attn_top")
+PANELS = (("loss", "training loss", False), ("grad_norm", "gradient norm", True),
+          ("max_act", "largest |activation|", True), ("first_attn", "attention on the first token", False))
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def find_spikes(values: Sequence[float] | np.ndarray | pd.Series, *, window: int = WINDOW,
+                factor: float | int = 2.0) -> np.ndarray:
+    """Boolean mask: ``values[t] > factor * median(values[t - window:t])`` (False until ``window``
+    values precede ``t``)."""
+    if window < 2 or not factor > 1:
+        raise MassiveLensError(f"window must be >= 2 and factor > 1, got window={window}, factor={factor}")
+    series = pd.Series(np.asarray(values, dtype=float))
+    median = series.shift(1).rolling(window, min_periods=window).median()
+    return (series > factor * median).to_numpy()
+
+
+def spike_table(run: pd.DataFrame, *, window: int = WINDOW, loss_factor: float | int = LOSS_FACTOR,
+                grad_factor: float | int = GRAD_FACTOR, around: int = AROUND) -> pd.DataFrame:
+    """The spikes of one run's per-step record (rows in step order), one row each (see the module
+    docstring): ``step``, ``end``, ``kind`` (``loss``, ``grad`` or ``loss+grad``), ``loss_jump`` and
+    ``grad_jump`` (largest value over the spike / the median before it), ``act_before``,
+    ``act_after``, ``act_growth``, ``ratio_before``, ``ratio_after``, ``attn_before``, ``attn_after``."""
+    run = run.sort_values("step").reset_index(drop=True)
+    loss_flag = find_spikes(run["loss"], window=window, factor=loss_factor)
+    grad_flag = find_spikes(run["grad_norm"], window=window, factor=grad_factor)
+    flagged = np.flatnonzero(loss_flag | grad_flag)
+    if not len(flagged):
+        return pd.DataFrame()
+    med = {c: run[c].shift(1).rolling(window, min_periods=window).median() for c in ("loss", "grad_norm")}
+    groups = np.split(flagged, np.flatnonzero(np.diff(flagged) >= around) + 1)
+    rows = []
+    for idx in groups:
+        first, last = int(idx[0]), int(idx[-1])
+        before, after = run.iloc[max(0, first - around):first], run.iloc[first:last + around + 1]
+        kinds = [k for k, f in (("loss", loss_flag), ("grad", grad_flag)) if f[idx].any()]
+        rows.append(dict(step=int(run["step"][first]), end=int(run["step"][last]), kind="+".join(kinds),
+                         loss_jump=float((run["loss"][idx] / med["loss"][idx]).max()),
+                         grad_jump=float((run["grad_norm"][idx] / med["grad_norm"][idx]).max()),
+                         act_before=float(before["max_act"].median()), act_after=float(after["max_act"].max()),
+                         ratio_before=float(before["act_ratio"].median()), ratio_after=float(after["act_ratio"].max()),
+                         attn_before=float(before["first_attn"].mean()), attn_after=float(after["first_attn"].mean())))
+    frame = pd.DataFrame(rows)
+    frame.insert(frame.columns.get_loc("act_after") + 1, "act_growth", frame["act_after"] / frame["act_before"])
+    return frame
+
+
+def t_interval(values: Sequence[float | int]) -> tuple[float, float, float]:
+    """Mean and 95% Student-t interval of ``values`` (NaN dropped; one value: no interval)."""
+    x = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if len(x) == 0:
+        return math.nan, math.nan, math.nan
+    if len(x) == 1:
+        return float(x[0]), float(x[0]), float(x[0])
+    half = _T95.get(len(x) - 1, 1.96 + 2.5 / (len(x) - 1)) * x.std(ddof=1) / math.sqrt(len(x))
+    return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
+
+
+@dataclass(frozen=True)
+class TrainingStability(Result):
+    """Spikes and massive activations over training (see the module docstring).
+
+    ``per_step``: ``variant``, ``seed`` and the recorder's columns, one row per step of each run.
+    ``spikes``: ``variant``, ``seed`` and the :func:`spike_table` columns. ``to_frame()``: one row
+    per run: ``variant``, ``seed``, ``steps``, ``spikes``, ``loss_spikes``, ``grad_spikes``,
+    ``act_growth`` (largest over its spikes, NaN without one), ``act_ratio_peak`` and the means over
+    the last ``window`` steps of :data:`END_METRICS` (``<metric>_end``).
+    """
+
+    per_step: pd.DataFrame
+    spikes: pd.DataFrame
+    window: int = WINDOW
+    loss_factor: float = LOSS_FACTOR
+    grad_factor: float = GRAD_FACTOR
+    around: int = AROUND
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = []
+        for (variant, seed), run in self.per_step.groupby(["variant", "seed"], sort=False):
+            mine = self._spikes_of(variant, seed)
+            end = run.sort_values("step").tail(self.window)
+            kinds = mine["kind"] if len(mine) else pd.Series(dtype=str)
+            rows.append(dict(variant=variant, seed=int(seed), steps=int(run["step"].max()), spikes=len(mine),
+                             loss_spikes=int(kinds.str.contains("loss").sum()),
+                             grad_spikes=int(kinds.str.contains("grad").sum()),
+                             act_growth=float(mine["act_growth"].max()) if len(mine) else math.nan,
+                             act_ratio_peak=float(run["act_ratio"].max()),
+                             **{f"{m}_end": float(end[m].mean()) if m in end else math.nan for m in END_METRICS}))
+        return pd.DataFrame(rows)
+
+    def _spikes_of(self, variant: str, seed: int) -> pd.DataFrame:
+        if not len(self.spikes):
+            return self.spikes
+        return self.spikes[(self.spikes["variant"] == variant) & (self.spikes["seed"] == seed)]
+
+    def table(self) -> pd.DataFrame:
+        """Per variant: each run metric's mean over seeds with its 95% t-interval
+        (``<metric>``, ``<metric>_low``, ``<metric>_high``) and ``seeds``."""
+        runs, rows = self.to_frame(), []
+        metrics = ["spikes", "act_ratio_peak"] + [f"{m}_end" for m in END_METRICS]
+        for variant, part in runs.groupby("variant", sort=False):
+            row: dict[str, Any] = dict(variant=variant, seeds=len(part), steps=int(part["steps"].max()))
+            for m in metrics:
+                row[m], row[f"{m}_low"], row[f"{m}_high"] = t_interval(part[m].tolist())
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def summary(self) -> str:
+        table = self.table()
+        lines = [f"training stability over {len(self.to_frame())} runs (spike: loss > {self.loss_factor:g}x or "
+                 f"gradient norm > {self.grad_factor:g}x the median of the {self.window} steps before; 95% "
+                 "t-intervals over seeds):"]
+        for _, r in table.iterrows():
+            def ci(m: str, f: str = ".3g") -> str:
+                return f"{r[m]:{f}} ({r[m + '_low']:{f}}-{r[m + '_high']:{f}})"
+            lines.append(f"  {r['variant']} ({r['seeds']} seeds, {r['steps']} steps): {ci('spikes', '.2f')} spikes "
+                         f"per run; at the end max|act| {ci('max_act_end')}, top-1/median {ci('act_ratio_end')}, "
+                         f"first-token attention {ci('first_attn_end', '.3f')} (top layer "
+                         f"{ci('first_attn_top_end', '.3f')}), loss {ci('loss_end')}")
+        if not len(self.spikes):
+            lines.append("  No spikes in any run: this budget says nothing about massive activations and spikes.")
+        else:
+            s = self.spikes
+            lines.append(f"  {len(s)} spikes; around them the largest |activation| grew {s['act_growth'].median():.2f}x "
+                         f"(median; range {s['act_growth'].min():.2f}-{s['act_growth'].max():.2f})")
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None, metric: str | None = None) -> Any:
+        """With neither ``ax`` nor ``metric``: four panels over steps (loss, gradient norm, largest
+        |activation|, first-token attention), one color per variant and one line per seed, spikes
+        marked; returns the top panel (``.figure`` holds all). Else ``metric`` (default
+        ``max_act``) on ``ax``."""
+        if ax is None and metric is None:
+            fig, panels = plt.subplots(len(PANELS), 1, figsize=(9, 10), sharex=True, layout="constrained")
+            for panel, (name, label, log) in zip(panels, PANELS, strict=True):
+                self._draw(panel, name, label, log)
+            panels[-1].set_xlabel("step")
+            panels[0].legend(fontsize=7, ncol=3)
+            panels[0].set_title(f"training stability ({len(self.to_frame())} runs; x: spikes)")
+            return panels[0]
+        if ax is None:
+            ax = plt.subplots(figsize=(9, 3.5), layout="constrained")[1]
+        name, label, log = next((p for p in PANELS if p[0] == (metric or "max_act")), (metric, metric, False))
+        self._draw(ax, name, label, log)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7, ncol=3)
+        return ax
+
+    def _draw(self, ax: Any, name: str, label: str, log: bool) -> None:
+        if name not in self.per_step:
+            raise MassiveLensError(f"no column {name!r} in the per-step record; choose from {list(self.per_step)}")
+        for i, variant in enumerate(self.per_step["variant"].unique()):
+            for j, (seed, run) in enumerate(self.per_step[self.per_step["variant"] == variant].groupby("seed")):
+                ax.plot(run["step"], run[name], color=f"C{i}", lw=0.7, alpha=0.8, label=variant if j == 0 else None)
+                hits = run[run["step"].isin(self._spikes_of(variant, seed).get("step", []))]
+                ax.plot(hits["step"], hits[name], "x", color=f"C{i}", ms=7)
+        ax.set(ylabel=label, yscale="log" if log else "linear")
+
+
+def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | int = LOSS_FACTOR,
+                       grad_factor: float | int = GRAD_FACTOR, around: int = AROUND) -> TrainingStability:
+    """Find the spikes in recorded training runs and the massive-activation growth around them.
+
+    Args:
+        runs: a :class:`~massive_lens.train.Comparison`, a :class:`~massive_lens.train.TrainRun`, a
+            list of TrainRuns, a per-step frame with ``variant`` and ``seed`` columns, or a folder
+            (``train-compare``'s ``out_dir``: every ``steps.parquet`` under it, with its ``run.json``).
+        window: steps of the rolling median a step is compared with (default 50).
+        loss_factor: a loss above this many times the median is a spike (default 1.2).
+        grad_factor: a gradient norm above this many times the median is a spike (default 3.0).
+        around: steps before and after a spike that its activation growth is measured over, and
+            the gap below which flagged steps are one spike (default 10).
+
+    Returns:
+        A :class:`TrainingStability`.
+
+    Raises:
+        MassiveLensError: if no run has a per-step record (trained with ``record=False``, or a
+            folder without ``steps.parquet``), or window / factors are invalid.
+
+    >>> import numpy as np
+    >>> steps = pd.DataFrame(dict(variant="softmax", seed=0, step=np.arange(1, 101), loss=3.0, grad_norm=1.0,
+    ...                           max_act=10.0, act_ratio=5.0, first_attn=0.2, first_attn_top=0.3))
+    >>> training_stability(steps, window=20).to_frame()[["variant", "spikes", "act_ratio_end"]].values.tolist()
+    [['softmax', 0, 5.0]]
+    """
+    per_step = _per_step(runs)
+    if per_step.empty:
+        raise MassiveLensError("no per-step record in these runs: train with record=True (the default), "
+                               "or point at a folder holding runs' steps.parquet")
+    if around < 1:
+        raise MassiveLensError(f"around must be a positive number of steps, got {around}")
+    tables = []
+    for (variant, seed), run in per_step.groupby(["variant", "seed"], sort=False):
+        found = spike_table(run, window=window, loss_factor=loss_factor, grad_factor=grad_factor, around=around)
+        if len(found):
+            tables.append(found.assign(variant=variant, seed=seed))
+    spikes = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
+    if len(spikes):
+        spikes = spikes[["variant", "seed"] + [c for c in spikes if c not in ("variant", "seed")]]
+    return TrainingStability(per_step, spikes, window, float(loss_factor), float(grad_factor), around)
+
+
+def _per_step(runs: Any) -> pd.DataFrame:
+    if isinstance(runs, (str, os.PathLike)):
+        return _from_folder(Path(runs))
+    if isinstance(runs, pd.DataFrame):
+        missing = {"variant", "seed", "step", "loss", "grad_norm"} - set(runs)
+        if missing:
+            raise MassiveLensError(f"the per-step frame lacks the columns {sorted(missing)}")
+        return runs.reset_index(drop=True)
+    if isinstance(runs, (list, tuple)):
+        frames = [_per_step(r) for r in runs]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    frame = getattr(runs, "per_step", None)
+    if not isinstance(frame, pd.DataFrame):
+        raise MassiveLensError(f"cannot read a per-step record from {type(runs).__name__}; give a TrainRun, a "
+                               "Comparison, a per-step frame or a runs folder")
+    if "variant" in frame or frame.empty:
+        return frame
+    return frame.assign(variant=runs.model.cfg.attention.name, seed=runs.config.seed)[
+        ["variant", "seed", *frame.columns]]
+
+
+def _from_folder(folder: Path) -> pd.DataFrame:
+    if not folder.is_dir():
+        raise MassiveLensError(f"{folder} is not a folder of training runs")
+    frames = []
+    for path in sorted(folder.rglob(STEPS)):
+        config = json.loads((path.parent / "run.json").read_text())["config"] if (path.parent / "run.json").is_file() \
+            else {}
+        attention = config.get("model", {}).get("attention", "softmax")
+        variant = attention.get("name", "softmax") if isinstance(attention, dict) else str(attention)
+        frame = pd.read_parquet(path)
+        frames.append(frame.assign(variant=variant, seed=int(config.get("seed", 0)))[
+            ["variant", "seed", *frame.columns]])
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

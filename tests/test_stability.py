@@ -1,0 +1,108 @@
+"""Training stability: every step recorded from the training pass (without changing it), the
+record kept across a resume, and a spike detector that finds a planted spike and nothing in a
+flat series."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from massive_lens.errors import MassiveLensError
+from massive_lens.train import compare, compare_main, train_model, training_stability
+from massive_lens.train.checkpoint import STEPS
+from massive_lens.train.recorder import STEP_COLUMNS
+from massive_lens.train.stability import find_spikes, spike_table
+
+TINY = dict(data="One. Two, three.\n" * 300, model=dict(n_layers=2, d_model=16, n_ctx=16), progress=False,
+            log_every=3, eval_every=4)
+
+
+def test_every_step_is_recorded_with_its_columns():
+    run = train_model("smoke", steps=7, **TINY)
+    steps = run.per_step
+    assert list(steps.columns) == list(STEP_COLUMNS) and steps["step"].tolist() == list(range(1, 8))
+    logged = {h["step"]: h for h in run.history}
+    for row in steps.itertuples():  # the per-step loss and gradient norm are the history's at its rows
+        if row.step in logged:
+            assert row.loss == pytest.approx(logged[row.step]["loss"], rel=1e-6)
+            assert row.grad_norm == pytest.approx(logged[row.step]["grad_norm"], rel=1e-6)
+    assert (steps["max_act"] >= steps["median_act"]).all() and (steps["act_ratio"] >= 1).all()
+    assert (steps["max_act"] >= steps["max_act_first"]).all() and steps["max_act_layer"].isin([0, 1]).all()
+    assert steps["first_attn"].between(0, 1).all() and (steps["first_attn_top"] >= steps["first_attn"] - 1e-7).all()
+    no = train_model("smoke", steps=2, record=False, **TINY)
+    assert no.per_step.empty and not any(h._forward_hooks for h in run.model.modules())  # hooks removed
+
+
+def test_recorded_first_token_attention_is_what_the_pattern_shows():
+    run = train_model("smoke", steps=2, attention="kv_bias", **TINY)
+    tokens = torch.randint(0, 200, (3, 16))
+    _, cache = run.model.run_with_cache(tokens)
+    from massive_lens.train.recorder import StepRecorder
+
+    with StepRecorder(run.model) as rec:
+        with rec.watching():
+            run.model(tokens)
+        row = rec.row(step=0, loss=0.0, grad_norm=0.0, lr=0.0)
+    per_layer = [cache[f"blocks.{i}.attn.hook_pattern"][..., 1:, 0].mean() for i in range(2)]
+    assert row["first_attn"] == pytest.approx(float(torch.stack(per_layer).mean()), rel=1e-5)
+    resid = torch.stack([cache[f"blocks.{i}.hook_resid_post"].abs().amax() for i in range(2)])
+    assert row["max_act"] == pytest.approx(float(resid.max()), rel=1e-6) and row["max_act_layer"] == int(resid.argmax())
+
+
+@pytest.mark.parametrize("variant", ["softmax", "kv_bias"])
+def test_recording_does_not_change_the_training_math(variant):
+    with_rec = train_model("smoke", steps=6, attention=variant, **TINY)
+    without = train_model("smoke", steps=6, attention=variant, record=False, **TINY)
+    assert [h["loss"] for h in with_rec.history] == [h["loss"] for h in without.history]
+    for (name, a), (_, b) in zip(with_rec.model.state_dict().items(), without.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_resume_keeps_the_per_step_record(tmp_path):
+    straight = train_model("smoke", steps=8, **TINY)
+    train_model("smoke", steps=8, out_dir=tmp_path, until_step=5, **TINY)
+    assert len(pd.read_parquet(tmp_path / STEPS)) == 5
+    resumed = train_model("smoke", steps=8, out_dir=tmp_path, **TINY)
+    assert resumed.per_step["step"].tolist() == list(range(1, 9))
+    pd.testing.assert_frame_equal(resumed.per_step, straight.per_step, check_exact=False, rtol=1e-5)
+    assert pd.read_parquet(tmp_path / STEPS)["step"].tolist() == list(range(1, 9))
+
+
+def test_spike_detector_finds_a_planted_spike_and_nothing_in_a_flat_series():
+    rng = np.random.default_rng(0)
+    n = 300
+    run = pd.DataFrame(dict(step=np.arange(1, n + 1), loss=3 + 0.02 * rng.standard_normal(n),
+                            grad_norm=1 + 0.05 * rng.standard_normal(n), max_act=np.full(n, 10.0),
+                            act_ratio=np.full(n, 5.0), first_attn=np.full(n, 0.2)))
+    assert not find_spikes(run["loss"], window=50, factor=1.2).any()
+    assert spike_table(run).empty
+    run.loc[199, "loss"] = 5.0  # step 200: a loss spike, with the largest activation growing 4x after it
+    run.loc[199:204, "max_act"] = 40.0
+    run.loc[249, "grad_norm"] = 9.0  # step 250: a gradient spike alone
+    spikes = spike_table(run, window=50, loss_factor=1.2, grad_factor=3.0, around=10)
+    assert spikes["step"].tolist() == [200, 250] and spikes["kind"].tolist() == ["loss", "grad"]
+    assert spikes["act_growth"].tolist() == pytest.approx([4.0, 1.0])
+    assert spikes["loss_jump"][0] == pytest.approx(5.0 / run["loss"][149:199].median())
+    frame = run.assign(variant="softmax", seed=0)
+    result = training_stability(frame)
+    assert result.to_frame()["spikes"].tolist() == [2] and "2 spikes" in result.summary()
+    flat = training_stability(frame.assign(loss=3.0, grad_norm=1.0))
+    assert flat.spikes.empty and "No spikes" in flat.summary()
+
+
+def test_runs_folder_and_bad_inputs(tmp_path, monkeypatch):
+    small = dict(TINY, steps=3, measure_seqs=1)
+    monkeypatch.setattr(compare, "compare_variants", functools.partial(compare.compare_variants, **small))
+    compare_main(variants="softmax", preset="smoke", seeds="0,1", out_dir=tmp_path, progress=False)
+    for name in ("stability.png", "stability_runs.csv", "spikes.csv", "stability/manifest.json"):
+        assert (tmp_path / name).is_file(), name
+    from_folder = training_stability(tmp_path)
+    assert sorted(from_folder.to_frame()["seed"]) == [0, 1] and set(from_folder.per_step["variant"]) == {"softmax"}
+    with pytest.raises(MassiveLensError, match="record=True"):
+        training_stability(train_model("smoke", steps=2, record=False, **TINY))
+    with pytest.raises(MassiveLensError, match="window"):
+        find_spikes([1.0, 2.0], window=1)
