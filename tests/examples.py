@@ -33,7 +33,7 @@ from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds,
 from massive_lens.interventions import head_curve
 from massive_lens.quant import quantize_grid
 from massive_lens.quantize import lowbit_grid
-from massive_lens.train import compare_variants, retrofit, train_model
+from massive_lens.train import compare_variants, retrofit, train_model, training_stability
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 
@@ -41,7 +41,8 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "AttentionDecomposition", "Perplexity", "Calibration", "InterventionTable", "OutlierReport",
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
-                "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization"]
+                "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization",
+                "TrainingStability"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -96,6 +97,7 @@ def result_examples() -> dict[str, object]:
         "StreamingWindow": streaming_window(model, TEXT, window=4, sinks=(0, 1), seq_len=24, n_seqs=2, bins=4),
         "OverMixing": over_mixing(model, TEXT, seq_len=16, n_seqs=2, calibration=TEXT[::-1]),
         "RepeatedToken": repeated_token_probe(model, "a", 12, text=TEXT, seq_len=16, n_seqs=2),
+        "TrainingStability": training_stability(train_model("smoke", progress=False, **TINY_TRAIN)),
     }
 
 

@@ -234,6 +234,19 @@ def test_repeated_token_probe_without_a_circuit_and_bad_input():
             repeated_token_probe(model, *args, **kwargs)
 
 
+def test_repeated_token_probe_with_another_first_token():
+    """With the repeated token first, every position of a rotary model computes the same state (the
+    summary says the match is trivial); with first= another token, the repeats differ from it."""
+    model = tiny_model("llama")
+    same = repeated_token_probe(model, "a", 12, first="a", text=TEXT, seq_len=24, n_seqs=2)
+    assert same.frame["norm_ratio"].to_numpy() == pytest.approx(1.0, rel=1e-5) and "trivially" in same.summary()
+    other = repeated_token_probe(model, "a", 12, first="b", text=TEXT, seq_len=24, n_seqs=2)
+    assert other.first == "b" and not other.frame["norm_ratio"][1:].to_numpy() == pytest.approx(1.0, rel=1e-3)
+    assert "after 'b'" in other.summary() and "trivially" not in other.summary()
+    with untouched(model), pytest.raises(MassiveLensError, match="2 tokens"):
+        repeated_token_probe(model, "a", 12, first="ab")
+
+
 # --------------------------------------------------------------------------- the command
 
 

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pos", type=int, default=1, help="mixing: the perturbed position (default 1)")
     parser.add_argument("--token", default=" the", help="repeated: the token repeated (default ' the')")
     parser.add_argument("--n", type=int, default=3000, help="repeated: repeats after the first token (default 3000)")
+    parser.add_argument("--first", default=None,
+                        help="repeated: the token before the repeats (default BOS, or the token itself without BOS)")
     parser.add_argument("--out-dir", "--out", dest="out_dir", default=None,
                         help="save the result and its figure in this folder")
 
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace, model: Any) -> Any:
     if args.experiment == "mixing":
         return over_mixing(model, args.corpus, pos=args.pos, layers=_ints(args.layers), calibration=args.calibration,
                            **size)
-    return repeated_token_probe(model, args.token, args.n, text=args.corpus, **size)
+    return repeated_token_probe(model, args.token, args.n, text=args.corpus, first=args.first, **size)
 
 
 def cmd_effects(args: argparse.Namespace) -> None:

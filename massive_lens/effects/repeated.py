@@ -8,7 +8,7 @@ towards what the token would give *as a first token*; past some length the same 
 and the repeats turn into sinks themselves.
 
 :func:`repeated_token_probe` runs ``[first] + [token] * n`` (``first`` is BOS when the model
-prepends one, else the token itself) and reports:
+prepends one, else the token itself, unless given) and reports:
 
 - per position, the residual norm at the **sink layer** (where the first token's norm peaks)
   over the first token's (``norm_ratio``), its cosine with the token's own first-token
@@ -71,6 +71,7 @@ class RepeatedToken(Result):
     neuron_layer: int
     neuron: int
     like: float
+    first: str = ""
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
@@ -81,9 +82,13 @@ class RepeatedToken(Result):
 
     def summary(self) -> str:
         f = self.frame[self.frame["pos"] > 0]
-        text = (f"{self.model_name}: {self.token!r} repeated {self.n} times; sink layer {self.layer} (the first "
+        text = (f"{self.model_name}: {self.token!r} repeated {self.n} times after {self.first or 'itself'!r}; sink "
+                f"layer {self.layer} (the first "
                 f"token's norm peaks there, dim {self.dim}); repeats reach at most {f['norm_ratio'].max():.2f} of "
                 f"the first token's norm, {int(f['sink'].sum())} of them act as sinks (census)")
+        if self.first == self.token:
+            text += (" (the first token is the repeated one: a causal model with rotary positions computes the "
+                     "same state at every position, so the repeats match the first token trivially; give first=)")
         if self.onset < 0:
             return text + f"; none reaches {self.like:g} of its norm, so there is no circuit to patch at this length"
         if self.neuron < 0:
@@ -156,7 +161,7 @@ def _head_rows(z: Tensor, first: Tensor) -> pd.DataFrame:
 
 
 def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | int = 0.25, text: Corpus = None,
-                         seq_len: int = 128, n_seqs: int = 8) -> RepeatedToken:
+                         seq_len: int = 128, n_seqs: int = 8, first: str | int | None = None) -> RepeatedToken:
     """Repeat ``token`` ``n`` times after the first token; find where the repeats start to look like
     the first token, the layer-0 head and the neuron behind it, and patch it (see the module docstring).
 
@@ -169,6 +174,9 @@ def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | 
         text: ordinary text for the patch's perplexity check (a corpus; None: the offline default text).
         seq_len: tokens per sequence of that check (default 128).
         n_seqs: sequences of that check (default 8).
+        first: the token before the repeats, as text (one token) or an id (None: BOS when the
+            model prepends one, else the repeated token itself, for which the probe is trivial;
+            a model without BOS needs one, e.g. its document separator ``"<|endoftext|>"``).
 
     Returns:
         A :class:`RepeatedToken`.
@@ -183,19 +191,14 @@ def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | 
     (17, True)
     """
     view = ModelView(model)
-    if isinstance(token, str):
-        ids = view.tokenize(token, prepend_bos=False).tokens[0].tolist()
-        if len(ids) != 1:
-            raise MassiveLensError(f"{token!r} is {len(ids)} tokens for {view.name}; give one token (or its id)")
-        token_id = ids[0]
-    else:
-        token_id = int(view.check_tokens(torch.tensor([token]))[0])
+    token_id = _one_token(view, token)
     if isinstance(n, bool) or not isinstance(n, int) or n < 8:
         raise MassiveLensError(f"n must be an integer >= 8 (repeats after the first token), got {n!r}")
     if not 0 < like <= 1:
         raise MassiveLensError(f"like is a share of the first token's norm in (0, 1], got {like!r}")
     bos = view.tokenizer.bos_token_id if getattr(view.cfg, "default_prepend_bos", True) else None
-    ids = torch.tensor([[token_id if bos is None else bos] + [token_id] * n])
+    first_id = _one_token(view, first) if first is not None else token_id if bos is None else bos
+    ids = torch.tensor([[first_id] + [token_id] * n])
     view.check_length(ids.shape[1])
     norms, seen, logp = _pass(view, ids, [])
     layer = int(norms[:, 0].argmax())
@@ -211,13 +214,14 @@ def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | 
                           "cos_first": cos.tolist(), "sink": [p in sinks for p in range(ids.shape[1])],
                           "patched_ratio": float("nan"), "kl": float("nan")})
     heads = _head_rows(seen["z"], alone["z"][0])
-    tok_text = view.tokenizer.decode([token_id])
+    tok_text, first_text = view.tokenizer.decode([token_id]), view.tokenizer.decode([first_id])
     mlp = pd.DataFrame()
     if onset > 0:
         trace = trace_origin(model, ids[0, :onset + 1], dim=dim, pos=onset)
         mlp = trace.neurons[(trace.neurons["layer"] <= layer) & (trace.neurons["contribution"] > 0)]
     if not len(mlp):  # nothing looks like the first token, or no MLP neuron writes its dim there
-        return RepeatedToken(frame, heads, pd.DataFrame(), view.name, tok_text, n, layer, dim, onset, -1, -1, like)
+        return RepeatedToken(frame, heads, pd.DataFrame(), view.name, tok_text, n, layer, dim, onset, -1, -1, like,
+                             first_text)
     top = mlp.loc[mlp["contribution"].idxmax()]
     n_layer, neuron = int(top["layer"]), int(top["neuron"])
     patch = patch_hooks(view, n_layer, neuron)
@@ -232,5 +236,16 @@ def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | 
                         dict(setting="patched", perplexity=patched.perplexity,
                              ratio=patched.perplexity / base.perplexity, ratio_low=float(torch.tensor(low).exp()),
                              ratio_high=float(torch.tensor(high).exp()))])
-    return RepeatedToken(frame, heads, ppl, view.name, tok_text, n, layer, dim, onset, n_layer, neuron, like)
+    return RepeatedToken(frame, heads, ppl, view.name, tok_text, n, layer, dim, onset, n_layer, neuron, like,
+                         first_text)
+
+
+def _one_token(view: ModelView, token: str | int) -> int:
+    """The id of ``token`` (text that must be exactly one token, or an id)."""
+    if isinstance(token, str):
+        ids = view.tokenize(token, prepend_bos=False).tokens[0].tolist()
+        if len(ids) != 1:
+            raise MassiveLensError(f"{token!r} is {len(ids)} tokens for {view.name}; give one token (or its id)")
+        return ids[0]
+    return int(view.check_tokens(torch.tensor([token]))[0])
 

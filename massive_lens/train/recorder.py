@@ -9,9 +9,10 @@ Per step (one row of :data:`STEP_COLUMNS`):
   median |activation| of that layer's whole hidden state over the batch and ``act_ratio`` their
   ratio (Sun et al.'s top-1 / median); ``max_act_first`` the largest |activation| of the first
   token (position 0) at that layer;
-- ``first_attn``: the attention weight on the first token (key 0), mean over the batch, heads,
-  queries 1.. (query 0 sees only itself) and layers; ``first_attn_top`` the same mean in the
-  layer where it is highest. A slot variant's extra keys count in the normalization, so this is
+- ``first_attn``: the attention weight on the first token (key 0), mean over the first
+  :data:`ATTN_SEQS` sequences of the batch (the batch is a random draw, so they are a random
+  sample; all of them cost 4x more), heads, queries 1.. (query 0 sees only itself) and layers;
+  ``first_attn_top`` the same mean in the layer where it is highest. A slot variant's extra keys count in the normalization, so this is
   what ``hook_pattern[..., 0]`` shows.
 
 The hooks reduce while the pass runs: a max per layer, one median (at the layer of the maximum,
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+ATTN_SEQS = 4  # sequences of each micro-batch whose attention on the first token is recomputed
 STEP_COLUMNS = ("step", "loss", "grad_norm", "lr", "max_act", "max_act_layer", "median_act", "act_ratio",
                 "max_act_first", "first_attn", "first_attn_top")
 
@@ -90,7 +92,7 @@ class StepRecorder:
     def _attn_hook(self, layer: int) -> Any:
         def hook(module: Any, args: tuple) -> None:
             if self.active:
-                q, k = args[0].detach(), args[1].detach()
+                q, k = args[0][:ATTN_SEQS].detach(), args[1][:ATTN_SEQS].detach()
                 self._attn[layer] = module.first_key_weight(q, k)[..., 1:].float().mean()
         return hook
 

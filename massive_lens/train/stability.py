@@ -25,6 +25,7 @@ seeds (with 3 seeds the interval is wide, as it should be).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -107,7 +108,8 @@ class TrainingStability(Result):
     ``per_step``: ``variant``, ``seed`` and the recorder's columns, one row per step of each run.
     ``spikes``: ``variant``, ``seed`` and the :func:`spike_table` columns. ``to_frame()``: one row
     per run: ``variant``, ``seed``, ``steps``, ``spikes``, ``loss_spikes``, ``grad_spikes``,
-    ``act_growth`` (largest over its spikes, NaN without one), ``act_ratio_peak`` and the means over
+    ``loss_jump_max`` and ``grad_jump_max`` (the largest value over the median of the ``window``
+    steps before it: how close the run came to a spike), ``act_growth`` (largest over its spikes, NaN without one), ``act_ratio_peak`` and the means over
     the last ``window`` steps of :data:`END_METRICS` (``<metric>_end``).
     """
 
@@ -127,6 +129,8 @@ class TrainingStability(Result):
             rows.append(dict(variant=variant, seed=int(seed), steps=int(run["step"].max()), spikes=len(mine),
                              loss_spikes=int(kinds.str.contains("loss").sum()),
                              grad_spikes=int(kinds.str.contains("grad").sum()),
+                             loss_jump_max=_largest_jump(run, "loss", self.window),
+                             grad_jump_max=_largest_jump(run, "grad_norm", self.window),
                              act_growth=float(mine["act_growth"].max()) if len(mine) else math.nan,
                              act_ratio_peak=float(run["act_ratio"].max()),
                              **{f"{m}_end": float(end[m].mean()) if m in end else math.nan for m in END_METRICS}))
@@ -141,7 +145,7 @@ class TrainingStability(Result):
         """Per variant: each run metric's mean over seeds with its 95% t-interval
         (``<metric>``, ``<metric>_low``, ``<metric>_high``) and ``seeds``."""
         runs, rows = self.to_frame(), []
-        metrics = ["spikes", "act_ratio_peak"] + [f"{m}_end" for m in END_METRICS]
+        metrics = ["spikes", "loss_jump_max", "grad_jump_max", "act_ratio_peak"] + [f"{m}_end" for m in END_METRICS]
         for variant, part in runs.groupby("variant", sort=False):
             row: dict[str, Any] = dict(variant=variant, seeds=len(part), steps=int(part["steps"].max()))
             for m in metrics:
@@ -155,18 +159,18 @@ class TrainingStability(Result):
                  f"gradient norm > {self.grad_factor:g}x the median of the {self.window} steps before; 95% "
                  "t-intervals over seeds):"]
         for _, r in table.iterrows():
-            def ci(m: str, f: str = ".3g") -> str:
-                return f"{r[m]:{f}} ({r[m + '_low']:{f}}-{r[m + '_high']:{f}})"
+            ci = functools.partial(_ci, r)
             lines.append(f"  {r['variant']} ({r['seeds']} seeds, {r['steps']} steps): {ci('spikes', '.2f')} spikes "
-                         f"per run; at the end max|act| {ci('max_act_end')}, top-1/median {ci('act_ratio_end')}, "
+                         f"per run (largest jumps: loss {ci('loss_jump_max')}x, gradient norm "
+                         f"{ci('grad_jump_max')}x the median before); at the end max|act| {ci('max_act_end')}, top-1/median {ci('act_ratio_end')}, "
                          f"first-token attention {ci('first_attn_end', '.3f')} (top layer "
                          f"{ci('first_attn_top_end', '.3f')}), loss {ci('loss_end')}")
         if not len(self.spikes):
             lines.append("  No spikes in any run: this budget says nothing about massive activations and spikes.")
         else:
-            s = self.spikes
-            lines.append(f"  {len(s)} spikes; around them the largest |activation| grew {s['act_growth'].median():.2f}x "
-                         f"(median; range {s['act_growth'].min():.2f}-{s['act_growth'].max():.2f})")
+            growth = self.spikes["act_growth"]
+            lines.append(f"  {len(growth)} spikes; around them the largest |activation| grew {growth.median():.2f}x "
+                         f"(median; range {growth.min():.2f}-{growth.max():.2f})")
         return "\n".join(lines)
 
     def plot(self, ax: Any = None, metric: str | None = None) -> Any:
@@ -199,6 +203,15 @@ class TrainingStability(Result):
                 hits = run[run["step"].isin(self._spikes_of(variant, seed).get("step", []))]
                 ax.plot(hits["step"], hits[name], "x", color=f"C{i}", ms=7)
         ax.set(ylabel=label, yscale="log" if log else "linear")
+
+
+def _largest_jump(run: pd.DataFrame, column: str, window: int) -> float:
+    values = run.sort_values("step")[column].reset_index(drop=True)
+    return float((values / values.shift(1).rolling(window, min_periods=window).median()).max())
+
+
+def _ci(row: pd.Series, metric: str, form: str = ".3g") -> str:
+    return f"{row[metric]:{form}} ({row[metric + '_low']:{form}}-{row[metric + '_high']:{form}})"
 
 
 def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | int = LOSS_FACTOR,

@@ -41,7 +41,6 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from massive_lens.core.outputs import check_out_dir
@@ -66,6 +65,7 @@ from massive_lens.train.data import (
     start_token,
     token_stream,
 )
+from massive_lens.train.ddp import mean_over_ranks, setup_distributed, wrap_ddp
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import TrainConfig, get_preset
@@ -214,7 +214,7 @@ def train_model(
         overrides["model"] = {**overrides.get("model", {}), "attention": attention}
     cfg = get_preset(preset, **overrides)
     out = check_out_dir(out_dir)  # an unwritable folder fails now, not after training
-    rank, world, dev = _setup_distributed(device)
+    rank, world, dev = setup_distributed(device)
     tokenizer = get_tokenizer(cfg.tokenizer)
     stream = token_stream(cfg.data, tokenizer, cfg.max_chars)  # before the model: bad data fails fast
     model, optimizer = _build(cfg, tokenizer, dev)
@@ -223,7 +223,7 @@ def train_model(
         start, history, per_step = resume_from(out / CKPT, model, optimizer, cfg.to_dict(), TrainConfig().to_dict())
     train, val = _split(cfg, stream, model.cfg.n_ctx, world)
     recorder = StepRecorder(model) if record else None
-    loop = _Loop(cfg, model, optimizer, _wrap_ddp(model, world, dev), train, start_token(tokenizer, cfg.prepend_bos),
+    loop = _Loop(cfg, model, optimizer, wrap_ddp(model, world, dev), train, start_token(tokenizer, cfg.prepend_bos),
                  _autocast(cfg, dev), rank, world, dev, recorder, per_step)
     stop = min(cfg.steps, until_step if until_step is not None else cfg.steps)
     bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
@@ -272,7 +272,7 @@ class _Loop:
         loss_sum = self._gradients(batch)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if self.recorder is not None:  # before the update: an interrupted save keeps rows <= the updates applied
-            self.per_step.append(self.recorder.row(step=step + 1, loss=_mean(loss_sum, self.world),
+            self.per_step.append(self.recorder.row(step=step + 1, loss=mean_over_ranks(loss_sum, self.world),
                                                    grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"]))
         with interrupt_after():  # a Ctrl-C here waits until the update is whole
             self.optimizer.step()
@@ -283,7 +283,7 @@ class _Loop:
         if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == stop:
             val_loss = _evaluate(self.model, val, cfg, self.bos, self.amp) if _due(done, cfg, stop) else math.nan
             elapsed = time.perf_counter() - self.t0
-            history.append(dict(step=done, tokens=done * batch.numel(), loss=_mean(loss_sum, self.world),
+            history.append(dict(step=done, tokens=done * batch.numel(), loss=mean_over_ranks(loss_sum, self.world),
                                 val_loss=val_loss, lr=lr_at(cfg, step), grad_norm=float(grad_norm),
                                 tokens_per_s=self.tokens_seen / elapsed, elapsed_s=elapsed))
 
@@ -382,35 +382,6 @@ def _evaluate(model: MassiveLM, val: Stream, cfg: TrainConfig, bos: int | None, 
             losses.append(float(model(batch, return_type="loss")))
     model.train()
     return sum(losses) / len(losses)
-
-
-def _mean(value: Tensor, world: int) -> float:
-    if world > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= world
-    return float(value)
-
-
-def _setup_distributed(device: str | None) -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available() and device in (None, "cuda")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    if device is not None and device != "cuda":
-        return rank, world, torch.device(device)
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
-
-
-def _wrap_ddp(model: MassiveLM, world: int, dev: torch.device) -> Any:
-    if world == 1:
-        return model
-    return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
 def run_and_exit(preset: str, out_dir: str, overrides: dict[str, Any]) -> None:
