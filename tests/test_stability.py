@@ -90,6 +90,8 @@ def test_spike_detector_finds_a_planted_spike_and_nothing_in_a_flat_series():
     frame = run.assign(variant="softmax", seed=0)
     result = training_stability(frame)
     assert result.to_frame()["spikes"].tolist() == [2] and "2 spikes" in result.summary()
+    early = training_stability(frame, until_step=230)  # the same steps of runs that went on for different lengths
+    assert early.spikes["step"].tolist() == [200] and early.to_frame()["steps"].tolist() == [230]
     flat = training_stability(frame.assign(loss=3.0, grad_norm=1.0))
     assert flat.spikes.empty and "No spikes" in flat.summary()
 

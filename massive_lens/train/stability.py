@@ -215,7 +215,8 @@ def _ci(row: pd.Series, metric: str, form: str = ".3g") -> str:
 
 
 def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | int = LOSS_FACTOR,
-                       grad_factor: float | int = GRAD_FACTOR, around: int = AROUND) -> TrainingStability:
+                       grad_factor: float | int = GRAD_FACTOR, around: int = AROUND,
+                       until_step: int | None = None) -> TrainingStability:
     """Find the spikes in recorded training runs and the massive-activation growth around them.
 
     Args:
@@ -227,6 +228,8 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
         grad_factor: a gradient norm above this many times the median is a spike (default 3.0).
         around: steps before and after a spike that its activation growth is measured over, and
             the gap below which flagged steps are one spike (default 10).
+        until_step: read only the steps up to this one (None: all), to compare runs that went on
+            for different lengths over the same steps.
 
     Returns:
         A :class:`TrainingStability`.
@@ -242,6 +245,8 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
     [['softmax', 0, 5.0]]
     """
     per_step = _per_step(runs)
+    if until_step is not None and len(per_step):
+        per_step = per_step[per_step["step"] <= until_step].reset_index(drop=True)
     if per_step.empty:
         raise MassiveLensError("no per-step record in these runs: train with record=True (the default), "
                                "or point at a folder holding runs' steps.parquet")
