@@ -216,7 +216,7 @@ def compare_main(
     ``variants`` and ``seeds`` may be comma-separated strings. Writes ``runs.csv``,
     ``summary.csv``, ``curves.csv``, ``profiles.csv``, ``summary.txt`` and
     ``comparison.png`` into ``out_dir``, and the training-stability analysis of every step
-    (:meth:`Comparison.stability`) as ``stability/`` (``massive_lens.load`` reads it),
+    (:meth:`Comparison.stability`, up to ``until_step``) as ``stability/`` (``massive_lens.load`` reads it),
     ``stability.png``, ``stability_runs.csv`` and ``spikes.csv``.
 
     Args:
@@ -252,7 +252,7 @@ def compare_main(
     result.profiles.to_csv(out / "profiles.csv", index=False)
     text = result.summary()
     if len(result.per_step):
-        stable = result.stability()
+        stable = result.stability(until_step=until_step)  # runs that went on further: the same steps
         stable.save(out / "stability", overwrite=True)
         stable.to_frame().to_csv(out / "stability_runs.csv", index=False)
         stable.spikes.to_csv(out / "spikes.csv", index=False)
