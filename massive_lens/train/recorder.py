@@ -12,8 +12,8 @@ Per step (one row of :data:`STEP_COLUMNS`):
 - ``first_attn``: the attention weight on the first token (key 0), mean over the first
   :data:`ATTN_SEQS` sequences of the batch (the batch is a random draw, so they are a random
   sample; all of them cost 4x more), heads, queries 1.. (query 0 sees only itself) and layers;
-  ``first_attn_top`` the same mean in the layer where it is highest. A slot variant's extra keys count in the normalization, so this is
-  what ``hook_pattern[..., 0]`` shows.
+  ``first_attn_top`` the same mean in the layer where it is highest. A slot variant's extra keys
+  count in the normalization, so this is what ``hook_pattern[..., 0]`` shows.
 
 The hooks reduce while the pass runs: a max per layer, one median (at the layer of the maximum,
 from the residual tensor autograd holds anyway), and the first key's weight recomputed from the

@@ -109,8 +109,9 @@ class TrainingStability(Result):
     ``spikes``: ``variant``, ``seed`` and the :func:`spike_table` columns. ``to_frame()``: one row
     per run: ``variant``, ``seed``, ``steps``, ``spikes``, ``loss_spikes``, ``grad_spikes``,
     ``loss_jump_max`` and ``grad_jump_max`` (the largest value over the median of the ``window``
-    steps before it: how close the run came to a spike), ``act_growth`` (largest over its spikes, NaN without one), ``act_ratio_peak`` and the means over
-    the last ``window`` steps of :data:`END_METRICS` (``<metric>_end``).
+    steps before it: how close the run came to a spike), ``act_growth`` (largest over its spikes,
+    NaN without one), ``act_ratio_peak`` and the means over the last ``window`` steps of
+    :data:`END_METRICS` (``<metric>_end``).
     """
 
     per_step: pd.DataFrame
@@ -162,7 +163,8 @@ class TrainingStability(Result):
             ci = functools.partial(_ci, r)
             lines.append(f"  {r['variant']} ({r['seeds']} seeds, {r['steps']} steps): {ci('spikes', '.2f')} spikes "
                          f"per run (largest jumps: loss {ci('loss_jump_max')}x, gradient norm "
-                         f"{ci('grad_jump_max')}x the median before); at the end max|act| {ci('max_act_end')}, top-1/median {ci('act_ratio_end')}, "
+                         f"{ci('grad_jump_max')}x the median before); at the end max|act| {ci('max_act_end')}, "
+                         f"top-1/median {ci('act_ratio_end')}, "
                          f"first-token attention {ci('first_attn_end', '.3f')} (top layer "
                          f"{ci('first_attn_top_end', '.3f')}), loss {ci('loss_end')}")
         if not len(self.spikes):
