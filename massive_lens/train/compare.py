@@ -66,8 +66,12 @@ class Comparison(Result):
     per_step: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def stability(self, **options: Any) -> TrainingStability:
-        """The loss spikes and the massive activations around them
-        (:func:`~massive_lens.train.stability.training_stability`; ``options``: its window and factors)."""
+        """The loss spikes and the massive activations around them.
+
+        Args:
+            **options: :func:`~massive_lens.train.stability.training_stability`'s window, factors
+                and ``until_step``.
+        """
         return training_stability(self, **options)
 
     @property

@@ -176,10 +176,14 @@ class TrainingStability(Result):
         return "\n".join(lines)
 
     def plot(self, ax: Any = None, metric: str | None = None) -> Any:
-        """With neither ``ax`` nor ``metric``: four panels over steps (loss, gradient norm, largest
-        |activation|, first-token attention), one color per variant and one line per seed, spikes
-        marked; returns the top panel (``.figure`` holds all). Else ``metric`` (default
-        ``max_act``) on ``ax``."""
+        """The record over steps, one color per variant and one line per seed, spikes marked.
+
+        Args:
+            ax: an axis to draw one metric on (None: a new figure).
+            metric: the column to draw (``max_act`` when only ``ax`` is given). With neither, four
+                panels (loss, gradient norm, largest |activation|, first-token attention); the
+                top panel is returned (``.figure`` holds all).
+        """
         if ax is None and metric is None:
             fig, panels = plt.subplots(len(PANELS), 1, figsize=(9, 10), sharex=True, layout="constrained")
             for panel, (name, label, log) in zip(panels, PANELS, strict=True):
