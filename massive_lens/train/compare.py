@@ -71,6 +71,9 @@ class Comparison(Result):
         Args:
             **options: :func:`~massive_lens.train.stability.training_stability`'s window, factors
                 and ``until_step``.
+
+        Returns:
+            A :class:`~massive_lens.train.stability.TrainingStability` of these runs.
         """
         return training_stability(self, **options)
 

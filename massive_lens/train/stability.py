@@ -51,8 +51,23 @@ _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 
 def find_spikes(values: Sequence[float] | np.ndarray | pd.Series, *, window: int = WINDOW,
                 factor: float | int = 2.0) -> np.ndarray:
-    """Boolean mask: ``values[t] > factor * median(values[t - window:t])`` (False until ``window``
-    values precede ``t``)."""
+    """Which steps jump above the rolling median of the steps before them.
+
+    Args:
+        values: one value per step (a loss or a gradient norm).
+        window: how many preceding steps the median is taken over.
+        factor: how far above that median a step must be.
+
+    Returns:
+        A boolean array: ``values[t] > factor * median(values[t - window:t])`` (False until
+        ``window`` values precede ``t``).
+
+    Raises:
+        MassiveLensError: if ``window`` is below 2 or ``factor`` is not above 1.
+
+    >>> find_spikes([1.0, 1.0, 1.0, 5.0, 1.0], window=3).tolist()
+    [False, False, False, True, False]
+    """
     if window < 2 or not factor > 1:
         raise MassiveLensError(f"window must be >= 2 and factor > 1, got window={window}, factor={factor}")
     series = pd.Series(np.asarray(values, dtype=float))
@@ -181,8 +196,10 @@ class TrainingStability(Result):
         Args:
             ax: an axis to draw one metric on (None: a new figure).
             metric: the column to draw (``max_act`` when only ``ax`` is given). With neither, four
-                panels (loss, gradient norm, largest |activation|, first-token attention); the
-                top panel is returned (``.figure`` holds all).
+                panels (loss, gradient norm, largest |activation|, first-token attention).
+
+        Returns:
+            The axis drawn on (with four panels, the top one; ``.figure`` holds all).
         """
         if ax is None and metric is None:
             fig, panels = plt.subplots(len(PANELS), 1, figsize=(9, 10), sharex=True, layout="constrained")
