@@ -95,3 +95,22 @@ probe = repeated_token_probe(model, " the", 64 if SMALL else 3000, text=evaluati
                              n_seqs=2 if SMALL else 8)
 print(probe.summary())
 probe.plot();
+
+# %% [markdown]
+# ## 5. Training stability: do massive activations come with loss spikes?
+#
+# `train_model` and `compare_variants` record every step: the loss, the gradient norm, the largest
+# |activation| of the residual stream and its ratio to the median, and the attention on the first token.
+# `stability()` finds the loss and gradient-norm spikes (a jump above the rolling median) and the growth
+# of the largest activation around each. Here three attention variants, three seeds each, trained from
+# scratch for a few steps (the `smoke` preset; `docs/training.md` has 300 steps of the `cpu` preset, where
+# no run showed a spike).
+
+# %%
+from massive_lens.train import compare_variants
+
+runs = compare_variants(["softmax", "softmax1", "kv_bias"], preset="smoke", seeds=[0, 1, 2],
+                        steps=30 if SMALL else 300, progress=False)
+stability = runs.stability(window=10)
+print(stability.summary())
+stability.plot();
