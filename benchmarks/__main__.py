@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-from benchmarks import attention, detect, harness, origin, report, train
+from benchmarks import attention, detect, harness, origin, quantize, report, train
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
 from massive_lens.models.load import load_model
@@ -29,12 +29,14 @@ def _tokens(model) -> torch.Tensor:
 
 def _memory(spec: str, model_name: str) -> float | dict[str, float]:
     area, case = spec.split(":")
-    if area not in ("detect", "report"):
+    if area not in ("detect", "report", "quantize"):
         raise SystemExit(f"no memory cases in area {area!r}")
     libraries = harness.resident_mb() * 2**20  # the interpreter and its libraries, before the model
     model = load_model(model_name)
     if area == "report":
         return {**report.measure(model), "model": ModelView(model).name, "libraries": libraries}
+    if area == "quantize":  # the low-bit grid (one case)
+        return {**quantize.measure(model), "model": ModelView(model).name, "libraries": libraries}
     tokens = detect.batch(model, _tokens(model))
     calls = detect.cases(model, tokens)
     detect.cases(model, tokens[:1, :8])["plain_forward"]()  # wire lazy state with a tiny pass

@@ -41,13 +41,14 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.sinks import sinks_of
-from massive_lens.core.budget import logit_batches, weight_bytes
+from massive_lens.core.budget import MAX_BATCH, logit_batches, trim_allocator
 from massive_lens.core.corpora import Corpus
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.errors import MassiveLensError
 from massive_lens.lowbit import GRANULARITIES
-from massive_lens.metrics import bootstrap_mean, next_token_stats
+from massive_lens.metrics import bootstrap_mean
+from massive_lens.quant.loss import ChunkedLoss
 from massive_lens.quant.result import GROUPS, Quantization
 from massive_lens.quant.rotation import Rotation
 from massive_lens.quant.settings import GRID, Setting
@@ -56,7 +57,6 @@ from massive_lens.quant.sites import Site, plain, rotation_sites, structured_sit
 from massive_lens.quantize import _eval_and_calibration
 
 EXACT = {torch.float32: 1e-5, torch.float64: 1e-9}  # relative logit error a rotation may add; else 2e-3
-LOGITS_SHARE = 0.4  # a pass's logits may take this share of the weights' bytes (the issue's budget: 1.5x)
 
 
 class _Run:
@@ -66,8 +66,10 @@ class _Run:
                  include_head: bool, seed: int) -> None:
         self.view, self.model, self.tokens, self.calib = view, view.model, tokens, calib
         self.include_head, self.seed = include_head, seed
+        self.loss = ChunkedLoss(self.model, self.forward)
+        self.first = self.forward(tokens[:1]).float()  # the rotations' exactness check compares with it
+        self.loss.check(tokens[:1], self.first)
         losses, flags, sinks = [], [], []
-        self.first: Tensor | None = None
         for chunk in self.batches(tokens):
             hit = torch.zeros(chunk.shape, dtype=torch.bool)
 
@@ -75,9 +77,7 @@ class _Run:
                 hit.logical_or_(massive_mask(x, criterion).any(-1).cpu())
 
             hooks = [(view.hook_name(layer, "resid_post"), resid) for layer in range(view.n_layers)]
-            logits = view.forward(view.tokenize(chunk), hooks)
-            losses.append(next_token_stats(logits, chunk.to(logits.device))[0].cpu())
-            self.first = logits[:1].detach().float().clone() if self.first is None else self.first  # not a view
+            losses.append(self.loss.losses(chunk, chunk, hooks=hooks))
             flags.append(hit)
             sinks.append(sinks_of(view, view.tokenize(chunk)).mask.cpu())
         self.fp = torch.cat(losses)
@@ -87,10 +87,13 @@ class _Run:
         self.exactness: dict[str, float] = {}
 
     def batches(self, tokens: Tensor) -> list[Tensor]:
-        """``tokens`` in as few passes as keep the logits under ``LOGITS_SHARE`` of the weights: every
-        pass rotates and quantizes every weight again, so fewer, larger passes are much faster."""
-        per_seq = tokens.shape[1] * int(getattr(self.view.cfg, "d_vocab", 0) or 1) * 4
-        return logit_batches(self.model, tokens, max(1, int(weight_bytes(self.model) * LOGITS_SHARE) // per_seq))
+        """``tokens`` in passes of up to ``MAX_BATCH`` sequences when the loss is taken slice by
+        slice at the head (no pass holds its logits), else of as many as keep the logits under
+        ``massive_lens.core.budget.LOGITS_SHARE`` of the weights: every pass rotates and quantizes
+        every weight again, so fewer, larger passes are faster."""
+        if self.loss.exact:
+            return list(tokens.split(MAX_BATCH))
+        return logit_batches(self.model, tokens)
 
     def calib_sinks(self) -> Tensor:
         if self._calib_sinks is None:
@@ -134,8 +137,10 @@ class _Run:
             mask[:, : len(prefix)] = True
             yield x, mask, len(prefix) - drop, chunk, len(prefix)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.view.forward(self.view.tokenize(x), [], check_finite=False)
+    def forward(self, x: Tensor, hooks: Sequence[tuple[str, Any]] = ()) -> Any:
+        """The model on tokens ``x`` (with ``hooks``: the full-precision pass, checked for overflow)."""
+        trim_allocator()
+        return self.view.forward(self.view.tokenize(x), list(hooks), check_finite=bool(hooks))
 
     def rotations(self, kind: str, sites: list[Site]) -> tuple[Rotation, dict[int, Rotation]]:
         residual = Rotation(kind, int(self.view.cfg.d_model), seed=self.seed)
@@ -170,8 +175,7 @@ class _Run:
             sim.mode = "run"
             for x, mask, start, chunk, skip in self.inputs(self.tokens, self.sinks, keep):
                 sim.keep = mask
-                logits = self.forward(x)[:, start:]
-                losses.append(next_token_stats(logits, chunk.to(logits.device))[0].cpu())
+                losses.append(self.loss.losses(x, chunk, start))
                 starts.append(skip)
                 sim.end_pass()
         per_seq = torch.cat(losses).double()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from massive_lens.core.budget import trim_allocator
 from massive_lens.lowbit import fake_quant, rtn
 from massive_lens.quant.rotation import Rotation
 from massive_lens.quant.sites import Site
@@ -154,6 +155,8 @@ class Simulator:
             return ((xq, *args[1:]), kwargs) if args else (args, {**kwargs, key: xq})
 
         def post(module: Any, args: tuple, out: Tensor) -> Any:
+            if site.role in ("down", "plain"):  # once a layer: freed temporaries leave the process
+                trim_allocator()
             if self.mode == "calibrate":
                 if site.kv is not None and self.bits.kv is not None:
                     self._observe(out, (i, "kv"))

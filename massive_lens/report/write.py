@@ -16,7 +16,9 @@ its figures under ``DIR/figures/``:
    (sink_census, sink_kv, dormant_heads);
 6. the intervention table, judged by perplexity (run_interventions);
 7. what the outliers cost under W8A8 quantization (measure_outliers), and whether float16 and
-   bfloat16 hold the activations (precision_check, from the float32 measurement).
+   bfloat16 hold the activations (precision_check, from the float32 measurement);
+8. a small low-bit grid: W8A8, W4A16, W4A4, W4A4 with a Hadamard rotation, and with the sinks
+   kept in full precision (quantize_grid, on a few short sequences).
 
 Any section but the model's can be left out with ``skip=`` (``--skip`` on the command line).
 
@@ -47,6 +49,7 @@ from massive_lens.models.load import load_model
 from massive_lens.report import sections as sec
 from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
+from massive_lens.report.lowbit_section import lowbit_section
 from massive_lens.report.sink_section import quantize_and_precision, sinks_section
 
 DEFAULT_TEXT = "Summer is warm. Winter is cold.\nThe cat sat on the mat, and the dog slept."
@@ -60,11 +63,12 @@ SECTIONS: list[tuple[str, str, Any, tuple[str, ...]]] = [
     ("sinks", "Sink census, keys, values and dormant heads", sinks_section, ()),
     ("interventions", "Interventions", sec.intervention_section, ()),
     ("quantization", "W8A8 quantization and half precision", quantize_and_precision, ()),
+    ("lowbit", "Low-bit settings: W4A4, a rotation and kept sinks", lowbit_section, ()),
 ]
 INTRO = ("Massive activations (Sun et al., 2024): residual values above 100 and about 1,000x the "
          "median of their hidden state. This report finds them, traces where they are born, shows "
          "the attention sinks they create, tests whether they act as a fixed bias, and measures "
-         "what they cost under 8-bit quantization.")
+         "what they cost under 8-bit and 4-bit quantization.")
 
 
 def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus = None, calibration: Corpus = None,
@@ -99,8 +103,8 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         layer: the layer of the landscape, attention and magnitude figures (None: the first
             layer with a massive activation).
         skip: sections to leave out, by key: ``"massive"``, ``"origin"``, ``"attention"``,
-            ``"sinks"``, ``"interventions"``, ``"quantization"`` (a comma-separated string or a
-            tuple); each shows one line saying it was skipped.
+            ``"sinks"``, ``"interventions"``, ``"quantization"``, ``"lowbit"`` (a comma-separated
+            string or a tuple); each shows one line saying it was skipped.
         device: where to load a model given by name (None: the loader's choice); for a
             loaded model it must match (:func:`~massive_lens.load_model` never moves one).
         dtype: the dtype of a model given by name (None: float32); for a loaded model
