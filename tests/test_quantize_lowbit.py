@@ -330,3 +330,51 @@ def test_quantize_command(monkeypatch, tmp_path, capsys):
                         (["--n-seqs", "0"], "at least 1"), (["--out-dir", str(corpus)], "is a file")):
         assert main(["quantize", *argv]) == 2
         assert match in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- memory: the loss at the head
+
+
+def test_chunked_loss_equals_the_full_logits_and_holds_none(planted_llama, monkeypatch):
+    from massive_lens.core.model_view import ModelView
+    from massive_lens.metrics import next_token_stats
+    from massive_lens.quant import loss as chunked
+
+    model, _ = planted_llama
+    view = ModelView(model)
+    tokens = torch.cat([model.to_tokens(TEXT[:60])[:, :40], model.to_tokens(TEXT[7:70])[:, :40]])
+    logits = model(tokens)
+    want = next_token_stats(logits, tokens)[0]
+    loss = chunked.ChunkedLoss(model, lambda x, hooks: view.forward(view.tokenize(x), list(hooks), check_finite=False))
+    loss.check(tokens[:1], logits[:1])
+    assert loss.exact
+    monkeypatch.setattr(chunked, "CHUNK", 7)  # several slices per sequence, the last one short
+    seen = []
+    handle = loss.head.register_forward_hook(lambda m, a, out: seen.append(out.shape[:-1]))
+    try:
+        got = loss.losses(tokens, tokens)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert max(s.numel() for s in seen) <= 7  # the head never ran on more than one slice
+    with untouched(model):
+        grid = quantize_grid(model, tokens, settings=["W16A16", "W8A8"], seq_len=40, n_seqs=1)
+    assert grid.to_frame().gap[0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_logits_changed_after_the_head_fall_back_to_the_full_logits(planted_llama):
+    from massive_lens.core.model_view import ModelView
+    from massive_lens.quant.loss import ChunkedLoss
+
+    model, _ = planted_llama
+    view = ModelView(model)
+    tokens = model.to_tokens(TEXT[:60])[:, :24]
+    model.add_hook("unembed.hook_out", lambda x, hook: x * 2.0, is_permanent=True)  # a logit scale (Granite's)
+    try:
+        loss = ChunkedLoss(model, lambda x, hooks: view.forward(view.tokenize(x), list(hooks), check_finite=False))
+        loss.check(tokens, model(tokens))
+        assert not loss.exact
+        grid = quantize_grid(model, torch.cat([tokens, tokens]), settings=["W16A16"], seq_len=24, n_seqs=1)
+        assert grid.to_frame().gap[0] == pytest.approx(0.0, abs=1e-6)
+    finally:
+        model.reset_hooks(including_permanent=True)

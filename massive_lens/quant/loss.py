@@ -32,8 +32,9 @@ class _Stop(Exception):
 
 
 def output_head(model: Any) -> nn.Linear | None:
-    """The model's output embedding when it is an ``nn.Linear`` (None otherwise)."""
+    """The model's output embedding when it is an ``nn.Linear`` (a bridge's wrapper unwrapped; None otherwise)."""
     head = getattr(getattr(model, "original_model", model), "get_output_embeddings", lambda: None)()
+    head = getattr(head, "original_component", head)
     return head if isinstance(head, nn.Linear) else None
 
 
@@ -77,11 +78,12 @@ class ChunkedLoss:
         out = []
         self._inside = True
         try:
-            for row, ids in zip(h, targets.to(h.device), strict=True):
-                pred, target = row[:-1], ids[1:]
-                total = sum(torch.nn.functional.cross_entropy(self.head(p).float(), t, reduction="sum")
-                            for p, t in zip(pred.split(CHUNK), target.split(CHUNK), strict=True))
-                out.append(total / len(target))
+            with torch.no_grad():
+                for row, ids in zip(h, targets.to(h.device), strict=True):
+                    pred, target = row[:-1], ids[1:]
+                    total = sum(torch.nn.functional.cross_entropy(self.head(p).float(), t, reduction="sum")
+                                for p, t in zip(pred.split(CHUNK), target.split(CHUNK), strict=True))
+                    out.append(total / len(target))
         finally:
             self._inside = False
         del h

@@ -72,7 +72,7 @@ def structured_sites(model: Any, include_head: bool = False) -> list[Site] | Non
     if not any(s.role == "reader" for s in sites):
         return None  # no nn.Linear readers (GPT-2's Conv1D, say)
     if include_head:
-        head = getattr(getattr(model, "original_model", model), "get_output_embeddings", lambda: None)()
+        head = _inner(getattr(getattr(model, "original_model", model), "get_output_embeddings", lambda: None)())
         if isinstance(head, nn.Linear) and hasattr(model, "ln_final"):
             sites.append(Site(head, head.weight, "head", len(blocks), "head", norm=model.ln_final))
     return sites
