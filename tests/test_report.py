@@ -124,13 +124,23 @@ def test_the_new_sections_say_which_sinks_and_what_half_precision_does(planted_r
     assert "float16: SAFE" in md and "Not run in float16 (confirm=False)" in md
 
 
+def test_the_lowbit_section_shows_the_grid(planted_report):
+    from massive_lens.report.lowbit_section import LOWBIT_GRID
+
+    md = (planted_report.parent / "report.md").read_text()
+    section = md.split("## Low-bit settings")[1].split("\n## ")[0]
+    assert all(f"  {name}: loss" in section for name in LOWBIT_GRID) and "no GPTQ" in section
+    assert "| W4A4+hadamard+kvsink |" in section and ".png" in section  # its table and figure
+
+
 def test_skip_leaves_sections_out_and_says_so(tmp_path):
     path = rep.write_report(tiny_model("llama"), out_dir=tmp_path / "out", quick=True, progress=False, tables=False,
-                            skip="origin, sinks,interventions")
+                            skip="origin, sinks,interventions,lowbit")
     md = (path.parent / "report.md").read_text()
-    for key in ("origin", "sinks", "interventions"):
+    for key in ("origin", "sinks", "interventions", "lowbit"):
         assert f"Skipped: skip={key!r} was asked for." in md
     assert "sink key norm" not in md and "perplexity ratio to the untouched model" not in md
+    assert "W4A4+hadamard" not in md
     assert "Attention sinks and the value-update decomposition" in md and "sinks = positions" in md
     with pytest.raises(MassiveLensError, match="unknown section key.*'census'.*the keys are massive, origin"):
         rep.write_report(tiny_model("llama"), out_dir=tmp_path / "bad", quick=True, progress=False, skip=["census"])
