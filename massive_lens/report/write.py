@@ -47,9 +47,9 @@ from massive_lens.core.outputs import check_out_dir
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.load import load_model
 from massive_lens.report import sections as sec
+from massive_lens.report.lowbit_section import lowbit_section
 from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
-from massive_lens.report.lowbit_section import lowbit_section
 from massive_lens.report.sink_section import quantize_and_precision, sinks_section
 
 DEFAULT_TEXT = "Summer is warm. Winter is cold.\nThe cat sat on the mat, and the dog slept."
