@@ -1,0 +1,46 @@
+"""Issue 28's speed rows: CPU-time ratios, on one torch thread, of ``trace_origin`` (64 tokens) and of
+``decompose_attention`` (sinks given and found) and ``sink_census`` (128 tokens) to a plain forward pass.
+
+``python scripts/speed_ratios.py default 7`` (the model, then the repeats; ``qwen2.5-coder-1.5b 3``).
+Prints JSON: the median CPU seconds of every case (interleaved, one interpreter) and the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from benchmarks.harness import median_times
+from massive_lens import load_model, trace_origin
+from massive_lens.attention import decompose_attention, sink_census
+from massive_lens.core.corpora import token_batches
+from massive_lens.core.model_view import ModelView
+
+
+def main(name: str, repeats: int) -> dict:
+    torch.set_num_threads(1)  # CPU time is steady on one thread (spinning threads count under load)
+    model = load_model(None if name == "default" else name)
+    view = ModelView(model)
+    tokens = next(token_batches(view, None, seq_len=128, batch_size=1))[:1, :128]
+    short = tokens[:, :64]
+
+    def forward(t: torch.Tensor) -> None:
+        with torch.no_grad():
+            model(t.to(view.input_device))
+
+    cases = {"forward64": lambda: forward(short), "trace_origin": lambda: trace_origin(model, short),
+             "forward128": lambda: forward(tokens),
+             "decompose given": lambda: decompose_attention(model, tokens, sinks=[0]),
+             "decompose found": lambda: decompose_attention(model, tokens),
+             "sink_census": lambda: sink_census(model, tokens)}
+    s = median_times(cases, repeats, clock=time.process_time)
+    ratios = {"trace_origin": s["trace_origin"] / s["forward64"],
+              **{k: s[k] / s["forward128"] for k in ("decompose given", "decompose found", "sink_census")}}
+    return {"model": view.name, "repeats": repeats, "cpu_seconds": s, "ratios": ratios}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2])), indent=1))
