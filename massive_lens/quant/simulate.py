@@ -32,6 +32,10 @@ from massive_lens.quant.sites import Site
 STATIC = ("tensor", "channel")  # activation granularities with calibrated ranges
 
 
+# a weight above this many entries is rotated and quantized in row blocks of about this size
+WEIGHT_BLOCK = 2**22
+
+
 @dataclass
 class Bits:
     """What one simulation quantizes: widths (None: full precision) and how."""
@@ -94,6 +98,18 @@ class Simulator:
         return x
 
     def _weight(self, site: Site, w: Tensor) -> Tensor:
+        """The rotated and quantized weight; a large reader (the output head) row block by row
+        block (its rows are rotated and quantized independently), so the temporaries stay small."""
+        rows_independent = site.role in ("reader", "head") and self.bits.granularity != "tensor"
+        if rows_independent and w.numel() > WEIGHT_BLOCK and w.shape[0] > 1:
+            step = max(1, WEIGHT_BLOCK // w.shape[1])
+            out = torch.empty_like(w)
+            for start in range(0, w.shape[0], step):
+                out[start:start + step] = self._weight_rows(site, w[start:start + step])
+            return out
+        return self._weight_rows(site, w)
+
+    def _weight_rows(self, site: Site, w: Tensor) -> Tensor:
         if self.residual is not None:
             if site.role in ("reader", "head"):
                 w = self.residual.apply(w * site.gain.to(w.device, w.dtype))
