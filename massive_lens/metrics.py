@@ -30,7 +30,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.core.budget import logit_batches, trim_allocator
+from massive_lens.core.budget import logit_batches, loss_positions, trim_allocator
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import loss_axes
@@ -203,12 +203,15 @@ def perplexity(
 def next_token_stats(
     logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"]
 ) -> tuple[Float[Tensor, " batch"], Float[Tensor, " batch"]]:
-    """Each sequence's mean next-token loss and accuracy, one sequence (and 32 positions of it)
-    at a time, so the loss never copies the batch's logits."""
+    """Each sequence's mean next-token loss and accuracy, one sequence (and a few positions of
+    it, :func:`~massive_lens.core.budget.loss_positions`) at a time, each chunk cast to float32
+    on its own, so the loss never copies the batch's logits, nor a sequence's."""
     losses, accs = [], []
+    step = loss_positions(logits.shape[-1])
     for row, ids in zip(logits, tokens, strict=True):
-        pred, target = row[:-1].float(), ids[1:]
-        chunks = zip(pred.split(32), target.split(32), strict=True)
-        losses.append(sum(torch.nn.functional.cross_entropy(p, t, reduction="sum") for p, t in chunks) / len(target))
+        pred, target = row[:-1], ids[1:]
+        chunks = zip(pred.split(step), target.split(step), strict=True)
+        losses.append(sum(torch.nn.functional.cross_entropy(p.float(), t, reduction="sum") for p, t in chunks)
+                      / len(target))
         accs.append((pred.argmax(-1) == target).float().mean())
     return torch.stack(losses), torch.stack(accs)

@@ -23,6 +23,7 @@ from jaxtyping import Int
 _LIBC: Any = None
 LOGITS_SHARE = 0.05  # one pass's logits stay under this share of the weights' bytes
 MAX_BATCH = 8  # sequences a pass when the logits budget allows more
+LOSS_CHUNK_BYTES = 8 * 2**20  # the float32 log-probabilities one step of a loss may hold
 
 
 def weight_bytes(model: Any) -> int:
@@ -51,6 +52,17 @@ def logit_batches(
         per_seq = tokens.shape[1] * int(getattr(model.cfg, "d_vocab", 0) or 1) * 4
         batch_size = min(MAX_BATCH, max(1, int(weight_bytes(model) * LOGITS_SHARE) // per_seq))
     return list(tokens.split(batch_size))
+
+
+def loss_positions(d_vocab: int) -> int:
+    """How many positions' float32 log-probabilities one step of a loss may take: at most
+    ``LOSS_CHUNK_BYTES`` (at least one position, at most 32), so that the loss of a large
+    vocabulary never copies a sequence's logits.
+
+    >>> loss_positions(49_152), loss_positions(262_144), loss_positions(50)
+    (32, 8, 32)
+    """
+    return max(1, min(32, LOSS_CHUNK_BYTES // (4 * max(int(d_vocab), 1))))
 
 
 def trim_allocator() -> None:
