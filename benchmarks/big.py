@@ -130,8 +130,16 @@ def _tokens(model: Any) -> torch.Tensor:
 def cases(model: Any, tokens: torch.Tensor) -> dict[str, Callable[[], str]]:
     """Each case runs one analysis on ``tokens`` (N_SEQS sequences; the next N_SEQS calibrate)
     and returns what it found, in a few words."""
-    from massive_lens import (decompose_attention, find_massive, measure_outliers, perplexity, scan_corpus,
-                              sink_attention, trace_origin, write_report)
+    from massive_lens import (
+        decompose_attention,
+        find_massive,
+        measure_outliers,
+        perplexity,
+        scan_corpus,
+        sink_attention,
+        trace_origin,
+        write_report,
+    )
     from massive_lens.interventions import calibrate, fix_sink_term
 
     text, calib = tokens[:N_SEQS], tokens[N_SEQS:]
