@@ -17,14 +17,28 @@ from benchmarks import attention, detect, harness, origin, quantize, report, tra
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
 from massive_lens.models.load import load_model
+from massive_lens.models.tiny import tiny_model
 
 AREAS = ("detect", "origin", "attention", "report", "train")
 MODEL_AREAS = ("detect", "origin", "attention", "report")  # on each model; train needs none
 MODELS = ("default", "qwen2.5-coder-1.5b")  # the two offline models
 
 
+def _load(name: str):
+    """A model for the benchmarks: ``tiny-FAMILY`` is a tiny random model (for dry runs), any
+    other name goes to ``load_model``, in the dtype and on the device of ``--dtype`` and
+    ``--device`` (passed on to the memory subprocesses in the environment)."""
+    dtype, device = os.environ.get("BENCH_DTYPE") or None, os.environ.get("BENCH_DEVICE") or None
+    if name.startswith("tiny-"):
+        family = name.split("-", 1)[1]
+        model = tiny_model(family, **{"n_positions" if family == "gpt2" else "max_position_embeddings": 1024})
+        return model.to(device or "cpu", getattr(torch, dtype) if dtype else torch.float32)
+    return load_model(name, dtype=dtype, device=device)
+
+
 def _tokens(model) -> torch.Tensor:
-    return next(token_batches(ModelView(model), None, seq_len=detect.SEQ_LEN, batch_size=2 * detect.N_SEQS))
+    view = ModelView(model)
+    return next(token_batches(view, None, seq_len=detect.SEQ_LEN, batch_size=2 * detect.N_SEQS)).to(view.input_device)
 
 
 def _memory(spec: str, model_name: str) -> float | dict[str, float]:
@@ -32,7 +46,7 @@ def _memory(spec: str, model_name: str) -> float | dict[str, float]:
     if area not in ("detect", "report", "quantize"):
         raise SystemExit(f"no memory cases in area {area!r}")
     libraries = harness.resident_mb() * 2**20  # the interpreter and its libraries, before the model
-    model = load_model(model_name)
+    model = _load(model_name)
     if area == "report":
         return {**report.measure(model), "model": ModelView(model).name, "libraries": libraries}
     if area == "quantize":  # the low-bit grid (one case)
@@ -46,13 +60,13 @@ def _memory(spec: str, model_name: str) -> float | dict[str, float]:
 def _model_rows(name: str, areas: list[str], repeats: int, failed: list[str]) -> tuple[list[harness.Row], str]:
     """The rows of the model-based areas on one model (loaded here, released on return)."""
     try:
-        model = load_model(name)
+        model = _load(name)
     except Exception:
         failed.extend(f"{area} ({name})" for area in areas)
         print(f"could not load {name!r}:\n{traceback.format_exc()}", file=sys.stderr)
         return [], name
     tokens = _tokens(model)
-    runs = {"detect": lambda: detect.rows(model, tokens, repeats),
+    runs = {"detect": lambda: detect.rows(model, tokens, repeats, memory=os.environ.get("BENCH_MEMORY") != "0"),
             "origin": lambda: origin.rows(model, tokens, repeats),
             "attention": lambda: attention.rows(model, tokens, repeats),
             "report": lambda: report.rows(name)}
@@ -74,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated model names for load_model (default: {','.join(MODELS)})")
     parser.add_argument("--write", default=None, help="write the table into this Markdown file")
+    parser.add_argument("--dtype", default=None, help="load the models in this dtype (e.g. bfloat16; default float32)")
+    parser.add_argument("--device", default=None, help="load the models on this device (e.g. cuda)")
+    parser.add_argument("--no-memory", action="store_true", help="time only: skip the per-case memory subprocesses")
     args = parser.parse_args(argv)
+    os.environ.update(BENCH_DTYPE=args.dtype or os.environ.get("BENCH_DTYPE", ""),
+                      BENCH_DEVICE=args.device or os.environ.get("BENCH_DEVICE", ""),
+                      BENCH_MEMORY="0" if args.no_memory else os.environ.get("BENCH_MEMORY", "1"))
     areas = args.areas.split(",")
     unknown = sorted(set(areas) - set(AREAS))
     if unknown:
@@ -98,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     header = (f"Measured with `python -m benchmarks --write docs/benchmarks.md` on {os.cpu_count()} CPU "
               f"cores ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads, load "
-              f"average {load:.1f} at the end; models: {', '.join(names) or 'none'} (float32; on a large model the "
+              f"average {load:.1f} at the end; models: {', '.join(names) or 'none'} ({args.dtype or 'float32'}"
+              f"{', on ' + args.device if args.device else ''}; on a large model the "
               f"cases read fewer sequences, see the detail column). Each ratio is the median time of the case over "
               f"the median time of its baseline, interleaved in one run, on the same model.")
     if failed:

@@ -42,18 +42,21 @@ def batch(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     return tokens[: fit_batch(model, N_SEQS, SEQ_LEN), :SEQ_LEN]
 
 
-def rows(model: Any, tokens: torch.Tensor, repeats: int = 5) -> list[Row]:
+def rows(model: Any, tokens: torch.Tensor, repeats: int = 5, memory: bool = True) -> list[Row]:
+    """Time rows, and with ``memory`` a peak-memory row per case (a fresh subprocess each)."""
     tokens = batch(model, tokens)
     name_of_model = ModelView(model).name
     seconds = median_times(cases(model, tokens), repeats)
-    memory = {name: memory_in_subprocess("detect", name, name_of_model) for name in ["plain_forward", *GOALS]}
+    peaks = {name: memory_in_subprocess("detect", name, name_of_model) for name in ["plain_forward", *GOALS]
+             if memory}
     shape = f"{len(tokens)}x{tokens.shape[1]} tokens"
     out = []
     for name, goal in GOALS.items():
         out.append(Row("detect", f"{name} time / plain forward", seconds[name] / seconds["plain_forward"], goal,
                        f"{shape}; median {seconds[name]:.2f} s vs {seconds['plain_forward']:.2f} s", name_of_model))
-        out.append(Row("detect", f"{name} peak memory / plain forward", memory[name] / memory["plain_forward"],
-                       MEMORY_GOAL if goal else None,
-                       f"{memory[name]:.0f} MB vs {memory['plain_forward']:.0f} MB above the loaded model",
-                       name_of_model))
+        if peaks:
+            out.append(Row("detect", f"{name} peak memory / plain forward", peaks[name] / peaks["plain_forward"],
+                           MEMORY_GOAL if goal else None,
+                           f"{peaks[name]:.0f} MB vs {peaks['plain_forward']:.0f} MB above the loaded model",
+                           name_of_model))
     return out

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One GPU run, prepared (issue 28): under 8 minutes on one large GPU, no network.
+#
+#   benchmarks/gpu.sh [OUT]              # on the GPU machine; results in OUT (default runs/gpu)
+#   benchmarks/gpu.sh --dry-run [OUT]    # on a CPU: the same steps at tiny sizes, in seconds
+#
+# Steps, each under its own time limit (a step that fails or runs out of time is written down
+# in OUT/steps.tsv and the next one still runs):
+#   1. bench   the benchmark ratios (detect, origin, attention) on both offline models in
+#              bfloat16 on the GPU: python -m benchmarks --dtype bfloat16 --device cuda
+#   2. big     the Llama-2-7B-shaped bfloat16 model, each analysis's peak GPU memory against
+#              its weights: python -m benchmarks.big --device cuda
+#   3. scratch softmax vs softmax1 trained from scratch: scripts/gpu_scratch.py train, on the
+#              token file shared/pytokens.bin (made from offline text first if missing)
+# OUT gets env.txt (GPU, torch), steps.tsv (step, exit code, seconds), one log per step and
+# each step's results: bench.md, big.md + big.json, scratch/ (scratch.json, curves.csv, ...).
+# PYTHON (default: python3) is the interpreter with massive_lens's dependencies.
+set -u
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+OUT=${1:-runs/gpu}
+PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+cd "$HERE" || exit 1
+mkdir -p "$OUT"
+export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+printf 'step\texit\tseconds\n' > "$OUT/steps.tsv"
+
+step() {  # step NAME LIMIT_S COMMAND...: run it, log it, record its exit code and time
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" >> "$OUT/steps.tsv"
+    echo "$name: exit $rc after $(( $(date +%s) - start )) s (log: $OUT/$name.log)"
+}
+
+{
+    date -u +%FT%TZ
+    [ "$DRY" = 1 ] && echo "dry run (CPU, tiny sizes): the numbers measure nothing"
+    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
+} > "$OUT/env.txt" 2>&1
+
+if [ "$DRY" = 1 ]; then
+    step bench 60 $PY -m benchmarks --models tiny-llama --areas origin --repeats 1 --no-memory \
+        --dtype bfloat16 --write "$OUT/bench.md"
+    step big 60 sh -c "$PY -m benchmarks.big --shape tiny --device cpu --case find_massive > '$OUT/big.json'"
+    step scratch 60 sh -c "$PY -c 'import numpy as np, json, sys; d = sys.argv[1]
+(np.arange(20000) % 50).astype(np.uint16).tofile(d + \"/tokens.bin\")
+json.dump({\"vocab_size\": 50, \"dtype\": \"uint16\", \"n_tokens\": 20000}, open(d + \"/tokens.json\", \"w\"))' '$OUT' \
+        && $PY scripts/gpu_scratch.py train '$OUT/tokens.bin' --out '$OUT/scratch' --budget-s 2 \
+           --n-layers 1 --d-model 32 --n-heads 2 --n-ctx 16 --batch 4"
+else
+    step bench 200 $PY -m benchmarks --models default,qwen2.5-coder-1.5b --areas detect,origin,attention \
+        --repeats 3 --no-memory --dtype bfloat16 --device cuda --write "$OUT/bench.md"
+    step big 150 sh -c "$PY -m benchmarks.big --device cuda --out '$OUT/big.json' > '$OUT/big.md'"
+    TOKENS=shared/pytokens.bin
+    if [ ! -f "$TOKENS" ]; then  # made from offline text: the installed Python sources and docs
+        TOKENS=$OUT/pytokens.bin
+        step corpus 60 sh -c "$PY scripts/gpu_scratch.py corpus '$OUT/pycorpus.txt' --max-chars 20000000 \
+            && $PY -m massive_lens.cli tokenize '$OUT/pycorpus.txt' '$TOKENS' --tokenizer default"
+    fi
+    step scratch 150 $PY scripts/gpu_scratch.py train "$TOKENS" --out "$OUT/scratch" --budget-s 100
+fi
+echo "results: $OUT"
+! grep -qv -P '\t0\t|^step\t' "$OUT/steps.tsv"  # exit 1 when any step failed
