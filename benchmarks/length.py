@@ -33,8 +33,16 @@ LENGTHS = (128, 256, 512, 1024, 2048)
 
 def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> dict[str, Callable[[], Any]]:
     """The analyses on one sequence ``one`` (``two``: two sequences of the same length)."""
-    from massive_lens import (decompose_attention, find_massive, measure_outliers, perplexity, scan_corpus,
-                              sink_attention, sink_census, trace_origin)
+    from massive_lens import (
+        decompose_attention,
+        find_massive,
+        measure_outliers,
+        perplexity,
+        scan_corpus,
+        sink_attention,
+        sink_census,
+        trace_origin,
+    )
 
     def forward(tokens: torch.Tensor) -> Callable[[], Any]:
         def call() -> None:

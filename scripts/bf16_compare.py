@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
 from benchmarks.harness import peak_memory_of, resident_mb
 
@@ -56,7 +55,7 @@ def run(model_name: str, dtype: str, out: Path) -> None:
     for name, call in calls.items():
         got: dict[str, pd.DataFrame] = {}
         cpu, wall = time.process_time(), time.perf_counter()
-        peak = peak_memory_of(lambda call=call: got.setdefault("frame", call()))
+        peak = peak_memory_of(lambda call=call, got=got: got.update(frame=call()))
         frame = got["frame"]
         results["analyses"][name] = {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall,
                                      "peak_mb": peak, "frame": frame[KEYS[name] + VALUES[name]].to_dict("records")}
