@@ -33,16 +33,7 @@ LENGTHS = (128, 256, 512, 1024, 2048)
 
 def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> dict[str, Callable[[], Any]]:
     """The analyses on one sequence ``one`` (``two``: two sequences of the same length)."""
-    from massive_lens import (
-        decompose_attention,
-        find_massive,
-        measure_outliers,
-        perplexity,
-        scan_corpus,
-        sink_attention,
-        sink_census,
-        trace_origin,
-    )
+    import massive_lens as ml
 
     def forward(tokens: torch.Tensor) -> Callable[[], Any]:
         def call() -> None:
@@ -53,17 +44,17 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
     return {
         "plain_forward": forward(one),
         "plain_forward x2": forward(two),
-        "find_massive": lambda: find_massive(model, one),
-        "find_massive x2": lambda: find_massive(model, two),
-        "scan_corpus": lambda: scan_corpus(model, one, seq_len=one.shape[1], batch_size=1, max_tokens=None,
-                                           progress=False),
-        "trace_origin": lambda: trace_origin(model, one),
-        "sink_attention": lambda: sink_attention(model, one),
-        "decompose_attention": lambda: decompose_attention(model, one),
-        "sink_census": lambda: sink_census(model, one),
-        "perplexity": lambda: perplexity(model, one, progress=False),
-        "intervention perplexity": lambda: perplexity(model, one, hooks=hooks, progress=False),
-        "measure_outliers (W8A8)": lambda: measure_outliers(model, two),
+        "find_massive": lambda: ml.find_massive(model, one),
+        "find_massive x2": lambda: ml.find_massive(model, two),
+        "scan_corpus": lambda: ml.scan_corpus(model, one, seq_len=one.shape[1], batch_size=1, max_tokens=None,
+                                              progress=False),
+        "trace_origin": lambda: ml.trace_origin(model, one),
+        "sink_attention": lambda: ml.sink_attention(model, one),
+        "decompose_attention": lambda: ml.decompose_attention(model, one),
+        "sink_census": lambda: ml.sink_census(model, one),
+        "perplexity": lambda: ml.perplexity(model, one, progress=False),
+        "intervention perplexity": lambda: ml.perplexity(model, one, hooks=hooks, progress=False),
+        "measure_outliers (W8A8)": lambda: ml.measure_outliers(model, two),
     }
 
 
