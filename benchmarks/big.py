@@ -177,28 +177,39 @@ def cases(model: Any, tokens: torch.Tensor) -> dict[str, Callable[[], str]]:
     }
 
 
-def run_case(name: str, shape: str, device: str | None) -> dict[str, Any]:
-    """Build the model and run one case in this process: its peak, time and finding."""
+def run_cases(names: list[str], shape: str, device: str | None) -> list[dict[str, Any]]:
+    """Build the model once and run the cases one after the other in this process: each one's
+    peak (the high-water mark reset after collecting and trimming what the one before freed),
+    time and finding."""
+    from massive_lens.report.memory import release_free_memory
+
     libraries = resident_mb() * 2**20
     start = time.perf_counter()
     model = build(shape, device)
     built = time.perf_counter() - start
     tokens = _tokens(model).to(next(model.parameters()).device)
-    call = cases(model, tokens)[name]
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # reset the high-water mark to the current resident size
+    calls = cases(model, tokens)
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    what = call()
-    seconds = time.perf_counter() - start
-    with open("/proc/self/status") as status:
-        fields = dict(line.split(":", 1) for line in status)
-    peak = int(fields["VmHWM"].split()[0]) * 1024
-    return {"case": name, "shape": shape, "peak": peak, "libraries": libraries, "weights": weight_bytes(model),
-            "cuda_peak": torch.cuda.max_memory_allocated() if cuda else 0, "seconds": seconds, "build_s": built,
-            "found": what, "tokens": f"{len(tokens[:N_SEQS])}x{tokens.shape[1]}"}
+    results = []
+    for name in names:
+        release_free_memory()
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # reset the high-water mark to the current resident size
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        what = calls[name]()
+        seconds = time.perf_counter() - start
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status)
+        results.append({"case": name, "shape": shape, "peak": int(fields["VmHWM"].split()[0]) * 1024,
+                        "libraries": libraries, "weights": weight_bytes(model),
+                        "cuda_peak": torch.cuda.max_memory_allocated() if cuda else 0, "seconds": seconds,
+                        "build_s": built, "found": what, "tokens": f"{len(tokens[:N_SEQS])}x{tokens.shape[1]}",
+                        "process": "shared" if len(names) > 1 else "own"})
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    return results
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -223,14 +234,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="7b", choices=sorted(SHAPES))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--case", default=None, help="run this one case here and print its JSON")
+    parser.add_argument("--together", action="store_true",
+                        help="run the cases in one process, the model built once (faster; each case's peak is "
+                             "still its own: the high-water mark is reset between cases)")
     parser.add_argument("--cases", default=None, help="comma-separated cases (default: all)")
     parser.add_argument("--lock", default=None, help="run each case under `flock LOCK` (one big process at a time)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.case:
-        print(json.dumps(run_case(args.case, args.shape, args.device)))
+        print(json.dumps(run_cases([args.case], args.shape, args.device)[0]))
         return 0
     names = args.cases.split(",") if args.cases else list(cases(None, torch.zeros(2 * N_SEQS, 1)))
+    if args.together:
+        results = run_cases(names, args.shape, args.device)
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(results, handle, indent=1)
+        print(table(results))
+        return 0
     results = []
     for name in names:
         cmd = [sys.executable, "-m", "benchmarks.big", "--case", name, "--shape", args.shape]
