@@ -224,8 +224,8 @@ def table(results: list[dict[str, Any]]) -> str:
         on_gpu = r["cuda_peak"] > 0
         ratio = (r["cuda_peak"] if on_gpu else r["peak"] - r["libraries"]) / r["weights"]
         verdict = "ok" if ratio <= GOAL else "over goal"
-        lines.append(f"| {r['case']} | {ratio:.2f} | {GOAL:g} | {verdict} | {r['peak'] / gb:.2f} GB | "
-                     f"{r['cuda_peak'] / gb:.2f} GB | {r['seconds']:.1f} s | {r['found']} |")
+        lines.append(f"| {r['case']} | {ratio:.2f} | {GOAL:g} | {verdict} | {r['peak'] / gb:.2f} GiB | "
+                     f"{r['cuda_peak'] / gb:.2f} GiB | {r['seconds']:.1f} s | {r['found']} |")
     return "\n".join(lines) + "\n"
 
 
