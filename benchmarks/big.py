@@ -47,6 +47,8 @@ VALUE, TRIGGER_SCALE, GAIN = 3000.0, 20.0, 3.0
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "7b-4layers": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
     "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096),
 }
