@@ -44,11 +44,11 @@ GOAL = 1.5
 SEQ_LEN, N_SEQS = 64, 2
 LAYER, NEURON, DIM, TRIGGER_DIM = 1, 5, 7, 3  # the planted neuron: layer 1's neuron 5 writes dim 7
 VALUE, TRIGGER_SCALE, GAIN = 3000.0, 20.0, 3.0
+SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
 SHAPES = {
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
-    "7b-4layers": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "7b": SEVEN_B,
+    **{f"7b-{n}layers": {**SEVEN_B, "num_hidden_layers": n} for n in (2, 4, 8)},  # the 7B's widths, fewer layers
     "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096),
 }
