@@ -59,8 +59,9 @@ def _fill(model: torch.nn.Module, n_layers: int, seed: int = 0) -> None:
     """Random weights in place, in the model's own dtype: norms 1, the rest uniform with std
     0.02 (output projections ``0.02 / sqrt(2 * n_layers)``), each a window of one pool."""
     gen = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    pool = torch.empty(POOL, dtype=dtype).uniform_(-math.sqrt(3), math.sqrt(3), generator=gen)  # std 1
+    first = next(model.parameters())
+    pool = torch.empty(POOL, dtype=first.dtype).uniform_(-math.sqrt(3), math.sqrt(3), generator=gen)  # std 1
+    pool = pool.to(first.device)
     out_scale = 1 / math.sqrt(2 * n_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():

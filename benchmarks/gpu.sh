@@ -9,7 +9,7 @@
 #   1. bench   the benchmark ratios (detect, origin, attention) on both offline models in
 #              bfloat16 on the GPU: python -m benchmarks --dtype bfloat16 --device cuda
 #   2. big     the Llama-2-7B-shaped bfloat16 model, each analysis's peak GPU memory against
-#              its weights: python -m benchmarks.big --device cuda
+#              its weights: python -m benchmarks.big --device cuda --together (built once)
 #   3. scratch softmax vs softmax1 trained from scratch: scripts/gpu_scratch.py train, on the
 #              token file shared/pytokens.bin (made from offline text first if missing)
 # OUT gets env.txt (GPU, torch), steps.tsv (step, exit code, seconds), one log per step and
@@ -55,7 +55,7 @@ json.dump({\"vocab_size\": 50, \"dtype\": \"uint16\", \"n_tokens\": 20000}, open
 else
     step bench 200 $PY -m benchmarks --models default,qwen2.5-coder-1.5b --areas detect,origin,attention \
         --repeats 3 --no-memory --dtype bfloat16 --device cuda --write "$OUT/bench.md"
-    step big 150 sh -c "$PY -m benchmarks.big --device cuda --out '$OUT/big.json' > '$OUT/big.md'"
+    step big 150 sh -c "$PY -m benchmarks.big --device cuda --together --out '$OUT/big.json' > '$OUT/big.md'"
     TOKENS=shared/pytokens.bin
     if [ ! -f "$TOKENS" ]; then  # made from offline text: the installed Python sources and docs
         TOKENS=$OUT/pytokens.bin
