@@ -30,7 +30,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor, nn
 
-from massive_lens.core.budget import logit_batches
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import model_lock
 from massive_lens.errors import MassiveLensError
 
@@ -126,6 +126,18 @@ def fake_quant(x: Tensor, bits: int, granularity: str = "token", *, symmetric: b
     return rtn(grouped, bits, low, high, symmetric=symmetric).flatten(-2)[..., :width]
 
 
+def _calibrate(scorer: NextTokenLoss, batch: Tensor, head: bool) -> None:
+    """One calibration pass: stopped at the output head, which runs (if it is quantized) a few
+    positions at a time, so no pass holds its logits; the whole pass where that is not exact."""
+    if not scorer.exact:
+        scorer.forward(batch, ())
+        return
+    hidden = scorer.hidden(batch)
+    for row in hidden if head else ():
+        for a in range(0, len(row), scorer.step):
+            scorer.logits(row, a, a + scorer.step)
+
+
 @contextlib.contextmanager
 def fake_quantized(
     model: Any, calibration: Int[Tensor, "batch pos"] | None = None, *, per_channel: bool = True,
@@ -174,11 +186,14 @@ def fake_quantized(
     try:
         ranges: dict[int, list[float]] = {}
         if static:
+            device = next(model.parameters()).device
+            scorer = NextTokenLoss(model, lambda x, hooks: model(x.to(device)))
+            batches = scorer.batches(calibration)  # decides, unquantized and unobserved, whether the head can be sliced
             for i, (module, _, _) in enumerate(sites):
                 handles.append(module.register_forward_pre_hook(_observer(ranges, i), with_kwargs=True))
             with torch.no_grad():
-                for batch in logit_batches(model, calibration):  # ranges are min / max: exact in batches
-                    model(batch.to(next(model.parameters()).device))
+                for batch in batches:  # ranges are min / max: exact in batches, and in slices at the head
+                    _calibrate(scorer, batch, any(module is scorer.head for module, _, _ in sites))
             for handle in handles:
                 handle.remove()
             handles.clear()

@@ -6,8 +6,9 @@ their mean changes nothing. The same yardstick judges every hypothesis in
 :mod:`massive_lens.interventions`.
 
 - :func:`perplexity`: per-sequence loss, perplexity and next-token accuracy of a model on a
-  corpus, optionally with forward hooks (an intervention) attached. Batched; only one
-  batch of logits lives in memory at a time.
+  corpus, optionally with forward hooks (an intervention) attached. Batched; no pass holds
+  its logits (the head runs a few positions at a time, :mod:`massive_lens.core.loss`), or,
+  where that is not exact (a final soft cap), one small batch's.
 - :func:`bootstrap_mean`: a 95% bootstrap interval of a mean over sequences (paired
   comparisons resample the per-sequence difference).
 
@@ -26,19 +27,19 @@ from typing import Any
 
 import pandas as pd
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.core.budget import logit_batches, loss_positions, trim_allocator
 from massive_lens.core.corpora import Corpus, sequences
+from massive_lens.core.loss import NextTokenLoss, next_token_stats
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import loss_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
+__all__ = ["Perplexity", "as_hooks", "bootstrap_mean", "next_token_stats", "perplexity"]
 _BOOTSTRAP = 2000
-
 
 
 def _exp(loss: float) -> float:
@@ -149,9 +150,9 @@ def perplexity(
         seq_len: tokens per sequence (BOS included; default 128), for text input.
         n_seqs: sequences evaluated (the first ``n_seqs`` of the corpus; default 32), for
             text input.
-        batch_size: sequences per forward pass (default None: up to 8, as many as keep one
-            pass's logits small against the weights, see
-            :func:`~massive_lens.core.budget.logit_batches`).
+        batch_size: sequences per forward pass (default None: 8 when the loss is taken at the
+            head slice by slice; where that is not exact, as many as keep one pass's logits
+            small against the weights, see :func:`~massive_lens.core.budget.logit_batches`).
         hooks: ``(hook_name, function)`` pairs, an
             :class:`~massive_lens.interventions.Intervention`, or any object with
             ``fwd_hooks``; attached during every forward pass (default: none).
@@ -180,38 +181,19 @@ def perplexity(
         raise MassiveLensError(f"token tensor must be [seq, pos] with pos >= 2, got {tuple(tokens.shape)}")
     if batch_size is not None and batch_size < 1:
         raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
+    scorer = NextTokenLoss(view)  # no finiteness check in the pass: an edit may yield inf
     losses, accs = [], []
-    for chunk in tqdm(logit_batches(model, tokens, batch_size), desc="perplexity", disable=not progress,
-                      leave=False):
-        logits = view.forward(view.full_batch(chunk), fwd_hooks, check_finite=False)  # an edit may yield inf
-        if not fwd_hooks and not bool(torch.isfinite(torch.stack(torch.aminmax(logits))).all()):  # NaN propagates
+    for chunk in tqdm(scorer.batches(tokens, batch_size), desc="perplexity", disable=not progress, leave=False):
+        out = scorer(chunk, hooks=fwd_hooks)
+        if not fwd_hooks and not out.finite:  # NaN propagates
             raise MassiveLensError(
                 f"{view.name} ({view.dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
                 "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
             )
-        loss, acc = next_token_stats(logits, chunk.to(logits.device))
-        losses.append(loss.cpu())
-        accs.append(acc.cpu())
-        del logits
-        trim_allocator()  # the freed logits and loss do not pile up as resident memory
+        losses.append(out.loss)
+        accs.append(out.accuracy)
     per_seq = torch.cat(losses)
     if not bool(torch.isfinite(per_seq).all()):
         per_seq = per_seq.nan_to_num(nan=float("inf"))
     return Perplexity(per_seq, torch.cat(accs), int(tokens.shape[0] * (tokens.shape[1] - 1)), view.name)
 
-
-def next_token_stats(
-    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"]
-) -> tuple[Float[Tensor, " batch"], Float[Tensor, " batch"]]:
-    """Each sequence's mean next-token loss and accuracy, one sequence (and a few positions of
-    it, :func:`~massive_lens.core.budget.loss_positions`) at a time, each chunk cast to float32
-    on its own, so the loss never copies the batch's logits, nor a sequence's."""
-    losses, accs = [], []
-    step = loss_positions(logits.shape[-1])
-    for row, ids in zip(logits, tokens, strict=True):
-        pred, target = row[:-1], ids[1:]
-        chunks = zip(pred.split(step), target.split(step), strict=True)
-        losses.append(sum(torch.nn.functional.cross_entropy(p.float(), t, reduction="sum") for p, t in chunks)
-                      / len(target))
-        accs.append((pred.argmax(-1) == target).float().mean())
-    return torch.stack(losses), torch.stack(accs)

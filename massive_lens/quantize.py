@@ -24,7 +24,8 @@ everything else. This module measures, on any TransformerLens-style model (a
 The model is never left changed: hooks are removed and the original weight tensors put
 back on every exit path, exceptions included. Each weight is quantized only while its own
 layer runs (a copy of one layer at a time, never of the whole model), and the loss passes
-are split so that one pass's logits stay small next to the weights.
+never hold a batch's logits (:mod:`massive_lens.core.loss`; where that is not exact, passes
+small enough that one pass's logits stay small next to the weights).
 
 >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
 >>> report = measure_outliers(MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2)),
@@ -45,9 +46,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from massive_lens.core.budget import logit_batches, trim_allocator
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, first_token_mass, median_scale, sink_metric
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.core.render import profile_axes
 from massive_lens.core.results import Result
@@ -56,7 +57,6 @@ from massive_lens.lowbit import fake_quant_activation, fake_quant_weight, fake_q
 
 __all__ = ["GRID", "LowBitGrid", "OutlierReport", "fake_quant_activation", "fake_quant_weight", "fake_quantized",
            "lowbit_grid", "measure_outliers", "parse_bits"]
-from massive_lens.metrics import next_token_stats
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,10 @@ def measure_outliers(
     """
     view = ModelView(model)
     tokens, calib = _eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
-    layers, sink, fp = _activation_stats(view, tokens)  # one pass: statistics and FP loss
+    scorer = _scorer(model)
+    layers, sink, fp = _activation_stats(view, tokens, scorer)  # one pass: statistics and FP loss
     with fake_quantized(model, calib, per_channel=per_channel, include_head=include_head):
-        w8a8 = _loss(model, tokens)
+        w8a8 = _loss(scorer, tokens)
     return OutlierReport(view.name, layers, sink, fp, w8a8, per_channel)
 
 
@@ -250,34 +251,31 @@ def lowbit_grid(
     bits = [parse_bits(s) for s in settings]
     view = ModelView(model)
     tokens, calib = _eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
+    scorer = _scorer(model)
     with model_lock(model):
-        fp = _loss(model, tokens)
+        fp = _loss(scorer, tokens)
     rows = []
     for w, a in bits:
         with fake_quantized(model, calib, w_bits=w, a_bits=a, per_token=per_token):
-            loss = _loss(model, tokens)
+            loss = _loss(scorer, tokens)
         rows.append(dict(setting=f"W{w}A{a}", w_bits=w, a_bits=a,
                          activations="per-token" if per_token else "per-tensor",
                          loss=loss, fp_loss=fp, gap=loss - fp))
     return LowBitGrid(view.name, pd.DataFrame(rows), fp)
 
 
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
+def _scorer(model: Any) -> NextTokenLoss:
+    """The loss of ``model`` through ``run_with_hooks`` (hook filters allowed), slice by slice at
+    the head where that is exact (checked on the model as given, before any quantization)."""
+    device = next(model.parameters()).device
+    return NextTokenLoss(model, lambda x, hooks: model.run_with_hooks(x.to(device), fwd_hooks=list(hooks)))
 
 
-def _loss(model: Any, tokens: Int[Tensor, "batch pos"], fwd_hooks: list[tuple[Any, Any]] = ()) -> float:
-    """Mean next-token loss over ``tokens`` (every sequence the same length), in batches whose
-    logits stay small (:func:`~massive_lens.core.budget.logit_batches`), one sequence's loss
-    at a time."""
-    losses = []
-    with torch.no_grad():
-        for chunk in logit_batches(model, tokens):
-            logits = model.run_with_hooks(chunk.to(_device(model)), fwd_hooks=list(fwd_hooks))
-            losses.append(next_token_stats(logits, chunk.to(logits.device))[0])
-            del logits
-            trim_allocator()
-    return float(torch.cat(losses).mean())
+def _loss(scorer: NextTokenLoss, tokens: Int[Tensor, "batch pos"], fwd_hooks: list[tuple[Any, Any]] = ()) -> float:
+    """Mean next-token loss over ``tokens`` (every sequence the same length), in the scorer's
+    passes (:meth:`~massive_lens.core.loss.NextTokenLoss.batches`): no pass holds its logits, or,
+    where that is not exact, passes whose logits stay small."""
+    return float(torch.cat([scorer(chunk, hooks=fwd_hooks).loss for chunk in scorer.batches(tokens)]).mean())
 
 
 def _eval_and_calibration(
@@ -296,13 +294,14 @@ def _eval_and_calibration(
     return tokens[:n_seqs], calib
 
 
-def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tuple[pd.DataFrame, float, float]:
+def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"], scorer: NextTokenLoss
+                      ) -> tuple[pd.DataFrame, float, float]:
     """Per-layer outlier statistics, the sink metric and the loss, from one forward pass (in
     batches, see :func:`_loss`; every statistic is a mean over sequences, or a max)."""
     model = view.model
     rows: dict[int, list[dict[str, Any]]] = {}
     sink_shares: dict[int, list[Tensor]] = {}
-    sizes = [len(batch) for batch in logit_batches(model, tokens)]  # the batches _loss runs
+    sizes = [len(batch) for batch in scorer.batches(tokens)]  # the batches _loss runs
 
     def resid(x: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
         if not bool(torch.isfinite(x).all()):
@@ -327,7 +326,7 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"]) -> tupl
     hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
              (lambda n: n.endswith("attn.hook_pattern"), pattern)]
     with model_lock(model):
-        loss = _loss(model, tokens, hooks)
+        loss = _loss(scorer, tokens, hooks)
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
     weights = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)

@@ -29,17 +29,25 @@ def test_batching_does_not_change_losses():
     assert list(one.to_frame().columns) == ["seq", "loss", "perplexity", "accuracy"]
 
 
+@pytest.mark.parametrize("sliced", [True, False])
 @pytest.mark.parametrize("share", [1e-9, 0.5, 100.0])
-def test_each_pass_keeps_its_logits_under_a_share_of_the_weights(monkeypatch, share):
+def test_each_pass_keeps_its_logits_under_a_share_of_the_weights(monkeypatch, share, sliced):
+    """Passes of MAX_BATCH sequences when the head runs slice by slice (no pass holds its logits);
+    else (no head found) of as many as keep one pass's logits under the share."""
+    from massive_lens.core import loss as loss_module
+
     model = tiny_model("llama")
     monkeypatch.setattr(budget, "LOGITS_SHARE", share)
+    if not sliced:
+        monkeypatch.setattr(loss_module, "output_head", lambda model: None)
     tokens = sequences(ModelView(model), TEXT, 16, 10)
     per_seq = 16 * model.cfg.d_vocab * 4  # float32 logits of one sequence
-    fits = max(1, int(share * budget.weight_bytes(model)) // per_seq)
+    fits = max(1, int(share * budget.weight_bytes(model)) // per_seq) if not sliced else budget.MAX_BATCH
     seen: list[int] = []  # the batch size of every forward pass perplexity makes
     record = ("blocks.0.hook_resid_pre", lambda x, hook: seen.append(x.shape[0]))
     result = perplexity(model, tokens, hooks=[record], progress=False)
-    assert seen == [len(b) for b in budget.logit_batches(model, tokens)]
+    want = budget.logit_batches(model, tokens) if not sliced else tokens.split(budget.MAX_BATCH)
+    assert seen == [len(b) for b in want]
     assert max(seen) == min(fits, budget.MAX_BATCH) and sum(seen) == 10 == len(result.per_seq)
     reference = perplexity(model, tokens, batch_size=1, progress=False)
     torch.testing.assert_close(result.per_seq, reference.per_seq, rtol=1e-5, atol=1e-6)

@@ -230,13 +230,13 @@ def test_precision_check_restores_the_model_when_it_fails(monkeypatch):
     before = _state(model)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
 
-    def boom(logits, tokens):
-        if logits.dtype != torch.float32:
+    def boom(scorer, tokens, hooks):
+        if next(model.parameters()).dtype != torch.float32:
             raise RuntimeError("boom")
-        return real(logits, tokens)
+        return real(scorer, tokens, hooks)
 
-    real = precision_module.next_token_stats
-    monkeypatch.setattr(precision_module, "next_token_stats", boom)
+    real = precision_module._run
+    monkeypatch.setattr(precision_module, "_run", boom)
     with pytest.raises(RuntimeError, match="boom"):
         precision_check(model, TEXT, seq_len=32, n_seqs=2)
     assert _state(model) == before

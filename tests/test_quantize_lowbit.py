@@ -336,23 +336,22 @@ def test_quantize_command(monkeypatch, tmp_path, capsys):
 
 
 def test_chunked_loss_equals_the_full_logits_and_holds_none(planted_llama, monkeypatch):
+    from massive_lens.core import loss as chunked
     from massive_lens.core.model_view import ModelView
     from massive_lens.metrics import next_token_stats
-    from massive_lens.quant import loss as chunked
 
     model, _ = planted_llama
     view = ModelView(model)
     tokens = torch.cat([model.to_tokens(TEXT[:60])[:, :40], model.to_tokens(TEXT[7:70])[:, :40]])
-    logits = model(tokens)
-    want = next_token_stats(logits, tokens)[0]
-    loss = chunked.ChunkedLoss(model, lambda x, hooks: view.forward(view.tokenize(x), list(hooks), check_finite=False))
-    loss.check(tokens[:1], logits[:1])
-    assert loss.exact
-    monkeypatch.setattr(chunked, "CHUNK", 7)  # several slices per sequence, the last one short
+    want = next_token_stats(model(tokens), tokens)[0]
+    loss = chunked.NextTokenLoss(model, lambda x, hooks: view.forward(view.tokenize(x), list(hooks),
+                                                                      check_finite=False))
+    monkeypatch.setattr(chunked, "loss_positions", lambda d_vocab: 7)  # several slices a sequence, the last short
+    assert loss.check(tokens)
     seen = []
     handle = loss.head.register_forward_hook(lambda m, a, out: seen.append(out.shape[:-1]))
     try:
-        got = loss.losses(tokens, tokens)
+        got = loss(tokens).loss
     finally:
         handle.remove()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -363,17 +362,16 @@ def test_chunked_loss_equals_the_full_logits_and_holds_none(planted_llama, monke
 
 
 def test_logits_changed_after_the_head_fall_back_to_the_full_logits(planted_llama):
+    from massive_lens.core.loss import NextTokenLoss
     from massive_lens.core.model_view import ModelView
-    from massive_lens.quant.loss import ChunkedLoss
 
     model, _ = planted_llama
     view = ModelView(model)
     tokens = model.to_tokens(TEXT[:60])[:, :24]
     model.add_hook("unembed.hook_out", lambda x, hook: x * 2.0, is_permanent=True)  # a logit scale (Granite's)
     try:
-        loss = ChunkedLoss(model, lambda x, hooks: view.forward(view.tokenize(x), list(hooks), check_finite=False))
-        loss.check(tokens, model(tokens))
-        assert not loss.exact
+        loss = NextTokenLoss(model, lambda x, hooks: view.forward(view.tokenize(x), list(hooks), check_finite=False))
+        assert not loss.check(tokens)
         grid = quantize_grid(model, torch.cat([tokens, tokens]), settings=["W16A16"], seq_len=24, n_seqs=1)
         assert grid.to_frame().gap[0] == pytest.approx(0.0, abs=1e-6)
     finally:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from massive_lens.attention import sink_census
 from massive_lens.core.corpora import Corpus, sequences
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.effects.cache import POSITIONS, window_hooks
@@ -102,15 +103,11 @@ def _enough(kept: pd.DataFrame, best: float) -> int:
     return int(kept[kept["ratio"] <= best * 1.1]["k"].min())
 
 
-def _token_losses(view: ModelView, tokens: Tensor, hooks: list, batch_size: int) -> Tensor:
-    out = []
-    for chunk in tokens.split(batch_size):
-        logits = view.forward(view.full_batch(chunk), hooks, check_finite=False)
-        target = chunk[:, 1:].to(logits.device)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, reduction="none")
-        out.append(loss.cpu())
-        del logits
-    return torch.cat(out)
+def _token_losses(scorer: NextTokenLoss, tokens: Tensor, hooks: list, batch_size: int) -> Tensor:
+    """Each prediction's loss ``[seq, pos - 1]``, never holding a batch's logits where the head
+    can be applied slice by slice (:mod:`massive_lens.core.loss`)."""
+    return torch.cat([scorer(chunk, hooks=hooks, per_token=True).token_loss
+                      for chunk in scorer.batches(tokens, batch_size)])
 
 
 def _predicted_k(model: Any, tokens: Tensor, length: int) -> tuple[int, str]:
@@ -171,7 +168,8 @@ def streaming_window(model: Any, text: Corpus = None, *, window: int = 256, sink
                                f"{bins}, {batch_size}")
     tokens = sequences(view, text, seq_len, n_seqs)
     settings = [(FULL, -1, [])] + [(f"k={k}", k, window_hooks(view, window, k, positions)) for k in ks]
-    losses = torch.stack([_token_losses(view, tokens, hooks, batch_size) for _, _, hooks in settings])
+    scorer = NextTokenLoss(view)
+    losses = torch.stack([_token_losses(scorer, tokens, hooks, batch_size) for _, _, hooks in settings])
     n = losses.shape[-1]
     rows = []
     for i, (name, k, _) in enumerate(settings):

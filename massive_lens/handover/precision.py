@@ -46,12 +46,12 @@ from torch import Tensor
 
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import num, ratio
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover.mixed import block_dtype_hooks, cast
-from massive_lens.metrics import next_token_stats
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # per block: (hook, what it is); a norm's input is also checked for its sum of squares
@@ -221,11 +221,12 @@ def _seen(x: Tensor, hook: Any, *, order: list[tuple[str, bool]], name: str) -> 
         order.append((name, bool(torch.isfinite(x).all())))
 
 
-def _run(view: ModelView, tokens: Tensor, hooks: list[tuple[str, Any]]) -> tuple[Tensor, Tensor]:
-    """Per-sequence loss and the argmax predictions of one forward pass."""
-    logits = view.forward(view.full_batch(tokens), hooks, check_finite=False)
-    loss, _ = next_token_stats(logits, tokens.to(logits.device))
-    return loss.float().cpu(), logits.float().argmax(-1).cpu()
+def _run(scorer: NextTokenLoss, tokens: Tensor, hooks: list[tuple[str, Any]]) -> tuple[Tensor, Tensor]:
+    """Per-sequence loss and the argmax predictions of one forward pass (every sequence in it: the
+    ``_Peaks`` hooks record the sequence index within the pass). No logits are held where the head
+    can be applied slice by slice (:mod:`massive_lens.core.loss`); else the pass's logits are."""
+    out = scorer(tokens, hooks=hooks, top1=True)
+    return out.loss.float(), out.top1
 
 
 def precision_check(
@@ -276,7 +277,8 @@ def precision_check(
     peaks = _Peaks(chosen, str(getattr(view.cfg, "normalization_type", "RMS")).startswith("LN"), float(scale))
     hooks = [(f"blocks.{layer}.{site}", partial(peaks.hook, site=site, kind=kind, layer=layer))
              for layer in range(view.n_layers) for site, kind in SITES if f"blocks.{layer}.{site}" in view.hook_names]
-    loss32, top32 = _run(view, tokens, hooks)
+    scorer = NextTokenLoss(view)  # decides, in float32 before any cast, whether the head can run in slices
+    loss32, top32 = _run(scorer, tokens, hooks)
     frame = pd.DataFrame(peaks.rows)
     problems, verdicts = [], []
     for name, dtype in zip(names, chosen, strict=True):
@@ -289,10 +291,10 @@ def precision_check(
                 else math.sqrt(limit) for r in mine if r[1] != "rounds_away"}
         clamp = float("nan")
         if over:
-            clamp_loss, _ = _run(view, tokens, [(f"blocks.{layer}.{site}", partial(_clamp, limit=bound))
+            clamp_loss, _ = _run(scorer, tokens, [(f"blocks.{layer}.{site}", partial(_clamp, limit=bound))
                                                 for (site, layer), bound in over.items()])
             clamp = math.exp(float(clamp_loss.mean()) - float(loss32.mean()))
-        verdicts.append(_verdict(view, tokens, name, dtype, mine, loss32, top32, clamp, tolerance, confirm))
+        verdicts.append(_verdict(view, scorer, tokens, name, dtype, mine, loss32, top32, clamp, tolerance, confirm))
     keep = ["site", "kind", "layer", "max_abs", "median", "max_square", "max_variance"]
     return PrecisionCheck(pd.DataFrame(problems, columns=PROBLEM_COLUMNS),
                           pd.DataFrame(verdicts, columns=VERDICT_COLUMNS), frame[keep].copy(), view.name,
@@ -325,8 +327,8 @@ def _layer_of(hook: str) -> int | None:
     return int(parts[1]) if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() else None
 
 
-def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, mine: list[tuple], loss32: Tensor,
-             top32: Tensor, clamp: float, tolerance: float, confirm: bool) -> tuple:
+def _verdict(view: ModelView, scorer: NextTokenLoss, tokens: Tensor, name: str, dtype: torch.dtype,
+             mine: list[tuple], loss32: Tensor, top32: Tensor, clamp: float, tolerance: float, confirm: bool) -> tuple:
     counts = {p: sum(1 for r in mine if r[1] == p) for p in PROBLEMS}
     loss, agree, bad = float("nan"), float("nan"), ""
     if confirm:
@@ -334,7 +336,7 @@ def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, min
         names = [f"blocks.{layer}.{site}" for layer in range(view.n_layers) for site, _ in SITES]
         watch = [(n, partial(_seen, order=order, name=n)) for n in names if n in view.hook_names]
         with cast(view.model, dtype):
-            losses, top = _run(view, tokens, watch)
+            losses, top = _run(scorer, tokens, watch)
         loss, agree = float(losses.mean()), float((top == top32).float().mean())
         bad = next((n for n, ok in order if not ok), "")
         if not bad and not math.isfinite(loss):
@@ -349,7 +351,7 @@ def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, min
         where = sorted({*(layers or {r[3] for r in mine}), *([failed] if failed is not None else [])})
         fix = f"keep {layer_span(where)} in float32" if where else "run in float32"
         if confirm and where:
-            where, kept_change = _fewest_kept(view, tokens, dtype, mine, failed, where, base, tolerance)
+            where, kept_change = _fewest_kept(view, scorer, tokens, dtype, mine, failed, where, base, tolerance)
             kept = layer_span(where) if where else ""
             fix = (f"keep {kept} in float32 (measured: the rest in {name}, perplexity x{ratio(kept_change)})"
                    if where else f"run in float32 (keeping {layer_span(layers)} in float32 was not enough)")
@@ -366,8 +368,8 @@ def _verdict(view: ModelView, tokens: Tensor, name: str, dtype: torch.dtype, min
             clamp, kept, kept_change, fix)
 
 
-def _fewest_kept(view: ModelView, tokens: Tensor, dtype: torch.dtype, mine: list[tuple], failed: int | None,
-                 where: list[int], base: float, tolerance: float) -> tuple[list[int], float]:
+def _fewest_kept(view: ModelView, scorer: NextTokenLoss, tokens: Tensor, dtype: torch.dtype, mine: list[tuple],
+                 failed: int | None, where: list[int], base: float, tolerance: float) -> tuple[list[int], float]:
     """The blocks to keep in float32, measured: first only those where a value itself overflows
     (and the one where the run failed), then every block with a problem; the first set whose
     mixed run stays finite and within ``tolerance`` of float32, with its perplexity ratio
@@ -378,7 +380,7 @@ def _fewest_kept(view: ModelView, tokens: Tensor, dtype: torch.dtype, mine: list
         if not keep:
             continue
         with cast(view.model, dtype, keep=keep):
-            losses, _ = _run(view, tokens, block_dtype_hooks(view, dtype, keep))
+            losses, _ = _run(scorer, tokens, block_dtype_hooks(view, dtype, keep))
         loss = float(losses.mean())
         change = math.exp(loss - base) if math.isfinite(loss) else float("inf")
         if change <= 1 + tolerance:

@@ -41,14 +41,14 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.sinks import sinks_of
-from massive_lens.core.budget import MAX_BATCH, logit_batches, trim_allocator
+from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import Corpus
 from massive_lens.core.criterion import Criterion, massive_mask
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.errors import MassiveLensError
 from massive_lens.lowbit import GRANULARITIES
 from massive_lens.metrics import bootstrap_mean
-from massive_lens.quant.loss import ChunkedLoss
 from massive_lens.quant.result import GROUPS, Quantization
 from massive_lens.quant.rotation import Rotation
 from massive_lens.quant.settings import GRID, Setting
@@ -66,9 +66,8 @@ class _Run:
                  include_head: bool, seed: int) -> None:
         self.view, self.model, self.tokens, self.calib = view, view.model, tokens, calib
         self.include_head, self.seed = include_head, seed
-        self.loss = ChunkedLoss(self.model, self.forward)
-        self.first = self.forward(tokens[:1]).float()  # the rotations' exactness check compares with it
-        self.loss.check(tokens[:1], self.first)
+        self.loss = NextTokenLoss(self.model, self.forward)
+        self.loss.check(tokens)
         losses, flags, sinks = [], [], []
         for chunk in self.batches(tokens):
             hit = torch.zeros(chunk.shape, dtype=torch.bool)
@@ -77,7 +76,7 @@ class _Run:
                 hit.logical_or_(massive_mask(x, criterion).any(-1).cpu())
 
             hooks = [(view.hook_name(layer, "resid_post"), resid) for layer in range(view.n_layers)]
-            losses.append(self.loss.losses(chunk, chunk, hooks=hooks))
+            losses.append(self.loss(chunk, hooks=hooks).loss)
             flags.append(hit)
             sinks.append(sinks_of(view, view.tokenize(chunk)).mask.cpu())
         self.fp = torch.cat(losses)
@@ -87,13 +86,9 @@ class _Run:
         self.exactness: dict[str, float] = {}
 
     def batches(self, tokens: Tensor) -> list[Tensor]:
-        """``tokens`` in passes of up to ``MAX_BATCH`` sequences when the loss is taken slice by
-        slice at the head (no pass holds its logits), else of as many as keep the logits under
-        ``massive_lens.core.budget.LOGITS_SHARE`` of the weights: every pass rotates and quantizes
-        every weight again, so fewer, larger passes are faster."""
-        if self.loss.exact:
-            return list(tokens.split(MAX_BATCH))
-        return logit_batches(self.model, tokens)
+        """``tokens`` in the loss's passes (:meth:`~massive_lens.core.loss.NextTokenLoss.batches`):
+        every pass rotates and quantizes every weight again, so fewer, larger passes are faster."""
+        return self.loss.batches(tokens)
 
     def calib_sinks(self) -> Tensor:
         if self._calib_sinks is None:
@@ -148,9 +143,7 @@ class _Run:
         online = {w: Rotation("hadamard", w, seed=self.seed + 1) for w in sorted(widths)}
         if kind not in self.exactness:  # the rotated model, unquantized, must be the model
             sim = Simulator(sites, Bits(None, None, None), residual, online)
-            with model_lock(self.model), sim.attached():
-                logits = self.forward(self.tokens[:1]).float()
-            err = float((logits - self.first).abs().max() / self.first.abs().max().clamp(min=1e-12))
+            err = self._rotation_error(sim)
             dtype = next(self.model.parameters()).dtype
             if not err <= 10 * EXACT.get(dtype, 2e-3):
                 raise MassiveLensError(
@@ -159,6 +152,28 @@ class _Run:
                     "rotation can be fused into; use rotation=None")
             self.exactness[kind] = err
         return residual, online
+
+    def _rotation_error(self, sim: Simulator) -> float:
+        """The largest logit difference of the rotated, unquantized model from the model on the
+        first sequence, relative to the largest logit; slice by slice at the head when the loss is
+        (the rotated head on the rotated stream, the head on the stream), else on the full logits."""
+        x = self.tokens[:1]
+        with model_lock(self.model):
+            if not self.loss.exact:
+                first = self.forward(x).float()
+                with sim.attached():
+                    return float((self.forward(x).float() - first).abs().max() / first.abs().max().clamp(min=1e-12))
+            plain = self.loss.hidden(x)[0]
+            with sim.attached():
+                rotated = self.loss.hidden(x)[0]
+            diff, top = 0.0, 0.0
+            for a in range(0, len(plain), self.loss.step):
+                b = min(a + self.loss.step, len(plain))
+                with sim.attached():
+                    mine = self.loss.logits(rotated, a, b).float()
+                want = self.loss.logits(plain, a, b).float()
+                diff, top = max(diff, float((mine - want).abs().max())), max(top, float(want.abs().max()))
+        return diff / max(top, 1e-12)
 
     def evaluate(self, setting: Setting, bits: Bits) -> tuple[dict[str, Any], pd.DataFrame]:
         sites = self.sites(setting.rotation is not None, bits.kv is not None)
@@ -171,11 +186,14 @@ class _Run:
                 sim.mode = "calibrate"
                 for x, mask, *_ in self.inputs(self.calib, self.calib_sinks() if keep else None, keep):
                     sim.keep = mask
-                    self.forward(x)
+                    if self.loss.exact and not self.include_head:  # the head is not quantized: stop before it
+                        self.loss.hidden(x)
+                    else:
+                        self.forward(x)
             sim.mode = "run"
             for x, mask, start, chunk, skip in self.inputs(self.tokens, self.sinks, keep):
                 sim.keep = mask
-                losses.append(self.loss.losses(x, chunk, start))
+                losses.append(self.loss(x, chunk, start).loss)
                 starts.append(skip)
                 sim.end_pass()
         per_seq = torch.cat(losses).double()

@@ -1,0 +1,48 @@
+"""The quick report's peak memory on a 262k-vocabulary tiny llama, over its weights (docs/benchmarks.md,
+"Large vocabularies"): peak resident memory while the report ran, less the interpreter and its imports
+before the model was built, over ``weight_bytes``. With ``--warm`` a small tiny llama is built and its
+quick report written first, so lazily imported modules count as libraries.
+
+    python scripts/vocab_report.py [--warm] [--vocab 262144]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from massive_lens import tiny_model
+from massive_lens.core.budget import trim_allocator, weight_bytes
+from massive_lens.report import write_report
+from massive_lens.report.memory import PeakMemory
+
+
+def rss() -> int:
+    """This process's resident bytes now."""
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warm", action="store_true", help="run a small tiny llama's quick report first")
+    parser.add_argument("--vocab", type=int, default=262_144)
+    args = parser.parse_args()
+    if args.warm:
+        with tempfile.TemporaryDirectory() as out:
+            write_report(tiny_model("llama"), quick=True, out_dir=out, progress=False)
+    trim_allocator()
+    libraries = rss()
+    model = tiny_model("llama", vocab_size=args.vocab)
+    with tempfile.TemporaryDirectory() as out, PeakMemory() as peak:
+        write_report(model, quick=True, out_dir=out, progress=False)
+    weights = weight_bytes(model)
+    mb = 2**20
+    print(json.dumps(dict(ratio=round((peak.peak_bytes - libraries) / weights, 3), peak_mb=round(peak.peak_bytes / mb),
+                          libraries_mb=round(libraries / mb), weights_mb=round(weights / mb), warm=args.warm)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The next-token loss at the head, slice by slice (massive_lens.core.loss), against plain
+cross-entropy on the full logits, on several families; the fall-backs to full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import untouched
+
+from massive_lens import perplexity, tiny_model
+from massive_lens.core import loss as loss_module
+from massive_lens.core.loss import NextTokenLoss
+from massive_lens.train.model import MassiveLM, MassiveLMConfig
+
+CASES = [("llama", {}, True), ("gpt2", {}, True), ("qwen2", {}, True), ("gemma3", {}, True),
+         ("gemma3", {"final_logit_softcapping": 30.0}, False)]  # a final soft cap: the full logits
+
+
+def _tokens(model, n=3, pos=40, seed=0):
+    tokens = torch.randint(0, 250, (n, pos), generator=torch.Generator().manual_seed(seed))
+    tokens[:, 0] = model.tokenizer.bos_token_id
+    return tokens
+
+
+def _plain(logits, tokens):
+    """Per-token loss, per-sequence loss and accuracy, argmax: one cross-entropy on the whole logits."""
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")
+    hits = (logits[:, :-1].argmax(-1) == tokens[:, 1:]).float().mean(1)
+    return per_token, per_token.mean(1), hits, logits.argmax(-1)
+
+
+@pytest.mark.parametrize(("family", "overrides", "exact"), CASES,
+                         ids=[f"{c[0]}{'-capped' * bool(c[1])}" for c in CASES])
+def test_chunked_loss_equals_the_full_logits(family, overrides, exact, monkeypatch):
+    model = tiny_model(family, **overrides)
+    tokens = _tokens(model)
+    per_token, loss, acc, top1 = _plain(model(tokens), tokens)
+    monkeypatch.setattr(loss_module, "loss_positions", lambda d_vocab: 7)  # several slices a sequence
+    scorer = NextTokenLoss(model)
+    sizes = []
+    handle = scorer.head.register_forward_hook(lambda m, a, out: sizes.append(out.shape[:-1].numel()))
+    try:
+        with untouched(model):
+            out = scorer(tokens, top1=True, per_token=True)
+    finally:
+        handle.remove()
+    assert scorer.exact is exact
+    torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.token_loss, per_token, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.accuracy, acc)
+    assert torch.equal(out.top1, top1) and out.finite
+    if exact:  # the head only ever saw a slice: the batch's logits were never made (the check's included)
+        assert max(sizes) <= 7
+    else:  # the full pass ran the head on the whole batch
+        assert max(sizes) == tokens.numel()
+
+
+def test_a_wrong_head_is_caught_by_the_check_and_the_full_logits_are_used(monkeypatch):
+    model = tiny_model("llama")
+    tokens = _tokens(model, n=2, pos=24)
+    _, loss, _, _ = _plain(model(tokens), tokens)
+    real = NextTokenLoss.logits
+    monkeypatch.setattr(NextTokenLoss, "logits", lambda self, row, a, b: real(self, row, a, b) * 1.001)
+    scorer = NextTokenLoss(model)
+    assert not scorer.check(tokens)
+    torch.testing.assert_close(scorer(tokens).loss, loss, rtol=1e-5, atol=1e-6)
+    assert not NextTokenLoss(MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))).check(tokens)  # no head
+
+
+def test_hooks_on_the_head_take_the_full_logits_for_that_call():
+    model = tiny_model("gpt2")
+    tokens = _tokens(model, n=2, pos=20)
+    scale = [("unembed.hook_out", lambda x, hook: x * 2.0)]
+    _, want, _, _ = _plain(model.run_with_hooks(tokens, fwd_hooks=scale), tokens)
+    scorer = NextTokenLoss(model)
+    by_name = NextTokenLoss(model, lambda x, hooks: model.run_with_hooks(x, fwd_hooks=list(hooks)))  # filters too
+    with untouched(model):
+        got = scorer(tokens, hooks=scale).loss
+        by_filter = by_name(tokens, hooks=[(lambda name: name == "unembed.hook_out", scale[0][1])]).loss
+    assert scorer.exact and by_name.exact  # the slices are exact; the call's hooks alone sent it to the full logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(by_filter, want, rtol=1e-5, atol=1e-6)
+
+
+def test_perplexity_is_the_same_by_slices_and_from_full_logits(monkeypatch):
+    model = tiny_model("qwen2")
+    tokens = _tokens(model, n=5, pos=33)
+    sliced = perplexity(model, tokens, progress=False)
+    monkeypatch.setattr(loss_module, "output_head", lambda model: None)  # no head: the full logits
+    full = perplexity(model, tokens, progress=False, batch_size=2)
+    torch.testing.assert_close(sliced.per_seq, full.per_seq, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sliced.accuracy_per_seq, full.accuracy_per_seq)
