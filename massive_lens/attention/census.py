@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.sinks import sink_hooks
+from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, key_attention
 from massive_lens.core.model_view import ModelView
@@ -302,6 +303,8 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         kind_seqs += present.sum(0)
         rows += _rows(tally, evidence.mask(), kinds, _token_strings(view, batch), min_layers, seq0)
         seq0 += len(batch.tokens)
+        del tally, evidence, hooks
+        trim_allocator()  # a pass's freed activations do not pile up as resident memory
     frame = pd.DataFrame(rows, columns=COLUMNS)
     return SinkCensus(frame, _by_kind(frame, kind_seqs), _by_layer(frame, view.n_layers), view.name, seq0,
                       view.n_layers, rule, min_layers)
