@@ -186,7 +186,8 @@ class TrainingStability(Result):
             lines.append("  No spikes in any run: this budget says nothing about massive activations and spikes.")
         else:
             growth = self.spikes["act_growth"]
-            lines.append(f"  {len(growth)} spike{'s' * (len(growth) != 1)}; around them the largest |activation| grew {growth.median():.2f}x "
+            lines.append(f"  {len(growth)} spike{'s' * (len(growth) != 1)}; around them the largest |activation| grew "
+                         f"{growth.median():.2f}x "
                          f"(median; range {growth.min():.2f}-{growth.max():.2f})")
         return "\n".join(lines)
 
