@@ -32,13 +32,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.loss import NextTokenLoss, next_token_stats
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import loss_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["Perplexity", "as_hooks", "bootstrap_mean", "next_token_stats", "perplexity"]
+__all__ = ["Perplexity", "as_hooks", "bootstrap_mean", "perplexity"]
 _BOOTSTRAP = 2000
 
 
@@ -150,9 +150,9 @@ def perplexity(
         seq_len: tokens per sequence (BOS included; default 128), for text input.
         n_seqs: sequences evaluated (the first ``n_seqs`` of the corpus; default 32), for
             text input.
-        batch_size: sequences per forward pass (default None: 8 when the loss is taken at the
-            head slice by slice; where that is not exact, as many as keep one pass's logits
-            small against the weights, see :func:`~massive_lens.core.budget.logit_batches`).
+        batch_size: sequences per forward pass (default None: up to 8, as many as keep one
+            pass's logits small against the weights, see
+            :func:`~massive_lens.core.budget.logit_batches`, whether or not the pass holds them).
         hooks: ``(hook_name, function)`` pairs, an
             :class:`~massive_lens.interventions.Intervention`, or any object with
             ``fwd_hooks``; attached during every forward pass (default: none).

@@ -337,8 +337,8 @@ def test_quantize_command(monkeypatch, tmp_path, capsys):
 
 def test_chunked_loss_equals_the_full_logits_and_holds_none(planted_llama, monkeypatch):
     from massive_lens.core import loss as chunked
+    from massive_lens.core.loss import next_token_stats
     from massive_lens.core.model_view import ModelView
-    from massive_lens.metrics import next_token_stats
 
     model, _ = planted_llama
     view = ModelView(model)

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from massive_lens.core.budget import logit_batches, loss_positions, trim_allocator
 from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.errors import MassiveLensError
 
 __all__ = ["NextToken", "NextTokenLoss", "next_token_stats", "output_head"]
 
@@ -232,7 +233,8 @@ class NextTokenLoss:
             return out
         h = self.hidden(x, hooks)
         if h is None:  # the pass ended before the head: nothing to unembed
-            raise RuntimeError(f"{type(self.model).__name__}: the output head never ran")
+            raise MassiveLensError(f"{type(self.model).__name__}: the pass ended before the output head ran, so no "
+                                   "loss can be read; remove the hook that stops it")
         h = h[:, start:]
         targets = targets.to(h.device)
         step = self.step
