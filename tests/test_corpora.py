@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.core.corpora import default_text, iter_texts, token_batches
@@ -42,3 +43,28 @@ def test_bad_corpora(tmp_path):
         list(token_batches(view, None, seq_len=10_000))
     with pytest.raises(MassiveLensError, match="strings"):
         list(iter_texts([1, 2]))
+
+
+@pytest.mark.parametrize("which", ["default", "tiny"])
+def test_prefix_ids_are_the_whole_texts_first_ids(which, default_model):
+    from massive_lens.core.tokens import prefix_ids, text_ids
+
+    tok = (default_model if which == "default" else tiny_model("llama")).tokenizer
+    text = default_text()[:200_000]
+    whole = text_ids(tok, text)
+    for need in (1, 127, 1000, 5_000, 20_011, len(whole) - 3, len(whole) + 10):
+        assert prefix_ids(tok, text, need) == whole[:need], need
+    assert prefix_ids(tok, text, None) == whole
+
+
+def test_a_few_sequences_tokenize_only_a_prefix_of_a_long_text(monkeypatch):
+    import massive_lens.core.tokens as tokens
+
+    seen = []
+    real = tokens.text_ids
+    monkeypatch.setattr(tokens, "text_ids", lambda tok, text: seen.append(len(text)) or real(tok, text))
+    view = ModelView(tiny_model("llama"))
+    got = torch.cat(list(token_batches(view, None, seq_len=64, batch_size=2, max_tokens=64 * 4)))
+    assert got.shape == (4, 64) and max(seen) < len(default_text()) / 50
+    whole = real(view.tokenizer, default_text())[: 4 * 63]
+    assert got[:, 1:].flatten().tolist() == whole

@@ -45,7 +45,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from massive_lens.core.tokens import text_ids
+from massive_lens.core.tokens import prefix_ids
 from massive_lens.errors import MassiveLensError
 
 _PIECE_CHARS = 1 << 20  # characters tokenized at once when streaming a file
@@ -167,7 +167,8 @@ def _text_batches(tok: Any, corpus: Corpus, bos: list[int], seq_len: int, batch_
     rows: list[list[int]] = []
     n_seqs = 0
     for text in iter_texts(corpus):
-        buffer.extend(text_ids(tok, text))
+        need = None if max_seqs is None else (max_seqs - n_seqs) * body - len(buffer)
+        buffer.extend(prefix_ids(tok, text, need))
         while len(buffer) >= body:
             rows.append(bos + buffer[:body])
             del buffer[:body]

@@ -104,6 +104,32 @@ def text_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+PREFIX_SLACK = 64  # tokens tokenized past what is kept, so that a cut mid-word never changes a kept token
+
+
+def prefix_ids(tokenizer: Any, text: str, need: int | None) -> list[int]:
+    """The ids of ``text`` as :func:`text_ids` gives them, but only the first ``need`` when
+    that is enough (all of them for ``need=None``): a prefix of the text is tokenized, twice
+    as long each time until it gives ``need + PREFIX_SLACK`` ids or is the whole text, so a
+    few sequences cut from a long text (the offline default is 465k characters) cost a few
+    thousand characters' tokenization, not the whole text's. The text is only ever cut at its
+    end, whose last tokens (where a word may be split) are dropped: the kept ids are the
+    whole text's (tests/test_corpora.py checks this on the offline tokenizers).
+
+    >>> by_char = lambda text, add_special_tokens: {"input_ids": [ord(c) for c in text]}
+    >>> prefix_ids(by_char, "Hello", 2), prefix_ids(by_char, "Hi", None)
+    ([72, 101], [72, 105])
+    """
+    size = 4 * (need + PREFIX_SLACK) if need is not None else len(text)
+    while size < len(text):
+        ids = text_ids(tokenizer, text[:size])
+        if len(ids) >= need + PREFIX_SLACK:
+            return ids[:need]
+        size *= 2
+    ids = text_ids(tokenizer, text)
+    return ids if need is None else ids[:need]
+
+
 def check_token_ids(
     tokens: Any, vocab: int | None, model_name: str = "the model", extra: Sequence[int] = ()
 ) -> Int[Tensor, "..."]:
