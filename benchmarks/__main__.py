@@ -69,7 +69,7 @@ def _model_rows(name: str, areas: list[str], repeats: int, failed: list[str]) ->
     runs = {"detect": lambda: detect.rows(model, tokens, repeats, memory=os.environ.get("BENCH_MEMORY") != "0"),
             "origin": lambda: origin.rows(model, tokens, repeats),
             "attention": lambda: attention.rows(model, tokens, repeats),
-            "report": lambda: report.rows(name)}
+            "report": lambda: report.rows(name) + report.rows(name, runs=1, pinned=True)}
     rows = []
     for area in areas:
         try:

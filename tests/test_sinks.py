@@ -220,3 +220,20 @@ def test_a_sink_set_keeps_the_result_contract():
     assert isinstance(ax, matplotlib.axes.Axes) and [p.get_height() for p in ax.patches] == [2, 1]
     assert s.to_frame()[["seq", "pos", "token_kind"]].values.tolist() == [[0, 0, "bos"], [0, 2, "delimiter"],
                                                                          [1, 0, "bos"]]
+
+
+@pytest.mark.parametrize("n", [3, 70, 150])
+def test_key_attention_matches_the_banded_mean_it_stands_for(n):
+    from massive_lens.core.criterion import SINK_QUERIES, key_attention
+
+    gen = torch.Generator().manual_seed(n)
+    pattern = torch.rand(2, 3, n, n, generator=gen).tril().to(torch.bfloat16)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, n - n // 3:] = False  # right padding in the second sequence
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None]
+    band = ((q > k) & (q <= k + SINK_QUERIES)).float()[None, None] * valid[:, None, :, None]
+    count = band[:, 0].sum(1)
+    expected = (pattern.float() * band).sum(2) / count.clamp(min=1)[:, None]
+    mass, got_count = key_attention(pattern, valid)
+    torch.testing.assert_close(got_count, count)
+    torch.testing.assert_close(mass, expected, rtol=1e-5, atol=1e-6)

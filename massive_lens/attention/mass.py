@@ -18,6 +18,8 @@ from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
+QUERY_BLOCK = 256  # query rows of a pattern reduced at once
+
 
 @dataclass(frozen=True)
 class SinkAttention(Result):
@@ -94,9 +96,11 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
     rows: list[Tensor] = []
 
     def reduce(pattern: Tensor, hook: Any, layer: int) -> None:
-        p = pattern.float().cpu()
-        sink = torch.einsum("bhqk,bk,bq->h", p, mask.float(), queries) / queries.sum().clamp(min=1)
-        first = first_token_mass(p, batch.mask)
+        on_keys = mask[:, None, :, None].to(pattern.device, torch.float32)
+        # [batch head query]: a query block at a time in float32, never a pattern-sized product
+        on_sinks = torch.cat([block.float() @ on_keys for block in pattern.split(QUERY_BLOCK, dim=2)], 2)[..., 0]
+        sink = torch.einsum("bhq,bq->h", on_sinks, queries.to(on_sinks.device)).cpu() / queries.sum().clamp(min=1)
+        first = first_token_mass(pattern, batch.mask).cpu()
         rows.append(torch.stack([torch.full_like(sink, layer), torch.arange(len(sink)).float(), sink, first], 1))
 
     names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]

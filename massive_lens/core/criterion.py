@@ -272,12 +272,15 @@ def key_attention(
     ([1.0, 0.0, 0.0], [2.0, 1.0, 0.0])
     """
     n = pattern.shape[-1]
-    q, k = torch.arange(n, device=pattern.device)[:, None], torch.arange(n, device=pattern.device)[None]
-    band = ((q > k) & (q <= k + SINK_QUERIES)).to(torch.float32)  # [query key]
     queries = torch.ones(pattern.shape[0], n, device=pattern.device) if valid is None \
         else valid.to(pattern.device, torch.float32)
-    count = torch.einsum("qk,bq->bk", band, queries)
-    mass = torch.einsum("bhqk,qk,bq->bhk", pattern.float(), band, queries) / count.clamp(min=1)[:, None]
+    mass = torch.zeros(*pattern.shape[:2], n, device=pattern.device)
+    count = torch.zeros(pattern.shape[0], n, device=pattern.device)
+    for j in range(1, min(SINK_QUERIES, n - 1) + 1):  # the j-th query after each key: one diagonal, a view
+        w = queries[:, j:]
+        mass[..., :n - j] += pattern.diagonal(-j, -2, -1).float() * w[:, None]
+        count[:, :n - j] += w
+    return mass / count.clamp(min=1)[:, None], count
     return mass, count
 
 
