@@ -1,5 +1,6 @@
-"""Issue 28's speed rows: CPU-time ratios, on one torch thread, of ``trace_origin`` (64 tokens) and of
-``decompose_attention`` (sinks given and found) and ``sink_census`` (128 tokens) to a plain forward pass.
+"""Issue 28's speed rows: CPU-time ratios, on one torch thread, of ``trace_origin`` (64 tokens; every
+massive activation, and one given target) and of ``decompose_attention`` (sinks given and found) and
+``sink_census`` (128 tokens) to a plain forward pass.
 
 ``python scripts/speed_ratios.py default 7`` (the model, then the repeats; ``qwen2.5-coder-1.5b 3``).
 Prints JSON: the median CPU seconds of every case (interleaved, one interpreter) and the ratios.
@@ -31,13 +32,15 @@ def main(name: str, repeats: int) -> dict:
         with torch.no_grad():
             model(t.to(view.input_device))
 
+    target = trace_origin(model, short).targets.iloc[0]  # the given-target case traces the first one found
     cases = {"forward64": lambda: forward(short), "trace_origin": lambda: trace_origin(model, short),
+             "trace_origin given": lambda: trace_origin(model, short, dim=int(target.dim), pos=int(target.pos)),
              "forward128": lambda: forward(tokens),
              "decompose given": lambda: decompose_attention(model, tokens, sinks=[0]),
              "decompose found": lambda: decompose_attention(model, tokens),
              "sink_census": lambda: sink_census(model, tokens)}
     s = median_times(cases, repeats, clock=time.process_time)
-    ratios = {"trace_origin": s["trace_origin"] / s["forward64"],
+    ratios = {**{k: s[k] / s["forward64"] for k in ("trace_origin", "trace_origin given")},
               **{k: s[k] / s["forward128"] for k in ("decompose given", "decompose found", "sink_census")}}
     return {"model": view.name, "repeats": repeats, "cpu_seconds": s, "ratios": ratios}
 
