@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for `benchmarks`
 from benchmarks.harness import median_times
 from massive_lens import load_model, trace_origin
 from massive_lens.attention import decompose_attention, sink_census

@@ -222,7 +222,7 @@ def test_a_sink_set_keeps_the_result_contract():
                                                                          [1, 0, "bos"]]
 
 
-@pytest.mark.parametrize("n", [3, 70, 150])
+@pytest.mark.parametrize("n", [3, 70, 150, 600])
 def test_key_attention_matches_the_banded_mean_it_stands_for(n):
     from massive_lens.core.criterion import SINK_QUERIES, key_attention
 

@@ -44,6 +44,7 @@ from massive_lens.errors import MassiveLensError
 
 SINK_THRESHOLD = 0.3  # Gu et al.: a head is a sink head when > 0.3 of its attention is on the first token
 SINK_QUERIES = 64  # ... averaged over the first 64 query positions (their T)
+KEY_BLOCK = 256  # keys reduced at once by key_attention
 SINK_HEAD_SHARE = 0.3  # a position is a sink when >= 30% of all heads are sink heads for it ...
 SINK_PERSISTENCE = 0.5  # ... or it is massive in >= half the layers from its sequence's first massive layer on
 SINK_MIN_LAYERS = 2  # ... and in at least two layers (one layer is a crossing, not a sink)
@@ -274,12 +275,15 @@ def key_attention(
     n = pattern.shape[-1]
     queries = torch.ones(pattern.shape[0], n, device=pattern.device) if valid is None \
         else valid.to(pattern.device, torch.float32)
-    mass = torch.zeros(*pattern.shape[:2], n, device=pattern.device)
-    count = torch.zeros(pattern.shape[0], n, device=pattern.device)
-    for j in range(1, min(SINK_QUERIES, n - 1) + 1):  # the j-th query after each key: one diagonal, a view
-        w = queries[:, j:]
-        mass[..., :n - j] += pattern.diagonal(-j, -2, -1).float() * w[:, None]
-        count[:, :n - j] += w
+    mass = torch.empty(*pattern.shape[:2], n, device=pattern.device)
+    count = torch.empty(pattern.shape[0], n, device=pattern.device)
+    for k0 in range(0, n, KEY_BLOCK):  # a block of keys and the queries that can see them: never a pattern-sized product
+        k1 = min(k0 + KEY_BLOCK, n)
+        q1 = min(k1 + SINK_QUERIES, n)
+        q, k = torch.arange(k0, q1, device=pattern.device)[:, None], torch.arange(k0, k1, device=pattern.device)[None]
+        band = ((q > k) & (q <= k + SINK_QUERIES)).to(torch.float32)[None] * queries[:, k0:q1, None]  # [batch q k]
+        count[:, k0:k1] = band.sum(1)
+        mass[..., k0:k1] = torch.einsum("bhqk,bqk->bhk", pattern[:, :, k0:q1, k0:k1].float(), band)
     return mass / count.clamp(min=1)[:, None], count
     return mass, count
 
