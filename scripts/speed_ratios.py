@@ -2,7 +2,8 @@
 massive activation, and one given target) and of ``decompose_attention`` (sinks given and found) and
 ``sink_census`` (128 tokens) to a plain forward pass.
 
-``python scripts/speed_ratios.py default 7`` (the model, then the repeats; ``qwen2.5-coder-1.5b 3``).
+``python scripts/speed_ratios.py default 7`` (the model, then the repeats; ``qwen2.5-coder-1.5b 3``; a third
+argument, e.g. ``trace_origin``, times only those comma-separated cases and their baselines).
 Prints JSON: the median CPU seconds of every case (interleaved, one interpreter) and the ratios.
 """
 
@@ -23,7 +24,7 @@ from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
 
 
-def main(name: str, repeats: int) -> dict:
+def main(name: str, repeats: int, only: str | None = None) -> dict:
     torch.set_num_threads(1)  # CPU time is steady on one thread (spinning threads count under load)
     model = load_model(None if name == "default" else name)
     view = ModelView(model)
@@ -41,11 +42,15 @@ def main(name: str, repeats: int) -> dict:
              "decompose given": lambda: decompose_attention(model, tokens, sinks=[0]),
              "decompose found": lambda: decompose_attention(model, tokens),
              "sink_census": lambda: sink_census(model, tokens)}
+    base = {"trace_origin": "forward64", "trace_origin given": "forward64", "decompose given": "forward128",
+            "decompose found": "forward128", "sink_census": "forward128"}
+    if only:  # these cases and their baselines only
+        keep = set(only.split(","))
+        cases = {k: f for k, f in cases.items() if k in keep or k in {base[c] for c in keep if c in base}}
     s = median_times(cases, repeats, clock=time.process_time)
-    ratios = {**{k: s[k] / s["forward64"] for k in ("trace_origin", "trace_origin given")},
-              **{k: s[k] / s["forward128"] for k in ("decompose given", "decompose found", "sink_census")}}
+    ratios = {k: s[k] / s[b] for k, b in base.items() if k in s}
     return {"model": view.name, "repeats": repeats, "cpu_seconds": s, "ratios": ratios}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], int(sys.argv[2])), indent=1))
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None), indent=1))
