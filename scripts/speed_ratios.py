@@ -46,6 +46,8 @@ def main(name: str, repeats: int, only: str | None = None) -> dict:
             "decompose found": "forward128", "sink_census": "forward128"}
     if only:  # these cases and their baselines only
         keep = set(only.split(","))
+        if keep - set(base):
+            raise SystemExit(f"unknown cases {sorted(keep - set(base))}; choose from {sorted(base)}")
         cases = {k: f for k, f in cases.items() if k in keep or k in {base[c] for c in keep if c in base}}
     s = median_times(cases, repeats, clock=time.process_time)
     ratios = {k: s[k] / s[b] for k, b in base.items() if k in s}

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.report import GOAL, PINNED_ALLOCATOR
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (VmHWM)")
 
 MEASURE = """
@@ -52,8 +54,6 @@ def test_the_quick_report_on_a_262k_vocabulary_stays_within_1_5x_its_weights():
     sequences need, every loss at the head a few positions at a time), with glibc's mmap threshold
     pinned as the report's memory test does (benchmarks/report.py) so that the peak is what the
     analyses hold: measured 1.29x; the whole default text tokenized at once read 2.19x."""
-    from benchmarks.report import GOAL, PINNED_ALLOCATOR
-
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "scripts/vocab_report.py", "--warm"], capture_output=True, text=True,
                          check=True, cwd=root, env={**os.environ, **PINNED_ALLOCATOR})

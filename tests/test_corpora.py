@@ -3,9 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import massive_lens.core.tokens as tokens
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.core.corpora import default_text, iter_texts, token_batches
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import prefix_ids, text_ids
 
 
 def test_default_text_is_offline_prose():
@@ -47,8 +49,6 @@ def test_bad_corpora(tmp_path):
 
 @pytest.mark.parametrize("which", ["default", "tiny"])
 def test_prefix_ids_are_the_whole_texts_first_ids(which, default_model):
-    from massive_lens.core.tokens import prefix_ids, text_ids
-
     tok = (default_model if which == "default" else tiny_model("llama")).tokenizer
     text = default_text()[:200_000]
     whole = text_ids(tok, text)
@@ -58,8 +58,6 @@ def test_prefix_ids_are_the_whole_texts_first_ids(which, default_model):
 
 
 def test_a_few_sequences_tokenize_only_a_prefix_of_a_long_text(monkeypatch):
-    import massive_lens.core.tokens as tokens
-
     seen = []
     real = tokens.text_ids
     monkeypatch.setattr(tokens, "text_ids", lambda tok, text: seen.append(len(text)) or real(tok, text))

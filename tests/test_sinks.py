@@ -15,7 +15,7 @@ from planting import BRIEF_DIM, SINK_DIM, TEXT, WORD, bos_tokens, plant_brief
 from massive_lens import MassiveLensError, decompose_attention, find_massive, sink_attention, tiny_model
 from massive_lens.attention import find_sinks
 from massive_lens.attention.sinks import SinkSet
-from massive_lens.core.criterion import SINK_MIN_QUERIES, SinkEvidence, SinkRule
+from massive_lens.core.criterion import SINK_MIN_QUERIES, SINK_QUERIES, SinkEvidence, SinkRule, key_attention
 from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.interventions import (
     bias_surgery,
@@ -224,8 +224,6 @@ def test_a_sink_set_keeps_the_result_contract():
 
 @pytest.mark.parametrize("n", [3, 70, 150, 600])
 def test_key_attention_matches_the_banded_mean_it_stands_for(n):
-    from massive_lens.core.criterion import SINK_QUERIES, key_attention
-
     gen = torch.Generator().manual_seed(n)
     pattern = torch.rand(2, 3, n, n, generator=gen).tril().to(torch.bfloat16)
     valid = torch.ones(2, n, dtype=torch.bool)

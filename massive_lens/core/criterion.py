@@ -285,7 +285,6 @@ def key_attention(
         count[:, k0:k1] = band.sum(1)
         mass[..., k0:k1] = (pattern[:, :, k0:q1, k0:k1].float() * band[:, None]).sum(2)  # 20x faster than einsum
     return mass / count.clamp(min=1)[:, None], count
-    return mass, count
 
 
 class SinkEvidence:
