@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import WIKITEXT_TEST, WIKITEXT_VALID, untouched
+from helpers import WIKITEXT_TEST, WIKITEXT_VALID, needs_wikitext, untouched
 
 from massive_lens import MassiveLensError, perplexity, run_interventions, tiny_model
 from massive_lens.core import budget
@@ -87,6 +87,7 @@ def test_unknown_setting():
 
 
 @pytest.mark.slow
+@needs_wikitext
 def test_default_model_table3_relations(default_model):
     """WikiText-2 test, calibrated on valid: zero destroys, mean and control keep perplexity."""
     with untouched(default_model):

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 import transformers as tf
-from helpers import WIKITEXT_TEST, WIKITEXT_VALID, tiny_lm, untouched
+from helpers import WIKITEXT_TEST, WIKITEXT_VALID, needs_wikitext, tiny_lm, untouched
 
 from massive_lens import (
     MassiveLensError,
@@ -185,6 +185,7 @@ def test_alias_hooks_are_read_only_where_computed():
 
 @tl3
 @pytest.mark.slow
+@needs_wikitext
 def test_default_model_hooked_gives_the_bridges_numbers(default_model):
     """The issue's check: find_massive, the trace_origin ledger, decompose_attention and a small
     Table 3 on the default model as a HookedTransformer equal the bridge's to 1e-4 (relative)."""

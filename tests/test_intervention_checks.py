@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import WIKITEXT_TEST, WIKITEXT_VALID, untouched
+from helpers import WIKITEXT_TEST, WIKITEXT_VALID, needs_wikitext, untouched
 from planting import REBUILD_LAYER, SINK_DIM, TEXT, VALUE, bos_tokens, plant_rebuild, plant_sink
 
 from massive_lens import MassiveLensError, decompose_attention, tiny_model
@@ -291,6 +291,7 @@ def test_gemma_decomposition_is_exact_before_the_norm(gemma):
 
 
 @pytest.mark.slow
+@needs_wikitext
 def test_default_model_table_reports_sinks_and_checks(default_model):
     """A small Table 3 (under a minute): the sinks are named, the zero row's target is gone at its
     peak layer or the row is flagged (and the every row added), and removing sink attention

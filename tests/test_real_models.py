@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from helpers import WIKITEXT_TEST, WIKITEXT_VALID
+from helpers import WIKITEXT_TEST, WIKITEXT_VALID, needs_wikitext
 
 from massive_lens import (
     calibrate,
@@ -62,6 +62,7 @@ def test_named_by_name_not_path(real_model):
     assert find_offline(name) is not None  # the readable name loads the same offline model
 
 
+@needs_wikitext
 def test_massive_at_the_first_token(real_model, found):
     rows = found.by_dim()
     assert not rows.empty, "every real model here carries massive activations"
@@ -89,6 +90,7 @@ def test_found_values_match_plain_transformers(real_model, found):
         assert row.value == pytest.approx(float(hidden[row.layer + 1][0, row.pos, row.dim]), rel=1e-3)
 
 
+@needs_wikitext
 def test_the_reports_first_screen_names_the_headline(real_model, found):
     """Issue 26's first screen on each real model: the report's massive-activation section names
     the headline activation (the largest token-specific value), its layer and its value; the
@@ -175,6 +177,7 @@ def test_decomposition_reconstructs_with_the_first_token_as_sink(real_model):
     assert result.sink_mask[:, 0].all()
 
 
+@needs_wikitext
 def test_zero_ablation_destroys_and_mean_ablation_keeps(real_model):
     """WikiText-2 test, calibrated on valid (other text): zeroing the massive activations
     multiplies perplexity; setting them to their calibration means barely moves it."""
