@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 import transformers as tf
-from helpers import untouched
+from helpers import needs_wikitext, untouched
 from planting import BIRTH, SINK_DIM, TEXT, plant_sink
 
 from massive_lens import find_massive, layer_profile, load, tiny_model
@@ -164,6 +164,7 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
 
 
 @pytest.mark.slow
+@needs_wikitext  # retrofit's default training and evaluation text
 def test_default_model_few_steps(default_model, tmp_path):
     with untouched(default_model):
         result = retrofit(default_model, ["softmax-removed", "softmax1-removed"], steps=2, batch_size=2,
