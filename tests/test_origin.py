@@ -170,10 +170,12 @@ def test_restored_after_failures(monkeypatch):
         trace_origin(model, TEXT, dim=DIM, pos=0, verify=True, prepend_bos=True)
 
 
-def test_an_activation_changed_in_place_after_its_hook_is_captured_as_it_was(monkeypatch):
+@pytest.mark.parametrize("scoped", [False, True])
+def test_an_activation_changed_in_place_after_its_hook_is_captured_as_it_was(monkeypatch, scoped):
     """The capture keeps activations without copying them; one that the model changes in place
     later in the pass (its version counter moves) makes the pass run again with copies, so the
-    capture holds the value the hook saw."""
+    capture holds the value the hook saw. Scoped (tracing every massive entry, the neuron-level
+    activations kept at candidate positions): the change is seen when the layer is settled."""
     import massive_lens.origin.capture as capture_module
     from massive_lens.core.criterion import Criterion
     from massive_lens.core.model_view import ModelView
@@ -184,16 +186,56 @@ def test_an_activation_changed_in_place_after_its_hook_is_captured_as_it_was(mon
     seen = view.activation(batch, "blocks.0.mlp.hook_pre")[0]  # the gate pre-activation, copied at its hook
     real, copies = capture_module.capture, []
     monkeypatch.setattr(capture_module, "capture", lambda *a, **k: copies.append(k.get("copy", False)) or real(*a, **k))
+    if scoped:  # positions 0 and 2 are the candidates, so layer 0 keeps those two rows
+        two = torch.tensor([0, 2])
+        monkeypatch.setattr(capture_module, "candidates",
+                            lambda mag, scale, loose: torch.isin(torch.arange(mag.shape[1]), two)[None])
     every = torch.arange(batch.tokens.shape[1])
-    assert torch.equal(real(view, batch, every, Criterion()).at("pre", 0), seen) and copies == []  # views
+    criterion = Criterion() if scoped else None
+
+    def pre(cap):
+        return torch.stack([cap.row("pre", 0, i) for i in range(len(every)) if cap.covers(0, i)])
+
+    kept = torch.tensor([0, 2]) if scoped else every
+    assert torch.equal(pre(real(view, batch, every, criterion)), seen[kept]) and copies == []  # no second pass
     act_fn = model.original_model.model.layers[0].mlp.act_fn
     handle = act_fn.register_forward_pre_hook(lambda module, args: args[0].add_(1.0))  # after hook_pre fired
     try:
-        cap = real(view, batch, every, Criterion())
+        cap = real(view, batch, every, criterion)
     finally:
         handle.remove()
     assert copies == [True]  # the second pass, with copies
-    assert torch.equal(cap.at("pre", 0), seen)
+    assert torch.equal(pre(cap), seen[kept])
+
+
+def _frames(trace) -> dict:
+    return {k: getattr(trace, k) for k in ("targets", "ledger", "events", "neurons", "super_weights", "why", "heads",
+                                           "attribution")}
+
+
+@pytest.mark.parametrize("candidates", ["none", "all"])
+def test_tracing_everything_keeps_neurons_at_candidates_and_refills_the_rest(monkeypatch, candidates):
+    """Tracing every massive entry keeps the neuron-level activations only at candidate positions;
+    with no candidate at all a second pass (sliced at the traced positions) reads them, and with
+    every position a candidate nothing is scoped: the trace is the same either way, on the
+    default model (position 0 becomes a candidate at an early layer there)."""
+    import massive_lens.origin.capture as capture_module
+    from massive_lens import load_model
+
+    model = load_model()
+    scoped = trace_origin(model, REAL_TEXT)
+    passes = []
+    real = capture_module.capture
+    monkeypatch.setattr(capture_module, "capture", lambda *a, **k: passes.append(len(a[2])) or real(*a, **k))
+    monkeypatch.setattr(capture_module, "candidates", lambda mag, scale, loose: torch.full(
+        mag.shape[:2], candidates == "all"))
+    with untouched(model):
+        other = trace_origin(model, REAL_TEXT)
+    births = scoped.events[scoped.events.component == "mlp"]
+    assert passes == ([len(set(births.pos))] if candidates == "none" else [])  # the refill, sliced there
+    assert len(scoped.neurons) and len(scoped.why)
+    for key, frame in _frames(scoped).items():
+        assert frame.equals(_frames(other)[key]), key
 
 
 # --------------------------------------------------------------------------- the real default model

@@ -8,6 +8,7 @@ statistics over batches, so a corpus scan's memory does not grow with the corpus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -23,8 +24,9 @@ class ResidualReducer:
     """Hook functions that reduce each residual activation as soon as it is computed."""
 
     def __init__(self, batch: Batch, criterion: Criterion, k: int = 1, entries: bool = False,
-                 kinds: Tensor | None = None):
+                 kinds: Tensor | None = None, on_layer: Callable[[int, Tensor, Tensor], None] | None = None):
         self.batch, self.criterion, self.k = batch, criterion, k
+        self.on_layer = on_layer  # called with (layer, |resid|, its median scale) once the layer is reduced
         self.want_entries = entries
         self.kinds = kinds  # [batch pos] token kind ids, for per-kind counts
         self.top: dict[int, Tensor] = {}  # layer -> [batch k]
@@ -70,6 +72,8 @@ class ResidualReducer:
         if self.kinds is not None:
             token = massive & ~outlier[:, None, :]
             self.kind_hits[layer] = kind_hits(token, self.kinds.to(resid.device)).cpu()
+        if self.on_layer is not None:
+            self.on_layer(layer, mag, scale)
 
     def first_nonfinite(self) -> int | None:
         """The first layer whose residual holds NaN or inf at a real position (the largest

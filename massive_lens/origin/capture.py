@@ -30,6 +30,15 @@ never a full cache. Which hook holds what is read from the model's own hooks and
 
 A hook that fires with the positions flattened (``[batch * pos, ...]``, as in OPT's MLP) is
 reshaped back.
+
+Tracing every massive entry of a text, the pass cannot know which positions it traces until
+the last layer, yet only those need the MLP's neuron-level activations (``d_mlp`` wide, the
+bulk of what a pass would keep). So each layer keeps them only at its *candidates*: positions
+where a token-specific entry passes a criterion ten times looser (:data:`CANDIDATE_LOOSE`) at
+this layer or an earlier one, decided when the layer's ``hook_resid_post`` fires
+(:attr:`Capture.kept`). An MLP event at a position a layer did not keep is read by
+:func:`refill`, a second pass sliced at the traced positions; the residual-stream terms are
+always kept at every position.
 """
 
 from __future__ import annotations
@@ -38,10 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from massive_lens.core.criterion import Criterion
+from massive_lens.core.criterion import Criterion, token_specific
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ResidualReducer
 from massive_lens.core.tokens import Batch
@@ -49,6 +58,8 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.origin.experts import Experts, find_experts, record
 
 _EMBED_TOL = 1e-5  # relative: embed (+ pos_embed) vs resid_pre of block 0
+SCOPED = ("post", "pre", "up", "norm_in", "norm_out", "scale")  # kept at each layer's candidate positions only
+CANDIDATE_LOOSE = 0.1  # a candidate passes the criterion with both thresholds scaled by this
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     _where: dict[int, int] | None = field(default=None, repr=False)  # position -> index, see index()
     norms: dict[int, tuple[Tensor, Tensor, bool]] = field(default_factory=dict, repr=False)  # layer -> norm_affine
+    kept: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> indices SCOPED keys hold (else all)
 
     def index(self, pos: int) -> int:
         if self._where is None:  # built once: analyses ask for the same few positions hundreds of times
@@ -90,10 +102,28 @@ class Capture:
         return self._where[int(pos)]
 
     def at(self, key: str, layer: int) -> Tensor | None:
-        """``[pos, _]`` of a per-block key (neuron keys: None for a block without them)."""
+        """``[pos, _]`` of a per-block key (neuron keys: None for a block without them; a
+        :data:`SCOPED` key holds only the rows of :attr:`kept`, so read it with :meth:`row`)."""
         if key in self.layers:
             return self.layers[key][layer]
         return self.neuron_data.get(layer, {}).get(key)
+
+    def covers(self, layer: int, index: int) -> bool:
+        """Whether layer ``layer``'s :data:`SCOPED` keys hold capture index ``index``."""
+        rows = self.kept.get(layer)
+        return rows is None or bool((rows == index).any())
+
+    def row(self, key: str, layer: int, index: int) -> Tensor | None:
+        """Capture index ``index`` of a per-block key (None for a block without the key)."""
+        data = self.at(key, layer)
+        rows = self.kept.get(layer) if key in SCOPED else None
+        if data is None or rows is None:
+            return None if data is None else data[index]
+        where = (rows == index).nonzero()
+        if not len(where):
+            raise MassiveLensError(f"internal: layer {layer}'s {key} was not kept at capture index {index}; "
+                                   "refill() reads it (please report this)")
+        return data[int(where[0])]
 
 
 def _has(view: ModelView, name: str) -> bool:
@@ -200,6 +230,27 @@ def capture(
     every = len(positions) == seq and bool((positions.cpu() == torch.arange(seq)).all())  # no gather needed
     keep_views = every and n_batch == 1 and not copy
     versions: dict[tuple[str, int], int] = {}
+    scoped = every and criterion is not None  # trace every massive entry: SCOPED keys at candidates only
+    loose = loosened(criterion) if scoped else None
+    candidate = torch.zeros(seq, dtype=torch.bool)
+    kept: dict[int, Tensor] = {}
+    stale: list[bool] = []  # a kept activation changed in place before its layer was settled
+
+    def settle(layer: int, mag: Tensor, scale: Tensor) -> None:
+        """Keep layer ``layer``'s SCOPED activations at the candidates so far (all while they are many)."""
+        candidate.logical_or_(candidates(mag, scale, loose)[0].cpu())
+        if 2 * int(candidate.sum()) > seq:
+            return
+        rows = candidate.nonzero()[:, 0]
+        for key in SCOPED:
+            part = store.get((key, layer))
+            if part is None:
+                continue
+            version = versions.pop((key, layer), None)
+            if version is not None and part._version != version:
+                stale.append(True)
+            store[key, layer] = part[rows.to(part.device)].to("cpu", torch.float32)  # a copy: the view is dropped
+        kept[layer] = rows
 
     def grab(key: str, layer: int):
         def hook(act: Tensor, hook: Any) -> None:
@@ -234,7 +285,7 @@ def capture(
         hooks += [(name, grab(key, plan.layer)) for key, name in plan.hooks.items()]
     reducer = None
     if criterion is not None:
-        reducer = ResidualReducer(batch, criterion, entries=True)
+        reducer = ResidualReducer(batch, criterion, entries=True, on_layer=settle if scoped else None)
         hooks += [(view.hook_name(layer, "resid_post"), reducer.hook(layer)) for layer in range(view.n_layers)]
     last = view.hook_name(view.n_layers - 1, "resid_post")
     moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in plans if p.experts is not None}
@@ -252,7 +303,7 @@ def capture(
         first = next((key for key in ("resid_pre", "attn", "resid_mid", "mlp") if (key, bad) in filled
                       and not bool(torch.isfinite(layered[key][bad]).all())), "resid_post")
         raise view.overflow_error(plans[bad].hooks.get(first, plans[bad].hooks["resid_post"]))
-    if any(store[key]._version != version for key, version in versions.items()):
+    if stale or any(store[key]._version != version for key, version in versions.items()):
         return capture(view, batch, positions, criterion, copy=True)  # changed in place after its hook
     notes: list[str] = []
     layers = {}
@@ -285,7 +336,46 @@ def capture(
                      "neuron rows, super weights or why-this-token attribution")
     gated = any(p.gated for p in plans)
     return Capture(positions.cpu(), embed, pos_embed, resid0, layers, is_post_norm(view), gated, reducer,
-                   plans, neuron_data, notes)
+                   plans, neuron_data, notes, kept=kept)
+
+
+def loosened(criterion: Criterion) -> Criterion | None:
+    """``criterion`` with both thresholds scaled by :data:`CANDIDATE_LOOSE`, counting token-specific
+    entries only (None where that is not a criterion: every position is then a candidate)."""
+    try:
+        return Criterion(criterion.abs_threshold * CANDIDATE_LOOSE,
+                         max(1.0, criterion.ratio_threshold * CANDIDATE_LOOSE), criterion.median_over, "exclude")
+    except MassiveLensError:  # both thresholds at their minimum
+        return None
+
+
+def candidates(mag: Float[Tensor, "batch pos d_model"], scale: Tensor, loose: Criterion | None
+               ) -> Bool[Tensor, "batch pos"]:
+    """Positions with a token-specific entry under ``loose`` (:func:`loosened`), given ``|resid|``
+    and its median scale (:func:`~massive_lens.core.criterion.median_scale`): where a massive
+    activation may be growing.
+
+    >>> x = torch.ones(1, 8, 4); x[0, 0, 1] = 200.0  # 200x its median: a candidate, not massive
+    >>> candidates(x, torch.ones(1, 1, 1), loosened(Criterion())).tolist()
+    [[True, False, False, False, False, False, False, False]]
+    """
+    if loose is None:
+        return torch.ones(mag.shape[:2], dtype=torch.bool, device=mag.device)
+    return token_specific(loose.passes(mag, scale)).any(-1)
+
+
+def refill(view: ModelView, batch: Batch, cap: Capture, needed: list[tuple[int, int]]) -> None:
+    """Make sure every ``(layer, pos)`` in ``needed`` has its :data:`SCOPED` activations: where a
+    layer did not keep one (it was not a candidate yet), one more pass sliced at all the needed
+    positions reads them for every layer."""
+    if all(cap.covers(layer, cap.index(pos)) for layer, pos in needed):
+        return
+    positions = sorted({int(pos) for _, pos in needed})
+    extra = capture(view, batch, torch.tensor(positions), None)
+    index = torch.tensor([cap.index(p) for p in positions])
+    for layer, data in extra.neuron_data.items():
+        cap.neuron_data.setdefault(layer, {}).update({k: v for k, v in data.items() if k in SCOPED})
+        cap.kept[layer] = index
 
 
 def pattern_summary(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query head 2"]:
@@ -307,50 +397,3 @@ def _neuron_data(plan: BlockPlan, store: dict[tuple[str, int], Tensor]) -> dict[
                           for k in ("post", "pre", *(("up",) if plan.gated else ()))):
         return {k: v for k, v in data.items() if k not in ("post", "pre", "up")}  # hooks not per neuron
     return data
-
-
-def post_norm_factor(cap: Capture, layer: int, index: int, dim: int) -> float:
-    """``ln2_post`` output / input at one entry: the post-norm linearised at its measured scale."""
-    raw = float(cap.at("mlp_raw", layer)[index, dim])
-    return 0.0 if raw == 0.0 else float(cap.layers["mlp"][layer, index, dim]) / raw
-
-
-def norm_scale(cap: Capture, layer: int, index: int, weight: Tensor, bias: Tensor, centred: bool) -> float:
-    """The divisor of the MLP's input norm at one position: ``hook_scale`` where it fired, else
-    solved (least squares) from the norm's input and output, ``out - b = (x - mean) * w / scale``."""
-    scale = cap.at("scale", layer)
-    if scale is not None:
-        return float(scale[index])
-    x, y = cap.at("norm_in", layer)[index], cap.at("norm_out", layer)
-    if y is None:
-        return 1.0  # no pre-MLP norm: the MLP reads the residual as it is
-    x = x - x.mean() if centred else x
-    a, r = x * weight, y[index] - bias
-    return float(a.pow(2).sum() / (a * r).sum())
-
-
-def norm_affine(module: Any, d_model: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, bool]:
-    """Effective elementwise weight and bias of a (RMS or Layer) norm, and whether it centres.
-
-    Probes the module with a zero-mean, unit-RMS vector ``v`` and ``-v`` (for which both
-    normalisations are the identity up to eps): ``f(v) = v * w + b``. Works for Gemma's
-    ``(1 + weight)`` convention without knowing it. ``module=None`` (no norm): the identity.
-    """
-    if module is None:
-        return torch.ones(d_model), torch.zeros(d_model), False
-    module = getattr(module, "_original_component", module)
-    device = next(iter(module.parameters()), torch.empty(0)).device
-    v = torch.ones(d_model, dtype=torch.float32)
-    v[1::2] = -1.0
-    if d_model % 2:
-        v[-1] = 0.0
-    probes = torch.stack([v, -v, v + 1.0, v.roll(1), -v.roll(1)])
-    with torch.no_grad():
-        out = module(probes[None].to(device=device, dtype=dtype))[0].float().cpu()
-    rms = v.pow(2).mean().sqrt()
-    weight = (out[0] - out[1]) / 2 / (v / rms).where(v != 0, torch.ones(()))
-    if d_model % 2:
-        weight[-1] = float((out[3] - out[4])[-1] / 2 / (v.roll(1)[-1] / rms))
-    bias = (out[0] + out[1]) / 2
-    centred = bool(torch.allclose(out[2], out[0], rtol=1e-3, atol=1e-5))
-    return weight, bias, centred

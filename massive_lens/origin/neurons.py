@@ -18,8 +18,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
-from massive_lens.origin.capture import Capture, block_plan, norm_affine, norm_scale, post_norm_factor
+from massive_lens.origin.capture import Capture, block_plan
 from massive_lens.origin.experts import SHARED, UnitTerms, input_columns, unit_terms
+from massive_lens.origin.norms import norm_affine, norm_scale, post_norm_factor
 
 NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "expert", "neuron", "contribution", "share", "named", "post", "pre",
                   "up", "w_out", "route"]
@@ -50,7 +51,7 @@ def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int
         return []
     factor = post_norm_factor(cap, layer, i, dim) if plan.post_norm else 1.0
     weights = w_out(view, layer)[:, dim].detach().float().cpu()
-    post = cap.at("post", layer)[i]
+    post = cap.row("post", layer, i)
     contrib = post * weights * factor
     total = float(event["contribution"])
     b_out = getattr(view.block(layer).mlp, "b_out", None)
@@ -60,8 +61,8 @@ def neuron_rows(view: ModelView, cap: Capture, event: dict[str, Any], top_k: int
                          f"to its term {total:.4g} at pos {pos}, dim {dim}: its hooks are not post @ W_out; no "
                          "neuron rows for it")
         return []
-    up = cap.at("up", layer)[i] if plan.gated else torch.full_like(post, math.nan)
-    units = UnitTerms(torch.full((len(post),), -1), torch.arange(len(post)), contrib, post, cap.at("pre", layer)[i],
+    up = cap.row("up", layer, i) if plan.gated else torch.full_like(post, math.nan)
+    units = UnitTerms(torch.full((len(post),), -1), torch.arange(len(post)), contrib, post, cap.row("pre", layer, i),
                       up, weights, torch.ones(len(post)), bias)
     return _top_rows(event, units, top_k)
 
@@ -218,7 +219,7 @@ def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequ
         cap.norms[layer] = norm_affine(norm, view.d_model, view.dtype)
     weight, bias, centred = cap.norms[layer]
     sources = _sources(cap, layer, i)
-    total, measured = torch.stack([v for _, _, v in sources]).sum(0), cap.at("norm_in", layer)[i]
+    total, measured = torch.stack([v for _, _, v in sources]).sum(0), cap.row("norm_in", layer, i)
     miss = float((total - measured).abs().max() / measured.abs().max().clamp(min=1e-12))
     if miss > CHECK_TOL:
         cap.notes.append(f"warning: the components upstream of MLP {layer} miss its input by {miss:.1e} (relative) "
@@ -272,5 +273,5 @@ def _input_columns(view: ModelView, cap: Capture, layer: int, i: int,
     for label, matrix, b_in, key in inputs:
         cols = matrix.detach().float().cpu()[:, list(neurons)]
         b = b_in.detach().float().cpu()[list(neurons)] if isinstance(b_in, Tensor) else torch.zeros(len(neurons))
-        out.append((label, cols, b, cap.at(key, layer)[i, list(neurons)]))
+        out.append((label, cols, b, cap.row(key, layer, i)[list(neurons)]))
     return out

@@ -51,7 +51,7 @@ from massive_lens.detect.find import chosen_layers, find_in_batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
 from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_rows
-from massive_lens.origin.capture import Capture, capture, d_mlp
+from massive_lens.origin.capture import Capture, capture, d_mlp, refill
 from massive_lens.origin.heads import HEAD_COLUMNS, head_rows
 from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
 from massive_lens.origin.story import birth_key, story, together
@@ -215,6 +215,7 @@ def trace_origin(
     targets, scope_note = _targets(view, batch, cap, dim, pos, tokens, criterion)
     ledger, found_events = _ledger(cap, targets, tokens, criterion)
     error = reconstruction_error(ledger)
+    refill(view, batch, cap, [(e.layer, e.pos) for e in found_events.itertuples() if e.component == "mlp"])
     neurons, births, supers, why = _neurons(view, cap, found_events, top_neurons)
     verified, verify_note = _bounded(targets, dim is None and pos is None) if verify else ([], "")
     if verified:
