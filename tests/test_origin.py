@@ -208,6 +208,19 @@ def test_an_activation_changed_in_place_after_its_hook_is_captured_as_it_was(mon
     assert torch.equal(pre(cap), seen[kept])
 
 
+def test_entry_ranks_match_counting_every_entry():
+    """Super weights' ranks: the sorted tail (large values) and the full count (small ones) both
+    give one plus the number of entries of larger magnitude, ties included."""
+    from massive_lens.origin.neurons import EntryRanks
+
+    m = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    m[3, 4], m[:10, 0] = 40.0, -2.5  # an outlier, and ties
+    ranks, flat = EntryRanks(m), m.abs().flatten()
+    values = [40.0, -40.0, 2.5, 3.0, 0.0, -0.01, 1.7, 100.0, *m.flatten()[::997].tolist()]
+    assert [ranks.rank(v) for v in values] == [int((flat > abs(v)).sum()) + 1 for v in values]
+    assert 0 < len(ranks.tail) < flat.numel() // 20 and any(abs(v) < ranks.floor for v in values)  # both ways
+
+
 def _frames(trace) -> dict:
     return {k: getattr(trace, k) for k in ("targets", "ledger", "events", "neurons", "super_weights", "why", "heads",
                                            "attribution")}

@@ -121,19 +121,29 @@ def named(neurons: pd.DataFrame | list[dict[str, Any]], event: dict[str, Any], *
     return [(int(r["expert"]), int(r["neuron"])) for r in rows] if experts else []
 
 
-def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
+def hf_param(model: Any, layer: int, weight: Tensor, params: dict[int, list[tuple[str, Any]]] | None = None
+             ) -> tuple[str, bool]:
     """Name of the Hugging Face parameter behind ``W_out`` and whether it is stored transposed
-    (``down_proj.weight[dim, neuron]``), found by shared storage; TL naming otherwise."""
-    original = getattr(model, "original_model", None)
-    if original is not None:
-        for name, param in original.named_parameters():
-            if param.data_ptr() == weight.data_ptr() and param.numel() == weight.numel():
-                return name.replace("._original_component", ""), tuple(param.shape) != tuple(weight.shape)
+    (``down_proj.weight[dim, neuron]``), found by shared storage; TL naming otherwise.
+    ``params`` (from :func:`hf_params`) saves walking the model again."""
+    params = hf_params(model) if params is None else params
+    for name, param in params.get(weight.data_ptr(), []):
+        if param.numel() == weight.numel():
+            return name, tuple(param.shape) != tuple(weight.shape)
     return f"blocks.{layer}.mlp.W_out", False
 
 
+def hf_params(model: Any) -> dict[int, list[tuple[str, Any]]]:
+    """The Hugging Face model's parameters (behind a bridge) by storage address, in their order."""
+    out: dict[int, list[tuple[str, Any]]] = {}
+    original = getattr(model, "original_model", None)
+    for name, param in original.named_parameters() if original is not None else ():
+        out.setdefault(param.data_ptr(), []).append((name.replace("._original_component", ""), param))
+    return out
+
+
 def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit],
-                      seen: dict[int, Any] | None = None) -> list[dict[str, Any]]:
+                      seen: dict[int | str, Any] | None = None) -> list[dict[str, Any]]:
     """``W_out[neuron, dim]`` of each named neuron (an expert's down weight, by expert), with
     its z-score and rank among the matrix's entries and its Hugging Face name and index.
     ``seen`` (a dict kept by the caller for one trace) holds each layer's matrix statistics, so
@@ -147,16 +157,44 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
     if layer not in seen:
         mags = weight.detach().float()
         mags = mags.T if mags.T.is_contiguous() else mags.contiguous()  # the stored order: no copy
-        seen[layer] = (*hf_param(view.model, layer, weight), *_mean_std(mags), mags.abs().flatten().cpu().numpy())
-    name, transposed, mean, std, mags = seen[layer]
+        if "params" not in seen:
+            seen["params"] = hf_params(view.model)
+        seen[layer] = (*hf_param(view.model, layer, weight, seen["params"]), *_mean_std(mags), EntryRanks(mags))
+    name, transposed, mean, std, ranks = seen[layer]
     rows = []
     for n in neurons:
         value = float(weight[n, dim].detach())
         row, col = (dim, n) if transposed else (n, dim)
         rows.append(dict(pos=pos, dim=dim, layer=layer, expert=-1, neuron=n, value=value, zscore=(value - mean) / std,
-                         rank=int(np.count_nonzero(mags > abs(value))) + 1, n_entries=len(mags),
-                         hf_param=name, hf_row=row, hf_col=col))
+                         rank=ranks.rank(value), n_entries=len(ranks.mags), hf_param=name, hf_row=row, hf_col=col))
     return rows
+
+
+class EntryRanks:
+    """Ranks by magnitude among a matrix's entries: ``rank(v)`` is one plus the number of
+    entries with ``|entry| > |v|``. The largest ``TAIL`` share of magnitudes is kept sorted (one
+    pass and a small sort), so a large value, as a super weight is, costs a binary search; a
+    value below them costs one pass over the matrix. Exact either way.
+
+    >>> ranks = EntryRanks(torch.tensor([[3.0, -1.0], [0.5, -7.0]]))
+    >>> ranks.rank(-7.0), ranks.rank(1.0), ranks.rank(0.1)
+    (1, 3, 5)
+    """
+
+    TAIL = 0.01
+    SAMPLE = 20_000  # magnitudes read to place the tail's floor
+
+    def __init__(self, matrix: Tensor):
+        self.mags = matrix.detach().float().abs().flatten().cpu().numpy()
+        sample = self.mags[:: max(1, len(self.mags) // self.SAMPLE)]
+        self.floor = float(np.quantile(sample, 1 - self.TAIL)) if len(sample) else math.inf
+        self.tail = np.sort(self.mags[self.mags > self.floor])  # every magnitude above the floor
+
+    def rank(self, value: float) -> int:
+        v = abs(value)
+        if v >= self.floor:  # every entry larger than v is in the tail
+            return len(self.tail) - int(np.searchsorted(self.tail, v, side="right")) + 1
+        return int(np.count_nonzero(self.mags > v)) + 1
 
 
 def _mean_std(matrix: Tensor) -> tuple[float, float]:
