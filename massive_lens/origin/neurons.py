@@ -121,29 +121,19 @@ def named(neurons: pd.DataFrame | list[dict[str, Any]], event: dict[str, Any], *
     return [(int(r["expert"]), int(r["neuron"])) for r in rows] if experts else []
 
 
-def hf_param(model: Any, layer: int, weight: Tensor, params: dict[int, list[tuple[str, Any]]] | None = None
-             ) -> tuple[str, bool]:
+def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
     """Name of the Hugging Face parameter behind ``W_out`` and whether it is stored transposed
-    (``down_proj.weight[dim, neuron]``), found by shared storage; TL naming otherwise.
-    ``params`` (from :func:`hf_params`) saves walking the model again."""
-    params = hf_params(model) if params is None else params
-    for name, param in params.get(weight.data_ptr(), []):
-        if param.numel() == weight.numel():
-            return name, tuple(param.shape) != tuple(weight.shape)
+    (``down_proj.weight[dim, neuron]``), found by shared storage; TL naming otherwise."""
+    original = getattr(model, "original_model", None)
+    if original is not None:
+        for name, param in original.named_parameters():
+            if param.data_ptr() == weight.data_ptr() and param.numel() == weight.numel():
+                return name.replace("._original_component", ""), tuple(param.shape) != tuple(weight.shape)
     return f"blocks.{layer}.mlp.W_out", False
 
 
-def hf_params(model: Any) -> dict[int, list[tuple[str, Any]]]:
-    """The Hugging Face model's parameters (behind a bridge) by storage address, in their order."""
-    out: dict[int, list[tuple[str, Any]]] = {}
-    original = getattr(model, "original_model", None)
-    for name, param in original.named_parameters() if original is not None else ():
-        out.setdefault(param.data_ptr(), []).append((name.replace("._original_component", ""), param))
-    return out
-
-
 def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit],
-                      seen: dict[int | str, Any] | None = None) -> list[dict[str, Any]]:
+                      seen: dict[int, Any] | None = None) -> list[dict[str, Any]]:
     """``W_out[neuron, dim]`` of each named neuron (an expert's down weight, by expert), with
     its z-score and rank among the matrix's entries and its Hugging Face name and index.
     ``seen`` (a dict kept by the caller for one trace) holds each layer's matrix statistics, so
@@ -157,9 +147,7 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
     if layer not in seen:
         mags = weight.detach().float()
         mags = mags.T if mags.T.is_contiguous() else mags.contiguous()  # the stored order: no copy
-        if "params" not in seen:
-            seen["params"] = hf_params(view.model)
-        seen[layer] = (*hf_param(view.model, layer, weight, seen["params"]), *_mean_std(mags), EntryRanks(mags))
+        seen[layer] = (*hf_param(view.model, layer, weight), *_mean_std(mags), EntryRanks(mags))
     name, transposed, mean, std, ranks = seen[layer]
     rows = []
     for n in neurons:
@@ -172,26 +160,31 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
 
 class EntryRanks:
     """Ranks by magnitude among a matrix's entries: ``rank(v)`` is one plus the number of
-    entries with ``|entry| > |v|``. The largest ``TAIL`` share of magnitudes is kept sorted (one
-    pass and a small sort), so a large value, as a super weight is, costs a binary search; a
-    value below them costs one pass over the matrix. Exact either way.
+    entries with ``|entry| > |v|``. The first ``EAGER`` ranks each count over the matrix; after
+    them the largest ``TAIL`` share of magnitudes is kept sorted (one pass and a small sort), so
+    a large value, as a super weight is, costs a binary search and a smaller one still a count.
+    Exact either way.
 
     >>> ranks = EntryRanks(torch.tensor([[3.0, -1.0], [0.5, -7.0]]))
     >>> ranks.rank(-7.0), ranks.rank(1.0), ranks.rank(0.1)
     (1, 3, 5)
     """
 
+    EAGER = 8
     TAIL = 0.01
     SAMPLE = 20_000  # magnitudes read to place the tail's floor
 
     def __init__(self, matrix: Tensor):
         self.mags = matrix.detach().float().abs().flatten().cpu().numpy()
-        sample = self.mags[:: max(1, len(self.mags) // self.SAMPLE)]
-        self.floor = float(np.quantile(sample, 1 - self.TAIL)) if len(sample) else math.inf
-        self.tail = np.sort(self.mags[self.mags > self.floor])  # every magnitude above the floor
+        self.asked = 0
+        self.floor, self.tail = math.inf, np.empty(0, dtype=self.mags.dtype)
 
     def rank(self, value: float) -> int:
-        v = abs(value)
+        v, self.asked = abs(value), self.asked + 1
+        if self.asked == self.EAGER + 1 and len(self.mags):
+            sample = self.mags[:: max(1, len(self.mags) // self.SAMPLE)]
+            self.floor = float(np.quantile(sample, 1 - self.TAIL))
+            self.tail = np.sort(self.mags[self.mags > self.floor])  # every magnitude above the floor
         if v >= self.floor:  # every entry larger than v is in the tail
             return len(self.tail) - int(np.searchsorted(self.tail, v, side="right")) + 1
         return int(np.count_nonzero(self.mags > v)) + 1
