@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pandas as pd
-
 from massive_lens.origin.ledger import EVENT_MIN_SHARE
 
 ATTRIBUTION_COLUMNS = ["pos", "dim", "target", "value", "label", "component", "first_layer", "last_layer",
@@ -103,10 +101,9 @@ def attribute(rows: list[dict[str, Any]], target: float, start: float = 0.0) -> 
     return named
 
 
-def attribution_rows(ledger: pd.DataFrame, pos: int, dim: int, peak_layer: int) -> list[dict[str, Any]]:
+def attribution_rows(rows: list[dict[str, Any]], pos: int, dim: int, peak_layer: int) -> list[dict[str, Any]]:
     """Attribution of one entry's peak (its residual after block ``peak_layer``) and of its
-    change from the peak to the final value."""
-    rows = ledger[(ledger.pos == pos) & (ledger.dim == dim)].to_dict("records")
+    change from the peak to the final value, from its ledger ``rows`` (forward order)."""
     at = max(i for i, r in enumerate(rows) if r["layer"] == peak_layer)  # the block's last write
     peak, final = rows[at]["resid"], rows[-1]["resid"]
     out = [dict(target="peak", value=peak, **g) for g in attribute(rows[: at + 1], peak)]

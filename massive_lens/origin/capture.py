@@ -130,16 +130,13 @@ def _has(view: ModelView, name: str) -> bool:
     return name in view.hook_names
 
 
-def _weights(mlp: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``W_in``, ``W_gate``, ``W_out`` of an MLP bridge (None where it has none or cannot say)."""
-    out = []
-    for name in ("W_in", "W_gate", "W_out"):
-        try:
-            weight = getattr(mlp, name, None)
-        except Exception:  # noqa: BLE001 - bridges raise many kinds for weights they cannot expose
-            weight = None
-        out.append(weight if isinstance(weight, Tensor) else None)
-    return out[0], out[1], out[2]
+def _weight(mlp: Any, name: str) -> Tensor | None:
+    """``W_in``, ``W_gate`` or ``W_out`` of an MLP bridge (None where it has none or cannot say)."""
+    try:
+        weight = getattr(mlp, name, None)
+    except Exception:  # noqa: BLE001 - bridges raise many kinds for weights they cannot expose
+        weight = None
+    return weight if isinstance(weight, Tensor) else None
 
 
 def block_plan(view: ModelView, layer: int) -> BlockPlan:
@@ -180,7 +177,7 @@ def block_plan(view: ModelView, layer: int) -> BlockPlan:
             hooks["scale"] = prefix + f"{norm}.hook_scale"
     elif _has(view, prefix + "mlp.hook_in"):
         hooks["norm_in"] = prefix + "mlp.hook_in"
-    w_in, w_gate, w_out = _weights(block.mlp)
+    w_in, w_gate, w_out = (_weight(block.mlp, name) for name in ("W_in", "W_gate", "W_out"))
     d_mlp = None if w_out is None else int(w_out.shape[0])
     dense = (w_in is not None and w_out is not None and tuple(w_in.shape) == (view.d_model, d_mlp)
              and tuple(w_out.shape) == (d_mlp, view.d_model) and (w_gate is None or w_gate.shape == w_in.shape)
@@ -203,7 +200,7 @@ def d_mlp(view: ModelView) -> int:
     """The widest dense MLP's width (``4 * d_model`` when no block has a dense MLP)."""
     widths = []
     for block in view.blocks:
-        w_out = _weights(getattr(block, "mlp", None))[2]
+        w_out = _weight(getattr(block, "mlp", None), "W_out")
         if w_out is not None:
             widths.append(int(w_out.shape[0]))
     return max(widths, default=4 * view.d_model)
@@ -281,12 +278,14 @@ def capture(
     hooks = [("hook_embed", grab("embed", -1)), ("blocks.0.hook_resid_pre", grab("resid_pre0", -1))]
     if "hook_pos_embed" in view.hook_names:
         hooks.append(("hook_pos_embed", grab("pos_embed", -1)))
+    reducer = None if criterion is None else \
+        ResidualReducer(batch, criterion, entries=True, on_layer=settle if scoped else None)
     for plan in plans:
-        hooks += [(name, grab(key, plan.layer)) for key, name in plan.hooks.items()]
-    reducer = None
-    if criterion is not None:
-        reducer = ResidualReducer(batch, criterion, entries=True, on_layer=settle if scoped else None)
-        hooks += [(view.hook_name(layer, "resid_post"), reducer.hook(layer)) for layer in range(view.n_layers)]
+        for key, name in plan.hooks.items():
+            fn = grab(key, plan.layer)
+            if key == "resid_post" and reducer is not None:  # one hook: the copy, then the reduction
+                fn = _then(fn, reducer.hook(plan.layer))
+            hooks.append((name, fn))
     last = view.hook_name(view.n_layers - 1, "resid_post")
     moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in plans if p.experts is not None}
     handles = [h for p in plans if p.experts is not None
@@ -376,6 +375,14 @@ def refill(view: ModelView, batch: Batch, cap: Capture, needed: list[tuple[int, 
     for layer, data in extra.neuron_data.items():
         cap.neuron_data.setdefault(layer, {}).update({k: v for k, v in data.items() if k in SCOPED})
         cap.kept[layer] = index
+
+
+def _then(first: Any, second: Any) -> Any:
+    def hook(act: Tensor, hook: Any) -> None:
+        first(act, hook)
+        second(act, hook)
+
+    return hook
 
 
 def pattern_summary(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query head 2"]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pandas as pd
-
 from massive_lens.origin.capture import Capture
 
 LEDGER_COLUMNS = ["pos", "dim", "token", "layer", "component", "contribution", "resid"]
@@ -35,32 +33,33 @@ def ledger_rows(cap: Capture, pos: int, dim: int, tokens: list[str]) -> list[dic
                  resid=float(r)) for c, layer, v, r in rows]
 
 
-def reconstruction_error(ledger: pd.DataFrame) -> float:
-    """max |cumulative sum of contributions - measured residual| / max |residual|, per target."""
+def reconstruction_error(ledgers: list[list[dict[str, Any]]]) -> float:
+    """max |cumulative sum of contributions - measured residual| / max |residual|, over the
+    targets' ledgers (each as :func:`ledger_rows` gives it)."""
     worst = 0.0
-    for _, rows in ledger.groupby(["pos", "dim"]):
-        total = rows.contribution.astype("float64").cumsum()
-        scale = max(rows.resid.abs().max(), 1e-30)
-        worst = max(worst, float((total - rows.resid).abs().max() / scale))
+    for rows in ledgers:
+        total, scale = 0.0, max(max((abs(r["resid"]) for r in rows), default=0.0), 1e-30)
+        for r in rows:
+            total += r["contribution"]  # float64, as the rows hold Python floats
+            worst = max(worst, abs(total - r["resid"]) / scale)
     return worst
 
 
-def events(ledger: pd.DataFrame, target: dict[str, Any], abs_threshold: float) -> list[dict[str, Any]]:
-    """Births, erasures and rebirths: components that change the value by a large fraction of
-    its current size, and by enough in absolute terms (2% of the peak, or the criterion's
-    absolute threshold if that is lower, so an early birth to ~800 still counts next to a
-    later rewrite to ~25,000)."""
-    rows = ledger[(ledger.pos == target["pos"]) & (ledger.dim == target["dim"])]
-    peak = float(rows.resid.abs().max())
+def events(rows: list[dict[str, Any]], target: dict[str, Any], abs_threshold: float) -> list[dict[str, Any]]:
+    """Births, erasures and rebirths in one target's ledger (``rows``, as :func:`ledger_rows`
+    gives it): components that change the value by a large fraction of its current size, and
+    by enough in absolute terms (2% of the peak, or the criterion's absolute threshold if that
+    is lower, so an early birth to ~800 still counts next to a later rewrite to ~25,000)."""
+    peak = max((abs(r["resid"]) for r in rows), default=0.0)
     floor = min(EVENT_MIN_PEAK * peak, abs_threshold)
-    events, before, erased = [], 0.0, False
-    for r in rows.itertuples():
-        after, c = float(r.resid), float(r.contribution)
+    found, before, erased = [], 0.0, False
+    for r in rows:
+        after, c = float(r["resid"]), float(r["contribution"])
         big = abs(c) >= floor and abs(c) >= EVENT_MIN_SHARE * max(abs(before), abs(after))
         if big and peak > 0:
             kind = "erasure" if abs(after) < abs(before) else ("rebirth" if erased else "birth")
             erased |= kind == "erasure"
-            events.append(dict(pos=r.pos, dim=r.dim, layer=r.layer, component=r.component, kind=kind,
-                               contribution=c, before=before, after=after))
+            found.append(dict(pos=r["pos"], dim=r["dim"], layer=r["layer"], component=r["component"], kind=kind,
+                              contribution=c, before=before, after=after))
         before = after
-    return events
+    return found

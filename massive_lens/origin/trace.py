@@ -213,8 +213,8 @@ def trace_origin(
     pass_seconds = time.perf_counter() - started
     tokens = view.str_tokens(batch)[0]
     targets, scope_note = _targets(view, batch, cap, dim, pos, tokens, criterion)
-    ledger, found_events = _ledger(cap, targets, tokens, criterion)
-    error = reconstruction_error(ledger)
+    per_target, ledger, found_events = _ledger(cap, targets, tokens, criterion)
+    error = reconstruction_error(per_target)
     refill(view, batch, cap, [(e.layer, e.pos) for e in found_events.itertuples() if e.component == "mlp"])
     neurons, births, supers, why = _neurons(view, cap, found_events, top_neurons)
     verified, verify_note = _bounded(targets, dim is None and pos is None) if verify else ([], "")
@@ -224,7 +224,8 @@ def trace_origin(
     heads, head_notes = head_rows(view, cap, targets)
     notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes), *head_notes, scope_note, verify_note)
     attribution = pd.DataFrame(
-        [r for t in targets for r in attribution_rows(ledger, t["pos"], t["dim"], t["peak_layer"])],
+        [r for t, rows in zip(targets, per_target, strict=True)
+         for r in attribution_rows(rows, t["pos"], t["dim"], t["peak_layer"])],
         columns=ATTRIBUTION_COLUMNS)
     return OriginTrace(
         targets=pd.DataFrame(targets), ledger=ledger, events=found_events, attribution=attribution,
@@ -258,13 +259,12 @@ def _prepare(model: Any, text: str | torch.Tensor, *, top_neurons: int, verify: 
 
 
 def _ledger(cap: Capture, targets: list[dict[str, Any]], tokens: list[str],
-            criterion: Criterion) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The ledger of every target and its events (births, erasures, rebirths)."""
-    ledger = pd.DataFrame([r for t in targets for r in ledger_rows(cap, t["pos"], t["dim"], tokens)],
-                          columns=LEDGER_COLUMNS)
-    found = pd.DataFrame([e for t in targets for e in events(ledger, t, criterion.abs_threshold)],
-                         columns=EVENT_COLUMNS)
-    return ledger, found
+            criterion: Criterion) -> tuple[list[list[dict[str, Any]]], pd.DataFrame, pd.DataFrame]:
+    """Every target's ledger rows, the ledger and the events (births, erasures, rebirths)."""
+    rows = [ledger_rows(cap, t["pos"], t["dim"], tokens) for t in targets]
+    found = [e for t, r in zip(targets, rows, strict=True) for e in events(r, t, criterion.abs_threshold)]
+    return (rows, pd.DataFrame([r for per in rows for r in per], columns=LEDGER_COLUMNS),
+            pd.DataFrame(found, columns=EVENT_COLUMNS))
 
 
 def _neurons(view: ModelView, cap: Capture, found_events: pd.DataFrame, top_neurons: int,
