@@ -226,6 +226,23 @@ def _frames(trace) -> dict:
                                            "attribution")}
 
 
+def test_tracing_everything_on_the_default_model_keeps_mlp_activations_at_few_positions():
+    """The point of the candidates: the d_mlp-wide activations of a trace-everything pass are kept
+    at a few positions per layer, not at all of them (the memory that made the pass slow)."""
+    from massive_lens import load_model
+    from massive_lens.core.criterion import Criterion
+    from massive_lens.core.model_view import ModelView
+    from massive_lens.origin.capture import capture
+
+    view = ModelView(load_model())
+    batch = view.tokenize(REAL_TEXT, None)
+    seq = batch.tokens.shape[1]
+    cap = capture(view, batch, torch.arange(seq), Criterion())
+    assert len(cap.kept) == view.n_layers  # every layer scoped
+    for layer, rows in cap.kept.items():
+        assert 2 * len(rows) <= seq and cap.at("post", layer).shape[0] == len(rows)
+
+
 @pytest.mark.parametrize("candidates", ["none", "all"])
 def test_tracing_everything_keeps_neurons_at_candidates_and_refills_the_rest(monkeypatch, candidates):
     """Tracing every massive entry keeps the neuron-level activations only at candidate positions;
