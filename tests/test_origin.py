@@ -10,10 +10,14 @@ import pytest
 import torch
 from helpers import BIRTH, DIM, ERASE, REBIRTH, plant_story, untouched
 
+import massive_lens.origin.capture as capture_module
 import massive_lens.origin.verify as neu
 from massive_lens import MassiveLensError, tiny_model
+from massive_lens.core.criterion import Criterion
+from massive_lens.core.model_view import ModelView
 from massive_lens.models import FAMILIES
 from massive_lens.origin import trace_origin
+from massive_lens.origin.neurons import EntryRanks
 
 TEXT = "Hi there. Bye."
 REAL_TEXT = "The capital of France is Paris. It is a large city with many museums."
@@ -176,10 +180,6 @@ def test_an_activation_changed_in_place_after_its_hook_is_captured_as_it_was(mon
     later in the pass (its version counter moves) makes the pass run again with copies, so the
     capture holds the value the hook saw. Scoped (tracing every massive entry, the neuron-level
     activations kept at candidate positions): the change is seen when the layer is settled."""
-    import massive_lens.origin.capture as capture_module
-    from massive_lens.core.criterion import Criterion
-    from massive_lens.core.model_view import ModelView
-
     model = tiny_model("llama")
     view = ModelView(model)
     batch = view.tokenize(TEXT, None)
@@ -211,8 +211,6 @@ def test_an_activation_changed_in_place_after_its_hook_is_captured_as_it_was(mon
 def test_entry_ranks_match_counting_every_entry():
     """Super weights' ranks: the sorted tail (large values) and the full count (small ones) both
     give one plus the number of entries of larger magnitude, ties included."""
-    from massive_lens.origin.neurons import EntryRanks
-
     m = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
     m[3, 4], m[:10, 0] = 40.0, -2.5  # an outlier, and ties
     ranks, flat = EntryRanks(m), m.abs().flatten()
@@ -226,34 +224,26 @@ def _frames(trace) -> dict:
                                            "attribution")}
 
 
-def test_tracing_everything_on_the_default_model_keeps_mlp_activations_at_few_positions():
+def test_tracing_everything_on_the_default_model_keeps_mlp_activations_at_few_positions(default_model):
     """The point of the candidates: the d_mlp-wide activations of a trace-everything pass are kept
     at a few positions per layer, not at all of them (the memory that made the pass slow)."""
-    from massive_lens import load_model
-    from massive_lens.core.criterion import Criterion
-    from massive_lens.core.model_view import ModelView
-    from massive_lens.origin.capture import capture
-
-    view = ModelView(load_model())
+    view = ModelView(default_model)
     batch = view.tokenize(REAL_TEXT, None)
     seq = batch.tokens.shape[1]
-    cap = capture(view, batch, torch.arange(seq), Criterion())
+    cap = capture_module.capture(view, batch, torch.arange(seq), Criterion())
     assert len(cap.kept) == view.n_layers  # every layer scoped
     for layer, rows in cap.kept.items():
         assert 2 * len(rows) <= seq and cap.at("post", layer).shape[0] == len(rows)
 
 
 @pytest.mark.parametrize("candidates", ["none", "all"])
-def test_tracing_everything_keeps_neurons_at_candidates_and_refills_the_rest(monkeypatch, candidates):
+def test_tracing_everything_keeps_neurons_at_candidates_and_refills_the_rest(monkeypatch, candidates, default_model,
+                                                                             real_trace):
     """Tracing every massive entry keeps the neuron-level activations only at candidate positions;
     with no candidate at all a second pass (sliced at the traced positions) reads them, and with
     every position a candidate nothing is scoped: the trace is the same either way, on the
     default model (position 0 becomes a candidate at an early layer there)."""
-    import massive_lens.origin.capture as capture_module
-    from massive_lens import load_model
-
-    model = load_model()
-    scoped = trace_origin(model, REAL_TEXT)
+    model, scoped = default_model, real_trace  # traced with the candidates as they are
     passes = []
     real = capture_module.capture
     monkeypatch.setattr(capture_module, "capture", lambda *a, **k: passes.append(len(a[2])) or real(*a, **k))

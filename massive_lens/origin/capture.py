@@ -110,20 +110,25 @@ class Capture:
 
     def covers(self, layer: int, index: int) -> bool:
         """Whether layer ``layer``'s :data:`SCOPED` keys hold capture index ``index``."""
-        rows = self.kept.get(layer)
-        return rows is None or bool((rows == index).any())
+        return self._kept_row(layer, index) is not None
 
     def row(self, key: str, layer: int, index: int) -> Tensor | None:
         """Capture index ``index`` of a per-block key (None for a block without the key)."""
         data = self.at(key, layer)
-        rows = self.kept.get(layer) if key in SCOPED else None
-        if data is None or rows is None:
-            return None if data is None else data[index]
-        where = (rows == index).nonzero()
-        if not len(where):
+        if data is None:
+            return None
+        row = self._kept_row(layer, index) if key in SCOPED else index
+        if row is None:
             raise MassiveLensError(f"internal: layer {layer}'s {key} was not kept at capture index {index}; "
                                    "refill() reads it (please report this)")
-        return data[int(where[0])]
+        return data[row]
+
+    def _kept_row(self, layer: int, index: int) -> int | None:
+        rows = self.kept.get(layer)
+        if rows is None:
+            return index
+        where = (rows == index).nonzero()
+        return int(where[0]) if len(where) else None
 
 
 def _has(view: ModelView, name: str) -> bool:
@@ -231,10 +236,11 @@ def capture(
     loose = loosened(criterion) if scoped else None
     candidate = torch.zeros(seq, dtype=torch.bool)
     kept: dict[int, Tensor] = {}
-    stale: list[bool] = []  # a kept activation changed in place before its layer was settled
+    stale = False  # a kept activation changed in place before its layer was settled
 
     def settle(layer: int, mag: Tensor, scale: Tensor) -> None:
         """Keep layer ``layer``'s SCOPED activations at the candidates so far (all while they are many)."""
+        nonlocal stale
         candidate.logical_or_(candidates(mag, scale, loose)[0].cpu())
         if 2 * int(candidate.sum()) > seq:
             return
@@ -244,8 +250,7 @@ def capture(
             if part is None:
                 continue
             version = versions.pop((key, layer), None)
-            if version is not None and part._version != version:
-                stale.append(True)
+            stale |= version is not None and part._version != version
             store[key, layer] = part[rows.to(part.device)].to("cpu", torch.float32)  # a copy: the view is dropped
         kept[layer] = rows
 

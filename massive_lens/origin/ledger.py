@@ -45,7 +45,7 @@ def reconstruction_error(ledgers: list[list[dict[str, Any]]]) -> float:
     return worst
 
 
-def events(rows: list[dict[str, Any]], target: dict[str, Any], abs_threshold: float) -> list[dict[str, Any]]:
+def events(rows: list[dict[str, Any]], abs_threshold: float) -> list[dict[str, Any]]:
     """Births, erasures and rebirths in one target's ledger (``rows``, as :func:`ledger_rows`
     gives it): components that change the value by a large fraction of its current size, and
     by enough in absolute terms (2% of the peak, or the criterion's absolute threshold if that

@@ -262,7 +262,7 @@ def _ledger(cap: Capture, targets: list[dict[str, Any]], tokens: list[str],
             criterion: Criterion) -> tuple[list[list[dict[str, Any]]], pd.DataFrame, pd.DataFrame]:
     """Every target's ledger rows, the ledger and the events (births, erasures, rebirths)."""
     rows = [ledger_rows(cap, t["pos"], t["dim"], tokens) for t in targets]
-    found = [e for t, r in zip(targets, rows, strict=True) for e in events(r, t, criterion.abs_threshold)]
+    found = [e for r in rows for e in events(r, criterion.abs_threshold)]
     return (rows, pd.DataFrame([r for per in rows for r in per], columns=LEDGER_COLUMNS),
             pd.DataFrame(found, columns=EVENT_COLUMNS))
 
