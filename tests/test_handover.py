@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 
 import pandas as pd
 import pytest
@@ -250,6 +251,43 @@ def test_cast_puts_back_the_same_tensors():
         assert next(model.parameters()).dtype == torch.float16
         assert all(b.dtype == torch.float16 for b in model.buffers() if b.is_floating_point())
     assert _state(model) == before
+
+
+def test_another_thread_waits_while_precision_check_casts(monkeypatch):
+    """``precision_check`` holds the model's lock for each cast (the confirming run and the
+    mixed-precision search): another thread's ``find_massive`` started while the weights are in
+    float16 gets the float32 answer. Before the fix it ran on the float16 weights (another
+    answer, or an overflow error)."""
+    model = tiny_model("llama")
+    with torch.no_grad():  # an unsafe float16 model whose fix keeps layer 0: both kinds of cast run
+        model.blocks[0].attn.W_Q.mul_(1500.0)
+        model.blocks[0].attn.W_K.mul_(1500.0)
+    short = TEXT[:100]
+    expected = find_massive(model, short).to_frame()
+    answers, errors, others = [], [], []
+
+    def analyse():
+        try:
+            answers.append(find_massive(model, short).to_frame())
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def run_beside_another_thread(scorer, tokens, hooks):
+        if any(p.dtype != torch.float32 for p in model.parameters()):  # inside a cast
+            other = threading.Thread(target=analyse)
+            other.start()
+            other.join(timeout=2.0)  # it ran here, on the cast weights, unless the lock holds it back
+            others.append(other)
+        return real(scorer, tokens, hooks)
+
+    real = precision_module._run
+    monkeypatch.setattr(precision_module, "_run", run_beside_another_thread)
+    check = precision_check(model, TEXT, seq_len=16, n_seqs=2, dtypes=("float16",))
+    for other in others:
+        other.join()
+    assert check.verdicts.iloc[0].kept_float32 == "layer 0" and len(others) == 2  # the confirming run, the search
+    assert not errors, errors[:1]
+    assert len(answers) == 2 and all(frame.equals(expected) for frame in answers)
 
 
 # --------------------------------------------------------------------------- the default model

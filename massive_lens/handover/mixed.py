@@ -25,14 +25,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from massive_lens.core.model_view import ModelView
+from massive_lens.core.model_view import ModelView, model_lock
 
 
 @contextlib.contextmanager
 def cast(model: Any, dtype: torch.dtype, keep: Sequence[int] = ()) -> Iterator[None]:
     """Run the block with ``model``'s floating parameters and buffers in ``dtype``, but those of
     the blocks in ``keep``; every one is put back afterwards (the same tensors: dtype, device
-    and bits), exceptions included.
+    and bits), exceptions included. The model's :func:`~massive_lens.core.model_view.model_lock`
+    is held from before the tensors are saved until the last one is back, so another thread's
+    analysis of the same model waits instead of running on the cast weights.
 
     >>> from massive_lens import tiny_model
     >>> m = tiny_model("llama")
@@ -41,34 +43,35 @@ def cast(model: Any, dtype: torch.dtype, keep: Sequence[int] = ()) -> Iterator[N
     >>> inside, next(m.parameters()).dtype
     (torch.bfloat16, torch.float32)
     """
-    inner = getattr(model, "original_model", None)
-    trees = [model, *([inner] if isinstance(inner, torch.nn.Module) else [])]
-    kept = {id(t) for layer in keep for t in [*model.blocks[layer].parameters(), *model.blocks[layer].buffers()]}
-    params = [p for p in {id(p): p for tree in trees for p in tree.parameters()}.values() if id(p) not in kept]
-    saved = [(p, p.data) for p in params]
-    buffers = [(m, name, b) for m, name, b in
-               {(id(m), name): (m, name, b) for tree in trees for m in tree.modules()
-                for name, b in m._buffers.items() if b is not None and b.is_floating_point()}.values()
-               if id(b) not in kept]
-    cfg = getattr(model, "cfg", None)
-    had_dtype = cfg is not None and hasattr(cfg, "dtype")
-    old_dtype = getattr(cfg, "dtype", None)
-    try:
-        for p in params:
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for m, name, b in buffers:
-            m._buffers[name] = b.to(dtype)
-        if had_dtype:
-            cfg.dtype = dtype
-        yield
-    finally:
-        for p, data in saved:
-            p.data = data
-        for m, name, b in buffers:
-            m._buffers[name] = b
-        if had_dtype:
-            cfg.dtype = old_dtype
+    with model_lock(model):  # before the tensors are saved: another cast may be under way
+        inner = getattr(model, "original_model", None)
+        trees = [model, *([inner] if isinstance(inner, torch.nn.Module) else [])]
+        kept = {id(t) for layer in keep for t in [*model.blocks[layer].parameters(), *model.blocks[layer].buffers()]}
+        params = [p for p in {id(p): p for tree in trees for p in tree.parameters()}.values() if id(p) not in kept]
+        saved = [(p, p.data) for p in params]
+        buffers = [(m, name, b) for m, name, b in
+                   {(id(m), name): (m, name, b) for tree in trees for m in tree.modules()
+                    for name, b in m._buffers.items() if b is not None and b.is_floating_point()}.values()
+                   if id(b) not in kept]
+        cfg = getattr(model, "cfg", None)
+        had_dtype = cfg is not None and hasattr(cfg, "dtype")
+        old_dtype = getattr(cfg, "dtype", None)
+        try:
+            for p in params:
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            for m, name, b in buffers:
+                m._buffers[name] = b.to(dtype)
+            if had_dtype:
+                cfg.dtype = dtype
+            yield
+        finally:
+            for p, data in saved:
+                p.data = data
+            for m, name, b in buffers:
+                m._buffers[name] = b
+            if had_dtype:
+                cfg.dtype = old_dtype
 
 
 def _to(x: Tensor, hook: Any, *, dtype: torch.dtype) -> Tensor:
