@@ -25,6 +25,8 @@ from transformer_lens.hook_points import HookPoint
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.variants import VariantConfig, make_variant
 
+NORM_PLACEMENTS = ("pre", "post", "none")
+
 
 @dataclass
 class MassiveLMConfig:
@@ -35,6 +37,9 @@ class MassiveLMConfig:
     ``n_key_value_heads`` (default ``n_heads``) below ``n_heads`` gives grouped-query attention:
     ``W_K``/``W_V`` and ``hook_k``/``hook_v`` have that many heads, as in TransformerLens.
     ``hook_points=False`` replaces every HookPoint by a plain identity (for benchmarks).
+    ``norm`` places each block's two norms: ``"pre"`` (default, ``x + f(norm(x))``), ``"post"``
+    (``norm(x + f(x))``, the original Transformer's placement) or ``"none"`` (``x + f(x)``, no
+    norm inside blocks); the final norm before the unembedding stays in all three.
     """
 
     n_layers: int = 4
@@ -52,6 +57,7 @@ class MassiveLMConfig:
     hook_points: bool = True
     default_prepend_bos: bool = True
     n_key_value_heads: int | None = None
+    norm: str = "pre"
     model_name: str = "MassiveLM"
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -63,6 +69,8 @@ class MassiveLMConfig:
             self.attention = VariantConfig(**self.attention)
         if self.style not in ("llama", "gpt2"):
             raise MassiveLensError(f"MassiveLM style must be 'llama' or 'gpt2', got {self.style!r}")
+        if self.norm not in NORM_PLACEMENTS:
+            raise MassiveLensError(f"MassiveLM norm must be one of {', '.join(NORM_PLACEMENTS)}, got {self.norm!r}")
         if self.d_model % self.n_heads and self.d_head is None:
             raise MassiveLensError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -220,17 +228,32 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``."""
+    """Residual block. Pre-norm (default): ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``; post-norm:
+    ``ln1(x + attn(x))``, then ``ln2(. + mlp(.))``; ``"none"``: ``x + attn(x)``, then ``+ mlp(.)``."""
 
     def __init__(self, cfg: MassiveLMConfig):
         super().__init__()
+        self.norm = cfg.norm
         self.ln1, self.attn, self.ln2, self.mlp = Norm(cfg), Attention(cfg), Norm(cfg), MLP(cfg)
+        if cfg.norm == "none":
+            self.ln1, self.ln2 = _hook(cfg), _hook(cfg)  # no parameters, no normalisation
         for name in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
             setattr(self, f"hook_{name}", _hook(cfg))
+
+    def input_sites(self) -> tuple[nn.Module, nn.Module]:
+        """The modules whose first input is the attention's and the MLP's input (for fake quantization)."""
+        if self.norm == "pre":
+            return self.ln1.hook_normalized, self.ln2.hook_normalized
+        if self.norm == "post":
+            return self.hook_resid_pre, self.ln1.hook_normalized
+        return self.hook_resid_pre, self.hook_resid_mid
 
     def forward(
         self, x: Float[Tensor, "batch pos d_model"], key_mask: Tensor | None = None
     ) -> Float[Tensor, "batch pos d_model"]:
         x = self.hook_resid_pre(x)
+        if self.norm == "post":
+            x = self.hook_resid_mid(self.ln1(x + self.hook_attn_out(self.attn(x, key_mask))))
+            return self.hook_resid_post(self.ln2(x + self.hook_mlp_out(self.mlp(x))))
         x = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln1(x), key_mask)))
         return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(self.ln2(x))))

@@ -228,12 +228,13 @@ class MassiveLM(HookedRootModule):
         sites: list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]] = []
         for block in self.blocks:
             attn, mlp = block.attn, block.mlp
-            sites += [(block.ln1.hook_normalized, w, (1,)) for w in (attn.W_Q, attn.W_K, attn.W_V)]
+            attn_in, mlp_in = block.input_sites()
+            sites += [(attn_in, w, (1,)) for w in (attn.W_Q, attn.W_K, attn.W_V)]
             sites.append((attn.hook_z, attn.W_O, (0, 1)))
-            sites += [(block.ln2.hook_normalized, w, (0,)) for w in (mlp.W_in, mlp.W_gate) if w is not None]
+            sites += [(mlp_in, w, (0,)) for w in (mlp.W_in, mlp.W_gate) if w is not None]
             sites.append((mlp.hook_post, mlp.W_out, (0,)))
             if getattr(attn.variant, "W_G", None) is not None:
-                sites.append((block.ln1.hook_normalized, attn.variant.W_G, (0,)))
+                sites.append((attn_in, attn.variant.W_G, (0,)))
         if include_head:
             sites.append((self.ln_final.hook_normalized, self.W_U, (0,)))
         if any(isinstance(m, nn.Identity) for m, _, _ in sites):

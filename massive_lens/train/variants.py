@@ -20,6 +20,15 @@ them side by side and see whether the massive activations go away:
 * ``sink_token``: softmax attention plus a learnable token that the model prepends at
   position 0 (token id ``d_vocab``, shown as ``<|sink|>``). The sink is a real position:
   every hook shows it, and ``to_tokens`` prepends it.
+* ``relu``: non-normalised attention, ``relu(q k^T / sqrt(d)) / n_q`` where ``n_q`` is the number
+  of keys query ``q`` sees (the sequence-length scaling of ReLU attention, Wortsman et al. 2023,
+  the form Ran-Milo 2026 contrast with softmax): a head can output zero by making every logit
+  negative, so it needs no sink.
+* ``vscale``: softmax attention whose forward pass is unchanged but whose value path passes back
+  less gradient to keys many queries see: the gradient reaching ``v_j`` is multiplied by
+  ``mean(n) / n_j``, ``n_j`` the number of queries that see key ``j`` (our reading of Chen & Yao
+  2026's V-scale, which "adjusts value-path backpropagated gradients" so that the first token's
+  gradient sink is not concentrated; their exact scale was not available to us).
 
 All "slot" variants share one mechanism: extra keys with a per-head logit offset and a
 value, appended after the real keys. ``hook_pattern`` shows the weights over the real
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +66,8 @@ VARIANTS = (
     "clipped_softmax",
     "gated",
     "sink_token",
+    "relu",
+    "vscale",
 )
 
 
@@ -255,11 +267,53 @@ class GatedAttention(AttentionVariant):
         return z * torch.sigmoid(x @ self.W_G.to(x.dtype) + self.b_G.to(x.dtype))[..., None]
 
 
+class ReluAttention(AttentionVariant):
+    """``relu(scores) / n_visible``: weights that need not sum to one (no sink needed)."""
+
+    fusable = False
+
+    def normalize(
+        self, scores: Float[Tensor, "batch head_index query_pos key_pos"]
+    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+        visible = torch.isfinite(scores).sum(-1, keepdim=True).clamp(min=1)
+        return torch.relu(scores) / visible
+
+    def _fused(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # no fused kernel: the same sum, unhooked
+        return self.normalize(causal_scores(q, k)) @ v
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale`` (broadcast)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad * scale.to(grad.dtype), None
+
+
+class VScaleAttention(AttentionVariant):
+    """Softmax attention; the value of key ``j`` gets ``mean(n) / n_j`` of its gradient."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if torch.is_grad_enabled() and v.requires_grad:
+            n_k = v.shape[2]
+            seen_by = torch.arange(n_k, 0, -1, device=v.device, dtype=torch.float32)  # queries that see key j
+            v = _ScaleGradient.apply(v, (seen_by.mean() / seen_by)[:, None])
+        return super().forward(q, k, v, *args, **kwargs)
+
+
 _CLASSES: dict[str, type[AttentionVariant]] = {
     "softmax": AttentionVariant,
     "sink_token": AttentionVariant,
     "clipped_softmax": ClippedSoftmax,
     "gated": GatedAttention,
+    "relu": ReluAttention,
+    "vscale": VScaleAttention,
     **{n: SlotAttention for n in ("softmax1", "softmax_n", "learned_sink", "kv_bias", "k_bias")},
 }
 

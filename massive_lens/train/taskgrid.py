@@ -1,0 +1,116 @@
+"""The sink-task grid: both tasks x attention variants x norm placements x seeds, resumable.
+
+Every run lives in ``<root>/<task>/<variant>-<norm>/seed<s>/`` (:mod:`massive_lens.train.taskrun`);
+a run whose ``result.json`` exists is finished and skipped, so running the grid again resumes an
+interrupted one. The order puts seeds 0 and 1 of every setting before any seed 2+, so a partial
+grid still pairs every setting with the baseline.
+
+    python -m massive_lens.train.taskgrid run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
+    python -m massive_lens.train.taskgrid page --root docs/sinktasks/runs           # docs/sinktasks.md
+    python -m massive_lens.train.taskgrid page --root docs/sinktasks/runs --check   # 1 if it differs
+
+>>> [s.name for s in grid_settings(seeds=[0])][:3]
+['softmax-pre', 'softmax-pre', 'softmax1-pre']
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from massive_lens.errors import MassiveLensError
+from massive_lens.train.taskpage import write_page
+from massive_lens.train.taskrun import RESULT, TaskSettings, check_settings, train_task
+
+log = logging.getLogger(__name__)
+
+# (variant, norm): every variant with pre-norm, the baseline and softmax1 with post-norm too
+SETTINGS = [("softmax", "pre"), ("softmax1", "pre"), ("learned_sink", "pre"), ("kv_bias", "pre"),
+            ("gated", "pre"), ("relu", "pre"), ("vscale", "pre"), ("softmax", "post"), ("softmax1", "post")]
+# each task's model and budget, sized so that a run takes 1-2 minutes on one CPU thread
+TASK_SETTINGS: dict[str, dict[str, Any]] = {
+    "trigger_conditional": dict(steps=300, n_layers=2, d_model=64, n_heads=4, eval_every=20,
+                                task_options=dict(seq_len=32)),
+    "bigram_backcopy": dict(steps=500, n_layers=2, d_model=64, n_heads=1, eval_every=25,
+                            task_options=dict(seq_len=32)),
+}
+DEFAULT_ROOT = "docs/sinktasks/runs"
+
+
+def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] = tuple(TASK_SETTINGS),
+                  settings: Sequence[tuple[str, str]] = tuple(SETTINGS), **overrides: Any) -> list[TaskSettings]:
+    """Every run of the grid, in running order: seeds 0-1 of every setting first, then each later seed.
+
+    ``overrides`` replace :class:`~massive_lens.train.taskrun.TaskSettings` fields of every run (for
+    small CI grids)."""
+    early, late = [s for s in seeds if s < 2], [s for s in seeds if s >= 2]
+    runs = []
+    for seed in [*early, *late]:
+        for variant, norm in settings:
+            for task in tasks:
+                fields = {**TASK_SETTINGS.get(task, {}), **overrides}
+                runs.append(TaskSettings(task, variant=variant, norm=norm, seed=seed, **fields))
+    return runs
+
+
+def run_folder(root: str | Path, settings: TaskSettings) -> Path:
+    """``<root>/<task>/<variant>-<norm>/seed<s>``."""
+    return Path(root) / settings.task / settings.name / f"seed{settings.seed}"
+
+
+def pending(root: str | Path, runs: Sequence[TaskSettings]) -> Iterator[TaskSettings]:
+    """The runs without a ``result.json`` yet, in order."""
+    return (s for s in runs if not (run_folder(root, s) / RESULT).is_file())
+
+
+def run_grid(root: str | Path, runs: Sequence[TaskSettings], threads: int | None = 1) -> int:
+    """Run every unfinished run of ``runs`` into ``root``; the number run. ``threads``: torch threads."""
+    for settings in runs:
+        check_settings(settings)  # a typo fails now, not an hour in
+    if threads:
+        torch.set_num_threads(threads)
+    done = 0
+    for settings in pending(root, runs):
+        t0 = time.perf_counter()
+        train_task(settings, run_folder(root, settings))
+        done += 1
+        log.info("%s %s seed %d: %.0f s", settings.task, settings.name, settings.seed, time.perf_counter() - t0)
+    return done
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise MassiveLensError(f"--seeds takes comma-separated whole numbers, e.g. 0,1,2; got {text!r}") from exc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``run`` the grid (resuming) or write / ``--check`` the answer page."""
+    parser = argparse.ArgumentParser(prog="python -m massive_lens.train.taskgrid", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["run", "page"])
+    parser.add_argument("--root", default=DEFAULT_ROOT, help=f"the run folders (default {DEFAULT_ROOT})")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0-4)")
+    parser.add_argument("--page", default="docs/sinktasks.md", help="the answer page (default docs/sinktasks.md)")
+    parser.add_argument("--check", action="store_true", help="page: exit 1 if the page differs from the folders")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        if args.command == "run":
+            run_grid(args.root, grid_settings(_seeds(args.seeds)))
+            return 0
+        return write_page(args.root, args.page, check=args.check)
+    except MassiveLensError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

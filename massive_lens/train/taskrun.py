@@ -1,0 +1,214 @@
+"""Train a :class:`MassiveLM` on a sink-forcing task (:mod:`massive_lens.train.tasks`) and record,
+at every evaluation step, what the papers on sinks look at.
+
+At step 0, every ``eval_every`` steps and at the last step, one pass over a fixed held-out batch
+(the same for every run) records
+
+* per head (``heads.parquet``: step, layer, head): ``sink_mass``, the attention weight on the first
+  token (BOS) averaged over queries 1.. (what ``hook_pattern[..., 0]`` shows; for ``relu`` the weight
+  ``relu(s_0) / n``); ``max_logit``, the largest attention logit (the quantity QK-Clip bounds);
+  ``value_norm_first``, the first token's value-vector norm and ``value_ratio``, that over the
+  median of the other positions' (the value-state drain, Guo et al.);
+* per step (``evals.parquet``): ``loss`` and the task's ``accuracy`` (``accuracy_trigger``,
+  ``accuracy_other``); ``sink_mass`` (the largest over heads, and its layer and head);
+  ``value_ratio`` at that head; ``resid_ratio``, the first token's largest residual |activation|
+  over the median |activation| of the layer (Sun et al.'s top-1 / median) and
+  ``resid_norm_ratio``, the first token's residual norm over the median position's, both the
+  largest over layers (``hook_resid_post``).
+
+At the end (``result.json``): the last record, ``sink_step`` (the first evaluation step whose
+``sink_mass`` reaches :data:`SINK_THRESHOLD`; NaN if none), and the W8A8 / W4A4 gaps in task loss
+and accuracy under :func:`massive_lens.lowbit.fake_quantized` (per-channel weights, dynamic
+per-token activations, the unembedding kept in full precision). ``result.json`` is written last,
+so its presence marks a finished run.
+
+>>> run = train_task(TaskSettings("bigram_backcopy", steps=2, eval_every=1, eval_seqs=2, batch_size=2,
+...                               d_model=16, n_heads=2, task_options=dict(seq_len=8, n_vocab=8)))
+>>> run.evals["step"].tolist(), sorted(run.result)[:3]
+([0, 1, 2], ['accuracy', 'accuracy_other', 'accuracy_trigger'])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from massive_lens.errors import MassiveLensError
+from massive_lens.lowbit import fake_quantized
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
+from massive_lens.train.presets import TrainConfig
+from massive_lens.train.tasks import TaskBatch, make_task
+from massive_lens.train.trainer import lr_at, make_optimizer
+
+SINK_THRESHOLD = 0.5  # a head puts half its attention (mean over queries) on the first token
+RESULT = "result.json"
+_HOOKS = ("hook_pattern", "hook_attn_scores", "hook_v", "hook_resid_post")
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """One run: task, attention variant, norm placement, seed, model shape and schedule (JSON-able)."""
+
+    task: str
+    variant: str = "softmax"
+    norm: str = "pre"
+    seed: int = 0
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    eval_every: int = 50
+    eval_seqs: int = 64
+    task_options: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The setting's folder name, ``<variant>-<norm>``."""
+        return f"{self.variant}-{self.norm}"
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    """A finished run: the model (eval mode), its records and its end-of-run result."""
+
+    model: MassiveLM
+    settings: TaskSettings
+    evals: pd.DataFrame
+    heads: pd.DataFrame
+    result: dict[str, Any]
+
+
+def build_model(settings: TaskSettings) -> MassiveLM:
+    """The run's model, initialised from its seed (the global RNG left as it was)."""
+    task = make_task(settings.task, **settings.task_options)
+    cfg = MassiveLMConfig(n_layers=settings.n_layers, d_model=settings.d_model, n_heads=settings.n_heads,
+                          n_ctx=task.seq_len + 1, d_vocab=task.n_tokens, attention=settings.variant,
+                          norm=settings.norm)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        return MassiveLM(cfg, task.tokenizer())
+
+
+def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None) -> TaskRun:
+    """Train one run and record it (module docstring); with ``out_dir``, write its three files there.
+
+    Args:
+        settings: the run.
+        out_dir: the run's folder (None: nothing is written).
+
+    Returns:
+        A :class:`TaskRun`.
+
+    Raises:
+        MassiveLensError: for an unknown task, variant or norm placement, or bad task options.
+    """
+    task = make_task(settings.task, **settings.task_options)
+    model = build_model(settings)
+    schedule = TrainConfig(steps=settings.steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                           weight_decay=settings.weight_decay)
+    optimizer = make_optimizer(model, schedule)
+    held_out = task.sample(settings.eval_seqs, seed=-1, step=0)
+    evals, heads, t0 = [], [], time.perf_counter()
+    model.train()
+    for step in range(settings.steps + 1):
+        if step % settings.eval_every == 0 or step == settings.steps:
+            row, per_head = evaluate(model, task, held_out)
+            evals.append(dict(step=step, **row))
+            heads += [dict(step=step, **h) for h in per_head]
+        if step == settings.steps:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(schedule, step)
+        batch = task.sample(settings.batch_size, settings.seed, step)
+        loss = task.loss(model(batch.tokens), batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    seconds = time.perf_counter() - t0
+    evals_frame, heads_frame = pd.DataFrame(evals), pd.DataFrame(heads)
+    result = {**evals[-1], **lowbit_gaps(model, task, held_out), "sink_step": sink_step(evals_frame),
+              "seconds": seconds, "settings": asdict(settings)}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        evals_frame.to_parquet(out / "evals.parquet", index=False)
+        heads_frame.to_parquet(out / "heads.parquet", index=False)
+        tmp = out / (RESULT + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=float))
+        os.replace(tmp, out / RESULT)
+    return TaskRun(model, settings, evals_frame, heads_frame, result)
+
+
+def sink_step(evals: pd.DataFrame, threshold: float = SINK_THRESHOLD) -> float:
+    """The first evaluation step whose ``sink_mass`` reaches ``threshold`` (NaN if none)."""
+    hit = evals.loc[evals["sink_mass"] >= threshold, "step"]
+    return float(hit.iloc[0]) if len(hit) else math.nan
+
+
+@torch.no_grad()
+def evaluate(model: MassiveLM, task: Any, batch: TaskBatch) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """One held-out pass: the step's summary row and one row per (layer, head) (module docstring)."""
+    was_training = model.training
+    model.eval()
+    try:
+        logits, cache = model.run_with_cache(batch.tokens, names_filter=lambda n: n.endswith(_HOOKS))
+    finally:
+        model.train(was_training)
+    per_head, resid_ratio, norm_ratio = [], 0.0, 0.0
+    for layer in range(model.cfg.n_layers):
+        pattern = cache[f"blocks.{layer}.attn.hook_pattern"][:, :, 1:, 0].mean((0, 2))
+        scores = cache[f"blocks.{layer}.attn.hook_attn_scores"]
+        top_logit = scores.masked_fill(~torch.isfinite(scores), -math.inf).amax((0, 2, 3))
+        v_norm = cache[f"blocks.{layer}.attn.hook_v"].norm(dim=-1)  # [batch, pos, kv_head]
+        v_norm = v_norm.repeat_interleave(model.cfg.n_heads // v_norm.shape[-1], -1)
+        v_first, v_rest = v_norm[:, 0].mean(0), v_norm[:, 1:].median(1).values.mean(0)
+        for head in range(model.cfg.n_heads):
+            per_head.append(dict(layer=layer, head=head, sink_mass=float(pattern[head]),
+                                 max_logit=float(top_logit[head]), value_norm_first=float(v_first[head]),
+                                 value_ratio=float(v_first[head] / v_rest[head].clamp(min=1e-12))))
+        x = cache[f"blocks.{layer}.hook_resid_post"].float()
+        median = x.abs().flatten().median().clamp(min=1e-12)
+        resid_ratio = max(resid_ratio, float(x[:, 0].abs().amax(-1).mean() / median))
+        norms = x.norm(dim=-1)
+        norm_ratio = max(norm_ratio, float((norms[:, 0] / norms[:, 1:].median(1).values.clamp(min=1e-12)).mean()))
+    top = max(per_head, key=lambda h: h["sink_mass"])
+    row = dict(loss=float(task.loss(logits, batch)), **task.accuracy(logits, batch), sink_mass=top["sink_mass"],
+               sink_layer=top["layer"], sink_head=top["head"], value_ratio=top["value_ratio"],
+               max_logit=max(h["max_logit"] for h in per_head), resid_ratio=resid_ratio, resid_norm_ratio=norm_ratio)
+    return row, per_head
+
+
+@torch.no_grad()
+def lowbit_gaps(model: MassiveLM, task: Any, batch: TaskBatch) -> dict[str, float]:
+    """Task loss and accuracy under W8A8 and W4A4 (per-token activations), minus full precision's."""
+    full = model(batch.tokens)
+    base_loss, base_acc = float(task.loss(full, batch)), task.accuracy(full, batch)["accuracy"]
+    out = {}
+    for w, a in ((8, 8), (4, 4)):
+        with fake_quantized(model, w_bits=w, a_bits=a, per_token=True):
+            logits = model(batch.tokens)
+        out[f"w{w}a{a}_gap"] = float(task.loss(logits, batch)) - base_loss
+        out[f"w{w}a{a}_acc_gap"] = task.accuracy(logits, batch)["accuracy"] - base_acc
+    return out
+
+
+def check_settings(settings: TaskSettings) -> None:
+    """Fail early, before training, on a bad task, variant or norm placement."""
+    if settings.steps < 1 or settings.eval_every < 1 or settings.batch_size < 1 or settings.eval_seqs < 1:
+        raise MassiveLensError(f"steps, eval_every, batch_size and eval_seqs must be positive; got {settings}")
+    build_model(settings)

@@ -1,0 +1,234 @@
+"""Synthetic tasks on which a softmax head *must* learn to do nothing most of the time.
+
+On ordinary text at CPU scale, a softmax model grows neither a first-token sink nor massive
+activations (``docs/training.md``), so attention variants cannot be told apart there. The two
+tasks here come from papers that prove or show the baseline forms a sink, because the task
+needs a head that is active on a few positions and dormant everywhere else:
+
+* ``trigger_conditional`` (Ran-Milo 2026, arXiv 2603.11487): a sequence of value tokens, with
+  a trigger token at a few random positions. At a trigger the model must output the average of
+  the preceding value tokens (as one-hot vectors: the prefix's histogram); everywhere else it
+  must output zero. The output is the vector of the model's logits on the value tokens, and the
+  loss is the squared error, balanced between trigger and other positions (their two means
+  added), so neither kind dominates. A softmax head that averages the prefix at a trigger
+  must put its weight on a position whose value is zero elsewhere: the sink.
+* ``bigram_backcopy`` (Guo et al. 2024, arXiv 2410.13835): tokens follow a fixed random bigram
+  chain, except after one of a few trigger tokens, where the next token copies the token
+  before the trigger. The head that copies is needed only after triggers (active) and is
+  dormant elsewhere. The loss is next-token cross-entropy.
+
+Each task's accuracy is the share of positions where the rule is followed, for trigger positions
+and other positions separately, and ``accuracy`` their mean (so a model that ignores the rare
+triggers scores at most one half):
+
+* trigger_conditional: the output's L1 distance to the target (histogram or zero) is below
+  :data:`L1_TOLERANCE` (one half: the target's own L1 norm is one at a trigger);
+* bigram_backcopy: the top prediction is the copied token after a trigger, and the chain's most
+  likely next token elsewhere.
+
+Data is generated in memory: batch ``step`` of seed ``seed`` is a pure function of both (as the
+trainer's text batches are), and the bigram chain itself of the task's ``language_seed`` only, so
+every seed learns the same language.
+
+>>> task = make_task("bigram_backcopy", seq_len=16)
+>>> batch = task.sample(4, seed=0, step=0)
+>>> tuple(batch.tokens.shape), int(batch.tokens[0, 0]) == task.bos
+((4, 17), True)
+>>> logits = torch.zeros(4, 17, task.n_tokens)
+>>> sorted(task.accuracy(logits, batch))
+['accuracy', 'accuracy_other', 'accuracy_trigger']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from tokenizers import Tokenizer, models, pre_tokenizers
+from torch import Tensor
+from transformers import PreTrainedTokenizerFast
+
+from massive_lens.core.tokens import mark_bos
+from massive_lens.errors import MassiveLensError
+
+TASKS = ("trigger_conditional", "bigram_backcopy")
+L1_TOLERANCE = 0.5
+
+
+@dataclass(frozen=True)
+class TaskBatch:
+    """Sequences ``[BOS, x_1 .. x_T]`` with what the rule asks at each position.
+
+    ``trigger``: positions where the conditional rule is active; ``scored``: positions whose output
+    counts (all but BOS for trigger_conditional, all but the last for bigram_backcopy);
+    ``target``: the output vectors ``[batch, pos, n_values]`` (trigger_conditional) or the expected
+    top next token ``[batch, pos]`` (bigram_backcopy, -1 where not scored).
+    """
+
+    tokens: Int[Tensor, "batch pos"]
+    trigger: Bool[Tensor, "batch pos"]
+    scored: Bool[Tensor, "batch pos"]
+    target: Tensor
+
+
+def _rng(seed: int, step: int) -> np.random.Generator:
+    if seed < 0 and step:
+        raise MassiveLensError("held-out batches use a negative seed and step 0")
+    return np.random.default_rng([abs(seed), step, int(seed < 0)])
+
+
+def _word_tokenizer(names: list[str], bos: str) -> Any:
+    """A word-level tokenizer over ``names`` (ids in order), space-separated, offline."""
+    core = Tokenizer(models.WordLevel(vocab={n: i for i, n in enumerate(names)}, unk_token=bos))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=bos, eos_token=bos, pad_token=bos)
+    mark_bos(tok, "task")
+    return tok
+
+
+def _split_means(hit: Tensor, trigger: Tensor, scored: Tensor) -> dict[str, float]:
+    parts = {}
+    for name, where in (("trigger", trigger & scored), ("other", ~trigger & scored)):
+        parts[f"accuracy_{name}"] = float(hit[where].float().mean()) if where.any() else float("nan")
+    return dict(accuracy=float(np.nanmean(list(parts.values()))), **parts)
+
+
+@dataclass(frozen=True)
+class TriggerConditional:
+    """Ran-Milo's trigger-conditional task (module docstring). Each sequence draws its own value
+    distribution from a Dirichlet(``alpha``) so that the prefix averages differ."""
+
+    n_values: int = 16
+    seq_len: int = 32
+    trigger_prob: float = 0.15
+    alpha: float = 0.5
+    name: str = "trigger_conditional"
+
+    @property
+    def trigger_id(self) -> int:
+        return self.n_values
+
+    @property
+    def bos(self) -> int:
+        return self.n_values + 1
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_values + 2
+
+    def tokenizer(self) -> Any:
+        return _word_tokenizer([f"v{i}" for i in range(self.n_values)] + ["<trig>", "<|bos|>"], "<|bos|>")
+
+    def sample(self, n_seq: int, seed: int, step: int) -> TaskBatch:
+        rng, k, t = _rng(seed, step), self.n_values, self.seq_len
+        probs = rng.dirichlet(np.full(k, self.alpha), size=n_seq)
+        draws = rng.random((n_seq, t))
+        values = np.minimum((draws[..., None] > probs.cumsum(1)[:, None, :]).sum(-1), k - 1)
+        trigger = rng.random((n_seq, t)) < self.trigger_prob
+        trigger[:, 0] = False  # the first trigger has a prefix to average
+        onehot = np.eye(k)[values] * ~trigger[..., None]
+        before = np.cumsum(onehot, 1) - onehot  # value counts strictly before each position
+        hist = before / np.maximum(before.sum(-1, keepdims=True), 1)
+        target = np.where(trigger[..., None], hist, 0.0)
+        tokens = np.where(trigger, self.trigger_id, values)
+        pad = np.zeros((n_seq, 1), dtype=bool)
+        return TaskBatch(
+            tokens=torch.from_numpy(np.concatenate([np.full((n_seq, 1), self.bos), tokens], 1)).long(),
+            trigger=torch.from_numpy(np.concatenate([pad, trigger], 1)),
+            scored=torch.from_numpy(np.concatenate([pad, ~pad.repeat(t, 1)], 1)),
+            target=torch.from_numpy(np.concatenate([np.zeros((n_seq, 1, k)), target], 1)).float(),
+        )
+
+    def output(self, logits: Float[Tensor, "batch pos d_vocab"]) -> Float[Tensor, "batch pos n_values"]:
+        """The model's output vector: its logits on the value tokens."""
+        return logits[..., : self.n_values].float()
+
+    def loss(self, logits: Float[Tensor, "batch pos d_vocab"], batch: TaskBatch) -> Float[Tensor, ""]:
+        err = (self.output(logits) - batch.target.to(logits.device)).pow(2).sum(-1)
+        trig, scored = batch.trigger.to(logits.device), batch.scored.to(logits.device)
+        return sum(err[w].mean() for w in (trig & scored, ~trig & scored) if w.any())
+
+    def accuracy(self, logits: Float[Tensor, "batch pos d_vocab"], batch: TaskBatch) -> dict[str, float]:
+        l1 = (self.output(logits).cpu() - batch.target).abs().sum(-1)
+        return _split_means(l1 < L1_TOLERANCE, batch.trigger, batch.scored)
+
+
+@dataclass(frozen=True)
+class BigramBackcopy:
+    """Guo et al.'s Bigram-Backcopy (module docstring): ``n_vocab`` tokens, the last ``n_triggers``
+    of them triggers; the chain's rows are Dirichlet(``alpha``) draws from ``language_seed``."""
+
+    n_vocab: int = 64
+    n_triggers: int = 3
+    seq_len: int = 64
+    alpha: float = 0.2
+    language_seed: int = 0
+    name: str = "bigram_backcopy"
+
+    @property
+    def bos(self) -> int:
+        return self.n_vocab
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_vocab + 1
+
+    def tokenizer(self) -> Any:
+        return _word_tokenizer([f"t{i}" for i in range(self.n_vocab)] + ["<|bos|>"], "<|bos|>")
+
+    def chain(self) -> np.ndarray:
+        """The bigram transition matrix ``[n_vocab, n_vocab]`` (rows sum to one)."""
+        rng = np.random.default_rng([self.language_seed, 7919])
+        return rng.dirichlet(np.full(self.n_vocab, self.alpha), size=self.n_vocab)
+
+    def sample(self, n_seq: int, seed: int, step: int) -> TaskBatch:
+        rng, v, t = _rng(seed, step), self.n_vocab, self.seq_len
+        cum = self.chain().cumsum(1)
+        first_trigger = v - self.n_triggers
+        x = np.zeros((n_seq, t), dtype=np.int64)
+        x[:, 0] = rng.integers(0, first_trigger, n_seq)  # the first token is no trigger
+        for i in range(1, t):
+            drawn = np.minimum((rng.random(n_seq)[:, None] > cum[x[:, i - 1]]).sum(1), v - 1)
+            copy = x[:, i - 2] if i >= 2 else drawn
+            x[:, i] = np.where(x[:, i - 1] >= first_trigger, copy, drawn)
+        tokens = torch.from_numpy(np.concatenate([np.full((n_seq, 1), self.bos), x], 1))
+        trigger = tokens >= first_trigger
+        trigger[:, 0] = False
+        expected = torch.full_like(tokens, -1)
+        best = torch.from_numpy(self.chain().argmax(1))
+        expected[:, 1:-1] = torch.where(trigger[:, 1:-1], tokens[:, :-2], best[tokens[:, 1:-1]])
+        scored = expected >= 0
+        return TaskBatch(tokens=tokens, trigger=trigger, scored=scored, target=expected)
+
+    def loss(self, logits: Float[Tensor, "batch pos d_vocab"], batch: TaskBatch) -> Float[Tensor, ""]:
+        tokens = batch.tokens.to(logits.device)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    def accuracy(self, logits: Float[Tensor, "batch pos d_vocab"], batch: TaskBatch) -> dict[str, float]:
+        hit = logits.argmax(-1).cpu() == batch.target
+        return _split_means(hit, batch.trigger, batch.scored)
+
+
+Task = TriggerConditional | BigramBackcopy
+_CLASSES = {"trigger_conditional": TriggerConditional, "bigram_backcopy": BigramBackcopy}
+
+
+def make_task(name: str, **options: Any) -> Task:
+    """A task by name (:data:`TASKS`) with its options (the dataclass fields).
+
+    >>> make_task("trigger_conditional", n_values=8).n_tokens
+    10
+
+    Raises:
+        MassiveLensError: for an unknown task or option.
+    """
+    if name not in _CLASSES:
+        raise MassiveLensError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    try:
+        return _CLASSES[name](**options)
+    except TypeError as exc:
+        raise MassiveLensError(f"bad option for task {name!r}: {exc}") from exc
