@@ -5,6 +5,8 @@ flat series."""
 from __future__ import annotations
 
 import functools
+import json
+import math
 
 import numpy as np
 import pandas as pd
@@ -108,3 +110,65 @@ def test_runs_folder_and_bad_inputs(tmp_path, monkeypatch):
         training_stability(train_model("smoke", steps=2, record=False, **TINY))
     with pytest.raises(MassiveLensError, match="window"):
         find_spikes([1.0, 2.0], window=1)
+
+
+def _record(n: int = 120, loss: float = 3.0) -> pd.DataFrame:
+    """A flat per-step record of ``n`` steps with every recorder column."""
+    frame = pd.DataFrame({c: np.full(n, 1.0) for c in STEP_COLUMNS})
+    return frame.assign(step=np.arange(1, n + 1), loss=loss, max_act=10.0, act_ratio=5.0, first_attn=0.2)
+
+
+def _write_run(folder, steps: pd.DataFrame, seed=0, attention="softmax"):
+    folder.mkdir(parents=True)
+    steps.to_parquet(folder / STEPS, index=False)
+    (folder / "run.json").write_text(json.dumps(dict(config=dict(seed=seed, model=dict(attention=attention)))))
+
+
+def test_two_experiments_with_one_variant_and_seed_stay_two_runs(tmp_path):
+    """Issue 37: runs were keyed by (variant, seed), so two experiments under one folder became one
+    series whose 'spikes' were the jumps between their two loss curves."""
+    _write_run(tmp_path / "first" / "run", _record(loss=3.0))
+    _write_run(tmp_path / "second" / "run", _record(loss=6.0))
+    (tmp_path / "third").mkdir()
+    _record(loss=4.0).to_parquet(tmp_path / "third" / STEPS, index=False)  # no run.json: softmax, seed 0 as well
+    result = training_stability(tmp_path)
+    runs = result.to_frame()
+    assert runs["run"].tolist() == ["first/run", "second/run", "third"]
+    assert runs["spikes"].tolist() == [0, 0, 0] and runs["steps"].tolist() == [120] * 3
+    assert runs["loss_end"].tolist() == [3.0, 6.0, 4.0] and set(zip(runs.variant, runs.seed)) == {("softmax", 0)}
+    assert result.per_step.groupby("run").size().tolist() == [120] * 3 and "No spikes in any run" in result.summary()
+    # a frame with a run column is read the same way; one without keeps (variant, seed)
+    assert training_stability(result.per_step).to_frame()["run"].tolist() == runs["run"].tolist()
+
+
+def test_a_run_whose_loss_turns_nan_is_a_divergence_not_zero_spikes():
+    record = _record().assign(variant="softmax", seed=0)
+    record.loc[record.step >= 90, ["loss", "grad_norm"]] = np.nan
+    result = training_stability(record)
+    row = result.to_frame().iloc[0]
+    assert row.diverged_at == 90 and row.spikes == 0
+    assert result.table()["diverged"].tolist() == [1]
+    summary = result.summary()
+    assert "DIVERGED" in summary and "from step 90" in summary and "No spikes in any run" not in summary
+    assert math.isnan(training_stability(_record().assign(variant="softmax", seed=0)).to_frame().diverged_at[0])
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: (d / STEPS).write_bytes(b"not a parquet file"), "not a readable per-step record"),
+    (lambda d: (d / STEPS).write_bytes((d / STEPS).read_bytes()[:40]), "not a readable per-step record"),
+    (lambda d: _record().drop(columns="loss").to_parquet(d / STEPS), r"lacks the columns \['loss'\]"),
+    (lambda d: _record().assign(loss="x").to_parquet(d / STEPS), r"columns \['loss'\] are not numbers"),
+    (lambda d: (d / "run.json").write_text("{not json"), "JSONDecodeError"),
+    (lambda d: (d / "run.json").write_text("[" * 100_000), "not a run.json"),
+    (lambda d: (d / "run.json").write_text("{}"), "KeyError"),
+    (lambda d: (d / "run.json").write_text("[1]"), "not a run.json"),
+    (lambda d: (d / "run.json").write_text('{"config": {"seed": "x"}}'), "integer seed"),
+    (lambda d: (d / "run.json").write_text('{"config": {"model": {"attention": 3}}}'), "attention name"),
+    (lambda d: (d / "run.json").write_text('{"config": {"model": []}}'), "attention name"),
+])
+def test_a_damaged_run_record_is_a_clear_error(tmp_path, damage, match):
+    _write_run(tmp_path / "run", _record())
+    damage(tmp_path / "run")
+    with pytest.raises(MassiveLensError, match=match) as info:
+        training_stability(tmp_path)
+    assert str(tmp_path / "run") in str(info.value)

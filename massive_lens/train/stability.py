@@ -13,9 +13,14 @@ largest |activation| over the ``around`` steps before it, ``act_after`` the larg
 and the ``around`` steps after it, and ``act_growth`` their ratio (likewise ``ratio_*`` for the
 top-1/median ratio and ``attn_*`` for the first-token attention, means).
 
+Runs are told apart by their ``run`` label (for a folder of runs, the run's folder), never by
+variant and seed alone: two experiments under one folder may share both. A run whose loss becomes
+NaN or infinite **diverged**: ``diverged_at`` names the first such step (spikes are looked for in
+the finite steps before and after it, and the summary says so).
+
 Per run, ``to_frame()`` gives the number of spikes and the state at the end (means over the last
 ``window`` steps); :meth:`TrainingStability.table` the mean per variant with a 95% t-interval over
-seeds (with 3 seeds the interval is wide, as it should be).
+runs (with 3 seeds the interval is wide, as it should be).
 
 >>> import numpy as np
 >>> loss = np.full(200, 3.0); loss[120] = 6.0
@@ -43,6 +48,9 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.train.checkpoint import STEPS
 
 WINDOW, LOSS_FACTOR, GRAD_FACTOR, AROUND = 50, 1.2, 3.0, 10
+KEYS = ("run", "variant", "seed")  # ``run`` tells runs apart; variant and seed describe them
+NEEDED = ("step", "loss", "grad_norm")  # the per-step columns spikes are found in
+MAX_RUN_JSON = 64 << 20  # bytes: a run.json is kilobytes (more only when its config holds the text)
 END_METRICS = ("loss", "max_act", "act_ratio", "first_attn", "first_attn_top")
 PANELS = (("loss", "training loss", False), ("grad_norm", "gradient norm", True),
           ("max_act", "largest |activation|", True), ("first_attn", "attention on the first token", False))
@@ -120,13 +128,16 @@ def t_interval(values: Sequence[float | int]) -> tuple[float, float, float]:
 class TrainingStability(Result):
     """Spikes and massive activations over training (see the module docstring).
 
-    ``per_step``: ``variant``, ``seed`` and the recorder's columns, one row per step of each run.
-    ``spikes``: ``variant``, ``seed`` and the :func:`spike_table` columns. ``to_frame()``: one row
-    per run: ``variant``, ``seed``, ``steps``, ``spikes``, ``loss_spikes``, ``grad_spikes``,
+    ``per_step``: ``run`` (the run's label: for a folder of runs, the run's folder relative to
+    it, ``.`` for the folder itself; else ``<variant> seed <seed>``, or a TrainRun's ``out_dir``),
+    ``variant``, ``seed`` and the recorder's columns, one row per step of each run. ``spikes``:
+    ``run``, ``variant``, ``seed`` and the :func:`spike_table` columns. ``to_frame()``: one row per
+    run: ``run``, ``variant``, ``seed``, ``steps``, ``spikes``, ``loss_spikes``, ``grad_spikes``,
     ``loss_jump_max`` and ``grad_jump_max`` (the largest value over the median of the ``window``
     steps before it: how close the run came to a spike), ``act_growth`` (largest over its spikes,
-    NaN without one), ``act_ratio_peak`` and the means over the last ``window`` steps of
-    :data:`END_METRICS` (``<metric>_end``).
+    NaN without one), ``act_ratio_peak``, ``diverged_at`` (the first step whose loss is NaN or
+    infinite; NaN if none) and the means over the last ``window`` steps of :data:`END_METRICS`
+    (``<metric>_end``).
     """
 
     per_step: pd.DataFrame
@@ -138,40 +149,42 @@ class TrainingStability(Result):
 
     def to_frame(self) -> pd.DataFrame:
         rows = []
-        for (variant, seed), run in self.per_step.groupby(["variant", "seed"], sort=False):
-            mine = self._spikes_of(variant, seed)
+        for (label, variant, seed), run in _keyed(self.per_step).groupby(list(KEYS), sort=False):
+            mine = self._spikes_of(label)
             end = run.sort_values("step").tail(self.window)
             kinds = mine["kind"] if len(mine) else pd.Series(dtype=str)
-            rows.append(dict(variant=variant, seed=int(seed), steps=int(run["step"].max()), spikes=len(mine),
+            rows.append(dict(run=label, variant=variant, seed=int(seed), steps=int(run["step"].max()), spikes=len(mine),
                              loss_spikes=int(kinds.str.contains("loss").sum()),
                              grad_spikes=int(kinds.str.contains("grad").sum()),
                              loss_jump_max=_largest_jump(run, "loss", self.window),
                              grad_jump_max=_largest_jump(run, "grad_norm", self.window),
                              act_growth=float(mine["act_growth"].max()) if len(mine) else math.nan,
-                             act_ratio_peak=float(run["act_ratio"].max()),
+                             act_ratio_peak=float(run["act_ratio"].max()), diverged_at=_diverged_at(run),
                              **{f"{m}_end": float(end[m].mean()) if m in end else math.nan for m in END_METRICS}))
         return pd.DataFrame(rows)
 
-    def _spikes_of(self, variant: str, seed: int) -> pd.DataFrame:
+    def _spikes_of(self, label: str) -> pd.DataFrame:
         if not len(self.spikes):
             return self.spikes
-        return self.spikes[(self.spikes["variant"] == variant) & (self.spikes["seed"] == seed)]
+        return self.spikes[_keyed(self.spikes)["run"] == label]
 
     def table(self) -> pd.DataFrame:
         """Per variant: each run metric's mean over seeds with its 95% t-interval
-        (``<metric>``, ``<metric>_low``, ``<metric>_high``) and ``seeds``."""
+        (``<metric>``, ``<metric>_low``, ``<metric>_high``), ``seeds`` (the number of runs) and
+        ``diverged`` (how many of them diverged)."""
         runs, rows = self.to_frame(), []
         metrics = ["spikes", "loss_jump_max", "grad_jump_max", "act_ratio_peak"] + [f"{m}_end" for m in END_METRICS]
         for variant, part in runs.groupby("variant", sort=False):
-            row: dict[str, Any] = dict(variant=variant, seeds=len(part), steps=int(part["steps"].max()))
+            row: dict[str, Any] = dict(variant=variant, seeds=len(part), steps=int(part["steps"].max()),
+                                       diverged=int(part["diverged_at"].notna().sum()))
             for m in metrics:
                 row[m], row[f"{m}_low"], row[f"{m}_high"] = t_interval(part[m].tolist())
             rows.append(row)
         return pd.DataFrame(rows)
 
     def summary(self) -> str:
-        table = self.table()
-        lines = [f"training stability over {len(self.to_frame())} runs (spike: loss > {self.loss_factor:g}x or "
+        table, runs = self.table(), self.to_frame()
+        lines = [f"training stability over {len(runs)} runs (spike: loss > {self.loss_factor:g}x or "
                  f"gradient norm > {self.grad_factor:g}x the median of the {self.window} steps before; 95% "
                  "t-intervals over seeds):"]
         for _, r in table.iterrows():
@@ -182,7 +195,14 @@ class TrainingStability(Result):
                          f"top-1/median {ci('act_ratio_end')}, "
                          f"first-token attention {ci('first_attn_end', '.3f')} (top layer "
                          f"{ci('first_attn_top_end', '.3f')}), loss {ci('loss_end')}")
-        if not len(self.spikes):
+        diverged = runs[runs["diverged_at"].notna()]
+        if len(diverged):
+            lines.append(f"  {len(diverged)} run{'s' * (len(diverged) != 1)} DIVERGED (loss NaN or infinite): " +
+                         "; ".join(f"{r.run} ({r.variant}, seed {r.seed}) from step {int(r.diverged_at)}"
+                                   for r in diverged.itertuples()) + "; spikes are counted in the finite steps only")
+        if not len(self.spikes) and len(diverged):
+            lines.append("  No spikes in the finite steps of any run.")
+        elif not len(self.spikes):
             lines.append("  No spikes in any run: this budget says nothing about massive activations and spikes.")
         else:
             growth = self.spikes["act_growth"]
@@ -221,12 +241,29 @@ class TrainingStability(Result):
     def _draw(self, ax: Any, name: str, label: str, log: bool) -> None:
         if name not in self.per_step:
             raise MassiveLensError(f"no column {name!r} in the per-step record; choose from {list(self.per_step)}")
-        for i, variant in enumerate(self.per_step["variant"].unique()):
-            for j, (seed, run) in enumerate(self.per_step[self.per_step["variant"] == variant].groupby("seed")):
+        per_step = _keyed(self.per_step)
+        for i, variant in enumerate(per_step["variant"].unique()):
+            for j, (label, run) in enumerate(per_step[per_step["variant"] == variant].groupby("run", sort=False)):
                 ax.plot(run["step"], run[name], color=f"C{i}", lw=0.7, alpha=0.8, label=variant if j == 0 else None)
-                hits = run[run["step"].isin(self._spikes_of(variant, seed).get("step", []))]
+                hits = run[run["step"].isin(self._spikes_of(label).get("step", []))]
                 ax.plot(hits["step"], hits[name], "x", color=f"C{i}", ms=7)
         ax.set(ylabel=label, yscale="log" if log else "linear")
+
+
+def _diverged_at(run: pd.DataFrame) -> float:
+    """The first step whose loss is NaN or infinite (NaN when every loss is finite)."""
+    run = run.sort_values("step")
+    bad = ~np.isfinite(run["loss"].to_numpy(dtype=float))
+    return float(run["step"].iloc[int(bad.argmax())]) if bad.any() else math.nan
+
+
+def _keyed(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with a ``run`` column first (``<variant> seed <seed>`` where it has none: a frame
+    given without one, or a result saved before runs had labels)."""
+    if "run" in frame or frame.empty:
+        return frame
+    label = frame["variant"].astype(str) + " seed " + frame["seed"].astype(str)
+    return frame.assign(run=label)[["run", *frame.columns]]
 
 
 def _largest_jump(run: pd.DataFrame, column: str, window: int) -> float:
@@ -245,8 +282,9 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
 
     Args:
         runs: a :class:`~massive_lens.train.Comparison`, a :class:`~massive_lens.train.TrainRun`, a
-            list of TrainRuns, a per-step frame with ``variant`` and ``seed`` columns, or a folder
-            (``train-compare``'s ``out_dir``: every ``steps.parquet`` under it, with its ``run.json``).
+            list of them, a per-step frame with ``variant`` and ``seed`` columns (and ``run``, where
+            runs share both), or a folder (``train-compare``'s ``out_dir``: every ``steps.parquet``
+            under it, with its ``run.json``; each run is labelled by its folder).
         window: steps of the rolling median a step is compared with (default 50).
         loss_factor: a loss above this many times the median is a spike (default 1.2).
         grad_factor: a gradient norm above this many times the median is a spike (default 3.0).
@@ -260,13 +298,14 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
 
     Raises:
         MassiveLensError: if no run has a per-step record (trained with ``record=False``, or a
-            folder without ``steps.parquet``), or window / factors are invalid.
+            folder without ``steps.parquet``), a ``steps.parquet`` or ``run.json`` in the folder
+            cannot be read or lacks what it should hold, or window / factors are invalid.
 
     >>> import numpy as np
     >>> steps = pd.DataFrame(dict(variant="softmax", seed=0, step=np.arange(1, 101), loss=3.0, grad_norm=1.0,
     ...                           max_act=10.0, act_ratio=5.0, first_attn=0.2, first_attn_top=0.3))
-    >>> training_stability(steps, window=20).to_frame()[["variant", "spikes", "act_ratio_end"]].values.tolist()
-    [['softmax', 0, 5.0]]
+    >>> training_stability(steps, window=20).to_frame()[["run", "spikes", "act_ratio_end"]].values.tolist()
+    [['softmax seed 0', 0, 5.0]]
     """
     per_step = _per_step(runs)
     if until_step is not None and len(per_step):
@@ -277,13 +316,13 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
     if around < 1:
         raise MassiveLensError(f"around must be a positive number of steps, got {around}")
     tables = []
-    for (variant, seed), run in per_step.groupby(["variant", "seed"], sort=False):
+    for (label, variant, seed), run in per_step.groupby(list(KEYS), sort=False):
         found = spike_table(run, window=window, loss_factor=loss_factor, grad_factor=grad_factor, around=around)
         if len(found):
-            tables.append(found.assign(variant=variant, seed=seed))
+            tables.append(found.assign(run=label, variant=variant, seed=seed))
     spikes = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
     if len(spikes):
-        spikes = spikes[["variant", "seed"] + [c for c in spikes if c not in ("variant", "seed")]]
+        spikes = spikes[[*KEYS] + [c for c in spikes if c not in KEYS]]
     return TrainingStability(per_step, spikes, window, float(loss_factor), float(grad_factor), around)
 
 
@@ -291,21 +330,25 @@ def _per_step(runs: Any) -> pd.DataFrame:
     if isinstance(runs, (str, os.PathLike)):
         return _from_folder(Path(runs))
     if isinstance(runs, pd.DataFrame):
-        missing = {"variant", "seed", "step", "loss", "grad_norm"} - set(runs)
+        missing = {"variant", "seed", *NEEDED} - set(runs)
         if missing:
             raise MassiveLensError(f"the per-step frame lacks the columns {sorted(missing)}")
-        return runs.reset_index(drop=True)
+        return _keyed(runs.reset_index(drop=True))
     if isinstance(runs, (list, tuple)):
         frames = [_per_step(r) for r in runs]
+        labels = [set(f["run"]) if len(f) else set() for f in frames]
+        if sum(map(len, labels)) != len(set().union(*labels)):  # two items share a label: number them
+            frames = [f.assign(run=f"#{i} " + f["run"].astype(str)) if len(f) else f for i, f in enumerate(frames)]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     frame = getattr(runs, "per_step", None)
     if not isinstance(frame, pd.DataFrame):
         raise MassiveLensError(f"cannot read a per-step record from {type(runs).__name__}; give a TrainRun, a "
                                "Comparison, a per-step frame or a runs folder")
     if "variant" in frame or frame.empty:
-        return frame
-    return frame.assign(variant=runs.model.cfg.attention.name, seed=runs.config.seed)[
-        ["variant", "seed", *frame.columns]]
+        return _keyed(frame)
+    variant, seed = runs.model.cfg.attention.name, runs.config.seed
+    label = str(runs.out_dir) if getattr(runs, "out_dir", None) else f"{variant} seed {seed}"
+    return frame.assign(run=label, variant=variant, seed=seed)[[*KEYS, *frame.columns]]
 
 
 def _from_folder(folder: Path) -> pd.DataFrame:
@@ -313,11 +356,46 @@ def _from_folder(folder: Path) -> pd.DataFrame:
         raise MassiveLensError(f"{folder} is not a folder of training runs")
     frames = []
     for path in sorted(folder.rglob(STEPS)):
-        config = json.loads((path.parent / "run.json").read_text())["config"] if (path.parent / "run.json").is_file() \
-            else {}
-        attention = config.get("model", {}).get("attention", "softmax")
-        variant = attention.get("name", "softmax") if isinstance(attention, dict) else str(attention)
-        frame = pd.read_parquet(path)
-        frames.append(frame.assign(variant=variant, seed=int(config.get("seed", 0)))[
-            ["variant", "seed", *frame.columns]])
+        variant, seed = _run_config(path.parent / "run.json")
+        frame = _read_steps(path)
+        frames.append(frame.assign(run=path.parent.relative_to(folder).as_posix(), variant=variant, seed=seed)[
+            [*KEYS, *frame.columns]])
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _read_steps(path: Path) -> pd.DataFrame:
+    """One run's ``steps.parquet``, checked: readable, with numeric ``step``, ``loss`` and ``grad_norm``."""
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors share no base class with ours: say which file
+        raise MassiveLensError(f"{path} is not a readable per-step record ({type(exc).__name__}: {exc}); "
+                               "delete it, or re-run the training with record=True to write it again") from exc
+    missing = [c for c in NEEDED if c not in frame]
+    wrong = [c for c in NEEDED if c in frame and not pd.api.types.is_numeric_dtype(frame[c])]
+    if missing or wrong:
+        raise MassiveLensError(f"{path} is not a per-step record of massive_lens.train: "
+                               + (f"it lacks the columns {missing}" if missing else f"the columns {wrong} are not "
+                                  "numbers") + "; delete it, or re-run the training to write it again")
+    return frame
+
+
+def _run_config(path: Path) -> tuple[str, int]:
+    """The variant and seed in a run's ``run.json`` (``softmax`` and 0 without one)."""
+    if not path.is_file():
+        return "softmax", 0
+    problem = f"{path} is not a run.json written by massive_lens.train"
+    if path.stat().st_size > MAX_RUN_JSON:
+        raise MassiveLensError(f"{problem}: {path.stat().st_size} bytes (at most {MAX_RUN_JSON}); delete or replace it")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))["config"]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as exc:
+        raise MassiveLensError(f"{problem} ({type(exc).__name__}: {str(exc)[:120]}); delete or replace it") from exc
+    config = config if isinstance(config, dict) else {"seed": None}
+    model = config.get("model", {})
+    attention = model.get("attention", "softmax") if isinstance(model, dict) else None
+    attention = attention.get("name", "softmax") if isinstance(attention, dict) else attention
+    seed = config.get("seed", 0)
+    if not isinstance(attention, str) or isinstance(seed, bool) or not isinstance(seed, int):
+        raise MassiveLensError(f"{problem}: its config needs an attention name and an integer seed, got "
+                               f"attention={attention!r}, seed={seed!r}; delete or replace it")
+    return attention, seed
