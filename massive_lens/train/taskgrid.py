@@ -5,9 +5,9 @@ a run whose ``result.json`` exists is finished and skipped, so running the grid 
 interrupted one. The order puts seeds 0 and 1 of every setting before any seed 2+, so a partial
 grid still pairs every setting with the baseline.
 
-    python -m massive_lens.train.taskgrid run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
-    python -m massive_lens.train.taskgrid page --root docs/sinktasks/runs           # docs/sinktasks.md
-    python -m massive_lens.train.taskgrid page --root docs/sinktasks/runs --check   # 1 if it differs
+    python -m massive_lens.train.taskcli run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
+    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs           # docs/sinktasks.md
+    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs --check   # 1 if it differs
 
 >>> [s.name for s in grid_settings(seeds=[0])][:3]
 ['softmax-pre', 'softmax-pre', 'softmax1-pre']
@@ -15,9 +15,7 @@ grid still pairs every setting with the baseline.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,8 +23,6 @@ from typing import Any
 
 import torch
 
-from massive_lens.errors import MassiveLensError
-from massive_lens.train.taskpage import write_page
 from massive_lens.train.taskrun import RESULT, TaskSettings, check_settings, train_task
 
 log = logging.getLogger(__name__)
@@ -83,34 +79,3 @@ def run_grid(root: str | Path, runs: Sequence[TaskSettings], threads: int | None
         done += 1
         log.info("%s %s seed %d: %.0f s", settings.task, settings.name, settings.seed, time.perf_counter() - t0)
     return done
-
-
-def _seeds(text: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError as exc:
-        raise MassiveLensError(f"--seeds takes comma-separated whole numbers, e.g. 0,1,2; got {text!r}") from exc
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``run`` the grid (resuming) or write / ``--check`` the answer page."""
-    parser = argparse.ArgumentParser(prog="python -m massive_lens.train.taskgrid", description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=["run", "page"])
-    parser.add_argument("--root", default=DEFAULT_ROOT, help=f"the run folders (default {DEFAULT_ROOT})")
-    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0-4)")
-    parser.add_argument("--page", default="docs/sinktasks.md", help="the answer page (default docs/sinktasks.md)")
-    parser.add_argument("--check", action="store_true", help="page: exit 1 if the page differs from the folders")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    try:
-        if args.command == "run":
-            run_grid(args.root, grid_settings(_seeds(args.seeds)))
-            return 0
-        return write_page(args.root, args.page, check=args.check)
-    except MassiveLensError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,8 @@ At step 0, every ``eval_every`` steps and at the last step, one pass over a fixe
   largest over layers (``hook_resid_post``).
 
 At the end (``result.json``): the last record, ``sink_step`` (the first evaluation step whose
-``sink_mass`` reaches :data:`SINK_THRESHOLD`; NaN if none), and the W8A8 / W4A4 gaps in task loss
+``sink_mass`` exceeds the package's sink threshold, :data:`massive_lens.core.criterion.SINK_THRESHOLD`,
+Gu et al.'s 0.3; NaN if none), and the W8A8 / W4A4 gaps in task loss
 and accuracy under :func:`massive_lens.lowbit.fake_quantized` (per-channel weights, dynamic
 per-token activations, the unembedding kept in full precision). ``result.json`` is written last,
 so its presence marks a finished run.
@@ -41,6 +42,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from massive_lens.core.criterion import SINK_THRESHOLD
 from massive_lens.errors import MassiveLensError
 from massive_lens.lowbit import fake_quantized
 from massive_lens.train.layers import MassiveLMConfig
@@ -49,7 +51,6 @@ from massive_lens.train.presets import TrainConfig
 from massive_lens.train.tasks import TaskBatch, make_task
 from massive_lens.train.trainer import lr_at, make_optimizer
 
-SINK_THRESHOLD = 0.5  # a head puts half its attention (mean over queries) on the first token
 RESULT = "result.json"
 _HOOKS = ("hook_pattern", "hook_attn_scores", "hook_v", "hook_resid_post")
 
@@ -155,8 +156,8 @@ def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None)
 
 
 def sink_step(evals: pd.DataFrame, threshold: float = SINK_THRESHOLD) -> float:
-    """The first evaluation step whose ``sink_mass`` reaches ``threshold`` (NaN if none)."""
-    hit = evals.loc[evals["sink_mass"] >= threshold, "step"]
+    """The first evaluation step whose ``sink_mass`` exceeds ``threshold`` (NaN if none)."""
+    hit = evals.loc[evals["sink_mass"] > threshold, "step"]
     return float(hit.iloc[0]) if len(hit) else math.nan
 
 
