@@ -177,3 +177,25 @@ def plant_brief(model: Any) -> Any:
     wire(model, 1, ERASER, BRIEF_DIM, BRIEF_DIM, sign=-1.0)
     scale_write(model, 1, ERASER, BRIEF_DIM, -BRIEF_VALUE, _probe(model), 2)
     return model
+
+
+DIP_TRIGGER, DIPPER, DIP_LAYER = 15, 61, 1  # plant_dip: OUTLIER_DIM dips under the outlier share at DIP_LAYER
+
+
+def plant_dip(model: Any) -> Any:
+    """:func:`plant_story` (Llama-style), then ``OUTLIER_DIM`` dips under the outlier share at
+    ``DIP_LAYER``: a neuron there erases it at every token but ``WORD`` (and BOS, where it is
+    zero), so at that layer it stays massive at the ``WORD`` tokens only, fewer than half of a
+    text's tokens but more than ``OUTLIER_DIM_MIN_TOKENS``; ``OUTLIER_END``'s neuron then erases
+    the rest. Its entries at ``DIP_LAYER`` look token-specific to a rule decided per layer.
+    Returns the model, edited in place."""
+    plant_story(model)
+    clean_dim(model, DIP_TRIGGER)
+    with torch.no_grad():
+        model.W_E[:, DIP_TRIGGER] = 1.0
+        model.W_E[[model.tokenizer.bos_token_id, WORD], DIP_TRIGGER] = 0.0
+    wire(model, DIP_LAYER, DIPPER, DIP_TRIGGER, OUTLIER_DIM, sign=-1.0)
+    with torch.no_grad():  # the trigger is small beside OUTLIER_VALUE under the pre-norm: read it louder
+        wire_neuron(model.blocks[DIP_LAYER].mlp, DIPPER, DIP_TRIGGER, gain=3.0 * OUTLIER_VALUE)
+    scale_write(model, DIP_LAYER, DIPPER, OUTLIER_DIM, -OUTLIER_VALUE, _probe(model), 1)
+    return model

@@ -17,13 +17,9 @@ when it carries a massive activation that persists across layers. A dim that cro
 massive criterion at one early layer does not make its positions sinks, and neither does an
 outlier dimension (below): the persistence test counts token-specific entries only.
 
-Two different phenomena pass the massive criterion. A **token-specific** massive activation
-sits on a few tokens (the first token, the first delimiter) and is what Sun et al. describe.
-An **outlier dimension** passes it at most tokens of a layer, typically because that layer's
-median is tiny: it is a property of the dim, not of a token. :func:`outlier_dims` is the one
-rule that tells them apart (a dim massive at >= ``OUTLIER_DIM_SHARE`` of a sequence's real
-tokens, and at >= ``OUTLIER_DIM_MIN_TOKENS`` of them, at one layer), and every result labels
-its entries with a ``scope``: ``"token"`` or ``"outlier_dim"`` (:data:`SCOPES`).
+Two different phenomena pass the massive criterion: token-specific massive activations and
+*outlier dimensions*. :mod:`massive_lens.core.outliers` holds the one rule that tells them apart
+(per dimension, over the layers of a run); its names are importable from here too.
 
 >>> x = torch.ones(1, 3, 8); x[0, 0, 5] = 5000.0
 >>> massive_mask(x, Criterion()).nonzero().tolist()
@@ -40,6 +36,15 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from massive_lens.core.outliers import (  # noqa: F401  (the rule's names, importable from the criterion too)
+    OUTLIER_DIM_MIN_TOKENS,
+    OUTLIER_DIM_SHARE,
+    SCOPES,
+    OutlierTally,
+    outlier_dims,
+    outlier_scope,
+    token_specific,
+)
 from massive_lens.errors import MassiveLensError
 
 SINK_THRESHOLD = 0.3  # Gu et al.: a head is a sink head when > 0.3 of its attention is on the first token
@@ -49,9 +54,6 @@ SINK_HEAD_SHARE = 0.3  # a position is a sink when >= 30% of all heads are sink 
 SINK_PERSISTENCE = 0.5  # ... or it is massive in >= half the layers from its sequence's first massive layer on
 SINK_MIN_LAYERS = 2  # ... and in at least two layers (one layer is a crossing, not a sink)
 SINK_MIN_QUERIES = 8  # the attention test needs this many later queries; nearer the end only persistence counts
-OUTLIER_DIM_SHARE = 0.5  # a dim massive at >= half of a sequence's real tokens at one layer is an outlier dimension ...
-OUTLIER_DIM_MIN_TOKENS = 4  # ... if that is at least 4 tokens (BOS and a delimiter in a 3-token text are not one)
-SCOPES = ("token", "outlier_dim")  # the two scopes of a massive entry, token-specific first
 OUTLIER_CHOICES = ("include", "exclude")  # Criterion.outliers
 
 
@@ -161,34 +163,6 @@ def massive_mask(
     if valid is not None:
         massive &= valid.to(massive.device)[..., None]
     return token_specific(massive, valid) if criterion.outliers == "exclude" else massive
-
-
-def token_specific(massive: Bool[Tensor, "batch pos d_model"], valid: Bool[Tensor, "batch pos"] | None = None
-                   ) -> Bool[Tensor, "batch pos d_model"]:
-    """``massive`` without the entries of outlier dimensions (dims massive at most of a
-    sequence's real tokens at this layer, see :func:`outlier_dims`).
-
-    >>> m = torch.zeros(1, 6, 3, dtype=torch.bool); m[0, :, 1] = True; m[0, 0, 2] = True
-    >>> token_specific(m).nonzero().tolist()
-    [[0, 0, 2]]
-    """
-    n = torch.full(massive.shape[:1], massive.shape[1], device=massive.device) if valid is None \
-        else valid.to(massive.device).sum(1)
-    return massive & ~outlier_dims(massive.sum(1), n)[:, None, :]
-
-
-def outlier_dims(count: Int[Tensor, "batch d_model"], n_tokens: Int[Tensor, " batch"]) -> Bool[Tensor, "batch d_model"]:
-    """Which dims are *outlier dimensions* at one layer: massive at ``count`` of the ``n_tokens``
-    real tokens of each sequence, at least ``OUTLIER_DIM_SHARE`` of them and at least
-    ``OUTLIER_DIM_MIN_TOKENS``. Their entries have ``scope == "outlier_dim"``; all others are
-    token-specific (``"token"``).
-
-    >>> outlier_dims(torch.tensor([[9, 1, 3]]), torch.tensor([10])).tolist()
-    [[True, False, False]]
-    """
-    count = count.float()
-    n = n_tokens.to(count.device, torch.float32)[:, None]
-    return (count >= OUTLIER_DIM_SHARE * n) & (count >= OUTLIER_DIM_MIN_TOKENS)
 
 
 def first_token_mass(
@@ -302,28 +276,49 @@ class SinkEvidence:
     """
 
     def __init__(self, valid: Bool[Tensor, "batch pos"], n_layers: int, rule: SinkRule | None = None,
-                 criterion: Criterion | None = None):
+                 criterion: Criterion | None = None, outliers: OutlierTally | None = None):
         self.valid, self.n_layers = valid.cpu(), n_layers
         self.rule, self.criterion = rule or SinkRule(), criterion or Criterion()
+        self.outliers = outliers or OutlierTally()  # the run's outlier dimensions (shared by a caller's batches)
         batch, pos = valid.shape
         self.sink_heads = torch.zeros(batch, pos)  # heads (over all layers) that are sink heads for the key
         self.n_heads = 0
-        self.massive_layers = torch.zeros(batch, pos, dtype=torch.long)  # layers where the position is massive
-        self.first_massive = torch.full((batch, pos), n_layers, dtype=torch.long)  # first such layer
+        self._entries: list[tuple[int, Tensor]] = []  # layer, [n 3] (seq, pos, dim) massive entries
 
-    def add_resid(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> Bool[Tensor, "batch pos"]:
-        """Count the positions with a token-specific massive entry at ``layer`` (an outlier
-        dimension, massive at most tokens, marks no position); returns them."""
-        hit = token_specific(massive_mask(resid, self.criterion, self.valid), self.valid).any(-1).cpu()
-        self.add_massive(layer, hit)
-        return hit
+    def add_resid(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> None:
+        """Count the massive entries of ``layer``'s residual stream (see :meth:`add_massive`)."""
+        every = self.criterion if self.criterion.outliers == "include" else Criterion(
+            self.criterion.abs_threshold, self.criterion.ratio_threshold, self.criterion.median_over)
+        self.add_massive(layer, massive_mask(resid, every, self.valid))
 
-    def add_massive(self, layer: int, hit: Bool[Tensor, "batch pos"]) -> None:
-        """Count the positions ``hit`` (those with a token-specific massive entry at ``layer``,
-        found by the caller, see :func:`token_specific`)."""
-        hit = hit.cpu() & self.valid
-        self.massive_layers += hit.long()
-        self.first_massive = torch.where(hit, self.first_massive.clamp(max=layer), self.first_massive)
+    def add_massive(self, layer: int, massive: Bool[Tensor, "batch pos d_model"]) -> None:
+        """Count ``layer``'s massive entries (every one, found by the caller with
+        :func:`massive_mask`): which of them are token-specific, and so mark positions, is
+        decided over the run by :attr:`outliers` when the sinks are asked for."""
+        massive = massive.cpu() & self.valid[..., None]
+        flags = self.outliers.add(layer, massive, self.valid)
+        self._entries.append((layer, (massive & ~flags[:, None, :]).nonzero()))  # this layer's outlier dims never count
+
+    def _massive(self) -> tuple[Tensor, Tensor]:
+        layers = torch.zeros(self.valid.shape, dtype=torch.long)
+        first = torch.full(self.valid.shape, self.n_layers, dtype=torch.long)
+        for layer, idx in self._entries:
+            kept = idx[~self.outliers.at(layer)[idx[:, 2]]]
+            hit = torch.zeros_like(self.valid)
+            hit[kept[:, 0], kept[:, 1]] = True
+            layers += hit.long()
+            first = torch.where(hit, first.clamp(max=layer), first)
+        return layers, first
+
+    @property
+    def massive_layers(self) -> Int[Tensor, "batch pos"]:
+        """Per position, the layers where it has a token-specific massive entry."""
+        return self._massive()[0]
+
+    @property
+    def first_massive(self) -> Int[Tensor, "batch pos"]:
+        """Per position, the first such layer (``n_layers``: none)."""
+        return self._massive()[1]
 
     def add_pattern(self, pattern: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
         """Count, per key position, the heads of this layer that are sink heads for it."""
@@ -349,10 +344,11 @@ class SinkEvidence:
     @property
     def by_massive(self) -> Bool[Tensor, "batch pos"]:
         """Positions whose massive activation persists across layers."""
-        start = self.first_massive.min(-1, keepdim=True).values  # the sequence's first massive layer
+        layers, first = self._massive()
+        start = first.min(-1, keepdim=True).values  # the sequence's first massive layer
         span = (self.n_layers - start).clamp(min=1)
         need = torch.maximum(torch.full_like(span, self.rule.min_layers), (self.rule.persistence * span).ceil().long())
-        return (self.massive_layers >= need) & (self.massive_layers > 0) & self.valid
+        return (layers >= need) & (layers > 0) & self.valid
 
     def mask(self) -> Bool[Tensor, "batch pos"]:
         """The sinks: positions that draw attention as one or carry a persistent massive activation."""

@@ -16,7 +16,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from massive_lens.core.criterion import Criterion, median_scale, outlier_dims
+from massive_lens.core.criterion import SCOPES, Criterion, OutlierTally, median_scale
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 
 
@@ -32,8 +32,9 @@ class ResidualReducer:
         self.top: dict[int, Tensor] = {}  # layer -> [batch k]
         self.median: dict[int, Tensor] = {}  # layer -> [batch]
         self.entries: list[tuple[int, Tensor, Tensor, Tensor]] = []  # layer, [n 3] idx, values, ratios
-        self.kind_hits: dict[int, Tensor] = {}  # layer -> [batch kinds+1 d_model] bool, token-specific entries only
+        self.kind_hits: dict[int, Tensor] = {}  # layer -> [batch kinds+1 d_model] bool, every massive entry
         self.outlier: dict[int, Tensor] = {}  # layer -> [batch d_model] bool: an outlier dimension there
+        self.tally = OutlierTally()  # the pass is one run: which entries are outlier-dimension entries
         self.share: dict[int, Tensor] = {}  # layer -> [batch d_model]: share of real tokens where the dim is massive
         self.peak = 0.0
         self.all_real = bool(batch.mask.all())  # no pads: no masking needed
@@ -57,11 +58,10 @@ class ResidualReducer:
         self.median[layer] = median.cpu()
         self.peak = max(self.peak, float(self.top[layer][:, 0].max()))
         massive = self.criterion.passes(mag, scale)
+        if padded:
+            massive &= valid[..., None]
         count, n_tokens = massive.sum(1), valid.sum(1)
-        outlier = outlier_dims(count, n_tokens)
-        self.outlier[layer] = outlier.cpu()
-        if self.criterion.outliers == "exclude":
-            massive = massive & ~outlier[:, None, :]
+        self.outlier[layer] = self.tally.add(layer, massive, valid).cpu()
         self.share[layer] = (count / n_tokens.clamp(min=1)[:, None]).float().cpu()
         if self.want_entries:
             idx = massive.nonzero()
@@ -69,9 +69,8 @@ class ResidualReducer:
                 b, p, d = idx.unbind(1)
                 ratio = mag[b, p, d] / scale.expand_as(mag)[b, p, d]
                 self.entries.append((layer, idx.cpu(), resid[b, p, d].float().cpu(), ratio.cpu()))
-        if self.kinds is not None:
-            token = massive & ~outlier[:, None, :]
-            self.kind_hits[layer] = kind_hits(token, self.kinds.to(resid.device)).cpu()
+        if self.kinds is not None:  # outlier dimensions are left out once the run is over (token_kind_hits)
+            self.kind_hits[layer] = kind_hits(massive, self.kinds.to(resid.device)).cpu()
         if self.on_layer is not None:
             self.on_layer(layer, mag, scale)
 
@@ -82,17 +81,32 @@ class ResidualReducer:
         bad = [layer for layer, top in sorted(self.top.items()) if not bool(torch.isfinite(top).all())]
         return bad[0] if bad else None
 
+    def scoped_entries(self) -> list[tuple[int, Tensor, Tensor, Tensor, list[str]]]:
+        """The massive entries per layer, each with its scope (:class:`OutlierTally`, the pass
+        being the run): ``(layer, idx [n 3], values, ratios, scopes)``; without the
+        outlier-dimension entries when the criterion excludes them."""
+        out = []
+        for layer, idx, values, ratios in self.entries:
+            flags = self.tally.at(layer)[idx[:, 2]]
+            if self.criterion.outliers == "exclude":
+                idx, values, ratios, flags = idx[~flags], values[~flags], ratios[~flags], flags[~flags]
+            out.append((layer, idx, values, ratios, [SCOPES[int(f)] for f in flags.tolist()]))
+        return out
+
+    def token_kind_hits(self, layer: int) -> Tensor:
+        """``kind_hits[layer]`` with the outlier-dimension entries of the run left out."""
+        return self.kind_hits[layer] & ~self.tally.at(layer)[None, None, :]
+
     def found(self, scope: str | None = None) -> set[tuple[int, int, int]]:
         """Every massive (seq, pos, dim), over all layers; with ``scope="token"`` only those
-        massive at some layer where their dim is not an outlier dimension, with
-        ``"outlier_dim"`` only those that are never token-specific."""
+        massive at some layer where their entry is token-specific, with ``"outlier_dim"`` only
+        those that are never token-specific."""
         out: set[tuple[int, int, int]] = set()
         token: set[tuple[int, int, int]] = set()
-        for layer, idx, _, _ in self.entries:
-            rows = idx.tolist()
-            out.update(map(tuple, rows))
-            flags = self.outlier[layer][idx[:, 0], idx[:, 2]].tolist()
-            token.update(tuple(r) for r, flag in zip(rows, flags, strict=True) if not flag)
+        for _, idx, _, _, scopes in self.scoped_entries():
+            rows = list(map(tuple, idx.tolist()))
+            out.update(rows)
+            token.update(r for r, s in zip(rows, scopes, strict=True) if s == "token")
         return {"token": token, "outlier_dim": out - token}.get(scope, out) if scope else out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
-from massive_lens.core.criterion import SCOPES, Criterion
+from massive_lens.core.criterion import Criterion
 from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ProfileSums, ResidualReducer
@@ -74,8 +74,9 @@ _BY_DIM = ["seq", "pos", "dim", "token", "token_kind", "scope", "first_layer", "
 class MassiveActivations(Result):
     """Every massive entry of a batch of texts. ``to_frame()`` columns: ``seq``, ``layer``,
     ``pos``, ``token``, ``token_kind``, ``dim``, ``value``, ``ratio``, ``scope``
-    (``"token"``: a token-specific massive activation; ``"outlier_dim"``: the dim is massive at
-    most tokens of that layer, see :func:`~massive_lens.core.criterion.outlier_dims`).
+    (``"token"``: a token-specific massive activation; ``"outlier_dim"``: the dim is an outlier
+    dimension, massive at most tokens of some layer of these texts, and spread over several
+    tokens at this one; the rule is :class:`~massive_lens.core.criterion.OutlierTally`).
     ``magnitudes`` has the top-1 and median ``|value|`` per (``seq``, ``layer``); ``profile``
     is their per-layer table in :class:`LayerProfile`'s columns, as ``CorpusScan.profile``.
     ``outliers`` lists the outlier dimensions per (``seq``, ``layer``, ``dim``) with the
@@ -269,11 +270,9 @@ def find_in_batch(view: ModelView, batch: Batch, criterion: Criterion, layers: S
     tokens = view.str_tokens(batch)
     kinds = view.token_kinds(batch)
     rows = []
-    for layer, idx, values, ratios in reducer.entries:
-        flags = reducer.outlier[layer][idx[:, 0], idx[:, 2]].tolist()
-        for (b, p, d), value, ratio, flag in zip(idx.tolist(), values.tolist(), ratios.tolist(), flags, strict=True):
-            rows.append((b, layer, p, tokens[b][p], TOKEN_KINDS[int(kinds[b, p])], d, value, ratio,
-                         SCOPES[int(flag)]))
+    for layer, idx, values, ratios, scopes in reducer.scoped_entries():
+        for (b, p, d), value, ratio, scope in zip(idx.tolist(), values.tolist(), ratios.tolist(), scopes, strict=True):
+            rows.append((b, layer, p, tokens[b][p], TOKEN_KINDS[int(kinds[b, p])], d, value, ratio, scope))
     entries = pd.DataFrame(rows, columns=["seq", "layer", "pos", "token", "token_kind", "dim", "value", "ratio",
                                           "scope"])
     outliers = pd.DataFrame([(b, layer, d, float(reducer.share[layer][b, d]))

@@ -147,7 +147,7 @@ def scan_corpus(
         kinds = view.token_kinds(batch)
         reducer = run_reducer(view, batch, criterion, "resid_post", layers, k=k, kinds=kinds)
         sums.add(reducer)
-        per_layer = torch.stack([reducer.kind_hits[layer] for layer in layers])  # [L b kinds d]
+        per_layer = torch.stack([reducer.token_kind_hits(layer) for layer in layers])  # [L b kinds d], a batch is a run
         hits += per_layer.sum(1)
         any_hits += per_layer.any(0).sum(0)
         present += _kinds_present(kinds).sum(0)

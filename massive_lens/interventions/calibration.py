@@ -39,7 +39,14 @@ from tqdm.auto import tqdm
 
 from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, sinks_from
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, massive_mask, token_specific
+from massive_lens.core.criterion import (
+    Criterion,
+    OutlierTally,
+    SinkEvidence,
+    SinkRule,
+    massive_mask,
+    token_specific,
+)
 from massive_lens.core.fmt import num, short
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
@@ -274,24 +281,20 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     sums = torch.zeros(n_layers, d_model, dtype=torch.float64)
     counts = torch.zeros(n_layers, d_model, dtype=torch.float64)
     entries: list[Tensor] = []  # token-specific entries, for the online sink rule
-    found: list[SinkSet] = []
-    first: list[Tensor] = []
-    outliers = torch.zeros(d_model, dtype=torch.bool)
+    gathered: list[tuple[SinkEvidence, Tensor]] = []
+    tally = OutlierTally()  # the whole calibration text is one run: its outlier dimensions, decided once
     for start, chunk in chunks:
         batch = view.full_batch(chunk)
-        evidence = SinkEvidence(batch.mask, n_layers, rule, criterion)
+        evidence = SinkEvidence(batch.mask, n_layers, rule, criterion, outliers=tally)
 
         def on_resid(resid: Tensor, hook: Any, layer: int, start: int = start,
                      evidence: SinkEvidence = evidence) -> None:
             every = massive_mask(resid, replace(criterion, outliers="include"))
-            token = token_specific(every)
-            outliers.logical_or_((every & ~token).any(1).any(0).cpu())
-            hits = token if criterion.outliers == "exclude" else every
-            evidence.add_massive(layer, token.any(-1))
-            values = resid.detach().double() * hits
+            evidence.add_massive(layer, every)  # counts the layer in the run's tally too
+            values = resid.detach().double() * every
             sums[layer] += values.sum((0, 1)).cpu()
-            counts[layer] += hits.sum((0, 1)).double().cpu()
-            idx = token.nonzero()
+            counts[layer] += every.sum((0, 1)).double().cpu()
+            idx = token_specific(every).nonzero()  # the run's outlier dims are left out below
             if len(idx):
                 value = resid[idx[:, 0], idx[:, 1], idx[:, 2]].double()
                 entries.append(torch.stack([torch.full_like(value, layer), idx[:, 0].double() + start,
@@ -305,9 +308,14 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
             hooks += [(view.hook_name(layer, "attn.hook_pattern"), on_pattern),
                       (view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer))]
         view.forward(batch, hooks, stop_after=hooks[-1][0])
-        found.append(sinks_from(evidence, view.token_kinds(batch)))
-        first.append(evidence.first_massive)
+        gathered.append((evidence, view.token_kinds(batch)))
         bar.update()
+    scope = torch.stack([tally.at(layer) for layer in range(n_layers)])  # [layer d_model] outlier-dimension entries
+    if criterion.outliers == "exclude":
+        sums[scope], counts[scope] = 0.0, 0.0
+    entries = [e[~scope[e[:, 0].long(), e[:, 3].long()]] for e in entries]
+    found = [sinks_from(evidence, kinds) for evidence, kinds in gathered]
+    first = [evidence.first_massive for evidence, _ in gathered]
     by_rule = torch.cat([torch.as_tensor(f.by_attention) | torch.as_tensor(f.by_massive) for f in found])
     fallback = int((~by_rule.any(-1)).sum())
     source = FOUND + (f"; the first token in {fallback} sequence(s) with none" if fallback else "")
@@ -315,7 +323,7 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
                     torch.cat([f.by_attention for f in found]), torch.cat([f.by_massive for f in found]))
     return dict(sums=sums, counts=counts, sinks=sinks, first_massive=torch.cat(first),
                 entries=torch.cat(entries) if entries else torch.zeros(0, 5, dtype=torch.float64),
-                outlier_dims=outliers.nonzero().flatten())
+                outlier_dims=scope.any(0).nonzero().flatten())
 
 
 def _fit_online(mask: Bool[Tensor, "seq pos"], entries: Tensor) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class Record:
         self.slot: dict[int, list[float]] = {}
         self.sinks: list[Tensor] = []
         self.targets: list[Tensor] = []
+        self.edited: dict[int, int] = {}  # dim -> residual entries an edit set (what the summaries say was edited)
 
     def add_values(self, layer: int, dims: Sequence[int], sums: Tensor, counts: Tensor) -> None:
         """Add ``|value|`` sums and counts of ``dims`` at ``layer``."""
@@ -78,6 +79,8 @@ class Record:
                 self.add_mass(mine, layer, total, n)
         self.sinks += other.sinks
         self.targets += other.targets
+        for dim, n in other.edited.items():
+            self.edited[dim] = self.edited.get(dim, 0) + n
 
     def clear(self) -> None:
         """Forget everything measured so far."""

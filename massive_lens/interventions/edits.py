@@ -69,6 +69,9 @@ def resid_step(resid: Float[Tensor, "batch pos d_model"], hook: Any, *, state: H
         else:
             cols = dims[plan.edit].to(resid.device)
             out[..., cols] = torch.where(where, plan.fill.to(out), out[..., cols])
+            for dim, n in zip(dims[plan.edit].tolist(), where.sum((0, 1)).tolist(), strict=True):
+                if n:
+                    state.record.edited[dim] = state.record.edited.get(dim, 0) + int(n)
     if len(plan.measure) and state.targets is not None:
         targets = state.targets[..., plan.measure].to(torch.float32)
         values = out.detach()[..., dims[plan.measure].to(out.device)].abs().float()

@@ -62,6 +62,8 @@ class InterventionTable(Result):
       ``target_dims``: the dims it edits there (the calibrated massive dims; outlier
       dimensions only with ``outliers="include"``); ``target_kinds``: the token kinds of the
       targeted positions, with counts over all sequences (empty for settings that edit none);
+      ``edited_dims``: the dims whose residual entries it really set, each with how many
+      (``"5 (64)"``), counted in the hooks: what the summary's outlier line is read from;
     - ``target_kept``: the targeted dims' mean ``|value|`` at their original peak layer
       (``peak_layer``), with the intervention / without (largest over dims);
     - ``target_back``, ``back_layer``: the largest such ratio at a later layer where the dim
@@ -106,9 +108,7 @@ class InterventionTable(Result):
                          f"{LEVEL}): {self.sinks.describe()}")
         calib = self.calibration
         if calib is not None and len(getattr(calib, "outlier_dims", ())):
-            how = ("excluded: no setting edits them" if calib.criterion.outliers == "exclude"
-                   else "included: the massive-activation edits target them too")
-            lines.append(f"outlier dimensions (massive at most tokens of a layer) {calib.outlier_text()}: {how}")
+            lines.append(outlier_line(calib, self.frame))
         edits = self.frame[self.frame["target_dims"] != ""] if "target_dims" in self.frame else self.frame.iloc[:0]
         for r in edits.drop_duplicates("target_dims").itertuples():
             lines.append(f"targets of the massive-activation edits: dims {r.target_dims} at {r.target_kinds} "
@@ -173,6 +173,7 @@ def _row(setting: str, run: _Run, base: _Run, calib: Calibration, sinks: SinkSet
                sink_kinds=used_set.kinds_text if used_set is not None else "",
                targets_per_seq=float(targets.sum(-1).float().mean()) if targets is not None else math.nan,
                target_dims=", ".join(map(str, sorted(calib.first_layer))) if iv.edits_massive else "",
+               edited_dims=", ".join(f"{d} ({n})" for d, n in sorted(run.record.edited.items())),
                target_kinds=aimed.kinds_text if aimed is not None else "",
                **{k: read[k] for k in ("target_kept", "peak_layer", "target_back", "back_layer", "sink_mass",
                                        "sink_mass_original", "rebuilt", "check")}, added=added)
@@ -180,6 +181,26 @@ def _row(setting: str, run: _Run, base: _Run, calib: Calibration, sinks: SinkSet
         row.update(target_kept=math.nan, peak_layer=math.nan, target_back=math.nan, back_layer=math.nan,
                    target_dims="", target_kinds="", check="original: untouched (the baseline of every check)")
     return row, checks.assign(setting=setting)
+
+
+def outlier_line(calib: Calibration, frame: pd.DataFrame) -> str:
+    """What the table did to the outlier dimensions, read from the entries each setting really
+    edited (``edited_dims``), not from the choice it was asked to make."""
+    outlier = set(calib.outlier_dims.tolist())
+    by_dim: dict[int, list[str]] = {}
+    for setting, edited in zip(frame["setting"], frame.get("edited_dims", pd.Series("", index=frame.index)),
+                               strict=True):
+        for item in filter(None, str(edited).split(", ")):
+            dim = int(item.split(" ")[0])
+            if dim in outlier:
+                by_dim.setdefault(dim, []).append(setting)
+    choice = "excluded" if calib.criterion.outliers == "exclude" else "included"
+    head = f"outlier dimensions (massive at most tokens of a layer) {calib.outlier_text()}: {choice}"
+    if not by_dim:
+        return f"{head}: no setting edited an entry of them"
+    done = "; ".join(f"dim {d} by {', '.join(names)}" for d, names in sorted(by_dim.items()))
+    where = "" if choice == "included" else " (at layers where its entries are token-specific, see docs/detection.md)"
+    return f"{head}; edited: {done}{where}"
 
 
 def run_interventions(
