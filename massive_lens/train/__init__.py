@@ -14,6 +14,10 @@ from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import PRESETS, TrainConfig, get_preset
 from massive_lens.train.retrofit import Retrofit, retrofit
 from massive_lens.train.stability import TrainingStability, find_spikes, training_stability
+from massive_lens.train.taskgrid import grid_settings, run_folder, run_grid
+from massive_lens.train.taskpage import task_answer
+from massive_lens.train.taskrun import TaskRun, TaskSettings, train_task
+from massive_lens.train.tasks import TASKS, make_task
 from massive_lens.train.trainer import TrainRun, load_run, train_model
 from massive_lens.train.variants import VARIANTS, VariantConfig
 
@@ -21,4 +25,6 @@ __all__ = [
     "VARIANTS", "VariantConfig", "MassiveLM", "MassiveLMConfig", "TrainConfig", "PRESETS",
     "get_preset", "train_model", "load_run", "TrainRun", "compare_variants", "compare_main",
     "Comparison", "retrofit", "Retrofit", "swap_attention", "training_stability", "TrainingStability", "find_spikes",
+    "TASKS", "make_task", "TaskSettings", "TaskRun", "train_task", "grid_settings", "run_grid", "run_folder",
+    "task_answer",
 ]

@@ -189,6 +189,18 @@ def blocks(root: str | Path) -> tuple[dict[str, str], pd.DataFrame]:
     return dict(answer=answer, ends=table), curves
 
 
+def task_answer(root: str | Path) -> str:
+    """The answer block of the page (markdown), from the finished runs under ``root``.
+
+    Args:
+        root: a grid's run folders (``<root>/<task>/<variant>-<norm>/seed<s>/``).
+
+    Returns:
+        Per task: the baseline's sink, the off-switches' paired differences, the decoupling verdicts.
+    """
+    return blocks(root)[0]["answer"]
+
+
 def figure(curves: pd.DataFrame, path: str | Path) -> Any:
     """Sink mass and the first token's residual top-1/median against steps, mean over seeds, per setting."""
     tasks = list(TASK_SETTINGS)
