@@ -2,31 +2,12 @@
 
 Every hook slices the activation at the traced positions the moment it fires, so the pass
 keeps ``[positions, d_model]`` (and ``[positions, d_mlp]`` for the MLP neurons) per layer and
-never a full cache. Which hook holds what is read from the model's own hooks and modules
-(never from its architecture's name), block by block (:class:`BlockPlan`):
-
-- ``hook_embed`` (+ ``hook_pos_embed`` where a learned positional embedding fires) sums to
-  ``blocks.0.hook_resid_pre``; Gemma's ``sqrt(d_model)`` embedding scale is already in it.
-  Where they do not (an embedding LayerNorm, as in BLOOM, or a scale applied after the hook),
-  the embedding term is read where the first block reads it (``resid_pre`` minus the
-  positional term);
-- ``blocks.{l}.hook_attn_out`` / ``hook_mlp_out`` are what is added to the residual stream;
-  on models with post-sublayer norms (Gemma 2/3 "sandwich" norms, OLMo 2's post-norms only)
-  we read ``ln1_post.hook_out`` / ``ln2_post.hook_out``, the output *after* the post-norm,
-  explicitly, and ``ln2_post.hook_in`` (the raw MLP output);
-- a *parallel* block (GPT-NeoX/Pythia, GPT-J, Phi-1/2, Falcon, Cohere: no
-  ``hook_resid_mid``) feeds attention and MLP the same ``resid_pre`` and adds both; its
-  "residual after attention" is ``resid_pre + attn``, exact by construction;
-- the MLP reads its input through ``ln2`` (``ln1``, shared with attention, in a parallel block
-  without an ``ln2``; no norm at all with post-norms only); ``ln.hook_scale`` divides the
-  (centred, for LayerNorm) input, ``normalized = x / scale`` (solved from the norm's input and
-  output where the hook is missing); the norm's input is kept to check the attribution;
-- ``mlp.hook_post`` is the input of ``W_out``; ``mlp.hook_pre`` is the gate pre-activation of
-  a gated MLP (the only pre-activation otherwise) and ``mlp.hook_pre_linear`` the up value.
-  Dense MLPs (``W_in [d_model, d_mlp]``, ``W_out [d_mlp, d_model]``) have neurons; so does a
-  mixture of experts stored as transformers stores it (:mod:`massive_lens.origin.experts`:
-  the experts module's inputs, routing and output are recorded by PyTorch hooks, removed
-  after the pass); any other MLP has a ledger term but no neuron rows.
+never a full cache. Which hook holds what is read block by block
+(:func:`~massive_lens.origin.blocks.block_plan`). ``hook_embed`` (+ ``hook_pos_embed`` where a
+learned positional embedding fires) sums to ``blocks.0.hook_resid_pre`` (Gemma's ``sqrt(d_model)``
+embedding scale is already in it); where it does not (an embedding LayerNorm, as in BLOOM, or a scale
+applied after the hook), the embedding term is read where the first block reads it
+(``resid_pre`` minus the positional term).
 
 A hook that fires with the positions flattened (``[batch * pos, ...]``, as in OPT's MLP) is
 reshaped back.
@@ -44,6 +25,7 @@ always kept at every position.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,29 +37,15 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ResidualReducer
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
-from massive_lens.origin.experts import Experts, find_experts, record
+from massive_lens.origin.blocks import BlockPlan, block_plan, is_post_norm
+from massive_lens.origin.experts import record
 
 _EMBED_TOL = 1e-5  # relative: embed (+ pos_embed) vs resid_pre of block 0
 SCOPED = ("post", "pre", "up", "norm_in", "norm_out", "scale")  # kept at each layer's candidate positions only
 CANDIDATE_LOOSE = 0.1  # a candidate passes the criterion with both thresholds scaled by this
 
 
-@dataclass(frozen=True)
-class BlockPlan:
-    """What one block is, read from its hooks and modules."""
-
-    layer: int
-    parallel: bool  # attention and MLP both read resid_pre (no hook_resid_mid)
-    mlp_norm: str | None  # "ln2", "ln1" (shared, parallel block) or None (no pre-MLP norm)
-    dense: bool  # a dense MLP with per-neuron hooks and W_in/W_out
-    gated: bool  # with a gate (W_gate, mlp.hook_pre_linear)
-    post_norm: bool  # the MLP output passes ln2_post before the residual
-    d_mlp: int | None
-    hooks: dict[str, str]  # capture key -> hook name
-    experts: Experts | None = None  # a mixture of experts as transformers stores it (origin.experts)
-
-
-@dataclass
+@dataclass(kw_only=True)
 class Capture:
     """Activations at ``positions`` (index ``i`` of every tensor is ``positions[i]``)."""
 
@@ -92,7 +60,7 @@ class Capture:
     plans: tuple[BlockPlan, ...] = ()
     neuron_data: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # layer -> post, pre, up, ...
     notes: list[str] = field(default_factory=list)
-    _where: dict[int, int] | None = field(default=None, repr=False)  # position -> index, see index()
+    _where: dict[int, int] | None = field(default=None, init=False, repr=False)  # position -> index, see index()
     norms: dict[int, tuple[Tensor, Tensor, bool]] = field(default_factory=dict, repr=False)  # layer -> norm_affine
     kept: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> indices SCOPED keys hold (else all)
 
@@ -131,86 +99,6 @@ class Capture:
         return int(where[0]) if len(where) else None
 
 
-def _has(view: ModelView, name: str) -> bool:
-    return name in view.hook_names
-
-
-def _weight(mlp: Any, name: str) -> Tensor | None:
-    """``W_in``, ``W_gate`` or ``W_out`` of an MLP bridge (None where it has none or cannot say)."""
-    try:
-        weight = getattr(mlp, name, None)
-    except Exception:  # noqa: BLE001 - bridges raise many kinds for weights they cannot expose
-        weight = None
-    return weight if isinstance(weight, Tensor) else None
-
-
-def block_plan(view: ModelView, layer: int) -> BlockPlan:
-    """Which hooks hold what in block ``layer`` (raises a clear error for a block without an
-    attention and an MLP output, e.g. a state-space or linear-attention block)."""
-    block = view.block(layer)
-    prefix = f"blocks.{layer}."
-    parallel = not _has(view, prefix + "hook_resid_mid")
-    attn_post, mlp_post = _has(view, prefix + "ln1_post.hook_out"), _has(view, prefix + "ln2_post.hook_out")
-    missing = [n for n in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
-               if not _has(view, prefix + n)]
-    if missing or getattr(block, "mlp", None) is None:
-        kind = type(block).__name__
-        raise MassiveLensError(
-            f"{view.name}: block {layer} ({kind}) has no {'/'.join(missing) or 'mlp module'}: trace_origin "
-            "needs every block to add an attention output and an MLP output to the residual stream "
-            "(state-space, recurrent and linear-attention blocks do not)")
-    hooks = {
-        "resid_pre": prefix + "hook_resid_pre",
-        "resid_post": prefix + "hook_resid_post",
-        "attn": prefix + ("ln1_post.hook_out" if attn_post else "hook_attn_out"),
-        "mlp": prefix + ("ln2_post.hook_out" if mlp_post else "hook_mlp_out"),
-    }
-    if not parallel:
-        hooks["resid_mid"] = prefix + "hook_resid_mid"
-    if mlp_post:
-        hooks["mlp_raw"] = prefix + "ln2_post.hook_in"
-    if attn_post:
-        hooks["attn_raw"] = prefix + "ln1_post.hook_in"
-    for key in ("z", "pattern"):  # per-head attribution (origin.heads), where the hooks exist
-        if _has(view, prefix + f"attn.hook_{key}"):
-            hooks[key] = prefix + f"attn.hook_{key}"
-    norm = "ln2" if _has(view, prefix + "ln2.hook_in") else ("ln1" if parallel and _has(view, prefix + "ln1.hook_in")
-                                                              else None)
-    if norm is not None:
-        hooks["norm_in"], hooks["norm_out"] = prefix + f"{norm}.hook_in", prefix + f"{norm}.hook_out"
-        if _has(view, prefix + f"{norm}.hook_scale"):
-            hooks["scale"] = prefix + f"{norm}.hook_scale"
-    elif _has(view, prefix + "mlp.hook_in"):
-        hooks["norm_in"] = prefix + "mlp.hook_in"
-    w_in, w_gate, w_out = (_weight(block.mlp, name) for name in ("W_in", "W_gate", "W_out"))
-    d_mlp = None if w_out is None else int(w_out.shape[0])
-    dense = (w_in is not None and w_out is not None and tuple(w_in.shape) == (view.d_model, d_mlp)
-             and tuple(w_out.shape) == (d_mlp, view.d_model) and (w_gate is None or w_gate.shape == w_in.shape)
-             and _has(view, prefix + "mlp.hook_post") and _has(view, prefix + "mlp.hook_pre")
-             and (w_gate is None or _has(view, prefix + "mlp.hook_pre_linear")) and "norm_in" in hooks)
-    gated = dense and w_gate is not None
-    if dense:
-        hooks.update(post=prefix + "mlp.hook_post", pre=prefix + "mlp.hook_pre")
-        if gated:
-            hooks["up"] = prefix + "mlp.hook_pre_linear"
-    experts = None if dense else find_experts(view.model, block.mlp)
-    return BlockPlan(layer, parallel, norm, dense, gated, mlp_post, d_mlp if dense else None, hooks, experts)
-
-
-def is_post_norm(view: ModelView) -> bool:
-    return "blocks.0.ln2_post.hook_out" in view.hook_names
-
-
-def d_mlp(view: ModelView) -> int:
-    """The widest dense MLP's width (``4 * d_model`` when no block has a dense MLP)."""
-    widths = []
-    for block in view.blocks:
-        w_out = _weight(getattr(block, "mlp", None), "W_out")
-        if w_out is not None:
-            widths.append(int(w_out.shape[0]))
-    return max(widths, default=4 * view.d_model)
-
-
 _LAYERED = ("resid_pre", "resid_post", "attn", "mlp", "resid_mid")  # [layer, pos, d_model] in Capture.layers
 _NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw", "attn_raw", "z", "pattern")
 
@@ -223,124 +111,162 @@ def capture(
     Where every position of a one-text float32 CPU batch is kept, the per-neuron hooks keep
     the activations themselves, not copies; an activation the model then changes in place (its
     version counter moved) makes the pass run again with copies (``copy=True``)."""
-    plans = tuple(block_plan(view, layer) for layer in range(view.n_layers))
-    store: dict[tuple[str, int], Tensor] = {}
-    layered: dict[str, Tensor] = {}
-    filled: set[tuple[str, int]] = set()
-    idx = positions.to(view.input_device)
-    n_batch, seq = batch.tokens.shape
-    every = len(positions) == seq and bool((positions.cpu() == torch.arange(seq)).all())  # no gather needed
-    keep_views = every and n_batch == 1 and not copy
-    versions: dict[tuple[str, int], int] = {}
-    scoped = every and criterion is not None  # trace every massive entry: SCOPED keys at candidates only
-    loose = loosened(criterion) if scoped else None
-    candidate = torch.zeros(seq, dtype=torch.bool)
-    kept: dict[int, Tensor] = {}
-    stale = False  # a kept activation changed in place before its layer was settled
+    state = _Pass(view, batch, positions, criterion, copy)
+    state.run()
+    if state.changed_in_place():
+        return capture(view, batch, positions, criterion, copy=True)
+    return state.result()
 
-    def settle(layer: int, mag: Tensor, scale: Tensor) -> None:
-        """Keep layer ``layer``'s SCOPED activations at the candidates so far (all while they are many)."""
-        nonlocal stale
-        candidate.logical_or_(candidates(mag, scale, loose)[0].cpu())
-        if 2 * int(candidate.sum()) > seq:
+
+class _Pass:
+    """What one :func:`capture` pass has kept so far, and the steps that keep and assemble it.
+
+    :meth:`run` attaches :meth:`hooks` for one forward pass: every hook calls :meth:`keep`, and
+    when tracing every massive entry each layer's ``hook_resid_post`` also calls :meth:`settle`
+    (through the reducer) to cut that layer's :data:`SCOPED` activations to the candidates.
+    :meth:`changed_in_place` says whether a kept view moved; :meth:`result` builds the Capture."""
+
+    def __init__(self, view: ModelView, batch: Batch, positions: Tensor, criterion: Criterion | None,
+                 copy: bool) -> None:
+        self.view, self.batch, self.positions = view, batch, positions
+        self.plans = tuple(block_plan(view, layer) for layer in range(view.n_layers))
+        self.n_batch, self.seq = batch.tokens.shape
+        self.idx = positions.to(view.input_device)
+        seq = self.seq
+        self.every = len(positions) == seq and bool((positions.cpu() == torch.arange(seq)).all())  # no gather
+        self.keep_views = self.every and self.n_batch == 1 and not copy  # keep activations, not copies
+        scoped = self.every and criterion is not None  # trace every massive entry: SCOPED keys at candidates only
+        self.loose = loosened(criterion) if scoped else None
+        self.reducer = None if criterion is None else \
+            ResidualReducer(batch, criterion, entries=True, on_layer=self.settle if scoped else None)
+        self.store: dict[tuple[str, int], Tensor] = {}  # (key, layer) -> [pos, _]; layer -1 for the embeddings
+        self.layered: dict[str, Tensor] = {}  # _LAYERED key -> [layer, pos, d_model], filled in place
+        self.filled: set[tuple[str, int]] = set()  # (key, layer) written into layered
+        self.versions: dict[tuple[str, int], int] = {}  # (key, layer) -> version counter of a kept activation
+        self.candidate = torch.zeros(seq, dtype=torch.bool)  # positions that were candidates at any layer so far
+        self.kept: dict[int, Tensor] = {}  # layer -> the rows its SCOPED keys hold (see Capture.kept)
+        self.stale = False  # a kept activation changed in place before its layer was settled
+        self.moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in self.plans if p.experts is not None}
+
+    def hooks(self) -> list[tuple[str, Any]]:
+        """(hook name, function) for every key of every block, and the embeddings."""
+        hooks = [("hook_embed", partial(self.keep, "embed", -1)),
+                 ("blocks.0.hook_resid_pre", partial(self.keep, "resid_pre0", -1))]
+        if "hook_pos_embed" in self.view.hook_names:
+            hooks.append(("hook_pos_embed", partial(self.keep, "pos_embed", -1)))
+        for plan in self.plans:
+            for key, name in plan.hooks.items():
+                fn = partial(self.keep, key, plan.layer)
+                if key == "resid_post" and self.reducer is not None:  # one hook: the copy, then the reduction
+                    fn = _then(fn, self.reducer.hook(plan.layer))
+                hooks.append((name, fn))
+        return hooks
+
+    def run(self) -> None:
+        """The forward pass (to the last block's residual), then the overflow check."""
+        hooks = self.hooks()
+        handles = [h for p in self.plans if p.experts is not None
+                   for h in record(p.experts, self.positions, self.n_batch, self.seq, self.moe[p.layer])]
+        try:
+            # with a reducer the residual's largest |x| per layer is the overflow check (see
+            # below), so the per-hook checks are not needed
+            self.view.forward(self.batch, hooks, stop_after=self.view.hook_name(self.view.n_layers - 1, "resid_post"),
+                              check_finite=self.reducer is None)
+        finally:
+            for handle in handles:
+                handle.remove()
+        bad = None if self.reducer is None else self.reducer.first_nonfinite()
+        if bad is not None:
+            first = next((key for key in ("resid_pre", "attn", "resid_mid", "mlp") if (key, bad) in self.filled
+                          and not bool(torch.isfinite(self.layered[key][bad]).all())), "resid_post")
+            raise self.view.overflow_error(self.plans[bad].hooks.get(first, self.plans[bad].hooks["resid_post"]))
+
+    def keep(self, key: str, layer: int, act: Tensor, hook: Any = None) -> None:
+        """The hook of ``key`` at ``layer``: keep the activation at the traced positions."""
+        n_batch, seq = self.n_batch, self.seq
+        if act.ndim == 2 and act.shape[0] == n_batch * seq:  # positions flattened (OPT's MLP)
+            act = act.reshape(n_batch, seq, -1)
+        if key == "pattern" and act.ndim == 4 and act.shape[0] == n_batch and act.shape[2:] == (seq, seq):
+            summary = pattern_summary(act[:1, :, self.idx])  # [1, pos, head, 2]: kept small, never [q, k]
+            self.store[key, layer] = summary[0].detach().float().cpu()
             return
-        rows = candidate.nonzero()[:, 0]
+        if key == "z" and act.ndim == 4:  # [batch, pos, head, d_head] -> [batch, pos, head * d_head]
+            act = act.flatten(2)
+        wide = key != "pos_embed" or act.shape[-1] == self.view.d_model
+        if not (act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide):
+            return
+        part = (act[0] if self.every else act[0, self.idx]).detach()
+        if key in _LAYERED and layer >= 0 and part.shape[-1] == self.view.d_model:
+            if key not in self.layered:  # [layer, pos, d_model], filled in place: no stack afterwards
+                self.layered[key] = torch.empty(self.view.n_layers, len(self.idx), self.view.d_model)
+            self.layered[key][layer].copy_(part)
+            self.filled.add((key, layer))
+        elif self.keep_views and part.dtype == torch.float32 and part.device.type == "cpu":
+            self.store[key, layer] = part  # the activation itself: no copy (see changed_in_place)
+            self.versions[key, layer] = part._version
+        else:
+            self.store[key, layer] = part.to("cpu", torch.float32, copy=True)
+
+    def settle(self, layer: int, mag: Tensor, scale: Tensor) -> None:
+        """Keep layer ``layer``'s SCOPED activations at the candidates so far (all while they are many)."""
+        self.candidate.logical_or_(candidates(mag, scale, self.loose)[0].cpu())
+        if 2 * int(self.candidate.sum()) > self.seq:
+            return
+        rows = self.candidate.nonzero()[:, 0]
         for key in SCOPED:
-            part = store.get((key, layer))
+            part = self.store.get((key, layer))
             if part is None:
                 continue
-            version = versions.pop((key, layer), None)
-            stale |= version is not None and part._version != version
-            store[key, layer] = part[rows.to(part.device)].to("cpu", torch.float32)  # a copy: the view is dropped
-        kept[layer] = rows
+            version = self.versions.pop((key, layer), None)
+            self.stale |= version is not None and part._version != version
+            self.store[key, layer] = part[rows.to(part.device)].to("cpu", torch.float32)  # a copy: the view is dropped
+        self.kept[layer] = rows
 
-    def grab(key: str, layer: int):
-        def hook(act: Tensor, hook: Any) -> None:
-            if act.ndim == 2 and act.shape[0] == n_batch * seq:  # positions flattened (OPT's MLP)
-                act = act.reshape(n_batch, seq, -1)
-            if key == "pattern" and act.ndim == 4 and act.shape[0] == n_batch and act.shape[2:] == (seq, seq):
-                act = pattern_summary(act[:1, :, idx])  # [1, pos, head, 2]: kept small, never [q, k]
-                store[key, layer] = act[0].detach().float().cpu()
-                return
-            if key == "z" and act.ndim == 4:  # [batch, pos, head, d_head] -> [batch, pos, head * d_head]
-                act = act.flatten(2)
-            wide = key != "pos_embed" or act.shape[-1] == view.d_model
-            if act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide:
-                part = (act[0] if every else act[0, idx]).detach()
-                if key in _LAYERED and layer >= 0 and part.shape[-1] == view.d_model:
-                    if key not in layered:  # [layer, pos, d_model], filled in place: no stack afterwards
-                        layered[key] = torch.empty(view.n_layers, len(idx), view.d_model)
-                    layered[key][layer].copy_(part)
-                    filled.add((key, layer))
-                elif keep_views and part.dtype == torch.float32 and part.device.type == "cpu":
-                    store[key, layer] = part  # the activation itself: no copy (checked below)
-                    versions[key, layer] = part._version
-                else:
-                    store[key, layer] = part.to("cpu", torch.float32, copy=True)
+    def changed_in_place(self) -> bool:
+        """Whether the model changed an activation this pass kept as a view after its hook fired."""
+        return self.stale or any(self.store[key]._version != version for key, version in self.versions.items())
 
-        return hook
+    def result(self) -> Capture:
+        layers, notes = self._layers(), []
+        embed, pos_embed, resid0 = self._embeddings(notes)
+        neuron_data = {p.layer: _neuron_data(p, self.store) for p in self.plans}
+        for layer, data in self.moe.items():
+            neuron_data[layer].update({f"moe_{k}": v for k, v in data.items()})
+        if any(not p.dense and p.experts is None for p in self.plans):
+            skipped = [p.layer for p in self.plans if not p.dense and p.experts is None]
+            notes.append(f"note: the MLPs of layer(s) {', '.join(map(str, skipped))} are not dense MLPs with "
+                         "W_in/W_out (e.g. a mixture of experts): their ledger terms are exact, but they have no "
+                         "neuron rows, super weights or why-this-token attribution")
+        return Capture(positions=self.positions.cpu(), embed=embed, pos_embed=pos_embed, resid_pre0=resid0,
+                       layers=layers, post_norm=is_post_norm(self.view), gated=any(p.gated for p in self.plans),
+                       reducer=self.reducer, plans=self.plans, neuron_data=neuron_data, notes=notes, kept=self.kept)
 
-    hooks = [("hook_embed", grab("embed", -1)), ("blocks.0.hook_resid_pre", grab("resid_pre0", -1))]
-    if "hook_pos_embed" in view.hook_names:
-        hooks.append(("hook_pos_embed", grab("pos_embed", -1)))
-    reducer = None if criterion is None else \
-        ResidualReducer(batch, criterion, entries=True, on_layer=settle if scoped else None)
-    for plan in plans:
-        for key, name in plan.hooks.items():
-            fn = grab(key, plan.layer)
-            if key == "resid_post" and reducer is not None:  # one hook: the copy, then the reduction
-                fn = _then(fn, reducer.hook(plan.layer))
-            hooks.append((name, fn))
-    last = view.hook_name(view.n_layers - 1, "resid_post")
-    moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in plans if p.experts is not None}
-    handles = [h for p in plans if p.experts is not None
-               for h in record(p.experts, positions, n_batch, seq, moe[p.layer])]
-    try:
-        # with a reducer the residual's largest |x| per layer is the overflow check (see below), so
-        # the per-hook checks are not needed
-        view.forward(batch, hooks, stop_after=last, check_finite=reducer is None)
-    finally:
-        for handle in handles:
-            handle.remove()
-    bad = None if reducer is None else reducer.first_nonfinite()
-    if bad is not None:
-        first = next((key for key in ("resid_pre", "attn", "resid_mid", "mlp") if (key, bad) in filled
-                      and not bool(torch.isfinite(layered[key][bad]).all())), "resid_post")
-        raise view.overflow_error(plans[bad].hooks.get(first, plans[bad].hooks["resid_post"]))
-    if stale or any(store[key]._version != version for key, version in versions.items()):
-        return capture(view, batch, positions, criterion, copy=True)  # changed in place after its hook
-    notes: list[str] = []
-    layers = {}
-    for key in ("resid_pre", "resid_post", "attn", "mlp"):
-        missed = [p.hooks[key] for p in plans if (key, p.layer) not in filled]
-        if missed:
-            raise MassiveLensError(f"{view.name}: hook {missed[0]} exists but did not fire with a [batch, pos, "
-                                   "d_model] activation; trace_origin cannot read that term of the residual stream")
-        layers[key] = layered[key]
-    # a parallel block has no residual between its attention and its MLP: resid_pre + attn
-    mid = layered.get("resid_mid", torch.empty_like(layers["resid_pre"]))
-    for p in plans:
-        if ("resid_mid", p.layer) not in filled:
-            mid[p.layer] = layers["resid_pre"][p.layer] + layers["attn"][p.layer]
-    layers["resid_mid"] = mid
-    neuron_data = {p.layer: _neuron_data(p, store) for p in plans}
-    for layer, data in moe.items():
-        neuron_data[layer].update({f"moe_{k}": v for k, v in data.items()})
-    pos_embed = store.get(("pos_embed", -1))
-    embed, resid0 = store["embed", -1], store["resid_pre0", -1]
-    if (embed.shape != resid0.shape or _rel(embed + (0 if pos_embed is None else pos_embed), resid0) > _EMBED_TOL):
-        embed = resid0 - (0 if pos_embed is None else pos_embed)
-        notes.append("note: hook_embed (+ hook_pos_embed) is not what the first block reads (an embedding norm "
-                     "or scale comes after it); the embed term is read at blocks.0.hook_resid_pre")
-    dense = [p for p in plans if p.dense]
-    if len(dense) + len(moe) < len(plans):
-        skipped = [p.layer for p in plans if not p.dense and p.experts is None]
-        notes.append(f"note: the MLPs of layer(s) {', '.join(map(str, skipped))} are not dense MLPs with "
-                     "W_in/W_out (e.g. a mixture of experts): their ledger terms are exact, but they have no "
-                     "neuron rows, super weights or why-this-token attribution")
-    gated = any(p.gated for p in plans)
-    return Capture(positions.cpu(), embed, pos_embed, resid0, layers, is_post_norm(view), gated, reducer,
-                   plans, neuron_data, notes, kept=kept)
+    def _layers(self) -> dict[str, Tensor]:
+        """``[layer, pos, d_model]`` per residual key; a parallel block's ``resid_mid`` is resid_pre + attn."""
+        layers = {}
+        for key in ("resid_pre", "resid_post", "attn", "mlp"):
+            missed = [p.hooks[key] for p in self.plans if (key, p.layer) not in self.filled]
+            if missed:
+                raise MassiveLensError(f"{self.view.name}: hook {missed[0]} exists but did not fire with a [batch, "
+                                       "pos, d_model] activation; trace_origin cannot read that term of the residual "
+                                       "stream")
+            layers[key] = self.layered[key]
+        mid = self.layered.get("resid_mid", torch.empty_like(layers["resid_pre"]))
+        for p in self.plans:
+            if ("resid_mid", p.layer) not in self.filled:
+                mid[p.layer] = layers["resid_pre"][p.layer] + layers["attn"][p.layer]
+        layers["resid_mid"] = mid
+        return layers
+
+    def _embeddings(self, notes: list[str]) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``embed``, ``pos_embed`` and ``resid_pre`` of block 0 (embed read there where the hooks disagree)."""
+        pos_embed = self.store.get(("pos_embed", -1))
+        embed, resid0 = self.store["embed", -1], self.store["resid_pre0", -1]
+        if embed.shape != resid0.shape or _rel(embed + (0 if pos_embed is None else pos_embed), resid0) > _EMBED_TOL:
+            embed = resid0 - (0 if pos_embed is None else pos_embed)
+            notes.append("note: hook_embed (+ hook_pos_embed) is not what the first block reads (an embedding norm "
+                         "or scale comes after it); the embed term is read at blocks.0.hook_resid_pre")
+        return embed, pos_embed, resid0
 
 
 def loosened(criterion: Criterion) -> Criterion | None:

@@ -18,7 +18,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
-from massive_lens.origin.capture import Capture, block_plan
+from massive_lens.origin.blocks import block_plan
+from massive_lens.origin.capture import Capture
 from massive_lens.origin.experts import SHARED, UnitTerms, input_columns, unit_terms
 from massive_lens.origin.norms import norm_affine, norm_scale, post_norm_factor
 

@@ -51,7 +51,8 @@ from massive_lens.detect.find import chosen_layers, find_in_batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
 from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_rows
-from massive_lens.origin.capture import Capture, capture, d_mlp, refill
+from massive_lens.origin.blocks import d_mlp
+from massive_lens.origin.capture import Capture, capture, refill
 from massive_lens.origin.heads import HEAD_COLUMNS, head_rows
 from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
 from massive_lens.origin.story import birth_key, story, together
