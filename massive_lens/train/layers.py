@@ -122,7 +122,7 @@ class MassiveLMConfig:
         return cls(**fields)
 
 
-def _hook(cfg: MassiveLMConfig) -> nn.Module:
+def hook_point(cfg: MassiveLMConfig) -> nn.Module:
     return HookPoint() if cfg.hook_points else nn.Identity()
 
 
@@ -134,7 +134,7 @@ class Norm(nn.Module):
         self.cfg = cfg
         self.w = nn.Parameter(torch.ones(cfg.d_model))
         self.b = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_model))
-        self.hook_scale, self.hook_normalized = _hook(cfg), _hook(cfg)
+        self.hook_scale, self.hook_normalized = hook_point(cfg), hook_point(cfg)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.b is not None:
@@ -184,7 +184,7 @@ class Attention(nn.Module):
         self.variant = make_variant(cfg.attention, h, d, m)
         names = ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern", "slot_pattern", "out")
         for name in names:  # hook_out: the layer output, as TransformerBridge names it
-            setattr(self, f"hook_{name}", _hook(cfg))
+            setattr(self, f"hook_{name}", hook_point(cfg))
 
     def _project(self, x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
         out = torch.einsum("bpm,hmd->bphd", x, W)
@@ -215,8 +215,8 @@ class MLP(nn.Module):
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
         self.b_in = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_mlp))
         self.b_out = None if cfg.llama else nn.Parameter(torch.zeros(cfg.d_model))
-        self.hook_pre, self.hook_pre_linear, self.hook_post = _hook(cfg), _hook(cfg), _hook(cfg)
-        self.hook_out = _hook(cfg)  # the layer output, as TransformerBridge names it
+        self.hook_pre, self.hook_pre_linear, self.hook_post = hook_point(cfg), hook_point(cfg), hook_point(cfg)
+        self.hook_out = hook_point(cfg)  # the layer output, as TransformerBridge names it
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.W_gate is not None:
@@ -236,9 +236,9 @@ class Block(nn.Module):
         self.norm = cfg.norm
         self.ln1, self.attn, self.ln2, self.mlp = Norm(cfg), Attention(cfg), Norm(cfg), MLP(cfg)
         if cfg.norm == "none":
-            self.ln1, self.ln2 = _hook(cfg), _hook(cfg)  # no parameters, no normalisation
+            self.ln1, self.ln2 = hook_point(cfg), hook_point(cfg)  # no parameters, no normalisation
         for name in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
-            setattr(self, f"hook_{name}", _hook(cfg))
+            setattr(self, f"hook_{name}", hook_point(cfg))
 
     def input_sites(self) -> tuple[nn.Module, nn.Module]:
         """The modules whose first input is the attention's and the MLP's input (for fake quantization)."""

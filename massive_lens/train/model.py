@@ -32,7 +32,7 @@ from transformer_lens import HookedRootModule
 
 from massive_lens.core.tokens import byte_tokenizer
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.layers import Block, MassiveLMConfig, Norm, _hook
+from massive_lens.train.layers import Block, MassiveLMConfig, Norm, hook_point
 
 SINK_TOKEN = "<|sink|>"
 
@@ -58,7 +58,7 @@ class MassiveLM(HookedRootModule):
         self.W_pos = None if cfg.llama else nn.Parameter(torch.empty(cfg.n_ctx + 1, cfg.d_model))
         sink = cfg.attention.name == "sink_token"
         self.sink_embed = nn.Parameter(torch.empty(cfg.d_model)) if sink else None
-        self.hook_embed, self.hook_pos_embed = _hook(cfg), _hook(cfg)
+        self.hook_embed, self.hook_pos_embed = hook_point(cfg), hook_point(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_final = Norm(cfg)
         self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
