@@ -55,7 +55,8 @@ def load_runs(root: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         evals = pd.read_parquet(path.parent / "evals.parquet")
         keys = dict(task=s["task"], setting=f"{s['variant']}-{s['norm']}", seed=int(s["seed"]))
         ends.append({**keys, **{k: v for k, v in result.items() if k != "settings"},
-                     "sink_step": sink_step(evals), "start_resid_ratio": float(evals["resid_ratio"].iloc[0]),
+                     "sink_step": sink_step(evals), "eval_every": int(s["eval_every"]),
+                     "start_resid_ratio": float(evals["resid_ratio"].iloc[0]),
                      "start_resid_norm_ratio": float(evals["resid_norm_ratio"].iloc[0])})
         curves.append(evals.assign(**keys))
     if not ends:
@@ -140,7 +141,7 @@ def baseline_text(ends: pd.DataFrame, task: str) -> str:
     steps = base["sink_step"].dropna()
     if len(steps):
         text.append(f"It first exceeds the threshold at evaluation step {mean_cell(steps)} ({len(steps)} seeds; "
-                    f"evaluations every {int(TASK_SETTINGS[task]['eval_every'])} steps).")
+                    f"evaluations every {int(base['eval_every'].iloc[0])} steps).")
     grow = [(c, (base[c] - base[f"start_{c}"]).tolist()) for c in ("resid_ratio", "resid_norm_ratio")]
     parts = []
     for column, values in grow:
