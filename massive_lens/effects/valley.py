@@ -24,6 +24,11 @@ activations set to zero at every layer where they are massive (the ``every`` for
 :func:`~massive_lens.interventions.ablate_massive`, calibrated on ``calibration``), so the two
 curves answer the paper's question in one figure.
 
+The summary says plainly whether the valley is there (:func:`valley_layers`: middle layers
+whose entropy is more than ``ENTROPY_TIE`` below both the first and the last layer measured)
+and whether the first-token norm peaks inside it; it names a near-tie for the lowest entropy
+(layers within ``ENTROPY_TIE`` of each other) as such instead of picking one layer of it.
+
 >>> import torch
 >>> x = torch.zeros(8, 6); x[:4, 0] = 1.0; x[4:, 0] = -1.0
 >>> round(matrix_entropy(x), 6)
@@ -54,6 +59,7 @@ from massive_lens.metrics import as_hooks
 
 METRICS = ("entropy", "first_norm", "first_norm_ratio", "sink_rate")
 ORIGINAL = "original"
+ENTROPY_TIE = 0.01  # layers whose mean matrix entropy is within this of each other are a near-tie (entropy is in [0, 1])
 
 
 def matrix_entropy(x: Float[Tensor, "pos d_model"]) -> float:
@@ -118,11 +124,11 @@ class CompressionValley(Result):
         low = orig.loc[orig["entropy"].idxmin()]
         peak = orig.loc[orig["first_norm"].idxmax()]
         lines = [f"{self.model_name}, {int(orig['n_seqs'].iloc[0])} sequences of {self.seq_len} tokens: "
-                 f"matrix entropy lowest at layer {int(low['layer'])} ({low['entropy']:.3f}, 95% CI "
-                 f"{low['entropy_low']:.3f}-{low['entropy_high']:.3f}; first layer {orig['entropy'].iloc[0]:.3f}, "
-                 f"last {orig['entropy'].iloc[-1]:.3f}); first-token norm peaks at layer {int(peak['layer'])} "
+                 f"matrix entropy {_lowest(orig)} (first layer {orig['entropy'].iloc[0]:.3f}, last "
+                 f"{orig['entropy'].iloc[-1]:.3f}); first-token norm peaks at layer {int(peak['layer'])} "
                  f"({peak['first_norm']:.1f}, {peak['first_norm_ratio']:.1f}x the median token); sink rate "
-                 f"{orig['sink_rate'].max():.0%} at most (layer {int(orig.loc[orig['sink_rate'].idxmax(), 'layer'])})"]
+                 f"{orig['sink_rate'].max():.0%} at most (layer {int(orig.loc[orig['sink_rate'].idxmax(), 'layer'])})",
+                 _verdict(orig)]
         for name in self.frame["setting"].unique():
             if name == ORIGINAL:
                 continue
@@ -131,7 +137,8 @@ class CompressionValley(Result):
             lines.append(f"with {name}: entropy at layer {int(low['layer'])} {at['entropy']:.3f} (95% CI "
                          f"{at['entropy_low']:.3f}-{at['entropy_high']:.3f}), lowest {other['entropy'].min():.3f}; "
                          f"first-token norm at most {other['first_norm'].max():.1f}; sink rate at most "
-                         f"{other['sink_rate'].max():.0%}")
+                         f"{other['sink_rate'].max():.0%}; valley "
+                         f"{'present (layers ' + _layers(valley_layers(other)) + ')' if valley_layers(other) else 'absent'}")
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:
@@ -150,6 +157,55 @@ class CompressionValley(Result):
         handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
         ax.legend(handles=handles, fontsize=7, loc="lower left")
         return ax
+
+
+def valley_layers(rows: pd.DataFrame, tol: float = ENTROPY_TIE) -> list[int]:
+    """The compression valley of one setting's rows (``layer``, ``entropy``): the middle layers
+    (neither the first nor the last one measured) whose mean matrix entropy is more than
+    ``tol`` below both ends'. Empty: no valley (or fewer than three layers measured).
+
+    >>> valley_layers(pd.DataFrame(dict(layer=[0, 1, 2, 3], entropy=[0.7, 0.2, 0.695, 0.6])))
+    [1]
+    """
+    rows = rows.sort_values("layer")
+    if len(rows) < 3:
+        return []
+    floor = min(rows["entropy"].iloc[0], rows["entropy"].iloc[-1]) - tol
+    middle = rows.iloc[1:-1]
+    return [int(x) for x in middle.loc[middle["entropy"] < floor, "layer"]]
+
+
+def _layers(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}-{layers[-1]} ({len(layers)} layers)"
+
+
+def _lowest(rows: pd.DataFrame) -> str:
+    """Where the entropy is lowest; on a near-tie (several layers within ``ENTROPY_TIE``) all of them."""
+    low = rows.loc[rows["entropy"].idxmin()]
+    tied = rows[rows["entropy"] <= low["entropy"] + ENTROPY_TIE].sort_values("layer")
+    if len(tied) == 1:
+        return (f"lowest at layer {int(low['layer'])} ({low['entropy']:.3f}, 95% CI {low['entropy_low']:.3f}-"
+                f"{low['entropy_high']:.3f})")
+    return (f"lowest at {len(tied)} layers within {ENTROPY_TIE:g} of each other, a near-tie: layers "
+            f"{_layers(tied['layer'].astype(int).tolist())} ({tied['entropy'].min():.3f}-{tied['entropy'].max():.3f})")
+
+
+def _verdict(rows: pd.DataFrame) -> str:
+    """Whether the paper's compression valley (Queipo-de-Llano et al.: a minimum of matrix entropy
+    in middle layers, where the first token's norm explodes) is present on this model."""
+    rows = rows.sort_values("layer")
+    if len(rows) < 3:
+        return "compression valley: too few layers measured to tell (need the first, a middle and the last)"
+    valley = valley_layers(rows)
+    ends = f"the first measured layer ({rows['entropy'].iloc[0]:.3f}) and the last ({rows['entropy'].iloc[-1]:.3f})"
+    if not valley:
+        return (f"compression valley (the paper's claim): NOT present on this model: no middle layer's matrix "
+                f"entropy is more than {ENTROPY_TIE:g} below both {ends}")
+    peak = int(rows.loc[rows["first_norm"].idxmax(), "layer"])
+    where = (f"and the first-token norm peaks inside it (layer {peak}): the claim holds" if peak in valley else
+             f"but the first-token norm peaks outside it (layer {peak}): the valley is not where the norm explodes")
+    return (f"compression valley (the paper's claim): present on this model: matrix entropy more than "
+            f"{ENTROPY_TIE:g} below both {ends} at layers {_layers(valley)}, {where}")
 
 
 def _measure(view: ModelView, tokens: Tensor, layers: list[int], extra: list, setting: str,
