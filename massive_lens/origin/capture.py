@@ -32,8 +32,9 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from massive_lens.core.criterion import Criterion, token_specific
+from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.outliers import token_specific
 from massive_lens.core.reduce import ResidualReducer
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
