@@ -49,6 +49,7 @@ from massive_lens import (
 from massive_lens.attention import sink_census
 from massive_lens.cli import main
 from massive_lens.handover import exclusion_mask, massive_dims, precision_check, read_dims, sae_check
+from massive_lens.handover.dims import MAX_BYTES as MAX_DIMS_BYTES
 from massive_lens.interventions import (
     calibrate,
     fix_sink_term,
@@ -131,7 +132,8 @@ def _cli(*argv: Any) -> None:
 
 def _damaged_result(folder: Path, how: str) -> Path:
     """A saved find_massive result damaged one way: a manifest nested 100,000 deep, a ``$dtype``
-    naming a torch function, a field of the wrong type, a truncated Parquet table."""
+    naming a torch function, a field of the wrong type, a truncated Parquet table, a table that is
+    a link to a file outside the folder."""
     out = find_massive(tiny_model("llama"), "Hi there.").save(folder / f"damaged_{how}", overwrite=True)
     manifest = json.loads((out / "manifest.json").read_text())
     if how == "deep":
@@ -144,6 +146,12 @@ def _damaged_result(folder: Path, how: str) -> Path:
     if how == "parquet":
         table = next(out.rglob("*.parquet"))
         table.write_bytes(table.read_bytes()[:40])
+    if how == "symlink":
+        table = next(out.rglob("*.parquet"))
+        outside = folder / "outside.parquet"
+        outside.write_bytes(table.read_bytes())
+        table.unlink()
+        table.symlink_to(outside)
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
@@ -156,6 +164,33 @@ def _oversized_run(folder: Path) -> Path:
     manifest["fields"]["model"]["config"].update(n_layers=1000, d_model=100_000)
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
+
+
+def _dims_file(folder: Path, how: str) -> Path:
+    """A massive_dims JSON file of the tiny model, then changed one way (issue 37)."""
+    path = massive_dims(tiny_model("llama"), CORPUS, seq_len=16, n_seqs=2).to_json(folder / f"dims_{how}.json")
+    data = json.loads(path.read_text())
+    if how == "disagree":  # "dims" names a dim the details do not keep out
+        data["dims"] = sorted(set(data["dims"]) ^ {0})
+    if how == "dim-past-d_model":
+        data["details"].append(dict(dim=data["d_model"], layers=[0], share=1 / data["n_layers"], scope="token",
+                                    max_abs=1e3, kept_out=False))
+    if how == "dim-float":
+        data["details"].append(dict(dim=1.5, layers=[0], share=1.0, scope="token", max_abs=1e3, kept_out=False))
+    if how == "d_model-negative":
+        data["d_model"] = -1
+    if how == "layer-past-n_layers":
+        data["details"].append(dict(dim=0, layers=[data["n_layers"]], share=1.0, scope="token", max_abs=1e3,
+                                    kept_out=False))
+    if how == "deep":
+        path.write_text(json.dumps(data)[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        return path
+    if how == "huge":
+        with open(path, "ab") as f:  # a sparse file past the limit: refused by its size, never read
+            f.truncate(MAX_DIMS_BYTES + 1)
+        return path
+    path.write_text(json.dumps(data))
+    return path
 
 
 def _with_cache_at(path: Path) -> None:
@@ -429,6 +464,22 @@ CASES = [
     row("tiny", lambda m, d: read_dims(d / "broken.json"), "cannot read", "read_dims-broken-json"),
     row("tiny", lambda m, d: read_dims(d / "missing.json"), "cannot read", "read_dims-missing-file"),
     row("tiny", lambda m, d: read_dims(d / "partial.json"), "missing or malformed field", "read_dims-partial"),
+    # --- issue 37: hand-over files trusted too much, saved tables that are links out of their folder
+    row("tiny", lambda m, d: read_dims("/dev/zero"), "is not a regular file", "read_dims-a-device"),
+    row("tiny", lambda m, d: read_dims(_dims_file(d, "huge")), "bytes, more than the", "read_dims-huge-file"),
+    row("tiny", lambda m, d: read_dims(_dims_file(d, "deep")), "nested too deeply", "read_dims-deep-json"),
+    row("tiny", lambda m, d: read_dims(_dims_file(d, "disagree")), "are not the dims its \"details\" keep out",
+        "read_dims-dims-disagree-with-details"),
+    row("tiny", lambda m, d: read_dims(_dims_file(d, "dim-past-d_model")), "a detail's dim must be an integer in [0, ",
+        "read_dims-dim-past-d_model"),
+    row("tiny", lambda m, d: read_dims(_dims_file(d, "dim-float")), "a detail's dim must be an integer",
+        "read_dims-dim-float"),
+    row("tiny", lambda m, d: read_dims(_dims_file(d, "d_model-negative")), "d_model must be an integer in [1, ",
+        "read_dims-d_model-negative"),
+    row("tiny", lambda m, d: read_dims(_dims_file(d, "layer-past-n_layers")), "dim 0's layers must be an integer",
+        "read_dims-layer-past-n_layers"),
+    row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "symlink")), "names a file outside its folder",
+        "load-table-linked-outside-the-folder"),
     row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, dtypes=("float8",)), "float8",
         "precision_check-float8"),
     row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, dtypes=("float16", "float16")),

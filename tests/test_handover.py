@@ -154,7 +154,7 @@ def test_massive_dims_follow_the_persistence_rule(brief, tmp_path):
 
 def test_massive_dims_json_reads_with_the_standard_library_alone(brief, tmp_path):
     found = massive_dims(brief, TEXT, seq_len=32, n_seqs=2, persistence=0.5)
-    path = found.to_json(tmp_path / "dims.json")
+    path = found.to_json(tmp_path / "missing" / "dims.json")  # the folder is created, as save does (issue 37)
     code = ("import json, sys; d = json.load(open(sys.argv[1])); "
             "print(json.dumps([d['schema'], d['version'], d['dims'], [x['dim'] for x in d['details']], d['rule']]))")
     run = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(path)], capture_output=True, text=True,

@@ -18,7 +18,16 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file
 
-from massive_lens.core.store import _TYPES, FORMAT, FORMAT_VERSION, MANIFEST, TENSORS, _library_version, build
+from massive_lens.core.store import (
+    _TYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    TENSORS,
+    _library_version,
+    build,
+    inside,
+)
 from massive_lens.errors import MassiveLensError
 
 
@@ -60,7 +69,7 @@ class _Reader:
 
     def tensor(self, key: str) -> torch.Tensor:
         if self._tensors is None:
-            path = self.folder / TENSORS
+            path = inside(self.folder, TENSORS)
             if not path.is_file():
                 raise MassiveLensError(f"{path} is missing: the saved result in {self.folder} is incomplete")
             try:
@@ -73,9 +82,7 @@ class _Reader:
         return self._tensors[key]
 
     def frame(self, name: str) -> pd.DataFrame:
-        path = self.folder / name
-        if ".." in Path(name).parts or Path(name).is_absolute():
-            raise MassiveLensError(f"the manifest in {self.folder} names a table outside its folder: {name!r}")
+        path = inside(self.folder, name)
         if not path.is_file():
             raise MassiveLensError(f"{path} is missing: the saved result in {self.folder} is incomplete")
         try:

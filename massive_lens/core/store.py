@@ -52,6 +52,55 @@ FRAMES = "frames"
 _TYPES: dict[str, type] = {}  # "module.Qualname" -> result class, filled by Result.__init_subclass__
 
 
+def inside(folder: Path, name: str) -> Path:
+    """``folder / name`` when it lies inside ``folder``, links followed (a saved result's own file).
+
+    Raises:
+        MassiveLensError: for an absolute name, a ``..`` in it, or a link that leads out of ``folder``.
+    """
+    path = folder / name
+    if ".." in Path(name).parts or Path(name).is_absolute() or \
+            not path.resolve().is_relative_to(folder.resolve()):
+        raise MassiveLensError(f"the saved result in {folder} names a file outside its folder ({name!r}"
+                               f"{', a link to ' + str(path.resolve()) if path.is_symlink() else ''}); it is not "
+                               "read: load only results saved by massive_lens, or save the result again")
+    return path
+
+
+def read_json(path: str | os.PathLike, *, max_bytes: int, what: str, fix: str) -> Any:
+    """The JSON value in the file ``path``, read only if it is a regular file of at most ``max_bytes``.
+
+    Args:
+        path: the file.
+        max_bytes: the largest file read (checked before reading: a device or a huge file is refused).
+        what: what the file should be, for messages (``"a massive dims file"``).
+        fix: what to do instead, for messages.
+
+    Raises:
+        MassiveLensError: for a missing file, a folder or device, a larger file, text that is not
+            UTF-8 JSON, or JSON nested too deeply to read.
+    """
+    path = Path(path)
+    if not path.is_file():
+        state = "does not exist" if not path.exists() else "is a folder" if path.is_dir() else "is not a regular file"
+        raise MassiveLensError(f"cannot read {path} as {what}: it {state}; {fix}")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise MassiveLensError(f"cannot read {path} as {what}: {size:,} bytes, more than the {max_bytes:,} such a "
+                               f"file can hold; {fix}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            raise MassiveLensError(f"cannot read {path} as {what}: it grew past {max_bytes:,} bytes; {fix}")
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError as err:
+        raise MassiveLensError(f"cannot read {path} as {what}: its JSON is nested too deeply; {fix}") from err
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise MassiveLensError(f"cannot read {path} as {what} ({type(err).__name__}: {str(err)[:120]}); "
+                               f"{fix}") from err
+
+
 def register(cls: type) -> None:
     """Make ``cls`` loadable by name (called for every subclass of ``Result``).
 

@@ -51,11 +51,15 @@ from massive_lens.core.criterion import Criterion
 from massive_lens.core.fmt import num, pct
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
+from massive_lens.core.store import read_json
 from massive_lens.detect.find import find_massive
 from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 
 SCHEMA, VERSION = "massive_lens.massive_dims", 1
+MAX_BYTES = 64 << 20  # the largest dims file read: one detail per dim of a model is far less
+SCOPES = ("token", "outlier_dim", "token+outlier_dim")
+REWRITE = "write it again with massive_dims(...).to_json(path)"
 HERETIC_PERSISTENCE = 0.25  # heretic's rule: massive in >= 25% of the layers
 DIM_COLUMNS = ["dim", "n_layers", "share", "first_layer", "last_layer", "scope", "max_abs", "kept_out"]
 
@@ -161,13 +165,13 @@ class MassiveDims(Result):
         """Write the dims as JSON (the schema in the module docstring), readable with ``json.load``.
 
         Args:
-            path: the ``.json`` file to write (replaced if it exists).
+            path: the ``.json`` file to write (replaced if it exists; missing folders are created).
 
         Returns:
             The path written.
 
         Raises:
-            MassiveLensError: if ``path`` is a folder.
+            MassiveLensError: if ``path`` is a folder or lies under a file.
         """
         c = self.criterion
         details = [{"dim": int(r.dim), "layers": self.layers_of(int(r.dim)), "share": float(r.share),
@@ -182,42 +186,88 @@ class MassiveDims(Result):
         path = Path(path)
         if path.is_dir():
             raise MassiveLensError(f"{path} is a folder; name a .json file to write")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise MassiveLensError(f"cannot write {path}: a part of {path.parent} is a file, not a folder") from exc
         path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
         return path
 
 
 def read_dims(path: str | os.PathLike) -> MassiveDims:
-    """A :class:`MassiveDims` back from :meth:`MassiveDims.to_json`'s file.
+    """A :class:`MassiveDims` back from :meth:`MassiveDims.to_json`'s file, checked.
 
     Args:
-        path: the JSON file.
+        path: the JSON file (at most :data:`MAX_BYTES`).
 
     Returns:
         The :class:`MassiveDims` it describes (``by_layer`` holds each dim's largest ``|x|``
         over all its layers, since the file keeps one value per dim).
 
     Raises:
-        MassiveLensError: if the file is missing, not JSON, or not this schema and version.
+        MassiveLensError: if the file is missing, not a regular file, too large, not JSON (or
+            nested too deeply), not this schema and version, has a field of the wrong type or
+            range (a dim outside ``[0, d_model)``, a layer outside ``[0, n_layers)``, a
+            ``d_model`` that is not a positive integer, ...), or a ``"dims"`` list other than
+            the dims its ``"details"`` keep out (another tool reads ``"dims"``).
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise MassiveLensError(f"cannot read {path} as massive dims JSON: {exc}") from exc
+    data = read_json(path, max_bytes=MAX_BYTES, what="massive dims JSON", fix=REWRITE)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("version") != VERSION:
         raise MassiveLensError(f"{path} is not a {SCHEMA} file of version {VERSION}; write it with "
                                "massive_dims(...).to_json(path)")
     try:
-        rows = [(int(d["dim"]), int(layer), scope, float(d["max_abs"])) for d in data["details"]
-                for layer in d["layers"] for scope in d["scope"].split("+")]
-        rule = data["rule"]
-        by_layer = pd.DataFrame(rows, columns=["dim", "layer", "scope", "max_abs"])
-        return MassiveDims(by_layer, data["model"], data["d_model"], data["n_layers"], data["hook"],
-                           Criterion(rule["abs_threshold"], rule["ratio_threshold"], rule["median_over"]),
-                           float(rule["persistence"]), data["corpus"]["n_seqs"], data["corpus"]["seq_len"])
+        found = _from_data(data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise MassiveLensError(f"{path} is a {SCHEMA} file with a missing or malformed field ({exc!r}); "
-                               "write it again with massive_dims(...).to_json(path)") from exc
+                               f"{REWRITE}") from exc
+    if data.get("dims") != list(found.dims):
+        raise MassiveLensError(f"{path}: its \"dims\" {_short(data.get('dims'))} are not the dims its "
+                               f"\"details\" keep out {list(found.dims)}; tools that read one or the other would "
+                               f"keep out different dims: {REWRITE}")
+    return found
+
+
+def _count(value: Any, name: str, low: int, high: int | float = math.inf) -> int:
+    """``value`` when it is an integer in ``[low, high)`` (bool is no integer here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}), got {_short(value)}")
+    return value
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _from_data(data: dict[str, Any]) -> MassiveDims:
+    d_model = _count(data["d_model"], "d_model", 1)
+    n_layers = _count(data["n_layers"], "n_layers", 1)
+    rows = []
+    for d in data["details"]:
+        dim = _count(d["dim"], "a detail's dim", 0, d_model)
+        if d["scope"] not in SCOPES:
+            raise ValueError(f"dim {dim}'s scope must be one of {SCOPES}, got {_short(d['scope'])}")
+        rows += [(dim, _count(layer, f"dim {dim}'s layers", 0, n_layers), scope, _number(d["max_abs"], "max_abs"))
+                 for layer in d["layers"] for scope in d["scope"].split("+")]
+    rule, corpus = data["rule"], data["corpus"]
+    persistence = _number(rule["persistence"], "rule.persistence")
+    if not 0 < persistence <= 1:
+        raise ValueError(f"rule.persistence must be in (0, 1], got {persistence}")
+    by_layer = pd.DataFrame(rows, columns=["dim", "layer", "scope", "max_abs"])
+    if not isinstance(data["model"], str) or not isinstance(data["hook"], str):
+        raise TypeError("model and hook must be strings")
+    return MassiveDims(by_layer, data["model"], d_model, n_layers, data["hook"],
+                       Criterion(_number(rule["abs_threshold"], "rule.abs_threshold"),
+                                 _number(rule["ratio_threshold"], "rule.ratio_threshold"), rule["median_over"]),
+                       persistence, _count(corpus["n_seqs"], "corpus.n_seqs", 1),
+                       _count(corpus["seq_len"], "corpus.seq_len", 1))
 
 
 def massive_dims(
