@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from massive_lens.core.results import Result
+from massive_lens.core.store import read_json
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.checkpoint import STEPS
 
@@ -384,13 +385,10 @@ def _run_config(path: Path) -> tuple[str, int]:
     if not path.is_file():
         return "softmax", 0
     problem = f"{path} is not a run.json written by massive_lens.train"
-    if path.stat().st_size > MAX_RUN_JSON:
-        raise MassiveLensError(f"{problem}: {path.stat().st_size} bytes (at most {MAX_RUN_JSON}); delete or replace it")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))["config"]
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as exc:
-        raise MassiveLensError(f"{problem} ({type(exc).__name__}: {str(exc)[:120]}); delete or replace it") from exc
-    config = config if isinstance(config, dict) else {"seed": None}
+    data = read_json(path, max_bytes=MAX_RUN_JSON, what="a run.json", fix="delete or replace it")
+    config = data.get("config") if isinstance(data, dict) else None
+    if not isinstance(config, dict):
+        raise MassiveLensError(f"{problem}: it holds no \"config\" object; delete or replace it")
     model = config.get("model", {})
     attention = model.get("attention", "softmax") if isinstance(model, dict) else None
     attention = attention.get("name", "softmax") if isinstance(attention, dict) else attention
