@@ -125,6 +125,20 @@ def test_birth_is_named_at_a_share_of_the_peak(story_model):
     assert any(line.strip().startswith("events: ") for line in lines[story + 2:])
 
 
+def test_the_events_table_and_the_summary_agree_on_the_birth(story_model):
+    """One rule: the MLP that only writes 4% of the peak is a ``write`` in the table ("written
+    by"), the one that reaches BIRTH_SHARE is the ``birth`` ("born in"), later growth a ``raise``."""
+    trace = trace_origin(story_model, STORY_TEXT, prepend_bos=True)
+    born = next(i for i, g in enumerate(GROWTH) if abs(g) >= BIRTH_SHARE * abs(GROWTH[PEAK_LAYER]))
+    mine = trace.events[(trace.events.dim == SINK_DIM) & (trace.events.component == "mlp")].set_index("layer")
+    assert mine.loc[0, "kind"] == "write" and mine.loc[born, "kind"] == "birth"
+    assert (mine.loc[born + 1:PEAK_LAYER, "kind"] == "raise").all()
+    births = trace.births[trace.births.dim == SINK_DIM]
+    assert births.layer.tolist() == [born]
+    text = trace.summary()
+    assert "written by MLP 0 " in text and f"born in MLP {born} " in text and f"raised by MLP {PEAK_LAYER} " in text
+
+
 def test_first_query_has_no_attention_claim():
     heads = pd.DataFrame(dict(layer=[0], head=[0], contribution=[5.0], first_token_attention=[1.0],
                               max_attention=[1.0]))
@@ -228,8 +242,9 @@ def test_outlier_choice_is_checked():
 
 def test_a_rebirth_can_be_the_birth():
     """Written to 3% of the peak, erased, then rewritten to the peak: the rewrite is the birth."""
+    from massive_lens.origin.ledger import event_kinds
     from massive_lens.origin.story import _verbs
 
-    events = pd.DataFrame(dict(kind=["birth", "erasure", "rebirth", "erasure"],
-                               after=[300.0, 40.0, 10_000.0, 4_000.0]))
-    assert _verbs(events, 10_000.0) == ["written by", "cut", "born in", "cut"]
+    kinds = event_kinds([(0.0, 300.0), (300.0, 40.0), (40.0, 10_000.0), (10_000.0, 4_000.0)], 10_000.0)
+    assert kinds == ["write", "erasure", "birth", "erasure"]
+    assert _verbs(pd.DataFrame(dict(kind=kinds))) == ["written by", "cut", "born in", "cut"]

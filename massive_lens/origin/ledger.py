@@ -5,6 +5,15 @@ layer ``L`` is ``embed (+ pos_embed) + sum_{l <= L} (attn_l + mlp_l)``. The ledg
 terms in forward order with the measured residual after each, so it reconstructs the
 residual exactly (:func:`reconstruction_error` checks it); events are the components that
 change the value by a large share of its size.
+
+Each event has a ``kind``, decided here once, which the table (``OriginTrace.events``) shows
+and the summary's verbs are read from (:data:`VERBS`). An entry is **born** where a component
+first brings its value to at least ``BIRTH_SHARE`` (10%) of its peak: earlier events are
+``write`` ("written by": a write of 113 into a dim that peaks at 100,000 is not its birth,
+however it passes the criterion's absolute threshold), that one is the ``birth``, later
+increases are ``raise`` ("raised by"), a write after an erasure is a ``rebirth``
+("rewritten by"; a rewrite that first reaches the share is the birth), and a component that
+shrinks the value is an ``erasure`` ("cut").
 """
 
 from __future__ import annotations
@@ -17,6 +26,9 @@ LEDGER_COLUMNS = ["pos", "dim", "token", "layer", "component", "contribution", "
 EVENT_COLUMNS = ["pos", "dim", "layer", "component", "kind", "contribution", "before", "after"]
 EVENT_MIN_SHARE = 0.3  # an event changes the value by >= 30% of |before| or |after| ...
 EVENT_MIN_PEAK = 0.02  # ... and by >= 2% of the peak |value| (or the criterion's abs_threshold)
+BIRTH_SHARE = 0.1  # an entry is born where a component first brings it to >= 10% of its peak
+BIRTH_KINDS = ("birth", "rebirth")  # the events OriginTrace.births lists (and verification ablates)
+VERBS = {"write": "written by", "birth": "born in", "raise": "raised by", "rebirth": "rewritten by", "erasure": "cut"}
 
 
 def ledger_rows(cap: Capture, pos: int, dim: int, tokens: list[str]) -> list[dict[str, Any]]:
@@ -52,14 +64,38 @@ def events(rows: list[dict[str, Any]], abs_threshold: float) -> list[dict[str, A
     is lower, so an early birth to ~800 still counts next to a later rewrite to ~25,000)."""
     peak = max((abs(r["resid"]) for r in rows), default=0.0)
     floor = min(EVENT_MIN_PEAK * peak, abs_threshold)
-    found, before, erased = [], 0.0, False
+    found, before = [], 0.0
     for r in rows:
         after, c = float(r["resid"]), float(r["contribution"])
         big = abs(c) >= floor and abs(c) >= EVENT_MIN_SHARE * max(abs(before), abs(after))
         if big and peak > 0:
-            kind = "erasure" if abs(after) < abs(before) else ("rebirth" if erased else "birth")
-            erased |= kind == "erasure"
-            found.append(dict(pos=r["pos"], dim=r["dim"], layer=r["layer"], component=r["component"], kind=kind,
+            found.append(dict(pos=r["pos"], dim=r["dim"], layer=r["layer"], component=r["component"], kind="",
                               contribution=c, before=before, after=after))
         before = after
+    for e, kind in zip(found, event_kinds([(e["before"], e["after"]) for e in found], peak), strict=True):
+        e["kind"] = kind
     return found
+
+
+def event_kinds(changes: list[tuple[float, float]], peak: float) -> list[str]:
+    """The ``kind`` of each event of one entry, from its value ``(before, after)`` in forward
+    order and the entry's peak (see the module docstring): the one rule for what a birth is.
+
+    >>> event_kinds([(0.0, 300.0), (300.0, 40.0), (40.0, 10_000.0), (10_000.0, 4_000.0)], 10_000.0)
+    ['write', 'erasure', 'birth', 'erasure']
+    >>> event_kinds([(0.0, 200.0), (200.0, 1_200.0), (1_200.0, 5_000.0)], 5_000.0)
+    ['write', 'birth', 'raise']
+    """
+    kinds, born, erased = [], False, False
+    for before, after in changes:
+        if abs(after) < abs(before):
+            kind = "erasure"
+        elif not born and abs(after) >= BIRTH_SHARE * abs(peak):  # a rewrite after an erasure can be the birth
+            kind, born = "birth", True
+        elif not born:
+            kind = "write"
+        else:
+            kind = "rebirth" if erased else "raise"
+        erased |= kind == "erasure"
+        kinds.append(kind)
+    return kinds

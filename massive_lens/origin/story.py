@@ -1,11 +1,11 @@
 """The few-line story that :meth:`OriginTrace.summary` tells for each traced entry.
 
 The attribution lines lead (which runs of writes make the peak, and what changes it after);
-the events follow. An entry is **born** where a component first brings its value to at least
-``BIRTH_SHARE`` (10%) of its peak: earlier events that only pass the criterion's absolute
-threshold are "written by" (a write of 113 into a dim that peaks at 100,000 is not its
-birth), later ones "raised by". The first query of a text can attend only to itself, so
-no story says where it looks.
+the events follow, each told with the verb of its ``kind`` (:data:`~massive_lens.origin.ledger.VERBS`):
+the kinds, and so what a birth is (the first write that brings the value to ``BIRTH_SHARE``,
+10%, of its peak), are decided once in :mod:`massive_lens.origin.ledger`, so the events table
+and the story agree. The first query of a text can attend only to itself, so no story says
+where it looks.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pandas as pd
 from massive_lens.core.fmt import num as fmt
 from massive_lens.core.fmt import pct as _pct
 from massive_lens.origin.attribution import label as _label
+from massive_lens.origin.ledger import BIRTH_SHARE, VERBS  # noqa: F401  (BIRTH_SHARE: importable from the story too)
 
 _MAX_EVENTS = 6
-BIRTH_SHARE = 0.1  # an entry is born where a component first brings it to >= 10% of its peak
 
 
 def _of(frame: pd.DataFrame, t: Any) -> pd.DataFrame:
@@ -77,22 +77,9 @@ def _event(e: Any, neurons: pd.DataFrame, verb: str, heads: pd.DataFrame, peak: 
     return f"{verb} {where}{who} to {fmt(e.after)}{share}"
 
 
-def _verbs(events: pd.DataFrame, peak: float) -> list[str]:
-    """Each event's verb: ``written by`` before the birth (the first write, birth or rebirth,
-    that brings the value to ``BIRTH_SHARE`` of the peak), ``born in``, then ``raised by``
-    (``rewritten by`` for a rebirth after an erasure); ``cut`` for an erasure."""
-    verbs, born = [], False
-    for e in events.itertuples():
-        if e.kind == "erasure":
-            verbs.append("cut")
-        elif not born and abs(e.after) >= BIRTH_SHARE * abs(peak):  # a rebirth can be the birth
-            verbs.append("born in")
-            born = True
-        elif not born:
-            verbs.append("written by")
-        else:
-            verbs.append("rewritten by" if e.kind == "rebirth" else "raised by")
-    return verbs
+def _verbs(events: pd.DataFrame) -> list[str]:
+    """Each event's verb, read from its ``kind`` (decided in :func:`~massive_lens.origin.ledger.event_kinds`)."""
+    return [VERBS[k] for k in events.kind]
 
 
 def birth_key(trace: Any, t: Any) -> tuple:
@@ -127,7 +114,7 @@ def together(trace: Any, group: list[Any]) -> str:
 def story(trace: Any, t: Any) -> str:
     events = _of(trace.events, t)
     neurons = _of(trace.neurons, t)
-    verbs = _verbs(events, t.peak)
+    verbs = _verbs(events)
     parts = [_event(e, neurons[neurons.kind == e.kind], verb, _of(trace.heads, t), t.peak)
              for e, verb in zip(events.head(_MAX_EVENTS).itertuples(), verbs, strict=False)]
     if len(events) > _MAX_EVENTS:

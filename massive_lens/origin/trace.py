@@ -54,7 +54,14 @@ from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_row
 from massive_lens.origin.blocks import d_mlp
 from massive_lens.origin.capture import Capture, capture, refill
 from massive_lens.origin.heads import HEAD_COLUMNS, head_rows
-from massive_lens.origin.ledger import EVENT_COLUMNS, LEDGER_COLUMNS, events, ledger_rows, reconstruction_error
+from massive_lens.origin.ledger import (
+    BIRTH_KINDS,
+    EVENT_COLUMNS,
+    LEDGER_COLUMNS,
+    events,
+    ledger_rows,
+    reconstruction_error,
+)
 from massive_lens.origin.story import birth_key, story, together
 from massive_lens.origin.verify import VERIFY_COLUMNS, VERIFY_SEQ_LEN, VERIFY_SEQS, verify_targets
 
@@ -74,7 +81,9 @@ class OriginTrace(Result):
       dim is an outlier dimension), ``peak``, ``peak_layer``, ``final``; largest ``|peak|`` first;
     - ``ledger`` (also ``to_frame()``): per component, in forward order, its ``contribution``
       and the measured residual ``resid`` right after it (``layer`` is 0 for embeddings);
-    - ``events``: births, erasures and rebirths (``kind``) with the value ``before``/``after``;
+    - ``events``: ``kind`` ``write``, ``birth``, ``raise``, ``rebirth`` or ``erasure`` (one rule, in
+      :func:`~massive_lens.origin.ledger.event_kinds`, which the summary's verbs follow) with the
+      value ``before``/``after``;
     - ``attribution``: the runs of writes that account for each entry's ``peak`` and for its
       ``change`` from the peak to the final value (``label`` such as ``MLPs 6-11``,
       ``contribution``, ``share`` of that target; a ``the rest`` row counts what is left);
@@ -108,7 +117,7 @@ class OriginTrace(Result):
 
     @property
     def births(self) -> pd.DataFrame:
-        return self.events[self.events.kind.isin(["birth", "rebirth"])].reset_index(drop=True)
+        return self.events[self.events.kind.isin(BIRTH_KINDS)].reset_index(drop=True)
 
     @property
     def erasures(self) -> pd.DataFrame:
@@ -275,7 +284,7 @@ def _neurons(view: ModelView, cap: Capture, found_events: pd.DataFrame, top_neur
     mlp_events = [e for e in found_events.to_dict("records") if e["component"] == "mlp"]
     per_event = [neu.neuron_rows(view, cap, e, top_neurons) for e in mlp_events]
     neurons = pd.DataFrame([r for rows in per_event for r in rows], columns=neu.NEURON_COLUMNS)
-    births = [(e, rows) for e, rows in zip(mlp_events, per_event, strict=True) if e["kind"] != "erasure"]
+    births = [(e, rows) for e, rows in zip(mlp_events, per_event, strict=True) if e["kind"] in BIRTH_KINDS]
     supers, why, seen = [], [], {}
     for e, rows in births:
         names = neu.named(rows, e)
