@@ -51,7 +51,7 @@ from massive_lens.lowbit import GRANULARITIES
 from massive_lens.metrics import bootstrap_mean
 from massive_lens.quant.result import GROUPS, Quantization
 from massive_lens.quant.rotation import Rotation
-from massive_lens.quant.settings import GRID, Setting
+from massive_lens.quant.settings import GRID, Setting, parse_settings
 from massive_lens.quant.simulate import STATIC, Bits, Simulator
 from massive_lens.quant.sites import Site, plain, rotation_sites, structured_sites
 from massive_lens.quantize import _eval_and_calibration
@@ -287,7 +287,7 @@ def quantize_grid(
     >>> list(grid.to_frame().setting), bool(grid.to_frame().rotation_error.max() < 1e-5)
     (['W8A8', 'W4A4+hadamard'], True)
     """
-    specs = [s if isinstance(s, Setting) else Setting.parse(s) for s in settings]
+    specs = parse_settings(settings)  # one name alone is one setting
     if not specs:
         raise MassiveLensError("settings is empty; name at least one, e.g. settings=['W4A4']")
     if granularity not in GRANULARITIES:

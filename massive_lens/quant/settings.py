@@ -12,6 +12,7 @@ sinks kept in full precision; ``+sinks`` for short) or ``+prefix`` (PrefixQuant'
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from massive_lens.errors import MassiveLensError
@@ -21,6 +22,7 @@ ROTATIONS = (None, "orthogonal", "hadamard")
 KEEP = (None, "kvsink", "prefix")
 GRID = ("W8A8", "W4A16", "W4A4", "W4A4+hadamard", "W4A4+hadamard+kvsink")
 _NAME = re.compile(r"w(\d+)a(\d+)(?:kv(\d+))?(?:@([a-z]+))?((?:\+[a-z]+)*)")
+_ALTERNATIVES = {"rotation": ROTATIONS, "keep_sinks": KEEP}
 _FLAGS = {"hadamard": ("rotation", "hadamard"), "orthogonal": ("rotation", "orthogonal"),
           "kvsink": ("keep_sinks", "kvsink"), "sinks": ("keep_sinks", "kvsink"), "prefix": ("keep_sinks", "prefix")}
 
@@ -77,5 +79,29 @@ class Setting:
                 "[+hadamard|+orthogonal][+kvsink|+prefix], e.g. W4A4, W4A4KV4@tensor+hadamard+kvsink")
         fields = dict(weights=int(match.group(1)), activations=int(match.group(2)),
                       kv=int(match.group(3) or 16), granularity=match.group(4))
-        fields.update(dict(_FLAGS[f] for f in flags))
-        return cls(**fields)
+        chosen: dict[str, str] = {}
+        for flag in flags:
+            field, value = _FLAGS[flag]
+            if chosen.get(field, value) != value:
+                raise MassiveLensError(f"bad low-bit setting {text!r}: +{chosen[field]} and +{value} both set "
+                                       f"{field}; a setting has one of {[k for k in _ALTERNATIVES[field] if k]}")
+            chosen[field] = value
+        return cls(**fields, **chosen)
+
+
+def parse_settings(settings: str | Setting | Sequence[str | Setting]) -> list[Setting]:
+    """Settings from names or :class:`Setting` objects; one name or setting alone is one setting.
+
+    >>> [s.name for s in parse_settings("W4A4")], [s.name for s in parse_settings(["W8A8", Setting(4, 16)])]
+    (['W4A4'], ['W8A8', 'W4A16'])
+
+    Raises:
+        MassiveLensError: for a name :meth:`Setting.parse` refuses, or something that is not a
+            name, a setting or a sequence of them.
+    """
+    if isinstance(settings, (str, Setting)):
+        return [settings if isinstance(settings, Setting) else Setting.parse(settings)]
+    if not isinstance(settings, Sequence):
+        raise MassiveLensError(f"settings are low-bit setting names (e.g. ['W8A8', 'W4A4+hadamard']) or Setting "
+                               f"objects, got {type(settings).__name__}")
+    return [s if isinstance(s, Setting) else Setting.parse(s) for s in settings]
