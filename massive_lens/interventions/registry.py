@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from massive_lens.core.corpora import default_text
+from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.assemble import observe
 from massive_lens.interventions.builders import (
     ablate_massive,
@@ -117,12 +118,15 @@ REGISTRY: dict[str, InterventionSetting] = {}
 EVERY: dict[str, str] = {}  # first-layer form -> every form
 
 
-def register(row: InterventionSetting) -> InterventionSetting:
+def register(row: InterventionSetting, *, replace: bool = False) -> InterventionSetting:
     """Add a setting (what :data:`ROWS` does for the built-in ones): it can then be named in
-    ``run_interventions(settings=[...])`` and the report. A setting of the same name is replaced.
+    ``run_interventions(settings=[...])`` and the report. A name already taken by a different
+    setting is a :class:`~massive_lens.MassiveLensError` unless ``replace=True``; registering
+    an equal row again (a notebook cell run twice) changes nothing.
 
     Args:
         row: the setting.
+        replace: replace a different setting of the same name.
 
     Returns:
         ``row``, now in :data:`REGISTRY` (and its ``every`` form in :data:`EVERY`).
@@ -134,7 +138,13 @@ def register(row: InterventionSetting) -> InterventionSetting:
     >>> REGISTRY["sink_attention_dropped"].options
     {'renormalize': False}
     """
+    taken = REGISTRY.get(row.name)
+    if taken is not None and taken != row and not replace:
+        raise MassiveLensError(f"register: an intervention setting named {row.name!r} is already registered "
+                               f"({taken.description!r}); give the new setting another name, or pass "
+                               "replace=True to replace it")
     REGISTRY[row.name] = row
+    EVERY.pop(row.name, None)
     if row.every:
         EVERY[row.name] = row.every
     Intervention.descriptions[row.name] = row.description  # what iv.description reads
