@@ -3,6 +3,10 @@
     python -m massive_lens.train.taskcli run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
     python -m massive_lens.train.taskcli page --root docs/sinktasks/runs            # docs/sinktasks.md
     python -m massive_lens.train.taskcli page --root docs/sinktasks/runs --check    # exit 1 if it differs
+    # a longer bigram_backcopy budget, a few settings, in its own folder and page
+    python -m massive_lens.train.taskcli run --root docs/sinktasks/long --tasks bigram_backcopy \
+        --settings softmax-pre,relu-pre --steps 2000 --eval-every 100 --seeds 0,1
+    python -m massive_lens.train.taskcli page --root docs/sinktasks/long --page docs/sinktasks_long.md
 
 ``run`` trains every unfinished run of :func:`massive_lens.train.taskgrid.grid_settings` on one thread
 (skipping runs whose ``result.json`` exists, so the same command resumes an interrupted grid); ``page``
@@ -20,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.taskgrid import DEFAULT_ROOT, grid_settings, run_grid
+from massive_lens.train.taskgrid import DEFAULT_ROOT, SETTINGS, TASK_SETTINGS, grid_settings, run_grid
 from massive_lens.train.taskpage import write_page
 
 HELP = "train the sink-forcing tasks under every attention variant and norm placement, and write the answer page"
@@ -36,6 +40,22 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
+def _settings(text: str | None) -> list[tuple[str, str]]:
+    if text is None:
+        return list(SETTINGS)
+    pairs = [tuple(s.strip().rsplit("-", 1)) for s in text.split(",") if s.strip()]
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise MassiveLensError(f"--settings takes comma-separated <variant>-<norm>, e.g. softmax-pre,relu-post; "
+                               f"got {text!r}")
+    return pairs
+
+
+def _grid(args: argparse.Namespace) -> list:
+    tasks = list(TASK_SETTINGS) if args.tasks is None else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    overrides = {k: v for k, v in (("steps", args.steps), ("eval_every", args.eval_every)) if v is not None}
+    return grid_settings(_seeds(args.seeds), tasks=tasks, settings=_settings(args.settings), **overrides)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``run`` the grid or write (``--check``: compare) the page; 2 on bad input, with the reason."""
     parser = argparse.ArgumentParser(prog="python -m massive_lens.train.taskcli", description=HELP)
@@ -43,13 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", default=DEFAULT_ROOT, help=f"the run folders (default {DEFAULT_ROOT})")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="run: comma-separated seeds (default 0-4)")
     parser.add_argument("--threads", type=int, default=1, help="run: torch threads (default 1)")
+    parser.add_argument("--tasks", default=None, help="run: comma-separated tasks (default both)")
+    parser.add_argument("--settings", default=None,
+                        help="run: comma-separated <variant>-<norm> (default the grid's nine)")
+    parser.add_argument("--steps", type=int, default=None, help="run: training steps (default each task's)")
+    parser.add_argument("--eval-every", type=int, default=None, help="run: steps between evaluations")
     parser.add_argument("--page", default="docs/sinktasks.md", help="the answer page (default docs/sinktasks.md)")
     parser.add_argument("--check", action="store_true", help="page: write nothing, exit 1 if the page differs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         if args.command == "run":
-            run_grid(args.root, grid_settings(_seeds(args.seeds)), threads=args.threads)
+            run_grid(args.root, _grid(args), threads=args.threads)
             return 0
         return write_page(args.root, args.page, check=args.check)
     except MassiveLensError as exc:

@@ -184,7 +184,7 @@ def task_block(ends: pd.DataFrame, task: str) -> str:
 def blocks(root: str | Path) -> tuple[dict[str, str], pd.DataFrame]:
     """The generated text of each block (``answer``, ``ends``) and the curves."""
     ends, curves = load_runs(root)
-    tasks = list(TASK_SETTINGS)
+    tasks = _tasks(ends)
     answer = "\n\n".join(task_block(ends, t) for t in tasks)
     table = "\n\n".join(f"**{t}**\n\n{end_table(ends, t)}" for t in tasks)
     return dict(answer=answer, ends=table), curves
@@ -202,9 +202,15 @@ def task_answer(root: str | Path) -> str:
     return blocks(root)[0]["answer"]
 
 
+def _tasks(frame: pd.DataFrame) -> list[str]:
+    """The grid's tasks that have runs in ``frame`` (all of them when none has)."""
+    present = [t for t in TASK_SETTINGS if (frame["task"] == t).any()]
+    return present or list(TASK_SETTINGS)
+
+
 def figure(curves: pd.DataFrame, path: str | Path) -> Any:
     """Sink mass and the first token's residual top-1/median against steps, mean over seeds, per setting."""
-    tasks = list(TASK_SETTINGS)
+    tasks = _tasks(curves)
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.6 * len(tasks)), layout="constrained", squeeze=False)
     for row, task in zip(axes, tasks, strict=True):
         part = curves[curves.task == task]
