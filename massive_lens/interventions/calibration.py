@@ -164,8 +164,11 @@ class Calibration(Result):
         sinks = self.sinks.describe() if self.sinks is not None else "?"
         if len(self.outlier_dims):
             how = "excluded from" if self.criterion.outliers == "exclude" else "included in"
+            kept = sorted(set(self.outlier_dims.tolist()) & set(self.first_layer))
+            part = (f" (dim(s) {', '.join(map(str, kept))} kept at the layers where their entries are token-specific)"
+                    if kept and self.criterion.outliers == "exclude" else "")
             found += (f"; outlier dimensions (massive at most tokens of a layer) {self.outlier_text()}, {how} "
-                      "the massive dims")
+                      f"the massive dims{part}")
         return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; sinks "
                 f"(positions that draw attention as sinks or carry persistent massive activations; {LEVEL}) {sinks}; "
                 f"mean attention to the sinks after them {mass:.2f}. Online sink rule (interventions without "
