@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -63,7 +64,7 @@ from massive_lens.origin.ledger import (
     reconstruction_error,
 )
 from massive_lens.origin.story import birth_key, story, together
-from massive_lens.origin.verify import VERIFY_COLUMNS, VERIFY_SEQ_LEN, VERIFY_SEQS, verify_targets
+from massive_lens.origin.verify import VERIFY_COLUMNS, verify_targets
 
 log = logging.getLogger(__name__)
 _MAX_STORIES = 4  # entries told in summary(), largest peak first
@@ -180,7 +181,8 @@ def trace_origin(
     (or the largest one if none is massive). ``verify=True`` adds zero-ablation checks (and
     perplexity on ``corpus`` if given): of the given entry, or without ``dim``/``pos`` of the
     ``VERIFY_TOP`` (3) entries of largest ``|peak|``; the summary says how many were skipped,
-    and the estimated time is logged before it starts (a warning above ``VERIFY_WARN_S``, 60 s).
+    and the time the rest will take is logged, estimated from measured passes (a warning above
+    ``VERIFY_WARN_S``, 60 s).
 
     Args:
         model: a TransformerLens-style model.
@@ -228,9 +230,8 @@ def trace_origin(
     refill(view, batch, cap, [(e.layer, e.pos) for e in found_events.itertuples() if e.component == "mlp"])
     neurons, births, supers, why = _neurons(view, cap, found_events, top_neurons)
     verified, verify_note = _bounded(targets, dim is None and pos is None) if verify else ([], "")
-    if verified:
-        _log_estimate(view, verified, births, pass_seconds, seq, corpus is not None)
-    verification = verify_targets(view, batch, cap, verified, births, neurons, corpus) if verified else []
+    estimate = partial(_log_estimate, view, verified, births, pass_seconds)
+    verification = verify_targets(view, batch, cap, verified, births, neurons, corpus, estimate) if verified else []
     heads, head_notes = head_rows(view, cap, targets)
     notes = (*_notes(cap, error, verify, corpus), *dict.fromkeys(cap.notes), *head_notes, scope_note, verify_note)
     attribution = pd.DataFrame(
@@ -380,21 +381,24 @@ def _bounded(targets: list[dict[str, Any]], default: bool) -> tuple[list[dict[st
 
 
 def _log_estimate(view: ModelView, targets: list[dict[str, Any]], births: list[dict[str, Any]],
-                  pass_seconds: float, n_tokens: int, with_corpus: bool) -> None:
-    """Log how long verification will take, from the capture pass's time per token: per target,
-    one batched pass and per ablation scope one pass, plus two perplexity runs with a corpus."""
-    per_token = pass_seconds / max(n_tokens, 1)
-    passes, ppl_runs = 0, 1 if with_corpus else 0
+                  pass_seconds: float, ppl_seconds: float, tokens: torch.Tensor | None) -> None:
+    """Log how long verification will take, from measured passes: per target one batched pass
+    and per ablation scope one pass over the text, each as long as the capture pass
+    (``pass_seconds``); with a corpus two perplexity runs per scope, each as long as the
+    untouched run just measured (``ppl_seconds``, already spent)."""
+    passes, ppl_runs = 0, 0
     for t in targets:
         scopes = sum(b["pos"] == t["pos"] and b["dim"] == t["dim"] for b in births)
         scopes += scopes > 1
         passes += 1 + scopes
-        ppl_runs += 2 * scopes if with_corpus else 0
-    seconds = per_token * (passes * n_tokens + ppl_runs * VERIFY_SEQS * VERIFY_SEQ_LEN)
+        ppl_runs += 2 * scopes if tokens is not None else 0
+    seconds = passes * pass_seconds + ppl_runs * ppl_seconds
     level = logging.WARNING if seconds > VERIFY_WARN_S else logging.INFO
-    log.log(level, "%s: verifying %d traced entr%s: %d passes over the text and %d perplexity runs of %d x %d tokens; "
-             "estimated %.0f s", view.name, len(targets), "y" if len(targets) == 1 else "ies", passes, ppl_runs,
-             VERIFY_SEQS, VERIFY_SEQ_LEN, seconds)
+    runs = (f"{ppl_runs} perplexity runs of {tokens.shape[0]} x {tokens.shape[1]} tokens (one took {ppl_seconds:.1f} s)"
+            if tokens is not None else "no perplexity runs (no corpus)")
+    log.log(level, "%s: verifying %d traced entr%s: %d passes over the text (one took %.1f s) and %s; estimated "
+             "%.0f s more", view.name, len(targets), "y" if len(targets) == 1 else "ies", passes, pass_seconds, runs,
+             seconds)
 
 
 def _notes(cap: Capture, error: float, verify: bool, corpus: Corpus) -> tuple[str, ...]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pandas as pd
@@ -145,10 +146,16 @@ def _row(pos: int, dim: int, intervention: str, scope: str, layer: int, by_layer
 
 
 def verify_targets(view: ModelView, batch: Batch, cap: Capture, targets: list[dict[str, Any]],
-            births: list[dict[str, Any]], neurons: pd.DataFrame, corpus: Corpus) -> list[dict[str, Any]]:
-    """Verification rows of every target (see :func:`verification_rows`)."""
+                   births: list[dict[str, Any]], neurons: pd.DataFrame, corpus: Corpus,
+                   estimate: Callable[[float, Tensor | None], None] | None = None) -> list[dict[str, Any]]:
+    """Verification rows of every target (see :func:`verification_rows`). ``estimate`` is called
+    once the untouched perplexity run is done, with its measured seconds and the corpus tokens, so
+    that the time the other runs will take is told from a run of their own shape."""
     tokens = None if corpus is None else sequences(view, corpus, VERIFY_SEQ_LEN, VERIFY_SEQS)
+    started = time.perf_counter()
     base_ppl = ppl(view.model, tokens, [])
+    if estimate is not None:
+        estimate(time.perf_counter() - started, tokens)
     rows = []
     # with a corpus each target costs perplexity runs (seconds to minutes): show progress
     for t in tqdm(targets, desc="verifying (perplexity on the corpus)", disable=tokens is None, leave=False):
