@@ -48,15 +48,18 @@ from massive_lens import (
 )
 from massive_lens.attention import sink_census
 from massive_lens.cli import main
+from massive_lens.effects import streaming_window
 from massive_lens.handover import exclusion_mask, massive_dims, precision_check, read_dims, sae_check
 from massive_lens.handover.dims import MAX_BYTES as MAX_DIMS_BYTES
 from massive_lens.interventions import (
     calibrate,
+    head_curve,
     fix_sink_term,
     patch_sink_from,
     remove_sink_attention,
     run_interventions,
 )
+from massive_lens.quant import quantize_grid
 from massive_lens.report import compare_models, write_report
 from massive_lens.train import compare_variants, load_run, train_model
 
@@ -480,6 +483,17 @@ CASES = [
         "read_dims-layer-past-n_layers"),
     row("tiny", lambda m, d: massive_lens.load(_damaged_result(d, "symlink")), "names a file outside its folder",
         "load-table-linked-outside-the-folder"),
+    # --- issue 37: silently resolved or misleading
+    row("tiny", lambda m, d: quantize_grid(m, CORPUS, settings=["W4A4+hadamard+orthogonal"], seq_len=16, n_seqs=2),
+        "+hadamard and +orthogonal both set rotation", "quantize_grid-two-rotations"),
+    row("tiny", lambda m, d: quantize_grid(m, CORPUS, settings="W4A4+kvsink+prefix", seq_len=16, n_seqs=2),
+        "+kvsink and +prefix both set keep_sinks", "quantize_grid-kvsink-and-prefix"),
+    row("tiny", lambda m, d: streaming_window(m, CORPUS, window=8, sinks=(0, 1), seq_len=32, n_seqs=1, census_len=0),
+        "census_len is how many tokens per sequence the sink census reads", "streaming_window-census_len-zero"),
+    row("overflow", lambda m, d: streaming_window(m, CORPUS, window=8, sinks=(0, 1), seq_len=32, n_seqs=1,
+                                                  census=False), "holds NaN or inf", "streaming_window-overflow"),
+    row("tiny", lambda m, d: head_curve(m, TEXT * 8, calibration=TEXT[:30], shares=(0.25,), draws=1, seq_len=16,
+                                        n_seqs=2), "is evaluation sequence 0", "head_curve-calibration-shorter"),
     row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, dtypes=("float8",)), "float8",
         "precision_check-float8"),
     row("tiny", lambda m, d: precision_check(m, CORPUS, seq_len=16, n_seqs=2, dtypes=("float16", "float16")),

@@ -17,6 +17,7 @@ from massive_lens import find_massive, load_model, perplexity
 from massive_lens.cli import main
 from massive_lens.core.corpora import iter_texts
 from massive_lens.interventions import remove_sink_attention
+from massive_lens.quant import quantize_grid
 
 TEXT = "The cat sat on the mat. The dog ran. " * 2
 CORPUS = "a b c d e f g h " * 40
@@ -87,6 +88,14 @@ def test_fewer_sequences_than_asked_is_said(models):
     with pytest.warns(UserWarning, match="only 1 of the 5 sequences"):
         result = perplexity(models["tiny"], "abc def ghi", seq_len=8, n_seqs=5, progress=False)
     assert len(result.per_seq) == 1
+
+
+def test_one_low_bit_setting_name_alone_is_one_setting(models):
+    """Issue 37: ``settings="W4A4"`` was read letter by letter ("bad low-bit setting 'W'")."""
+    model = models["tiny"]
+    with untouched(model):
+        grid = quantize_grid(model, CORPUS, settings="W4A4", seq_len=16, n_seqs=2)
+    assert grid.to_frame()["setting"].tolist() == ["W4A4"]
 
 
 # --------------------------------------------------------------------------- threads

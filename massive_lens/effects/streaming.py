@@ -103,11 +103,14 @@ def _enough(kept: pd.DataFrame, best: float) -> int:
     return int(kept[kept["ratio"] <= best * 1.1]["k"].min())
 
 
-def _token_losses(scorer: NextTokenLoss, tokens: Tensor, hooks: list, batch_size: int) -> Tensor:
+def _token_losses(view: ModelView, scorer: NextTokenLoss, tokens: Tensor, hooks: list, batch_size: int) -> Tensor:
     """Each prediction's loss ``[seq, pos - 1]``, never holding a batch's logits where the head
-    can be applied slice by slice (:mod:`massive_lens.core.loss`)."""
-    return torch.cat([scorer(chunk, hooks=hooks, per_token=True).token_loss
-                      for chunk in scorer.batches(tokens, batch_size)])
+    can be applied slice by slice (:mod:`massive_lens.core.loss`). Full attention (no hooks)
+    giving NaN or inf logits is the model overflowing: an error, as in every other analysis."""
+    outs = [scorer(chunk, hooks=hooks, per_token=True) for chunk in scorer.batches(tokens, batch_size)]
+    if not hooks and not all(out.finite for out in outs):
+        raise view.overflow_error("the logits (full attention, before any window)")
+    return torch.cat([out.token_loss for out in outs])
 
 
 def _predicted_k(model: Any, tokens: Tensor, length: int) -> tuple[int, str]:
@@ -148,8 +151,9 @@ def streaming_window(model: Any, text: Corpus = None, *, window: int = 256, sink
         A :class:`StreamingWindow`.
 
     Raises:
-        MassiveLensError: for a window below 1, a negative ``k``, unknown ``positions``, or
-            ``positions="cache"`` on a model without HF-style rotary embeddings.
+        MassiveLensError: for a window below 1, a negative ``k``, a ``census_len`` below 1,
+            unknown ``positions``, ``positions="cache"`` on a model without HF-style rotary
+            embeddings, or a model whose full-attention logits overflow (NaN or inf).
 
     >>> from massive_lens import tiny_model
     >>> run = streaming_window(tiny_model("llama"), "a b c d " * 40, window=64, sinks=(0, 1), seq_len=64, n_seqs=1,
@@ -163,13 +167,16 @@ def streaming_window(model: Any, text: Corpus = None, *, window: int = 256, sink
         raise MassiveLensError(f"window must be an integer >= 1, got {window!r}")
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in ks):
         raise MassiveLensError(f"sinks must be a non-empty sequence of integers >= 0, got {sinks!r}")
+    if census and (isinstance(census_len, bool) or not isinstance(census_len, int) or census_len < 1):
+        raise MassiveLensError(f"census_len is how many tokens per sequence the sink census reads: an integer >= 1, "
+                               f"got {census_len!r} (or census=False to skip the census)")
     if positions not in POSITIONS or bins < 1 or batch_size < 1:
         raise MassiveLensError(f"need positions in {POSITIONS}, bins >= 1 and batch_size >= 1, got {positions!r}, "
                                f"{bins}, {batch_size}")
     tokens = sequences(view, text, seq_len, n_seqs)
     settings = [(FULL, -1, [])] + [(f"k={k}", k, window_hooks(view, window, k, positions)) for k in ks]
     scorer = NextTokenLoss(view)
-    losses = torch.stack([_token_losses(scorer, tokens, hooks, batch_size) for _, _, hooks in settings])
+    losses = torch.stack([_token_losses(view, scorer, tokens, hooks, batch_size) for _, _, hooks in settings])
     n = losses.shape[-1]
     rows = []
     for i, (name, k, _) in enumerate(settings):

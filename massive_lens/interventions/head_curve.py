@@ -121,8 +121,9 @@ def head_curve(model: Any, corpus: Any = None, *, calibration: Any = None, share
         A :class:`HeadCurve`.
 
     Raises:
-        MassiveLensError: for an empty ``shares``, a share outside (0, 1], ``draws`` below 1, or
-            an unusable model or corpus (see :func:`~massive_lens.perplexity`).
+        MassiveLensError: for an empty ``shares``, a share outside (0, 1], ``draws`` below 1, a
+            calibration sequence that repeats an evaluation one (also when one is shorter), or an
+            unusable model or corpus (see :func:`~massive_lens.perplexity`).
     """
     shares = sorted({float(s) for s in shares})
     if not shares or not 0 < shares[0] <= shares[-1] <= 1 or draws < 1:
@@ -137,9 +138,13 @@ def head_curve(model: Any, corpus: Any = None, *, calibration: Any = None, share
     else:
         tokens = sequences(view, corpus, seq_len, n_seqs)
         calib = sequences(view, calibration, seq_len, calibration_seqs)
-    if tokens.shape == calib.shape and bool(torch.equal(tokens, calib)):
-        raise MassiveLensError("the calibration text gives the same sequences as the evaluation text: rank the "
-                               "heads on other text (calibration=)")
+    n = min(tokens.shape[1], calib.shape[1])
+    same = (calib[:, None, :n] == tokens[None, :, :n]).all(-1).nonzero()  # [calibration, evaluation] pairs
+    if len(same):
+        c, e = (int(i) for i in same[0])
+        raise MassiveLensError(f"calibration sequence {c} is evaluation sequence {e} (their first {n} tokens are "
+                               f"the same; {len(same)} such pair(s)): the heads would be ranked on the text they "
+                               "are evaluated on. Rank them on other text (calibration=)")
     ranked = ranked_heads(dormant_heads(model, calib))
     base = perplexity(model, tokens, progress=False)
     rows = []
