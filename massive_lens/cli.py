@@ -125,7 +125,9 @@ def cmd_sinks(args: argparse.Namespace) -> None:
     chosen = [name.strip() for name in args.only.split(",") if name.strip()]
     if not chosen or set(chosen) - set(SINK_ANALYSES):
         raise MassiveLensError(f"--only takes some of {','.join(SINK_ANALYSES)}, got {args.only!r}")
-    folder = check_out_dir(args.out_dir) if args.out_dir else None  # before the model loads
+    if args.text is not None and not args.text.strip():  # '' would fall back to another text
+        raise MassiveLensError("--text is empty: give the text to inspect, or leave --text out for the default one")
+    folder = check_out_dir(args.out_dir, "--out-dir") if args.out_dir is not None else None  # before the model loads
     model = _load(args)
     text = args.text if args.corpus is None else sequences(ModelView(model), args.corpus, args.seq_len, args.n_seqs)
     sinks = find_sinks(model, text) if {"kv", "dormant"} <= set(chosen) else None  # one pass for both

@@ -55,10 +55,10 @@ def add_dims_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_dims(args: argparse.Namespace) -> None:
-    if args.json:
-        check_out_file(args.json, "--json")  # before the model loads
+    if args.json is not None:
+        check_out_file(args.json, "--json")  # before the model loads ('' too: a folder, refused)
     dims = massive_dims(_load(args), args.corpus, persistence=args.persistence, seq_len=args.seq_len,
                         n_seqs=args.n_seqs)
     print(dims.summary())
-    if args.json:
+    if args.json is not None:
         print(f"wrote {dims.to_json(args.json)}")

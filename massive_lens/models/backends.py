@@ -197,9 +197,12 @@ def check_device(device: Any) -> None:
     if device is None:
         return
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except (RuntimeError, TypeError) as exc:
         raise MassiveLensError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:1'") from exc
+    if (kind == "cuda" and not torch.cuda.is_available()) or (kind == "mps" and not torch.backends.mps.is_available()):
+        raise MassiveLensError(f"device {device!r}: this torch ({torch.__version__}) sees no {kind} device; use "
+                               f"device='cpu', or install a torch build for {kind}")
 
 
 def as_found(model: Any, device: Any, dtype: torch.dtype | None, device_map: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from massive_lens.core.outputs import check_out_dir
 from massive_lens.errors import MassiveLensError
 from massive_lens.lowbit import GRANULARITIES
 from massive_lens.models.load import load_model
@@ -56,9 +57,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and not value.startswith("hf:") and not Path(value).is_file():
             raise MassiveLensError(f"--{flag} {value}: no such file")
-    out = Path(args.out_dir) if args.out_dir else None
-    if out is not None and out.exists() and not out.is_dir():
-        raise MassiveLensError(f"--out-dir {out} is a file: give a folder")
+    out = check_out_dir(args.out_dir, "--out-dir") if args.out_dir is not None else None  # writable, before the work
     model = load_model(args.model) if args.model else load_model()
     result = quantize_grid(model, args.corpus, settings=settings, granularity=args.granularity,
                            symmetric=not args.asymmetric, group_size=args.group_size, seq_len=args.seq_len,
