@@ -376,3 +376,25 @@ def test_logits_changed_after_the_head_fall_back_to_the_full_logits(planted_llam
         assert grid.to_frame().gap[0] == pytest.approx(0.0, abs=1e-6)
     finally:
         model.reset_hooks(including_permanent=True)
+
+
+def test_the_grid_checks_every_setting_first_and_runs_those_that_can(monkeypatch):
+    """Issue 37: on a post-norm model a rotated setting used to raise after the settings before it
+    had run, discarding them, and pointed at ``rotation=None``, which the grid does not take. Now
+    it is named with the reason before any setting's pass, and the others run."""
+    import massive_lens.quant.api as api
+
+    model = tiny_model("gemma3", num_hidden_layers=1)
+    evaluated = []
+    evaluate = api._Run.evaluate
+    monkeypatch.setattr(api._Run, "evaluate", lambda run, s, b: evaluated.append(s.name) or evaluate(run, s, b))
+    with untouched(model):
+        grid = quantize_grid(model, TEXT, settings=["W4A4+hadamard", "W4A4", "W4A4+hadamard+kvsink"],
+                             seq_len=32, n_seqs=2)
+    assert evaluated == ["W4A4"] and grid.to_frame().setting.tolist() == ["W4A4"]
+    assert [name for name, _ in grid.skipped] == ["W4A4+hadamard", "W4A4+hadamard+kvsink"]
+    assert all("post-norm" in why and "rotation=None" not in why for _, why in grid.skipped)
+    assert "leave the rotation out ('W4A4+kvsink')" in grid.skipped[1][1]
+    assert "W4A4+hadamard: not run: " in grid.summary()
+    with pytest.raises(MassiveLensError, match="none of the settings can run.*post-norm"):
+        quantize_grid(model, TEXT, settings=["W4A4+hadamard"], seq_len=32, n_seqs=2)

@@ -32,6 +32,7 @@ interval over sequences, the per-token activation error at sink, massive and oth
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,13 +50,15 @@ from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.errors import MassiveLensError
 from massive_lens.lowbit import GRANULARITIES
 from massive_lens.metrics import bootstrap_mean
+from massive_lens.quant.plan import NO_ROTATION, none_runs, runnable, sites_for, without_rotation
 from massive_lens.quant.result import GROUPS, Quantization
 from massive_lens.quant.rotation import Rotation
 from massive_lens.quant.settings import GRID, Setting, parse_settings
 from massive_lens.quant.simulate import STATIC, Bits, Simulator
-from massive_lens.quant.sites import Site, plain, rotation_sites, structured_sites
+from massive_lens.quant.sites import Site
 from massive_lens.quantize import _eval_and_calibration
 
+log = logging.getLogger(__name__)
 EXACT = {torch.float32: 1e-5, torch.float64: 1e-9}  # relative logit error a rotation may add; else 2e-3
 
 
@@ -103,15 +106,7 @@ class _Run:
         return self.calib[0][mask]
 
     def sites(self, rotation: bool, kv: bool) -> list[Site]:
-        if rotation not in self._sites:
-            found = rotation_sites(self.model, self.include_head) if rotation else \
-                structured_sites(self.model, self.include_head)
-            self._sites[rotation] = found if found is not None else plain(self.model, self.include_head)
-        sites = self._sites[rotation]
-        if kv and not any(s.kv for s in sites):
-            raise MassiveLensError(f"{self.view.name}: KV-cache quantization needs a TransformerBridge whose "
-                                   "blocks have attn.k and attn.v; use kv=16 for this model")
-        return sites
+        return sites_for(self.view, self.include_head, rotation, kv, self._sites)
 
     def inputs(self, tokens: Tensor, sinks: Tensor | None, keep: str | None
                ) -> Iterator[tuple[Tensor, Tensor | None, int, Tensor, int]]:
@@ -149,7 +144,7 @@ class _Run:
                 raise MassiveLensError(
                     f"{self.view.name}: the {kind}-rotated model differs from the model by {err:.1e} (relative, in "
                     "the logits) before any quantization; its blocks are not pre-norm residual blocks that a "
-                    "rotation can be fused into; use rotation=None")
+                    f"rotation can be fused into; {NO_ROTATION}")
             self.exactness[kind] = err
         return residual, online
 
@@ -274,12 +269,18 @@ def quantize_grid(
         seed: the seed of the random rotations.
         criterion: when an activation is massive (the token groups; default ``Criterion()``).
 
+    Every setting is checked before the first pass (the model's structure), and each rotation
+    kind once more before any setting runs (the rotated model must reproduce the model); a setting
+    that cannot run on this model (a rotation on a LayerNorm or post-norm model, a KV cache
+    without key and value projections) is left out, named with the reason in the result's
+    ``skipped`` and summary, and the others run.
+
     Returns:
         A :class:`~massive_lens.quant.result.Quantization`.
 
     Raises:
-        MassiveLensError: for a bad setting or option, an architecture a rotation cannot be applied
-            to (a LayerNorm, a post-norm: the message says which), or as ``measure_outliers``.
+        MassiveLensError: for a bad setting or option, when no setting can run on this model (the
+            message names each and why), or as ``measure_outliers``.
 
     >>> from massive_lens import tiny_model
     >>> grid = quantize_grid(tiny_model("llama"), "One. Two. Three. " * 40, settings=["W8A8", "W4A4+hadamard"],
@@ -297,17 +298,25 @@ def quantize_grid(
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise MassiveLensError(f"group_size must be a positive integer, got {group_size!r}")
     view = ModelView(model)
+    planned = [(s, _bits(s, granularity, symmetric, group_size)) for s in specs]
+    planned, skipped = runnable(view, None, planned, include_head)  # the structure: before any pass
+    none_runs(view, planned, skipped)
     tokens, calib = _eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
     run = _Run(view, tokens, calib, criterion or Criterion(), include_head, seed)
+    planned, late = runnable(view, run, planned, include_head)  # the rotations' exactness: before any setting
+    skipped += late
+    none_runs(view, planned, skipped)
+    for name, why in skipped:
+        log.warning("quantize_grid: %s left out: %s", name, why)
     rows, token_frames = [], []
-    for setting in specs:
-        row, per_token = run.evaluate(setting, _bits(setting, granularity, symmetric, group_size))
+    for setting, bits in planned:
+        row, per_token = run.evaluate(setting, bits)
         means = per_token.groupby("group")["error"].mean() if len(per_token) else pd.Series(dtype=float)
         row.update({f"err_{g}": float(means.get(g, math.nan)) for g in GROUPS})
         rows.append(row)
         token_frames.append(per_token)
     tokens_frame = pd.concat(token_frames, ignore_index=True) if any(len(f) for f in token_frames) else token_frames[0]
-    return Quantization(view.name, pd.DataFrame(rows), float(run.fp.mean()), tokens_frame)
+    return Quantization(view.name, pd.DataFrame(rows), float(run.fp.mean()), tokens_frame, tuple(skipped))
 
 
 def quantize(
@@ -353,4 +362,8 @@ def quantize(
     if unknown:
         raise MassiveLensError(f"quantize got unknown options {sorted(unknown)}")
     setting = Setting(weights, activations, kv, None, rotation, keep_sinks)
-    return quantize_grid(model, corpus, settings=[setting], granularity=granularity, symmetric=symmetric, **options)
+    try:
+        return quantize_grid(model, corpus, settings=[setting], granularity=granularity, symmetric=symmetric,
+                             **options)
+    except MassiveLensError as exc:  # the grid names a setting without its rotation; here it is an argument
+        raise MassiveLensError(str(exc).replace(without_rotation(setting), NO_ROTATION)) from None

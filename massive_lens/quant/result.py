@@ -30,6 +30,7 @@ class Quantization(LowBitGrid):
     """
 
     tokens: pd.DataFrame  # after LowBitGrid's model_name, frame and fp_loss (to_frame and gaps are its own)
+    skipped: tuple[tuple[str, str], ...] = ()  # (setting, why) of the settings that cannot run on this model
 
     def summary(self) -> str:
         parts = []
@@ -39,6 +40,7 @@ class Quantization(LowBitGrid):
                          f"perplexity x{r.ppl_ratio:.2f}); quantizer sees max |x| {r.max_abs:.3g}, kurtosis "
                          f"{r.kurtosis:.1f}{sink}")
         n = int(self.frame.n_seqs.iloc[0]) if len(self.frame) else 0
+        parts += [f"  {name}: not run: {why}" for name, why in self.skipped]
         return (f"{self.model_name}: loss {self.fp_loss:.3f} in full precision over {n} sequences; round-to-nearest "
                 "(no GPTQ):\n" + "\n".join(parts))
 
