@@ -52,6 +52,7 @@ from massive_lens.effects import streaming_window
 from massive_lens.handover import exclusion_mask, massive_dims, precision_check, read_dims, sae_check
 from massive_lens.handover.dims import MAX_BYTES as MAX_DIMS_BYTES
 from massive_lens.interventions import (
+    ablate_massive,
     calibrate,
     head_curve,
     fix_sink_term,
@@ -494,6 +495,11 @@ CASES = [
                                                   census=False), "holds NaN or inf", "streaming_window-overflow"),
     row("tiny", lambda m, d: head_curve(m, TEXT * 8, calibration=TEXT[:30], shares=(0.25,), draws=1, seq_len=16,
                                         n_seqs=2), "is evaluation sequence 0", "head_curve-calibration-shorter"),
+    # --- issue 37: a calibration of another model (same sizes) refused by model identity, in every consumer
+    *[row("tiny", lambda m, d, build=build, family=family: build(m, calibration=calibrate(
+        tiny_model(family), "Some calibration text. " * 8, progress=False)),
+        "its means and sink dims belong to that model", f"{build.__name__}-calibration-of-{family}")
+      for build, family in ((ablate_massive, "qwen2"), (fix_sink_term, "gpt2"), (remove_sink_attention, "gemma3"))],
     # --- issue 37: the command line
     row("tiny", lambda m, d: _cli("quantize", "--model", d / "tiny", "--settings", "W8A8", "--seq-len", "8",
                                   "--n-seqs", "1", "--out-dir", d / "a_file" / "q"), "lies under the file",

@@ -81,6 +81,9 @@ class Calibration(Result):
     entries are among ``dims`` and edited is ``criterion.outliers`` (``"exclude"`` by
     default: the interventions never target them). They never make a position a sink.
 
+    ``model_name`` and ``d_model``: the model it was measured on; every consumer refuses a
+    Calibration of another model (``""`` and 0 in one saved before they were kept: sizes only).
+
     ``to_frame()``: one row per fact, ``kind`` (``massive_mean``: ``layer``, ``dim``,
     ``value`` at the first massive layer; ``massive_mean_at``: the same at every massive
     layer; ``sink_mass``: ``layer``, ``head``, ``value``).
@@ -107,6 +110,8 @@ class Calibration(Result):
     online_missed: int = 0
     online_extra: int = 0
     outlier_dims: Tensor = field(default_factory=_long)
+    model_name: str = ""
+    d_model: int = 0
 
     @property
     def detect_layer(self) -> int | None:
@@ -273,7 +278,7 @@ def calibrate(
     return Calibration(
         source=describe_source(corpus), dims=dims, means=means, attn_layers=attn_layers, criterion=criterion,
         n_seqs=len(tokens), dims_at=dims_at, means_at=means_at, sinks=sinks, rule=rule, **stats, **online,
-        outlier_dims=massive["outlier_dims"],
+        outlier_dims=massive["outlier_dims"], model_name=view.name, d_model=view.d_model,
     )
 
 
@@ -367,6 +372,10 @@ def _of_this_model(model: Any, calib: Calibration) -> Calibration:
     """``calib`` itself, refused when it was measured on a model of other sizes (layers, heads,
     head width, key/value heads): its means would be applied to the wrong entries."""
     view = ModelView(model)
+    if (calib.model_name and calib.model_name != view.name) or (calib.d_model and calib.d_model != view.d_model):
+        raise MassiveLensError(f"this Calibration was measured on {calib.model_name} (d_model {calib.d_model}), not "
+                               f"on {view.name} (d_model {view.d_model}): its means and sink dims belong to that "
+                               "model; calibrate this model: calibrate(model, text)")
     cfg = view.cfg
     want = (view.n_layers, cfg.n_heads, cfg.d_head, getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
     have = (*calib.sink_z.shape, calib.sink_k.shape[1])
