@@ -25,12 +25,10 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", _THREADS)  # subprocesses (notebooks, the CLI) inherit it
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-QUICK_SKIPPED_MODULES = {  # minutes each on 2 cores: whole reports, training runs, the docs site, the matrix
-    "test_notebooks", "test_browser", "test_matrix", "test_architectures", "test_docs", "test_docs_examples",
-    "test_distributed", "test_real_models", "test_report", "test_compare", "test_cli_train", "test_evaluate",
-    "test_interrupt", "test_vit", "test_plots"}
+# What --quick leaves out is chosen by marker (a slow module says so itself: `pytestmark = pytest.mark.heavy`)
+# and by fixture; tests/test_layout.py fails on a test that loads a real model or builds a report without either.
 QUICK_SKIPPED_MARKERS = ("slow", "real", "dist", "heavy")
-QUICK_SKIPPED_FIXTURES = {"planted_report", "story_report"}  # whole reports: tens of seconds each
+QUICK_SKIPPED_FIXTURES = {"default_model", "planted_report", "story_report"}  # the real model; whole reports
 
 
 def pytest_addoption(parser):
@@ -47,8 +45,7 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        quick = (item.module.__name__.rsplit(".", 1)[-1] not in QUICK_SKIPPED_MODULES
-                 and not any(item.get_closest_marker(m) for m in QUICK_SKIPPED_MARKERS)
+        quick = (not any(item.get_closest_marker(m) for m in QUICK_SKIPPED_MARKERS)
                  and not QUICK_SKIPPED_FIXTURES & set(getattr(item, "fixturenames", ()))
                  and not others & {v for v in params.values() if isinstance(v, str)})
         (keep if quick else drop).append(item)

@@ -13,6 +13,8 @@ from matrix import DIM, NEURON, PLANT_LAYER, build
 
 from massive_lens import MassiveLensError, decompose_attention, trace_origin
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 
 def _trace(arch: str):
     b = build(arch)

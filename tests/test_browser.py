@@ -18,6 +18,8 @@ from helpers import untouched
 from massive_lens import tiny_model
 from massive_lens.report.write import SECTIONS
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 ARTIFACTS = Path(os.environ.get("MASSIVE_LENS_ARTIFACTS", Path(tempfile.gettempdir()) / "massive_lens_artifacts"))
 WIDTH = 1400  # the window the layout checks use
 MAX_ROW_PX = 160  # a table row taller than this means cells wrap where they should not

@@ -13,6 +13,8 @@ import pytest
 from massive_lens import MassiveLensError
 from massive_lens.cli import parse_overrides
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 
 def test_values_that_crashed_the_old_parser_are_strings():
     got = parse_overrides(["data=tiny.txt", "data2=fineweb-edu-10BT.bin", "tokenizer=byte", "name=true-ish",

@@ -13,6 +13,8 @@ from massive_lens.cli import main
 from massive_lens.models import byte_tokenizer
 from massive_lens.report import compare_models
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from test_docs import ROOT, doc_files, python_blocks
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 SHARED_DATA = "../shared/data/"
 _NOT_RUN = re.compile(r"^\s*<!--\s*not run in tests:\s*(?P<why>\S.*?)\s*-->\s*$")
 _SLOW = {"load_model", "compare_models"}  # they load a real model: the `slow` marker's meaning

@@ -14,6 +14,8 @@ from massive_lens.core import budget
 from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 TEXT = "It was the best of times, it was the worst of times. " * 30
 
 

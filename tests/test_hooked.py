@@ -210,6 +210,7 @@ def test_default_model_hooked_gives_the_bridges_numbers(default_model):
 
 
 @tl3
+@pytest.mark.heavy  # a whole report
 def test_quick_report_on_a_hooked_transformer(tmp_path):
     """The report runs on a HookedTransformer: a planted massive activation is found and traced
     to its neuron, and the model is left as it was."""

@@ -2,7 +2,8 @@
 every internal import takes a name from the module that defines it (only a package's
 ``__init__`` re-exports); no ``_private`` name is imported across modules; every module sits in
 its package's import-linter contract; results are keyword-only dataclasses; ``register``
-refuses a name already taken; ``docs/architecture.md`` and the README match the code."""
+refuses a name already taken; the quick loop leaves out, by marker or fixture, every test that
+loads a real model or builds a report."""
 
 from __future__ import annotations
 
@@ -15,16 +16,15 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import QUICK_SKIPPED_FIXTURES, QUICK_SKIPPED_MARKERS
 
 import massive_lens
-from massive_lens.cli import build_parser
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.registry import REGISTRY, InterventionSetting, register
 
 PACKAGE = Path(massive_lens.__file__).parent
 PYPROJECT = PACKAGE.parent / "pyproject.toml"
-ARCHITECTURE, README = PACKAGE.parent / "docs" / "architecture.md", PACKAGE.parent / "README.md"
 
 
 def _module_file(root: Path, module: str) -> tuple[Path | None, bool]:
@@ -262,62 +262,83 @@ def test_register_refuses_a_name_already_taken():
     assert REGISTRY["zero"] is row
 
 
-def layer_contract(pyproject: Path) -> list[set[str]]:
-    """The package-wide layers contract (the one naming only top-level modules), top first."""
-    config = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["importlinter"]["contracts"]
-    layers = [[{n.strip() for n in re.split(r"[|:]", layer)} for layer in c.get("layers", ())] for c in config]
-    top = next(c for c in layers if all(name.count(".") == 1 for layer in c for name in layer))
-    return [{name.split(".", 1)[1] for name in layer} for layer in top]
+def _marks(nodes: list[ast.AST]) -> set[str]:
+    """The ``X`` of every ``pytest.mark.X`` in ``nodes``."""
+    return {sub.attr for node in nodes for sub in ast.walk(node) if isinstance(sub, ast.Attribute)
+            and isinstance(sub.value, ast.Attribute) and sub.value.attr == "mark"}
 
 
-def diagram_layers(page: str) -> list[set[str]]:
-    """The layers of the page's first ``text`` block (``a | b   what they hold`` a line), top first."""
-    block = page.split("```text\n", 1)[1].split("```", 1)[0]
-    return [{n.strip() for n in line.strip().split("  ", 1)[0].split("|")} for line in block.splitlines() if line]
+def _functions(tree: ast.Module) -> list[tuple[ast.FunctionDef, set[str]]]:
+    """Every top-level function and method, with the marks of its class."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found.append((node, set()))
+        elif isinstance(node, ast.ClassDef):
+            found += [(sub, _marks(node.decorator_list)) for sub in node.body if isinstance(sub, ast.FunctionDef)]
+    return found
 
 
-def _table(page: str, header: str) -> list[list[str]]:
-    rows = page.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]  # past the header and |---| lines
-    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+def _asks(fn: ast.FunctionDef) -> tuple[set[str], bool]:
+    """(the fixtures ``fn`` asks for, whether its own body loads a real model or builds a report)."""
+    names, heavy = {a.arg for a in fn.args.args + fn.args.kwonlyargs}, False
+    for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+        callee = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        heavy |= (callee == "load_model" and not call.args) or callee in ("write_report", "compare_models")
+        if callee == "getfixturevalue":
+            names |= {a.value for a in call.args if isinstance(a, ast.Constant)}
+    return names, heavy
 
 
-def table_layers(page: str) -> list[set[str]]:
-    """The layer column of the page's ``| layer | package or module |`` table (bottom up), top first."""
-    return [{n.strip() for n in row[0].split(",")} for row in reversed(_table(page, "| layer | package or module |"))]
+def quick_leaks(tests: Path) -> list[str]:
+    """``file::test`` of each test that the quick loop keeps although it loads a real model
+    (``load_model()`` with no model named) or builds a report, itself or through its fixtures: it
+    has none of ``QUICK_SKIPPED_MARKERS`` (own, class or module ``pytestmark``) and no fixture of
+    ``QUICK_SKIPPED_FIXTURES`` or one marked so."""
+    def fixtures(tree: ast.Module) -> dict[str, tuple[set[str], bool, bool]]:  # name -> (asks, heavy, skipped)
+        return {fn.name: (*_asks(fn), name_marked(fn)) for fn, _ in _functions(tree)
+                if any("fixture" in ast.unparse(d) for d in fn.decorator_list)}
+
+    def name_marked(fn: ast.FunctionDef) -> bool:
+        return fn.name in QUICK_SKIPPED_FIXTURES or bool(_marks(fn.decorator_list) & set(QUICK_SKIPPED_MARKERS))
+
+    shared = fixtures(ast.parse((tests / "conftest.py").read_text(encoding="utf-8")))
+    found = []
+    for file in sorted(tests.rglob("test_*.py")):
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        known = shared | fixtures(tree)
+        module_marks = _marks([n.value for n in tree.body if isinstance(n, ast.Assign)
+                               and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)])
+
+        def closure(asks: set[str], seen: set[str]) -> tuple[bool, bool]:  # (heavy, skipped) through fixtures
+            heavy = skipped = False
+            for name in asks & set(known) - seen:
+                sub_asks, own, marked = known[name]
+                sub_heavy, sub_skipped = closure(sub_asks, seen | {name})
+                heavy, skipped = heavy or own or sub_heavy, skipped or marked or sub_skipped
+            return heavy, skipped
+
+        for fn, class_marks in _functions(tree):
+            if fn.name.startswith("test") and fn.name not in known:
+                asks, own = _asks(fn)
+                heavy, skipped = closure(asks, set())
+                marked = (module_marks | class_marks | _marks(fn.decorator_list)) & set(QUICK_SKIPPED_MARKERS)
+                if (own or heavy) and not (marked or skipped):
+                    found.append(f"{file.relative_to(tests.parent)}::{fn.name}")
+    return found
 
 
-def namespace_table(page: str) -> dict[str, set[str]]:
-    """Each namespace of the page's table of what users import -> the names its row spells in backticks."""
-    return {row[0].strip("`"): set(re.findall(r"`([^`]+)`", row[1]))
-            for row in _table(page, "| namespace | what it exports |")}
-
-
-def test_the_architecture_page_matches_the_contract_and_the_public_names():
-    page, layers = ARCHITECTURE.read_text(encoding="utf-8"), layer_contract(PYPROJECT)
-    assert diagram_layers(page) == layers, "docs/architecture.md's diagram: the layers of pyproject.toml's contract"
-    assert table_layers(page) == layers, "docs/architecture.md's layer table: the layers of pyproject.toml's contract"
-    table = namespace_table(page)
-    assert table["massive_lens"] == set(massive_lens.__all__), set(massive_lens.__all__) ^ table["massive_lens"]
-    public = {f"massive_lens.{m.name}" for m in pkgutil.iter_modules(massive_lens.__path__)
-              if m.name != "core" and hasattr(importlib.import_module(f"massive_lens.{m.name}"), "__all__")}
-    assert set(table) == public | {"massive_lens"}, set(table) ^ (public | {"massive_lens"})
-    assert diagram_layers(page.replace("origin | quantize | handover", "origin | quantize")) != layers  # planted
-    assert table_layers(page.replace("| quant | `massive_lens.quant`", "| quantize | `massive_lens.quant`")) != layers
-    assert namespace_table(page.replace("`default_text`, ", ""))["massive_lens"] != set(massive_lens.__all__)
-
-
-def readme_lists(readme: str) -> tuple[set[str], set[str]]:
-    """The commands of the README's ``Command line: `massive-lens a | b` `` and the notebook
-    numbers of its ``Notebooks: ... (01 find, ...)``."""
-    commands = re.search(r"Command line: `massive-lens ([^`]+)`", readme).group(1)
-    notebooks = re.search(r"Notebooks:.*\((\d\d [^)]*)\)", readme).group(1)
-    return {c.strip() for c in commands.split("|")}, set(re.findall(r"\b(\d\d) ", notebooks))
-
-
-def test_the_readme_lists_every_command_and_notebook():
-    readme = README.read_text(encoding="utf-8")
-    sub = next(a for a in build_parser()._actions if a.dest == "command")
-    notebooks = {p.name[:2] for p in (PACKAGE.parent / "notebooks").glob("[0-9][0-9]_*.py")}
-    assert readme_lists(readme) == (set(sub.choices), notebooks)
-    assert readme_lists(readme.replace(" | quantize", ""))[0] != set(sub.choices)  # planted breaks
-    assert readme_lists(readme.replace(", 07 what sinks do", ""))[1] != notebooks
+def test_the_quick_loop_leaves_out_every_real_model_and_report(tmp_path):
+    tests = PACKAGE.parent / "tests"
+    assert not quick_leaks(tests), (f"{quick_leaks(tests)}: mark them @pytest.mark.slow (the real model) or "
+                                    "heavy, or the module with `pytestmark = pytest.mark.heavy`")
+    planted = tmp_path / "tests"
+    planted.mkdir()
+    (planted / "conftest.py").write_text("@pytest.fixture\ndef big():\n    return load_model()\n\n\n"
+                                         "@pytest.fixture\ndef bigger(big):\n    return big\n")
+    (planted / "test_a.py").write_text("def test_real(bigger):\n    pass\n\n\n"
+                                       "@pytest.mark.slow\ndef test_marked(big):\n    pass\n\n\n"
+                                       "def test_report():\n    write_report(tiny_model('x'))\n\n\n"
+                                       "def test_named(default_model):\n    load_model('a/local/dir')\n")
+    (planted / "test_b.py").write_text("pytestmark = pytest.mark.heavy\n\n\ndef test_real(big):\n    pass\n")
+    assert quick_leaks(planted) == ["tests/test_a.py::test_real", "tests/test_a.py::test_report"]

@@ -24,7 +24,7 @@ RESULTS: dict[tuple[str, str], str] = {}
 REGENERATE = "regenerate it with MASSIVE_LENS_WRITE_MATRIX=1 pytest tests/test_matrix.py"
 
 
-pytestmark = pytest.mark.usefixtures("free_matrix_models")
+pytestmark = [pytest.mark.usefixtures("free_matrix_models"), pytest.mark.heavy]  # heavy: not in make check
 
 
 def test_enough_architectures():

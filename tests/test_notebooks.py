@@ -24,6 +24,8 @@ from pathlib import Path
 import jupytext
 import pytest
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 SOURCES = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.py"))

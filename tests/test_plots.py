@@ -20,6 +20,8 @@ from massive_lens import (  # noqa: E402
 )
 from massive_lens import viz as plots  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly."
 
 

@@ -11,6 +11,8 @@ from massive_lens import MassiveLensError, tiny_model
 from massive_lens.interventions import SETTINGS
 from massive_lens.report import write as rep
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 SECTION_TITLES = [title for _, title, _, _ in rep.SECTIONS]
 
 

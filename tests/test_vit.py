@@ -35,7 +35,7 @@ from massive_lens.viz import capture_one, patch_map
 ARCHS = ("ViTModel", "DeiTForImageClassification")
 
 
-pytestmark = pytest.mark.usefixtures("free_matrix_models")
+pytestmark = [pytest.mark.usefixtures("free_matrix_models"), pytest.mark.heavy]  # heavy: not in make check
 
 
 @pytest.fixture(scope="module", params=ARCHS)

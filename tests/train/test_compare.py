@@ -12,6 +12,8 @@ from helpers import TRAIN_TEXT  # noqa: E402
 from massive_lens.errors import MassiveLensError  # noqa: E402
 from massive_lens.train.compare import METRICS, compare_main, compare_variants  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 FAST = dict(steps=3, data=TRAIN_TEXT, batch_size=4, log_every=1, eval_every=3, eval_batches=1,
             model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16))
 

@@ -19,6 +19,8 @@ from massive_lens.train import checkpoint, trainer
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.trainer import load_run, train_model
 
+pytestmark = pytest.mark.heavy  # left out of the quick loop (make check)
+
 CFG = dict(model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16), data=TRAIN_TEXT, batch_size=4, steps=6,
            warmup_steps=2, log_every=1, eval_every=2, eval_batches=1, ckpt_every=2)
 
