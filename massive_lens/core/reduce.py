@@ -16,7 +16,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from massive_lens.core.criterion import SCOPES, Criterion, OutlierTally, median_scale
+from massive_lens.core.criterion import Criterion, median_scale
+from massive_lens.core.outliers import SCOPES, OutlierTally
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 
 
