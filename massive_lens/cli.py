@@ -44,6 +44,9 @@ from massive_lens.quant.cli import HELP as QUANTIZE_HELP
 from massive_lens.quant.cli import add_arguments as quantize_arguments
 from massive_lens.quant.cli import cmd_quantize
 from massive_lens.report import compare_models, write_report
+from massive_lens.report.sections import DEFAULT as REPORT_DEFAULT
+from massive_lens.report.sections import FULL as REPORT_FULL
+from massive_lens.report.sections import QUICK as REPORT_QUICK
 from massive_lens.report.sections import SKIPPABLE
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
 from massive_lens.train.compare import compare_main
@@ -161,19 +164,27 @@ def _report_args(parser: argparse.ArgumentParser) -> None:
         help="text file where intervention means and sinks are measured (default: the corpus sequences after "
              "the evaluation ones)")
     add("--out-dir", "--out", dest="out_dir", default="report", help="output folder (default ./report)")
-    for flag, what, full, quick in (("--seq-len", "tokens per corpus sequence", 128, 32),
-                                    ("--n-seqs", "evaluation sequences", 8, 2),
-                                    ("--scan-seqs", "corpus sequences the scan reads", 8, 4),
-                                    ("--calibration-seqs", "calibration sequences", 4, 2)):
-        add(flag, type=int, default=None, help=f"{what} (default {full}; {quick} with --quick)")
+    for flag, what in (("--seq-len", "tokens per corpus sequence"), ("--n-seqs", "evaluation sequences"),
+                       ("--scan-seqs", "corpus sequences the scan reads"),
+                       ("--calibration-seqs", "calibration sequences")):
+        name = flag[2:].replace("-", "_")
+        add(flag, type=int, default=None, help=f"{what} (default {getattr(REPORT_DEFAULT, name)}; "
+                                               f"{getattr(REPORT_FULL, name)} with --full, "
+                                               f"{getattr(REPORT_QUICK, name)} with --quick)")
     add("--verify", action=argparse.BooleanOptionalAction, default=None,
         help="check the origin causally by zero-ablation (default on; off with --quick)")
     add("--dim", type=int, default=None, help="trace this hidden dimension (default: the largest massive entry's)")
     add("--pos", type=int, default=None, help="trace this token position (default: the largest massive entry's)")
     add("--layer", type=int, default=None,
-        help="layer of the landscape, attention and magnitude figures (default: the first massive layer)")
+        help="layer of the landscape, attention and magnitude figures (default: the layer of the headline "
+             "activation, the text's largest token-specific massive value)")
     add("--skip", default=None, help="comma-separated sections to leave out: " + ",".join(SKIPPABLE))
     add("--quick", action="store_true", help="small settings: seconds on a tiny model")
+    add("--full", action="store_true",
+        help="full settings of the costly steps: 8 evaluation and scan sequences, the causal check's perplexity "
+             "on 4 sequences of --seq-len tokens (default 2 of 64), the 5-setting low-bit grid on 4 sequences "
+             "(default 4 settings on 2), a half-precision fix confirmed by running the model in each dtype "
+             "(default: none recommended); several times the default's minutes")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     add("--no-tables", dest="tables", action="store_false", help="do not write the tables as CSV files")
 

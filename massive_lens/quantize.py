@@ -102,7 +102,7 @@ class OutlierReport(Result):
         return (
             f"{self.model_name}: max |act| {row.max_inf_norm:.1f}, top-1/median up to "
             f"{row.max_ratio:.0f}x, mean kurtosis {row.mean_kurtosis:.1f}, sink metric "
-            f"{row.sink_metric:.0%}; loss {self.fp_loss:.3f} -> W8A8 ({kind} weights) "
+            f"{row.sink_metric:.0%}; loss {self.fp_loss:.3f} -> W8A8 ({kind} weights, per-tensor static activations) "
             f"{self.w8a8_loss:.3f} (gap {self.gap:+.3f})"
         )
 

@@ -109,7 +109,8 @@ def test_every_option_steers_the_report_and_the_report_names_what_it_used(tmp_pa
     assert f"calibration: 2 sequences from {calibration}" in md  # the table's own header
     assert "5 sequences, 120 tokens" in md  # the corpus scan
     assert "dim 4" in md and "pos 1" in md and "layer 1" in md
-    assert "Causal check: perplexity with and without each ablation on the first 3 evaluation sequences" in md
+    assert "Causal check: perplexity with and without each ablation on the first 2 evaluation sequences, 24 tokens " \
+           "each" in md
     assert "without a corpus" not in md and "Skipped" not in md
     assert re.search(r"Peak memory [\d.]+ [GM]iB resident while the report ran, model included", md)
     assert re.search(r"the model's weights: \d+ MiB, so the peak is [\d.]+x the weights", md)
@@ -127,11 +128,11 @@ def test_the_new_sections_say_which_sinks_and_what_half_precision_does(planted_r
 
 
 def test_the_lowbit_section_shows_the_grid(planted_report):
-    from massive_lens.report.lowbit_section import LOWBIT_GRID
+    from massive_lens.report.lowbit_section import LOWBIT
 
     md = (planted_report.parent / "report.md").read_text()
     section = md.split("## Low-bit settings")[1].split("\n## ")[0]
-    assert all(f"  {name}: loss" in section for name in LOWBIT_GRID) and "no GPTQ" in section
+    assert all(f"  {name}: loss" in section for name in LOWBIT[False][0]) and "no GPTQ" in section
     assert "| W4A4+hadamard+kvsink |" in section and ".png" in section  # its table and figure
 
 

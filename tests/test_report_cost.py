@@ -11,7 +11,7 @@ import time
 import pytest
 from planting import TEXT, bos_tokens, plant_story
 
-from massive_lens import tiny_model, trace_origin
+from massive_lens import MassiveLensError, tiny_model, trace_origin
 from massive_lens.origin import verify
 
 STORY_TEXT = "The cat sat on the mat. It was warm, and the dog slept by the door."
@@ -49,3 +49,44 @@ def test_the_verification_estimate_comes_from_a_measured_perplexity_run(story, m
     # the runs are in the estimate, and the text's passes (estimated from the capture pass, heavier
     # than each of them) do not swamp it; the per-token extrapolation read ~1,000 s here
     assert (len(runs) - 1) * DELAY * 0.9 <= estimated <= 3 * taken + 2, (message, taken)
+
+
+# --------------------------------------------------------------------------- the light default and --full
+
+
+def test_the_default_is_lighter_than_full_and_full_is_one_flag_away():
+    from massive_lens.cli import build_parser
+    from massive_lens.report import DEFAULT, FULL
+    from massive_lens.report.lowbit_section import LOWBIT
+    from massive_lens.report.sections import VERIFY_CORPUS
+    from massive_lens.report.write import settings_for
+
+    assert settings_for(False) == DEFAULT and settings_for(False, full=True) == FULL
+    assert DEFAULT.n_seqs < FULL.n_seqs and DEFAULT.scan_seqs < FULL.scan_seqs
+    assert len(LOWBIT[False][0]) < len(LOWBIT[True][0]) and LOWBIT[False][1] < LOWBIT[True][1]
+    assert VERIFY_CORPUS[False][0] < VERIFY_CORPUS[True][0]
+    assert build_parser().parse_args(["report", "--full"]).full is True
+    with pytest.raises(MassiveLensError, match="quick and full"):
+        settings_for(True, full=True)
+
+
+def test_the_report_names_the_w8a8_granularity_and_recommends_no_unconfirmed_fix(planted_report):
+    md = (planted_report.parent / "report.md").read_text()
+    w8a8 = md.split("## W8A8 quantization")[1].split("\n## ")[0]
+    lowbit = md.split("## Low-bit settings")[1].split("\n## ")[0]
+    assert "per-tensor static activations" in w8a8 and "per-tensor activations" in w8a8
+    assert "per-token activations" in lowbit and "differs from the W8A8 of the section above" in lowbit
+    assert "Fix:" not in w8a8 and "No fix is recommended from a prediction" in w8a8
+
+
+def test_the_lowbit_section_keeps_its_kept_sinks_row_on_a_post_norm_model(tmp_path):
+    """Gemma-3-style sandwich norms: the rotated settings cannot run; the section says why and
+    shows the kept sinks without the rotation (its title promises them)."""
+    from massive_lens.report import write as rep
+
+    path = rep.write_report(tiny_model("gemma3"), out_dir=tmp_path, quick=True, progress=False, tables=False,
+                            skip="massive,origin,attention,sinks,interventions,quantization")
+    md = (path.parent / "report.md").read_text()
+    lowbit = md.split("## Low-bit settings")[1]
+    assert "W4A4+hadamard was left out:" in lowbit and "post-norm" in lowbit and "rotation=None" not in lowbit
+    assert "| W4A4+kvsink |" in lowbit

@@ -91,7 +91,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
                    verify: bool | None = None, dim: int | None = None, pos: int | None = None,
                    layer: int | None = None, skip: str | Sequence[str] | None = None,
                    device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
-                   quick: bool = False, progress: bool = True, tables: bool = True) -> Path:
+                   quick: bool = False, full: bool = False, progress: bool = True, tables: bool = True) -> Path:
     """Run the report's analyses on each model and write one page comparing them side by side.
 
     The options are :func:`~massive_lens.write_report`'s, with the same names and defaults
@@ -111,8 +111,8 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
             before any work); its ``index.html``, ``report.md``, ``figures/`` and ``tables/``
             are overwritten.
         seq_len: tokens per corpus sequence (None: 128; 32 with ``quick``).
-        n_seqs: evaluation sequences (None: 8; 2 with ``quick``).
-        scan_seqs: corpus sequences the scan reads (None: 8; 4 with ``quick``).
+        n_seqs: evaluation sequences (None: 4; 8 with ``full``; 2 with ``quick``).
+        scan_seqs: corpus sequences the scan reads (None: 4; 8 with ``full``).
         calibration_seqs: calibration sequences (None: 4; 2 with ``quick``).
         verify: must be None or False: the page compares the traces, it does not verify them.
         dim: the hidden dimension to trace in every model (None: each one's largest entry's).
@@ -122,6 +122,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
         device: where to load models given by name (None: the loader's choice).
         dtype: the dtype of models given by name (None: float32).
         quick: tiny settings (seconds on a tiny model), for tests.
+        full: the full settings of the costly steps (see :func:`~massive_lens.write_report`).
         progress: show a progress bar over the models.
         tables: also write every table as CSV under ``out_dir/tables/``.
 
@@ -147,7 +148,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
     if verify or layer is not None or skip:
         raise MassiveLensError("verify, layer and skip apply to the one-model report (write_report), not to the "
                                "comparison page; leave them unset")
-    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
+    settings = settings_for(quick, full=full, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
                             calibration_seqs=calibration_seqs,
                             verify=False, dim=dim, pos=pos)
     text = check_inputs(text, corpus, calibration)

@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 # The sections a report may leave out (``skip=``), by key; the model section always runs.
 SKIPPABLE = ("massive", "origin", "attention", "sinks", "interventions", "quantization", "lowbit")
 SECOND_TEXT = "Another text, on another topic.\nIt has two lines."
-VERIFY_SEQS = 4  # evaluation sequences the origin's causal check measures perplexity on
+# (sequences, tokens of each; None: seq_len) the origin's causal check measures perplexity on, by ``full``:
+# every ablation scope costs two perplexity runs, most of the default report's time at 4 x 128
+VERIFY_CORPUS = {False: (2, 64), True: (4, None)}
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,22 @@ class ReportOptions:
             of the headline activation, the text's largest token-specific massive value).
         skip: keys of sections to leave out, among ``SKIPPABLE`` (a comma-separated string
             or a sequence); a skipped section shows one line saying so.
+        full: the full settings of the costly steps: the origin's causal check measures
+            perplexity on 4 evaluation sequences of ``seq_len`` tokens (else 2 of 64), the low-bit
+            grid has 5 settings on 4 sequences (else 4 on 2), and the half-precision fix is
+            searched by running the model in each dtype (else none is recommended).
     """
 
     seq_len: int = 128
-    n_seqs: int = 8
-    scan_seqs: int = 8
+    n_seqs: int = 4
+    scan_seqs: int = 4
     calibration_seqs: int = 4
     verify: bool = True
     dim: int | None = None
     pos: int | None = None
     layer: int | None = None
     skip: str | Sequence[str] = ()
+    full: bool = False
 
     def __post_init__(self) -> None:
         skip = self.skip.split(",") if isinstance(self.skip, str) else self.skip
@@ -95,11 +102,13 @@ class ReportOptions:
                 raise MassiveLensError(f"{name} must be an int or None, got {value!r}")
         if self.layer is not None and self.layer < 0:
             raise MassiveLensError(f"layer must be >= 0, got {self.layer}")
-        if not isinstance(self.verify, bool):
-            raise MassiveLensError(f"verify must be True or False, got {self.verify!r}")
+        for name in ("verify", "full"):
+            if not isinstance(getattr(self, name), bool):
+                raise MassiveLensError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
-FULL = ReportOptions()
+DEFAULT = ReportOptions()  # minutes on the default model on 2 CPU cores
+FULL = ReportOptions(n_seqs=8, scan_seqs=8, full=True)
 QUICK = ReportOptions(seq_len=32, n_seqs=2, scan_seqs=4, calibration_seqs=2, verify=False)
 
 
@@ -242,14 +251,19 @@ def corpus_scan(inputs: Inputs) -> CorpusScan:
                        batch_size=inputs.batch_size, max_tokens=None, progress=False)
 
 
+def verify_corpus(inputs: Inputs) -> Tensor:
+    """The evaluation tokens the origin's causal check measures perplexity on (``VERIFY_CORPUS``)."""
+    n, length = VERIFY_CORPUS[inputs.settings.full]
+    return inputs.eval_tokens[:n, :length]
+
+
 def trace_top(inputs: Inputs, found: MassiveActivations | None, verify: bool) -> OriginTrace:
     """The entry of the ``dim``/``pos`` settings traced, else the text's headline activation
     (its largest token-specific massive entry; without one: the largest value at the first
-    token), with the causal check on the first
-    (up to 4) evaluation sequences when ``verify``."""
+    token), with the causal check on :func:`verify_corpus` when ``verify``."""
     s = inputs.settings
     top = found.headline if found is not None else None
-    corpus = inputs.eval_tokens[: VERIFY_SEQS] if verify else None
+    corpus = verify_corpus(inputs) if verify else None
     if s.dim is not None or s.pos is not None:
         return trace_origin(inputs.model, inputs.text, dim=s.dim, pos=s.pos, verify=verify, corpus=corpus)
     if top is None:
@@ -284,8 +298,10 @@ def origin_section(inputs: Inputs, s: Section, found: MassiveActivations | None)
         s.note("No token-specific massive activation in the text; tracing the largest outlier-dimension entry.")
     trace = trace_top(inputs, found, verify)
     if verify:
-        s.text(f"Causal check: perplexity with and without each ablation on the first "
-               f"{min(VERIFY_SEQS, len(inputs.eval_tokens))} evaluation sequences ({inputs.eval_source}).")
+        used = verify_corpus(inputs)
+        more = "" if inputs.settings.full else " (full=True, `--full`: 4 sequences of seq_len tokens)"
+        s.text(f"Causal check: perplexity with and without each ablation on the first {len(used)} evaluation "
+               f"sequences, {used.shape[1]} tokens each ({inputs.eval_source}){more}.")
     s.pre(trace.summary())
     s.figure(trace.plot(), "origin ledger: each component's write into the traced dim, layer by layer")
     if not trace.events.empty:
@@ -351,6 +367,10 @@ def intervention_section(inputs: Inputs, s: Section) -> None:
 
 def quantize_section(inputs: Inputs, s: Section) -> None:
     report = measure_outliers(inputs.model, inputs.eval_tokens, calibration=inputs.calib_tokens)
+    s.text(f"W8A8 here: {'per-channel' if report.per_channel else 'per-tensor'} int8 weights and per-tensor "
+           "activations (one static, asymmetric scale per layer input, min-max calibrated on the calibration "
+           "sequences), so one massive activation stretches every token's grid; the low-bit section below "
+           "quantizes activations per token (a scale per token), a different setting with a different gap.")
     s.pre(report.summary())
     s.figure(report.plot(), "largest and median |activation| of each block output")
     s.table(report.to_frame(), "per-layer outlier statistics: max_inf_norm, the largest |activation| of the "

@@ -4,10 +4,13 @@
   and its life), the sink's key and value per head, and the dormant heads of the text;
 - :func:`precision_line`: whether float16 and bfloat16 hold the model's activations, from the
   float32 measurement alone (:func:`~massive_lens.handover.precision_check` with
-  ``confirm=False``: no copy of the model in another dtype).
+  ``confirm=False``: no copy of the model in another dtype, and no fix recommended), or with
+  ``full`` confirmed by running in each dtype (a fix shown only as measured).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -55,14 +58,26 @@ def sinks_section(inputs: Inputs, s: Section) -> None:
 
 
 def precision_line(inputs: Inputs, s: Section) -> None:
-    """One line per half-precision dtype (float32 models only: the check measures in float32)."""
+    """One line per half-precision dtype (float32 models only: the check measures in float32).
+
+    A fix (the layers to keep in float32) is shown only when a run confirmed it: with ``full``
+    the check runs the model in each dtype and searches the fewest layers to keep; by default
+    it predicts from float32 alone and recommends no fix (a predicted one was not enough on an
+    unseen model, whose run still gave NaN)."""
     if inputs.view.dtype != torch.float32:
         s.note(f"Half-precision check not run: the model is in {inputs.view.dtype}, and the check measures in "
                "float32 (massive-lens precision on a float32 load).")
         return
-    check = precision_check(inputs.model, inputs.eval_tokens[:2], confirm=False)
-    s.text("Half precision, predicted from the float32 activations of the first two evaluation sequences (not run "
-           "in each dtype; `massive-lens precision` confirms it):")
+    confirm = inputs.settings.full
+    check = precision_check(inputs.model, inputs.eval_tokens[:2], confirm=confirm)
+    if confirm:
+        s.text("Half precision, run in each dtype on the first two evaluation sequences; each fix below was "
+               "measured (the model run with those layers in float32):")
+    else:
+        check = replace(check, verdicts=check.verdicts.assign(fix=""))  # predicted fixes are not advice
+        s.text("Half precision, predicted from the float32 activations of the first two evaluation sequences (not run "
+               "in each dtype). No fix is recommended from a prediction: `massive-lens precision` (or this report "
+               "with --full) runs the model in each dtype and names only fixes a run confirmed.")
     s.pre(check.summary())
 
 

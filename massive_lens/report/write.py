@@ -23,7 +23,8 @@ its figures under ``DIR/figures/``:
 Any section but the model's can be left out with ``skip=`` (``--skip`` on the command line).
 
 ReportOptions are small so the default model finishes in a few minutes on 2 CPU cores;
-``quick=True`` shrinks them further for tests on tiny models, and every size, the traced
+``full=True`` (``--full``) runs the costly steps at full size (more sequences, the whole low-bit
+grid, a confirmed half-precision fix), ``quick=True`` shrinks them further for tests on tiny models, and every size, the traced
 entry and the layer shown can be set (the options are those of :class:`ReportOptions`, and the
 same flags of ``massive-lens report``). The report states what it used (corpus and
 calibration files, sequence counts) and its own peak memory next to the model's weights.
@@ -76,8 +77,8 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
                  scan_seqs: int | None = None, calibration_seqs: int | None = None, verify: bool | None = None,
                  dim: int | None = None, pos: int | None = None, layer: int | None = None,
                  skip: str | Sequence[str] | None = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | str | None = None, quick: bool = False, progress: bool = True,
-                 tables: bool = True) -> Path:
+                 dtype: torch.dtype | str | None = None, quick: bool = False, full: bool = False,
+                 progress: bool = True, tables: bool = True) -> Path:
     """Run the analyses and write ``out_dir/index.html`` and ``out_dir/report.md``.
 
     ``massive-lens report`` takes the same options, as flags of the same names
@@ -94,14 +95,14 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         out_dir: the output folder (default ``"report"``, created if missing; checked before
             any work); existing files of the same names are overwritten.
         seq_len: tokens per corpus sequence (None: 128; 32 with ``quick``).
-        n_seqs: evaluation sequences (None: 8; 2 with ``quick``).
-        scan_seqs: corpus sequences the scan reads (None: 8; 4 with ``quick``).
+        n_seqs: evaluation sequences (None: 4; 8 with ``full``; 2 with ``quick``).
+        scan_seqs: corpus sequences the scan reads (None: 4; 8 with ``full``).
         calibration_seqs: calibration sequences (None: 4; 2 with ``quick``).
         verify: check the origin story causally (None: True; False with ``quick``).
         dim: the hidden dimension to trace (None: that of the text's largest massive entry).
         pos: the token position to trace (None: that of the largest massive entry).
-        layer: the layer of the landscape, attention and magnitude figures (None: the first
-            layer with a massive activation).
+        layer: the layer of the landscape, attention and magnitude figures (None: the layer
+            of the headline activation, the text's largest token-specific massive value).
         skip: sections to leave out, by key: ``"massive"``, ``"origin"``, ``"attention"``,
             ``"sinks"``, ``"interventions"``, ``"quantization"``, ``"lowbit"`` (a comma-separated
             string or a tuple); each shows one line saying it was skipped.
@@ -110,6 +111,10 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         dtype: the dtype of a model given by name (None: float32); for a loaded model
             None, or its own dtype.
         quick: tiny defaults (seconds on a tiny model), for tests.
+        full: the full settings (:data:`~massive_lens.report.FULL`): 8 evaluation and scan
+            sequences, the causal check's perplexity on 4 sequences of ``seq_len`` tokens, the
+            5-setting low-bit grid on 4 sequences, and a half-precision fix searched by running
+            the model in each dtype. The default is lighter, for a first run in minutes on 2 cores.
         progress: show a progress bar over the sections.
         tables: also write every table, whole, as CSV under ``out_dir/tables/`` (named
             ``NN-<section>-<caption>.csv``).
@@ -131,7 +136,7 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     >>> path.name, re.findall("(?:src|href)=.?https?:", path.read_text())
     ('index.html', [])
     """
-    settings = settings_for(quick, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
+    settings = settings_for(quick, full=full, seq_len=seq_len, n_seqs=n_seqs, scan_seqs=scan_seqs,
                             calibration_seqs=calibration_seqs, verify=verify, dim=dim, pos=pos, layer=layer,
                             skip=skip)
     text = check_inputs(text, corpus, calibration)
@@ -170,17 +175,23 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     return page
 
 
-def settings_for(quick: bool, **options: Any) -> sec.ReportOptions:
-    """The report's :class:`ReportOptions`: the quick or full defaults, with every option that is
-    not None in its place.
+def settings_for(quick: bool, full: bool = False, **options: Any) -> sec.ReportOptions:
+    """The report's :class:`ReportOptions`: the quick, default or full presets, with every option
+    that is not None in its place.
 
-    >>> settings_for(True, seq_len=64).seq_len, settings_for(False).seq_len
-    (64, 128)
+    >>> settings_for(True, seq_len=64).seq_len, settings_for(False).n_seqs, settings_for(False, full=True).n_seqs
+    (64, 4, 8)
     """
-    unknown = set(options) - {f.name for f in fields(sec.ReportOptions)}
+    unknown = set(options) - {f.name for f in fields(sec.ReportOptions)} - {"full"}
     if unknown:
         raise MassiveLensError(f"unknown report options {sorted(unknown)}")
-    return replace(sec.QUICK if quick else sec.FULL, **{k: v for k, v in options.items() if v is not None})
+    for name, value in (("quick", quick), ("full", full)):
+        if not isinstance(value, bool):
+            raise MassiveLensError(f"{name} must be True or False, got {value!r}")
+    if quick and full:
+        raise MassiveLensError("quick and full ask for opposite settings; pass one of them")
+    preset = sec.QUICK if quick else sec.FULL if full else sec.DEFAULT
+    return replace(preset, **{k: v for k, v in options.items() if v is not None})
 
 
 def check_runnable(inputs: sec.Inputs) -> None:
