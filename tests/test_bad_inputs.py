@@ -500,6 +500,21 @@ CASES = [
         tiny_model(family), "Some calibration text. " * 8, progress=False)),
         "its means and sink dims belong to that model", f"{build.__name__}-calibration-of-{family}")
       for build, family in ((ablate_massive, "qwen2"), (fix_sink_term, "gpt2"), (remove_sink_attention, "gemma3"))],
+    # --- issue 37: wrong types, checked where the values are (the typed rows run without the type hook)
+    row("typed", "find_massive(m, 'The cat.', criterion='sun')", "criterion must be a massive_lens.Criterion",
+        "find_massive-criterion-a-name"),
+    row("typed", "find_massive(m, 'The cat.', criterion=3)", "criterion must be a massive_lens.Criterion",
+        "find_massive-criterion-a-number"),
+    row("typed", "decompose_attention(m, 'The cat sat.', sinks=3)", "a single position goes in a list",
+        "decompose_attention-sinks-an-int"),
+    row("typed", "sink_kv(m, 'The cat sat.', sinks='bos')", "sinks must be None", "sink_kv-sinks-a-name"),
+    row("typed", "exclusion_mask(m, 'The cat sat.', prepend_bos='yes')", "prepend_bos must be True, False or None",
+        "exclusion_mask-prepend_bos-yes"),
+    row("typed", "over_mixing(m, 'The cat sat on the mat. ' * 8, seq_len=16, n_seqs=2, seed='x')",
+        "seed must be an integer", "over_mixing-seed-x"),
+    row("typed", "repeated_token_probe(m, 'a', 8, like='0.5')", "like is a share", "repeated_token_probe-like-a-string"),
+    row("tiny", lambda m, d: sae_check(m, _sae(encode=lambda x: x.tolist()), CORPUS, seq_len=16, n_seqs=2),
+        "encode returned a list", "sae_check-encode-returns-a-list"),
     # --- issue 37: the command line
     row("tiny", lambda m, d: _cli("quantize", "--model", d / "tiny", "--settings", "W8A8", "--seq-len", "8",
                                   "--n-seqs", "1", "--out-dir", d / "a_file" / "q"), "lies under the file",
@@ -551,6 +566,9 @@ import json, sys, warnings
 warnings.simplefilter("ignore")
 from massive_lens import MassiveLensError, decompose_attention, find_massive, load_model, scan_corpus, tiny_model
 from massive_lens.train import compare_variants
+from massive_lens.attention.kv import sink_kv
+from massive_lens.effects import over_mixing, repeated_token_probe
+from massive_lens.handover import exclusion_mask
 m = tiny_model("llama")
 out = {}
 for code in json.loads(sys.argv[1]):

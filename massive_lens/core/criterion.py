@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,6 +107,21 @@ class Criterion:
             A bool tensor shaped like ``mag``: which entries pass (before any outlier-dimension rule).
         """
         return mag > (self.ratio_threshold * scale).clamp(min=self.abs_threshold)  # both, in one comparison
+
+
+def as_criterion(criterion: Any) -> Criterion:
+    """``criterion`` itself, or ``Criterion()`` for None; anything else (a name, a number) is an error.
+
+    >>> as_criterion(None) == Criterion()
+    True
+    """
+    if criterion is None:
+        return Criterion()
+    if not isinstance(criterion, Criterion):
+        raise MassiveLensError(f"criterion must be a massive_lens.Criterion (e.g. Criterion(abs_threshold=100, "
+                               f"ratio_threshold=1000)) or None for the default, got {type(criterion).__name__} "
+                               f"{criterion!r}")
+    return criterion
 
 
 def median_scale(

@@ -194,6 +194,9 @@ class ModelView:
             )
         if not texts or not all(texts):
             raise MassiveLensError("got an empty text (or no texts); pass at least one non-empty string")
+        if prepend_bos is not None and not isinstance(prepend_bos, bool):  # "yes", "no", 0 are no answers
+            raise MassiveLensError(f"prepend_bos must be True, False or None (the model's default), got "
+                                   f"{prepend_bos!r}")
         if prepend_bos is None:
             prepend_bos = bool(getattr(self.cfg, "default_prepend_bos", True))
         tok = self.tokenizer

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
-from massive_lens.core.criterion import Criterion
+from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ProfileSums, ResidualReducer
@@ -257,7 +257,7 @@ def find_massive(
     ['dim', 'layer', 'pos', 'ratio', 'scope', 'seq', 'token', 'token_kind', 'value']
     """
     view = ModelView(model)
-    criterion = criterion or Criterion()
+    criterion = as_criterion(criterion)
     batch = view.tokenize(text, prepend_bos)
     return find_in_batch(view, batch, criterion, chosen_layers(view, layers), hook)
 

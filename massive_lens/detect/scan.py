@@ -22,7 +22,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import Corpus, token_batches
-from massive_lens.core.criterion import Criterion
+from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ProfileSums
 from massive_lens.core.results import Result
@@ -125,7 +125,7 @@ def scan_corpus(
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= view.d_model:
         raise MassiveLensError(f"k={k!r}: the largest magnitudes kept per layer is a whole number from 1 to "
                                f"d_model ({view.d_model})")
-    criterion = criterion or Criterion()
+    criterion = as_criterion(criterion)
     layers = chosen_layers(view, None)
     rank, world = _distributed()
     n_kinds = len(TOKEN_KINDS) + 1

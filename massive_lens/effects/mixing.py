@@ -164,6 +164,8 @@ def over_mixing(model: Any, text: Corpus = None, *, pos: int = 1, scale: float |
     if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < tokens.shape[1] - 1:
         raise MassiveLensError(f"pos must be an integer in [0, {tokens.shape[1] - 2}] so that later tokens exist, "
                                f"got {pos!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise MassiveLensError(f"seed must be an integer (the random direction's seed), got {seed!r}")
     gen = torch.Generator().manual_seed(seed)
     direction = torch.randn(len(tokens), view.d_model, generator=gen, dtype=torch.float64)
     direction = direction / direction.norm(dim=-1, keepdim=True) * scale

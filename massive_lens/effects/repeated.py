@@ -194,7 +194,7 @@ def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | 
     token_id = _one_token(view, token)
     if isinstance(n, bool) or not isinstance(n, int) or n < 8:
         raise MassiveLensError(f"n must be an integer >= 8 (repeats after the first token), got {n!r}")
-    if not 0 < like <= 1:
+    if isinstance(like, bool) or not isinstance(like, (int, float)) or not 0 < like <= 1:
         raise MassiveLensError(f"like is a share of the first token's norm in (0, 1], got {like!r}")
     bos = view.tokenizer.bos_token_id if getattr(view.cfg, "default_prepend_bos", True) else None
     first_id = _one_token(view, first) if first is not None else token_id if bos is None else bos

@@ -47,7 +47,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import Criterion
+from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.fmt import num, pct
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
@@ -309,7 +309,7 @@ def massive_dims(
                                f"{persistence!r} (heretic uses 0.25)")
     view = ModelView(model)
     tokens = sequences(view, corpus, seq_len, n_seqs)
-    criterion = criterion or Criterion()
+    criterion = as_criterion(criterion)
     entries = find_massive(model, tokens, criterion=criterion, hook=hook).to_frame()
     entries = entries.assign(max_abs=entries["value"].abs())
     by_layer = (entries.groupby(["dim", "layer", "scope"], as_index=False)["max_abs"].max()

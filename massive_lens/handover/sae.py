@@ -222,6 +222,10 @@ def sae_check(
     with torch.no_grad():  # the SAE first, the (costlier) exclusion mask once it has worked
         for s, row in enumerate(x):  # one sequence at a time: [pos d_in] -> [pos d_sae] stays small
             acts = sae.encode(row if param is None else row.to(param.device, param.dtype))
+            if not isinstance(acts, torch.Tensor):
+                raise MassiveLensError(f"the SAE's encode returned a {type(acts).__name__}, not a tensor of feature "
+                                       "activations [pos, d_sae]; sae_check needs an SAE whose encode and decode "
+                                       "take and give tensors (as sae-lens's do)")
             recon = sae.decode(acts).float().cpu()
             if recon.shape != row.shape or not bool(torch.isfinite(recon).all()):
                 what = "holds NaN or inf" if recon.shape == row.shape else f"has shape {tuple(recon.shape)}"

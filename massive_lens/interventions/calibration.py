@@ -44,6 +44,7 @@ from massive_lens.core.criterion import (
     OutlierTally,
     SinkEvidence,
     SinkRule,
+    as_criterion,
     massive_mask,
     token_specific,
 )
@@ -253,7 +254,7 @@ def calibrate(
     if isinstance(corpus, Calibration):
         return _of_this_model(model, corpus)
     view, rule = ModelView(model), rule or SinkRule()
-    criterion = replace(criterion or Criterion(), outliers=outliers)  # checks the choice
+    criterion = replace(as_criterion(criterion), outliers=outliers)  # checks the choice
     tokens = sequences(view, corpus, seq_len, n_seqs)
     chunks = [(start, tokens[start:start + batch_size]) for start in range(0, len(tokens), batch_size)]
     bar = tqdm(total=2 * len(chunks), desc="calibrate", disable=not progress, leave=False)

@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 
 from massive_lens.core.corpora import Corpus
-from massive_lens.core.criterion import Criterion
+from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import waterfall_axes
 from massive_lens.core.results import Result
@@ -218,7 +218,7 @@ def trace_origin(
     view, batch = _prepare(model, text, top_neurons=top_neurons, verify=verify, prepend_bos=prepend_bos)
     seq = batch.tokens.shape[1]
     dim, pos = _check_index(view, dim, pos, seq)
-    criterion = criterion or Criterion()
+    criterion = as_criterion(criterion)
     positions = _positions(view, batch, pos, dim, criterion)
     started = time.perf_counter()
     cap = capture(view, batch, positions, criterion)
