@@ -143,8 +143,8 @@ def head_curve(model: Any, corpus: Any = None, *, calibration: Any = None, share
     if len(same):
         c, e = (int(i) for i in same[0])
         raise MassiveLensError(f"calibration sequence {c} is evaluation sequence {e} (their first {n} tokens are "
-                               f"the same; {len(same)} such pair(s)): the heads would be ranked on the text they "
-                               "are evaluated on. Rank them on other text (calibration=)")
+                               f"the same; {len(same)} such pair(s)), so the heads would be ranked on the text "
+                               "they are evaluated on: rank the heads on other text (calibration=)")
     ranked = ranked_heads(dormant_heads(model, calib))
     base = perplexity(model, tokens, progress=False)
     rows = []
