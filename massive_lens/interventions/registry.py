@@ -131,6 +131,9 @@ def register(row: InterventionSetting, *, replace: bool = False) -> Intervention
     Returns:
         ``row``, now in :data:`REGISTRY` (and its ``every`` form in :data:`EVERY`).
 
+    Raises:
+        MassiveLensError: if a different setting already has the name and ``replace`` is False.
+
     >>> from massive_lens.interventions import remove_sink_attention
     >>> row = register(InterventionSetting("sink_attention_dropped", remove_sink_attention,
     ...                "attention to sink positions dropped, not renormalized", ATTN, in_table3=False,
