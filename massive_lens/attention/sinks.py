@@ -9,6 +9,7 @@ first token. :class:`SinkSet` records which positions an analysis treated as sin
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -215,7 +216,7 @@ def sink_mask(model: Any, batch: Batch, sinks: Sinks) -> SinkSet:
                                f"[batch, pos] or a SinkSet; got {type(sinks).__name__} {sinks!r}"
                                + (": a single position goes in a list, e.g. sinks=[0]" if isinstance(sinks, int) else ""))
     positions = list(sinks)
-    if any(isinstance(p, bool) or not isinstance(p, (int, torch.Tensor)) for p in positions):
+    if any(isinstance(p, bool) or not isinstance(p, (numbers.Integral, torch.Tensor)) for p in positions):
         raise MassiveLensError(f"sink positions must be integers, got {positions!r}")
     if not positions or any(not 0 <= int(p) < pos for p in positions):
         raise MassiveLensError(f"sink positions {positions} must be non-empty and within 0..{pos - 1}")
