@@ -47,7 +47,8 @@ def _is_lock_call(node: ast.AST) -> bool:
     if not isinstance(node, ast.Call):
         return False
     f = node.func
-    return (isinstance(f, ast.Name) and f.id == "model_lock") or (isinstance(f, ast.Attribute) and f.attr == "model_lock")
+    return ((isinstance(f, ast.Name) and f.id == "model_lock")
+            or (isinstance(f, ast.Attribute) and f.attr == "model_lock"))
 
 
 def _is_no_grad(node: ast.AST) -> bool:
@@ -196,7 +197,7 @@ def _module_name(root: Path, path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read(module: str, source: str) -> _Reader:
     reader = _Reader(module)
     reader.visit(ast.parse(source))

@@ -54,8 +54,8 @@ from massive_lens.handover.dims import MAX_BYTES as MAX_DIMS_BYTES
 from massive_lens.interventions import (
     ablate_massive,
     calibrate,
-    head_curve,
     fix_sink_term,
+    head_curve,
     patch_sink_from,
     remove_sink_attention,
     run_interventions,
@@ -512,7 +512,8 @@ CASES = [
         "exclusion_mask-prepend_bos-yes"),
     row("typed", "over_mixing(m, 'The cat sat on the mat. ' * 8, seq_len=16, n_seqs=2, seed='x')",
         "seed must be an integer", "over_mixing-seed-x"),
-    row("typed", "repeated_token_probe(m, 'a', 8, like='0.5')", "like is a share", "repeated_token_probe-like-a-string"),
+    row("typed", "repeated_token_probe(m, 'a', 8, like='0.5')", "like is a share",
+        "repeated_token_probe-like-a-string"),
     row("tiny", lambda m, d: sae_check(m, _sae(encode=lambda x: x.tolist()), CORPUS, seq_len=16, n_seqs=2),
         "encode returned a list", "sae_check-encode-returns-a-list"),
     # --- issue 37: the command line

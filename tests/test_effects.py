@@ -118,7 +118,8 @@ def test_valley_summary_says_the_claim_holds_where_the_norm_peaks_in_the_valley(
     both = pd.concat([deep, ablated], ignore_index=True)
     text = CompressionValley(both, both.assign(seq=0), "m", 32).summary()
     assert "matrix entropy lowest at layer 2 (0.050" in text
-    assert "present on this model" in text and "layers 2, 3" in text and "peaks inside it (layer 2): the claim holds" in text
+    assert "present on this model" in text and "layers 2, 3" in text
+    assert "peaks inside it (layer 2): the claim holds" in text
     assert text.splitlines()[-1].endswith("valley absent")
     off = _valley([0.7, 0.6, 0.05, 0.1, 0.6, 0.5], [10, 20, 30, 40, 50, 900])
     assert "peaks outside it (layer 5)" in CompressionValley(off, off.assign(seq=0), "m", 32).summary()

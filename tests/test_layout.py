@@ -12,10 +12,10 @@ import dataclasses
 import importlib
 import pkgutil
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from conftest import QUICK_SKIPPED_FIXTURES, QUICK_SKIPPED_MARKERS
 
 import massive_lens
@@ -311,7 +311,7 @@ def quick_leaks(tests: Path) -> list[str]:
         module_marks = _marks([n.value for n in tree.body if isinstance(n, ast.Assign)
                                and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)])
 
-        def closure(asks: set[str], seen: set[str]) -> tuple[bool, bool]:  # (heavy, skipped) through fixtures
+        def closure(asks: set[str], seen: set[str], known=known) -> tuple[bool, bool]:  # (heavy, skipped), via fixtures
             heavy = skipped = False
             for name in asks & set(known) - seen:
                 sub_asks, own, marked = known[name]

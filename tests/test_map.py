@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import massive_lens
 from massive_lens.cli import build_parser

@@ -214,7 +214,8 @@ def sink_mask(model: Any, batch: Batch, sinks: Sinks) -> SinkSet:
     if isinstance(sinks, (str, bytes, int, float)) or not hasattr(sinks, "__iter__"):
         raise MassiveLensError(f"sinks must be None (found by the sink rule), a list of positions, a bool mask "
                                f"[batch, pos] or a SinkSet; got {type(sinks).__name__} {sinks!r}"
-                               + (": a single position goes in a list, e.g. sinks=[0]" if isinstance(sinks, int) else ""))
+                               + (": a single position goes in a list, e.g. sinks=[0]"
+                                  if isinstance(sinks, int) else ""))
     positions = list(sinks)
     if any(isinstance(p, bool) or not isinstance(p, (numbers.Integral, torch.Tensor)) for p in positions):
         raise MassiveLensError(f"sink positions must be integers, got {positions!r}")

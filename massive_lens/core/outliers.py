@@ -138,7 +138,8 @@ class OutlierTally:
         if layer not in self.spread:
             return torch.zeros_like(self.dims)
         layers = sorted(self.spread)
-        scope = outlier_scope(torch.stack([self.outlier[x] for x in layers]), torch.stack([self.spread[x] for x in layers]))
+        scope = outlier_scope(torch.stack([self.outlier[x] for x in layers]),
+                              torch.stack([self.spread[x] for x in layers]))
         return scope[layers.index(layer)]
 
     def token(self, layer: int, massive: Bool[Tensor, "batch pos d_model"]) -> Bool[Tensor, "batch pos d_model"]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from massive_lens.core.criterion import OUTLIER_DIM_SHARE
 from massive_lens.core.fmt import num, pct
+from massive_lens.core.outliers import OUTLIER_DIM_SHARE
 
 
 def layer_span(layers: Iterable[Any]) -> str:

@@ -59,7 +59,8 @@ from massive_lens.metrics import as_hooks
 
 METRICS = ("entropy", "first_norm", "first_norm_ratio", "sink_rate")
 ORIGINAL = "original"
-ENTROPY_TIE = 0.01  # layers whose mean matrix entropy is within this of each other are a near-tie (entropy is in [0, 1])
+# layers whose mean matrix entropy is within this of each other are a near-tie (entropy is in [0, 1])
+ENTROPY_TIE = 0.01
 
 
 def matrix_entropy(x: Float[Tensor, "pos d_model"]) -> float:
@@ -137,8 +138,7 @@ class CompressionValley(Result):
             lines.append(f"with {name}: entropy at layer {int(low['layer'])} {at['entropy']:.3f} (95% CI "
                          f"{at['entropy_low']:.3f}-{at['entropy_high']:.3f}), lowest {other['entropy'].min():.3f}; "
                          f"first-token norm at most {other['first_norm'].max():.1f}; sink rate at most "
-                         f"{other['sink_rate'].max():.0%}; valley "
-                         f"{'present (layers ' + _layers(valley_layers(other)) + ')' if valley_layers(other) else 'absent'}")
+                         f"{other['sink_rate'].max():.0%}; valley {_presence(valley_layers(other))}")
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:
@@ -177,6 +177,10 @@ def valley_layers(rows: pd.DataFrame, tol: float = ENTROPY_TIE) -> list[int]:
 
 def _layers(layers: list[int]) -> str:
     return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}-{layers[-1]} ({len(layers)} layers)"
+
+
+def _presence(layers: list[int]) -> str:
+    return f"present (layers {_layers(layers)})" if layers else "absent"
 
 
 def _lowest(rows: pd.DataFrame) -> str:

@@ -31,7 +31,6 @@ runs (with 3 seeds the interval is wide, as it should be).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Sequence
