@@ -443,6 +443,8 @@ CASES = [
         "largest magnitudes kept per layer", "scan_corpus-k-zero"),
     row("tiny", lambda m, d: compare_models([tiny_model("vit"), m], out_dir=d / "r", quick=True, progress=False),
         "is a vision model", "compare_models-vision-model"),
+    row("tiny", lambda m, d: write_report(tiny_model("vit"), out_dir=d / "r", quick=True, progress=False),
+        "a vision model reads images", "write_report-vision-model"),
     row("tiny", lambda m, d: _cli("intervene"), "name the evaluation text", "cli-intervene-all-defaults"),
     # --- tiny_model sizes a model cannot have
     row("tiny", lambda m, d: tiny_model("llama", hidden_size=0), "positive integers", "tiny_model-zero-width"),

@@ -79,6 +79,7 @@ def test_the_report_names_the_w8a8_granularity_and_recommends_no_unconfirmed_fix
     assert "Fix:" not in w8a8 and "No fix is recommended from a prediction" in w8a8
 
 
+@pytest.mark.heavy  # a whole (small) report
 def test_the_lowbit_section_keeps_its_kept_sinks_row_on_a_post_norm_model(tmp_path):
     """Gemma-3-style sandwich norms: the rotated settings cannot run; the section says why and
     shows the kept sinks without the rotation (its title promises them)."""

@@ -24,9 +24,9 @@ from torch import Tensor
 from massive_lens.attention import decompose_attention, sink_attention
 from massive_lens.core.budget import weight_bytes
 from massive_lens.core.corpora import sequences
-from massive_lens.core.criterion import OUTLIER_DIM_SHARE
 from massive_lens.core.fmt import num, short
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.outliers import OUTLIER_DIM_SHARE
 from massive_lens.detect import CorpusScan, MassiveActivations, find_massive, scan_corpus
 from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError

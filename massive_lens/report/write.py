@@ -204,6 +204,7 @@ def check_runnable(inputs: sec.Inputs) -> None:
         MassiveLensError: naming the setting, the model and what to do.
     """
     view, s = inputs.view, inputs.settings
+    view.require_text()  # a vision model reads images: say so before any size check
     if view.n_ctx is not None and s.seq_len > view.n_ctx:
         raise MassiveLensError(f"seq_len={s.seq_len} is beyond {view.name}'s context of {view.n_ctx} tokens; "
                                f"pass seq_len <= {view.n_ctx}")
