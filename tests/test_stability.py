@@ -135,7 +135,8 @@ def test_two_experiments_with_one_variant_and_seed_stay_two_runs(tmp_path):
     runs = result.to_frame()
     assert runs["run"].tolist() == ["first/run", "second/run", "third"]
     assert runs["spikes"].tolist() == [0, 0, 0] and runs["steps"].tolist() == [120] * 3
-    assert runs["loss_end"].tolist() == [3.0, 6.0, 4.0] and set(zip(runs.variant, runs.seed, strict=True)) == {("softmax", 0)}
+    assert runs["loss_end"].tolist() == [3.0, 6.0, 4.0]
+    assert set(zip(runs.variant, runs.seed, strict=True)) == {("softmax", 0)}
     assert result.per_step.groupby("run").size().tolist() == [120] * 3 and "No spikes in any run" in result.summary()
     # a frame with a run column is read the same way; one without keeps (variant, seed)
     assert training_stability(result.per_step).to_frame()["run"].tolist() == runs["run"].tolist()
