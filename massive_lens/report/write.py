@@ -25,9 +25,10 @@ Any section but the model's can be left out with ``skip=`` (``--skip`` on the co
 ReportOptions are small so the default model finishes in a few minutes on 2 CPU cores;
 ``full=True`` (``--full``) runs the costly steps at full size (more sequences, the whole low-bit
 grid, a confirmed half-precision fix), ``quick=True`` shrinks them further for tests on tiny
-models, and every size, the traced entry and the layer shown can be set (the options are those of :class:`ReportOptions`, and the
-same flags of ``massive-lens report``). The report states what it used (corpus and
-calibration files, sequence counts) and its own peak memory next to the model's weights.
+models, and every size, the traced entry and the layer shown can be set (the options are those
+of :class:`ReportOptions`, and the same flags of ``massive-lens report``). The report states what
+it used (corpus and calibration files, sequence counts) and its own peak memory next to the
+model's weights.
 A section that cannot run on a model is replaced by a note that says why; nothing is faked.
 """
 
