@@ -14,7 +14,6 @@ excludes zero. The generated text sits between ``<!-- gen:NAME -->`` and ``<!-- 
 from __future__ import annotations
 
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pandas as pd  # noqa: E402
 
 import massive_lens  # noqa: E402
 from massive_lens.train.retrofit import RETROFIT_SETTINGS, Retrofit  # noqa: E402
+from massive_lens.train.taskpage import fill  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs/retrofit/seeds"
@@ -231,16 +231,6 @@ def blocks(folder: Path = RUNS) -> dict[str, str]:
     diffs = differences(frame)
     return dict(answer=answer(diffs, frame), runs=runs_table(frame), curves=curve_table(merged),
                 end=end_table(frame), reference=reference(folder.parent / "untouched"), differences=diff_table(diffs))
-
-
-def fill(page: str, generated: dict[str, str]) -> str:
-    """``page`` with each ``<!-- gen:NAME -->...<!-- /gen:NAME -->`` block replaced."""
-    for name, text in generated.items():
-        pattern = re.compile(rf"(<!-- gen:{name} -->\n)(?:.*?\n)?(<!-- /gen:{name} -->)", re.S)
-        if not pattern.search(page):
-            raise SystemExit(f"{PAGE} has no block <!-- gen:{name} -->")
-        page = pattern.sub(lambda m, text=text: m.group(1) + "\n" + text + "\n\n" + m.group(2), page)
-    return page
 
 
 def main(argv: list[str]) -> int:

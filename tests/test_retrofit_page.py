@@ -9,6 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from massive_lens import MassiveLensError
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("retrofit_page", ROOT / "scripts/retrofit_page.py")
 page = importlib.util.module_from_spec(_spec)
@@ -39,7 +41,7 @@ def test_a_difference_is_shown_only_if_its_paired_interval_excludes_zero():
 def test_fill_replaces_only_the_named_blocks():
     text = "a\n<!-- gen:x -->\nold\n<!-- /gen:x -->\nb\n"
     assert page.fill(text, {"x": "new"}) == "a\n<!-- gen:x -->\n\nnew\n\n<!-- /gen:x -->\nb\n"
-    with pytest.raises(SystemExit):
+    with pytest.raises(MassiveLensError, match="no <!-- gen:y -->"):
         page.fill(text, {"y": "new"})
 
 
