@@ -13,6 +13,8 @@ from planting import TEXT, bos_tokens, plant_story
 
 from massive_lens import MassiveLensError, tiny_model, trace_origin
 from massive_lens.origin import verify
+from massive_lens.report import sections
+from massive_lens.report.render import Section
 
 STORY_TEXT = "The cat sat on the mat. It was warm, and the dog slept by the door."
 DELAY = 0.4  # seconds each perplexity run is made to take
@@ -91,3 +93,11 @@ def test_the_lowbit_section_keeps_its_kept_sinks_row_on_a_post_norm_model(tmp_pa
     lowbit = md.split("## Low-bit settings")[1]
     assert "W4A4+hadamard was left out:" in lowbit and "post-norm" in lowbit and "rotation=None" not in lowbit
     assert "| W4A4+kvsink |" in lowbit
+
+
+@pytest.mark.heavy  # the intervention table on a tiny model (seconds)
+def test_the_interventions_section_shows_its_own_progress(story, capsys):
+    """The report's longest section had no progress inside it: its bar follows the report's."""
+    inputs = sections.Inputs(story, STORY_TEXT, "One two three four. " * 200, sections.QUICK, progress=True)
+    sections.intervention_section(inputs, Section("Interventions"))
+    assert "interventions:" in capsys.readouterr().err

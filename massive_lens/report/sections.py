@@ -135,11 +135,12 @@ def _is_file(text: str) -> bool:
 
 class Inputs:
     """What every section reads: the model, the text, the corpus, the calibration corpus and
-    the settings."""
+    the settings; ``progress`` shows the bars of the long sections' own steps (the interventions)."""
 
-    def __init__(self, model: Any, text: str, corpus: Any, settings: ReportOptions, calibration: Any = None):
+    def __init__(self, model: Any, text: str, corpus: Any, settings: ReportOptions, calibration: Any = None,
+                 progress: bool = False):
         self.model, self.text, self.corpus, self.settings = model, text, corpus, settings
-        self.calibration = calibration
+        self.calibration, self.progress = calibration, progress
         self.view = ModelView(model)
         view = self.view
         for name, value, size in (("layer", settings.layer, view.n_layers), ("dim", settings.dim, view.d_model)):
@@ -341,7 +342,7 @@ EVERY_TEXT = ("A setting ending in _every (zero_every, mean_every, bias_surgery_
 
 
 def intervention_section(inputs: Inputs, s: Section) -> None:
-    table, note = intervention_table(inputs)
+    table, note = intervention_table(inputs, progress=inputs.progress)
     s.text(f"Evaluation: {inputs.eval_source}. Calibration (the means and sinks the settings use): "
            f"{inputs.calib_source}.")
     if note:

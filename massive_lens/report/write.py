@@ -145,7 +145,7 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     given = model
     with PeakMemory() as peak:
         model = load_model(None if model is None else model, device=device, dtype=dtype)
-        inputs = sec.Inputs(model, text, corpus, settings, calibration)
+        inputs = sec.Inputs(model, text, corpus, settings, calibration, progress=progress)
         check_runnable(inputs)
         started = time.perf_counter()
         sections, results = [], {}
