@@ -44,8 +44,16 @@ def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] =
                   settings: Sequence[tuple[str, str]] = tuple(SETTINGS), **overrides: Any) -> list[TaskSettings]:
     """Every run of the grid, in running order: seeds 0-1 of every setting first, then each later seed.
 
-    ``overrides`` replace :class:`~massive_lens.train.taskrun.TaskSettings` fields of every run (for
-    small CI grids)."""
+    Args:
+        seeds: the seeds of every setting.
+        tasks: task names (:data:`~massive_lens.train.tasks.TASKS`).
+        settings: ``(variant, norm)`` pairs.
+        **overrides: :class:`~massive_lens.train.taskrun.TaskSettings` fields that replace those of
+            every run (for small CI grids).
+
+    Returns:
+        One :class:`~massive_lens.train.taskrun.TaskSettings` per run, in running order.
+    """
     early, late = [s for s in seeds if s < 2], [s for s in seeds if s >= 2]
     runs = []
     for seed in [*early, *late]:
@@ -57,7 +65,15 @@ def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] =
 
 
 def run_folder(root: str | Path, settings: TaskSettings) -> Path:
-    """``<root>/<task>/<variant>-<norm>/seed<s>``."""
+    """Where one run's records go.
+
+    Args:
+        root: the grid's folder.
+        settings: the run.
+
+    Returns:
+        ``<root>/<task>/<variant>-<norm>/seed<s>``.
+    """
     return Path(root) / settings.task / settings.name / f"seed{settings.seed}"
 
 
@@ -67,7 +83,17 @@ def pending(root: str | Path, runs: Sequence[TaskSettings]) -> Iterator[TaskSett
 
 
 def run_grid(root: str | Path, runs: Sequence[TaskSettings], threads: int | None = 1) -> int:
-    """Run every unfinished run of ``runs`` into ``root``; the number run. ``threads``: torch threads."""
+    """Run every unfinished run of ``runs`` into ``root`` (finished runs, with a result file, are
+    skipped, so an interrupted grid resumes); every run's settings are checked before the first.
+
+    Args:
+        root: the grid's folder.
+        runs: the runs, in running order (:func:`grid_settings`).
+        threads: torch threads to train with (None: leave torch's setting).
+
+    Returns:
+        The number of runs trained by this call.
+    """
     for settings in runs:
         check_settings(settings)  # a typo fails now, not an hour in
     if threads:

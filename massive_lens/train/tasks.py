@@ -220,11 +220,18 @@ _CLASSES = {"trigger_conditional": TriggerConditional, "bigram_backcopy": Bigram
 def make_task(name: str, **options: Any) -> Task:
     """A task by name (:data:`TASKS`) with its options (the dataclass fields).
 
-    >>> make_task("trigger_conditional", n_values=8).n_tokens
-    10
+    Args:
+        name: ``"trigger_conditional"`` or ``"bigram_backcopy"``.
+        **options: fields of that task's dataclass (sizes, probabilities, seeds).
+
+    Returns:
+        The task.
 
     Raises:
         MassiveLensError: for an unknown task or option.
+
+    >>> make_task("trigger_conditional", n_values=8).n_tokens
+    10
     """
     if name not in _CLASSES:
         raise MassiveLensError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
