@@ -285,7 +285,7 @@ def _neurons(view: ModelView, cap: Capture, found_events: pd.DataFrame, top_neur
     mlp_events = [e for e in found_events.to_dict("records") if e["component"] == "mlp"]
     per_event = [neu.neuron_rows(view, cap, e, top_neurons) for e in mlp_events]
     neurons = pd.DataFrame([r for rows in per_event for r in rows], columns=neu.NEURON_COLUMNS)
-    births = [(e, rows) for e, rows in zip(mlp_events, per_event, strict=True) if e["kind"] in BIRTH_KINDS]
+    births = [(e, rows) for e, rows in zip(mlp_events, per_event, strict=True) if e["kind"] != "erasure"]
     supers, why, seen = [], [], {}
     for e, rows in births:
         names = neu.named(rows, e)
