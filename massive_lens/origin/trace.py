@@ -285,13 +285,13 @@ def _neurons(view: ModelView, cap: Capture, found_events: pd.DataFrame, top_neur
     mlp_events = [e for e in found_events.to_dict("records") if e["component"] == "mlp"]
     per_event = [neu.neuron_rows(view, cap, e, top_neurons) for e in mlp_events]
     neurons = pd.DataFrame([r for rows in per_event for r in rows], columns=neu.NEURON_COLUMNS)
-    births = [(e, rows) for e, rows in zip(mlp_events, per_event, strict=True) if e["kind"] != "erasure"]
+    writes = [(e, rows) for e, rows in zip(mlp_events, per_event, strict=True) if e["kind"] != "erasure"]
     supers, why, seen = [], [], {}
-    for e, rows in births:
+    for e, rows in writes:  # every MLP write names its super weights (retrofit removes them all)
         names = neu.named(rows, e)
         supers += neu.super_weight_rows(view, e["pos"], e["dim"], e["layer"], names, seen)
         why += neu.why_rows(view, cap, e, names[:3]) if names else []
-    return neurons, [e for e, _ in births], supers, why
+    return neurons, [e for e, _ in writes if e["kind"] in BIRTH_KINDS], supers, why
 
 
 # --------------------------------------------------------------------------- targets
