@@ -126,11 +126,29 @@ class ModelView:
             self._hook_names = native | frozenset(self._aliases)
         return self._hook_names
 
+    @staticmethod
+    def block_hook(layer: int, hook: str) -> str:
+        """The full name of a per-block hook, the one place the naming rule lives:
+        ``"resid_post"`` and ``"hook_resid_post"`` give ``blocks.{layer}.hook_resid_post``;
+        names under a submodule (``"attn.hook_pattern"``, ``"mlp.hook_post"``, ``"ln1.hook_scale"``)
+        are kept as they are. Use :meth:`hook_name` to check the model has it, :meth:`has_hook`
+        to ask.
+
+        >>> ModelView.block_hook(3, "resid_pre"), ModelView.block_hook(0, "attn.hook_z")
+        ('blocks.3.hook_resid_pre', 'blocks.0.attn.hook_z')
+        """
+        return f"blocks.{layer}.{hook if hook.startswith(('hook_', 'attn.', 'mlp.', 'ln')) else 'hook_' + hook}"
+
+    def has_hook(self, layer: int, hook: str) -> bool:
+        """Whether this model has the per-block hook :meth:`block_hook` names (False for a layer
+        out of range)."""
+        return 0 <= layer < self.n_layers and self.block_hook(layer, hook) in self.hook_names
+
     def hook_name(self, layer: int, hook: str) -> str:
-        """``blocks.{layer}.hook_{hook}``, checked to exist on this model."""
+        """``blocks.{layer}.hook_{hook}`` (see :meth:`block_hook`), checked to exist on this model."""
         if not 0 <= layer < self.n_layers:
             raise MassiveLensError(f"layer {layer} out of range: {self.name} has {self.n_layers}")
-        name = f"blocks.{layer}.{hook if hook.startswith(('hook_', 'attn.', 'mlp.', 'ln')) else 'hook_' + hook}"
+        name = self.block_hook(layer, hook)
         if name not in self.hook_names:
             near = sorted(n.split(".", 2)[2] for n in self.hook_names if n.startswith("blocks.0."))
             raise MassiveLensError(f"{self.name} has no hook {name!r}; per-block hooks: {near}")
