@@ -73,11 +73,11 @@ def test_interventions_side_by_side(compared):
 def test_rebuilt_rows_are_marked_in_the_ratio_cells():
     import pandas as pd
 
-    from massive_lens.report.compare_cells import REBUILT_MARK, _ratio
+    from massive_lens.report.compare_cells import REBUILT_MARK, setting_ratio
 
     frame = pd.DataFrame(dict(setting=["zero", "mean"], ratio=[1.106, 1.0], ratio_low=[1.05, 0.99],
                               ratio_high=[1.2, 1.01], rebuilt=[True, False]))
-    assert _ratio(frame, "zero").endswith(REBUILT_MARK) and REBUILT_MARK not in _ratio(frame, "mean")
+    assert setting_ratio(frame, "zero").endswith(REBUILT_MARK) and REBUILT_MARK not in setting_ratio(frame, "mean")
 
 
 def test_profiles_overlaid_and_page_self_contained(compared):

@@ -312,7 +312,7 @@ def test_an_interrupted_save_leaves_nothing_half_written(tmp_path, monkeypatch):
 
 
 def test_registry_holds_every_result_type():
-    registered = {cls.__name__ for cls in store._TYPES.values() if cls.__module__.startswith("massive_lens.")}
+    registered = {cls.__name__ for cls in store.RESULT_CLASSES.values() if cls.__module__.startswith("massive_lens.")}
     assert set(RESULT_TYPES) <= registered
 
 

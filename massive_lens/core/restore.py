@@ -19,14 +19,14 @@ import torch
 from safetensors.torch import load_file
 
 from massive_lens.core.store import (
-    _TYPES,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    RESULT_CLASSES,
     TENSORS,
-    _library_version,
     build,
     inside,
+    library_version,
 )
 from massive_lens.errors import MassiveLensError
 
@@ -41,12 +41,13 @@ def _attr(module: Any, qualname: str) -> Any:
 def _find_class(module: str, qualname: str, what: str, registered: bool = False) -> type:
     """A registered result class (or, unless ``registered``, a dataclass of a loaded
     massive_lens module) by module and name; by name alone when the module has moved."""
-    found = _TYPES.get(f"{module}.{qualname}")
+    found = RESULT_CLASSES.get(f"{module}.{qualname}")
     if found is None and registered:
-        unique = {c for c in _TYPES.values() if c.__qualname__ == qualname and c.__module__.startswith("massive_lens.")}
+        unique = {c for c in RESULT_CLASSES.values()
+                  if c.__qualname__ == qualname and c.__module__.startswith("massive_lens.")}
         found = unique.pop() if len(unique) == 1 else None
     elif found is None:
-        candidates = [c for c in _TYPES.values() if c.__qualname__ == qualname]
+        candidates = [c for c in RESULT_CLASSES.values() if c.__qualname__ == qualname]
         if module.startswith("massive_lens.") or module == "massive_lens":
             candidates += [_attr(sys.modules.get(module), qualname)]
         candidates += [_attr(m, qualname) for name, m in list(sys.modules.items())
@@ -161,7 +162,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if version > FORMAT_VERSION:
         raise MassiveLensError(
             f"{folder} was saved in format version {version} by massive_lens "
-            f"{manifest.get('library_version', '?')}; this massive_lens ({_library_version()}) reads up "
+            f"{manifest.get('library_version', '?')}; this massive_lens ({library_version()}) reads up "
             f"to version {FORMAT_VERSION}: upgrade massive_lens to load it"
         )
     if not isinstance(manifest.get("type"), str) or not isinstance(manifest.get("fields"), dict):

@@ -49,7 +49,7 @@ MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 FRAMES = "frames"
 
-_TYPES: dict[str, type] = {}  # "module.Qualname" -> result class, filled by Result.__init_subclass__
+RESULT_CLASSES: dict[str, type] = {}  # "module.Qualname" -> result class, filled by Result.__init_subclass__
 
 
 def inside(folder: Path, name: str) -> Path:
@@ -110,7 +110,7 @@ def register(cls: type) -> None:
     Returns:
         None.
     """
-    _TYPES[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    RESULT_CLASSES[f"{cls.__module__}.{cls.__qualname__}"] = cls
 
 
 def stored_fields(obj: Any) -> dict[str, Any]:
@@ -250,7 +250,8 @@ def _encode(value: Any, key: str, writer: _Writer) -> Any:
     )
 
 
-def _library_version() -> str:
+def library_version() -> str:
+    """The installed massive_lens version (``"unknown"`` in a source checkout not installed)."""
     try:
         return importlib.metadata.version("massive_lens")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout not installed
@@ -292,7 +293,7 @@ def _write(result: Any, folder: Path) -> None:
         "format_version": FORMAT_VERSION,
         "type": cls.__qualname__,
         "module": cls.__module__,
-        "library_version": _library_version(),
+        "library_version": library_version(),
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "summary": result.summary(),
         "files": {"tensors": TENSORS if writer.tensors else None, "frames": sorted(writer.frames)},

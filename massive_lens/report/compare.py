@@ -39,25 +39,10 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, InterventionTable
 from massive_lens.models.load import load_model
 from massive_lens.origin import OriginTrace
+from massive_lens.report import compare_cells as cells
 from massive_lens.report import sections as sec
 from massive_lens.report.compare_cells import MISSING as _MISSING
-from massive_lens.report.compare_cells import (
-    REBUILT_MARK,
-    _attribution,
-    _births,
-    _counts,
-    _entry,
-    _largest,
-    _layers,
-    _listed,
-    _neurons,
-    _original,
-    _peak,
-    _ratio,
-    _super_weights,
-    _token,
-    _unique_names,
-)
+from massive_lens.report.compare_cells import REBUILT_MARK
 from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
 from massive_lens.report.write import check_inputs, settings_for
@@ -162,7 +147,7 @@ def compare_models(models: Sequence[Any], text: str | None = None, *, corpus: Co
             model = load_model(item, device=device, dtype=dtype)
             results.append(analyse(model, text, corpus, settings, calibration, progress=progress))
             del model  # a model loaded here is released before the next one is loaded
-        _unique_names(results)
+        cells.unique_names(results)
         sections = [_models(results, text), _massive(results), _origin(results), _interventions(results),
                     _summaries(results)]
         render_figures(sections, folder / "figures")
@@ -267,12 +252,13 @@ def _models(results: list[ModelResults], text: str) -> Section:
 def _massive(results: list[ModelResults]) -> Section:
     s = Section("Massive activations")
     rows = [
-        ("token-specific massive (position, dim) pairs in the text", lambda r: len(_token(r))),
-        ("their dims, largest first", lambda r: _listed(_token(r).dim.drop_duplicates().tolist())),
-        ("token kinds (pairs)", lambda r: _counts(_token(r).token_kind)),
-        ("tokens", lambda r: _listed([repr(short(t, 20)) for t in _token(r).token.drop_duplicates()], 4)),
-        ("largest |value| (x median), at layer", lambda r: _largest(_token(r))),
-        ("layers where massive (any scope)", lambda r: _layers(r.found.layers, r.n_layers)),
+        ("token-specific massive (position, dim) pairs in the text", lambda r: len(cells.token_pairs(r))),
+        ("their dims, largest first", lambda r: cells.listed(cells.token_pairs(r).dim.drop_duplicates().tolist())),
+        ("token kinds (pairs)", lambda r: cells.counts(cells.token_pairs(r).token_kind)),
+        ("tokens",
+         lambda r: cells.listed([repr(short(t, 20)) for t in cells.token_pairs(r).token.drop_duplicates()], 4)),
+        ("largest |value| (x median), at layer", lambda r: cells.largest(cells.token_pairs(r))),
+        ("layers where massive (any scope)", lambda r: cells.layer_range(r.found.layers, r.n_layers)),
         ("outlier dimensions (massive at most tokens of a layer), listed apart",
          lambda r: "; ".join(f"dim {o.dim} at {pct(o.share)} of tokens in {layer_span(o.layers)}"
                              for o in r.found.outlier_dims().head(3).itertuples()) or "none"),
@@ -295,12 +281,12 @@ def _massive(results: list[ModelResults]) -> Section:
 def _origin(results: list[ModelResults]) -> Section:
     s = Section("Origin of the largest massive activation")
     rows = [
-        ("traced entry", lambda r: _entry(r.trace.targets.iloc[0])),
-        ("peak (layer), final value", lambda r: _peak(r.trace.targets.iloc[0])),
-        ("births", lambda r: _births(r.trace)),
-        ("birth neurons (share of their MLP's write)", lambda r: _neurons(r.trace)),
-        ("candidate super weights", lambda r: _super_weights(r.trace)),
-        ("what accounts for the peak", lambda r: _attribution(r.trace)),
+        ("traced entry", lambda r: cells.entry(r.trace.targets.iloc[0])),
+        ("peak (layer), final value", lambda r: cells.peak(r.trace.targets.iloc[0])),
+        ("births", lambda r: cells.births(r.trace)),
+        ("birth neurons (share of their MLP's write)", lambda r: cells.neurons(r.trace)),
+        ("candidate super weights", lambda r: cells.super_weights(r.trace)),
+        ("what accounts for the peak", lambda r: cells.attribution(r.trace)),
     ]
     s.table(_side_by_side(results, rows), "trace_origin of each model's largest massive entry in the text "
             "(without one: the largest value at the first token); not verified here")
@@ -313,8 +299,9 @@ def _interventions(results: list[ModelResults]) -> Section:
     tables = {r.name: r.table.to_frame() for r in results if r.table is not None}
     if tables:
         settings = list(dict.fromkeys(name for frame in tables.values() for name in frame.setting))
-        rows: list[tuple[str, Any]] = [("perplexity of the untouched model", lambda r: _original(r.table.to_frame()))]
-        rows += [(name, lambda r, name=name: _ratio(r.table.to_frame(), name)) for name in settings
+        rows: list[tuple[str, Any]] = [("perplexity of the untouched model",
+                                        lambda r: cells.original_perplexity(r.table.to_frame()))]
+        rows += [(name, lambda r, name=name: cells.setting_ratio(r.table.to_frame(), name)) for name in settings
                  if name != "original"]
         s.table(_side_by_side(results, rows), "perplexity ratio to the untouched model [95% bootstrap interval] "
                 f"per setting (run_interventions on each model's own tokens of the same corpus); {REBUILT_MARK}: the "

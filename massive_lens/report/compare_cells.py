@@ -15,38 +15,44 @@ MISSING = "-"  # a cell whose analysis did not run (or a setting that was not ne
 REBUILT_MARK = "(rebuilt)"  # after a ratio whose removal the model undid downstream
 
 
-def _listed(items: list[Any], limit: int = 6) -> str:
+def listed(items: list[Any], limit: int = 6) -> str:
+    """The first ``limit`` items, comma-separated, and how many more."""
     head = ", ".join(str(i) for i in items[:limit])
     return head + (f" (+{len(items) - limit} more)" if len(items) > limit else "") if items else "none"
 
 
-def _counts(column: pd.Series) -> str:
-    counts = column.value_counts()
-    return ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
+def counts(column: pd.Series) -> str:
+    """Each value of ``column`` with how often it occurs."""
+    return ", ".join(f"{kind} {n}" for kind, n in column.value_counts().items()) or "none"
 
 
-def _layers(layers: Sequence[int], n_layers: int) -> str:
+def layer_range(layers: Sequence[int], n_layers: int) -> str:
+    """The first and last of ``layers`` out of the model's ``n_layers``."""
     return f"{min(layers)}-{max(layers)} of 0-{n_layers - 1}" if layers else "none"
 
 
-def _token(r: Any) -> pd.DataFrame:
+def token_pairs(r: Any) -> pd.DataFrame:
+    """The token-specific massive (position, dim) rows of one model's results."""
     rows = r.found.by_dim()
     return rows[rows.scope == "token"]
 
 
-def _largest(rows: pd.DataFrame) -> str | None:
+def largest(rows: pd.DataFrame) -> str | None:
+    """The largest |value| of ``rows``: its ratio, dim, token and peak layer."""
     if rows.empty:
         return "none"
     top = rows.loc[rows.value.abs().idxmax()]
     return f"{num(top.value)} ({num(top.ratio)}x), dim {top.dim} at {short(top.token, 20)!r}, layer {top.peak_layer}"
 
 
-def _entry(t: Any) -> str:
+def entry(t: Any) -> str:
+    """The traced target ``t``: its dim, token, kind and position."""
     kind = f"{t.token_kind}, " if "token_kind" in t else ""
     return f"dim {t.dim} at {short(t.token, 20)!r} ({kind}pos {t.pos})" + ("" if t.massive else ", not massive")
 
 
-def _peak(t: Any) -> str:
+def peak(t: Any) -> str:
+    """The traced target's peak, its layer, and its final value."""
     return f"{num(t.peak)} (layer {t.peak_layer}), {num(t.final)}"
 
 
@@ -54,13 +60,15 @@ def _of_target(frame: pd.DataFrame, t: Any) -> pd.DataFrame:
     return frame[(frame.pos == t.pos) & (frame.dim == t.dim)]
 
 
-def _births(trace: OriginTrace) -> str:
+def births(trace: OriginTrace) -> str:
+    """Each birth event of the first traced target: component, layer, contribution."""
     births = _of_target(trace.births, trace.targets.iloc[0])
     return "; ".join(f"{b.component} {b.layer}: {'+' if b.contribution >= 0 else ''}{num(b.contribution)}"
                      for b in births.itertuples()) or "none"
 
 
-def _neurons(trace: OriginTrace) -> str:
+def neurons(trace: OriginTrace) -> str:
+    """The top birth neurons per MLP of the first traced target, with their shares."""
     t = trace.targets.iloc[0]
     neurons = _of_target(trace.neurons, t)
     neurons = neurons[neurons.kind == "birth"] if "kind" in neurons else neurons
@@ -69,26 +77,30 @@ def _neurons(trace: OriginTrace) -> str:
     return "; ".join(parts) or "none"
 
 
-def _super_weights(trace: OriginTrace) -> str:
+def super_weights(trace: OriginTrace) -> str:
+    """The two candidate super weights of the first traced target with the largest |z|."""
     weights = _of_target(trace.super_weights, trace.targets.iloc[0])
     weights = weights.reindex(weights.zscore.abs().sort_values(ascending=False).index).head(2)
     return "; ".join(f"{w.hf_param}[{w.hf_row}, {w.hf_col}] = {num(w.value)} (z = {num(w.zscore)})"
                      for w in weights.itertuples()) or "none"
 
 
-def _attribution(trace: OriginTrace) -> str:
+def attribution(trace: OriginTrace) -> str:
+    """The five largest shares of the first traced target's peak."""
     frame = _of_target(trace.attribution, trace.targets.iloc[0])
     frame = frame[frame.target == "peak"] if "target" in frame else frame
     frame = frame.reindex(frame.share.abs().sort_values(ascending=False).index)
     return ", ".join(f"{a.label} {pct(a.share)}" for a in frame.head(5).itertuples()) or "none"
 
 
-def _original(frame: pd.DataFrame) -> str:
+def original_perplexity(frame: pd.DataFrame) -> str:
+    """The untouched model's perplexity in an intervention table's frame."""
     rows = frame[frame.setting == "original"]
     return num(float(rows.perplexity.iloc[0])) if not rows.empty else MISSING
 
 
-def _ratio(frame: pd.DataFrame, setting: str) -> str:
+def setting_ratio(frame: pd.DataFrame, setting: str) -> str:
+    """A setting's perplexity ratio with its interval (and the rebuilt mark)."""
     rows = frame[frame.setting == setting]
     if rows.empty:
         return MISSING
@@ -97,7 +109,8 @@ def _ratio(frame: pd.DataFrame, setting: str) -> str:
     return f"x{ratio(r.ratio)} [{ratio(r.ratio_low)}, {ratio(r.ratio_high)}]{mark}"
 
 
-def _unique_names(results: list[Any]) -> None:
+def unique_names(results: list[Any]) -> None:
+    """Number repeated model names in place (``a``, ``a (2)``) so each column is named once."""
     seen: dict[str, int] = {}
     for r in results:
         seen[r.name] = seen.get(r.name, 0) + 1
