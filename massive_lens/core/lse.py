@@ -1,0 +1,316 @@
+"""Attention on a few key columns without the pattern: the kernel's log-sum-exp.
+
+A query's attention to key ``j`` is ``exp(q . k_j * scale - LSE(q))``, where ``LSE(q)`` is the
+log of the softmax's denominator. Fused kernels (PyTorch SDPA's flash kernel on CPU,
+FlashAttention and the memory-efficient kernel on GPU) never build the ``[head, query, key]``
+pattern, but they return the LSE. So an analysis that needs attention on a few key columns
+(the sinks, candidate columns, the first token) or on a narrow band (each key's next 64
+queries, the sink rule's test) runs the model on that kernel and computes just those entries
+from ``q``, ``k`` and the LSE: linear memory in the length, and no second O(n^2) pass.
+
+:func:`lse_run` does it for a TransformerBridge over a Hugging Face model: for the length of
+the block (under :func:`~massive_lens.core.model_view.model_lock`) each attention module runs
+its own Hugging Face code (the bridge's eager re-implementation is set aside) with its
+attention function replaced by the kernel that returns the LSE, and each layer's
+:class:`LayerAttention` (``q`` after rotary, ``k``, ``v``, the heads' output ``z``, the LSE,
+the scale and mask) goes to a callback that reduces it at once. Everything is put back on exit,
+exceptions included. :func:`lse_support` says why a model cannot (a HookedTransformer or a
+model trained here computes its own pattern; soft caps, learned sink logits and position biases
+are refused by name); analyses then read the eager pattern instead and say so.
+
+>>> from massive_lens import tiny_model
+>>> from massive_lens.core.model_view import ModelView
+>>> view = ModelView(tiny_model("llama"))
+>>> seen = []
+>>> with lse_run(view, lambda att: seen.append(att.columns([0])[0, 0, :, 0])):
+...     _ = view.forward(view.tokenize("Hello there."), [])
+>>> torch.allclose(seen[0], view.activation(view.tokenize("Hello there."), "blocks.0.attn.hook_pattern")[0, 0, :, 0])
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from massive_lens.core.criterion import SINK_QUERIES
+from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.errors import MassiveLensError
+
+LSE = "lse"  # attention from q, k and the kernel's log-sum-exp, the model run on SDPA
+EAGER = "eager"  # attention read from the eager pattern (hook_pattern)
+PATHS = ("auto", LSE, EAGER)
+_NAME = "massive_lens_lse"  # the attention implementation registered with transformers
+BAND_BLOCK = 64  # keys per block of the band reduction
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One attention layer as the kernel saw it: ``q [batch head query d_head]`` (after rotary),
+    ``k``/``v [batch kv_head key d_head]``, ``z [batch head query d_head]`` (the heads' output),
+    ``lse [batch head query]`` (float32), the score ``scale``, and the ``mask`` the kernel was
+    given (None: causal when ``causal``, else none; bool: True attends; float: added)."""
+
+    layer: int
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    z: Tensor
+    lse: Tensor
+    scale: float
+    mask: Tensor | None
+    causal: bool
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.q.shape[1] // self.k.shape[1]
+
+    def columns(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query col"]:
+        """The attention every query gives to the key positions ``cols`` (float32), exactly the
+        pattern's columns."""
+        cols = torch.as_tensor(cols, dtype=torch.long, device=self.q.device).flatten()
+        b, h, n, d = self.q.shape
+        k = self.k[:, :, cols].float()  # [batch kv_head col d_head]
+        q = self.q.float().reshape(b, self.k.shape[1], self.group, n, d)
+        scores = (q @ k[:, :, None].transpose(-1, -2)).reshape(b, h, n, len(cols)) * self.scale
+        qi = torch.arange(n, device=scores.device)[:, None]
+        scores = scores + self._bias(qi, cols[None, :])
+        return _softmax_entries(scores, self.lse)
+
+    def band(self, valid: Bool[Tensor, "batch pos"]) -> tuple[Float[Tensor, "batch head pos"], Float[Tensor, "batch pos"]]:
+        """Per head, each key's mean attention from the (up to ``SINK_QUERIES``) real queries
+        after it, and how many such queries each key has: exactly
+        :func:`~massive_lens.core.criterion.key_attention` of the pattern, from a band of
+        ``SINK_QUERIES`` diagonals (linear in the length)."""
+        b, h, n, d = self.q.shape
+        dev, w, blk = self.q.device, SINK_QUERIES, BAND_BLOCK
+        nb = -(-n // blk)
+        q = torch.nn.functional.pad(self.q.float(), (0, 0, 0, nb * blk + w - n))
+        lse = torch.nn.functional.pad(self.lse.float(), (0, nb * blk + w - n), value=float("inf"))
+        k = torch.nn.functional.pad(self.k.float(), (0, 0, 0, nb * blk - n)).repeat_interleave(self.group, 1)
+        qw = q.unfold(2, blk + w, blk)  # [b h nb d blk+w]: each key block's queries
+        scores = torch.einsum("bhnds,bhnkd->bhnsk", qw, k.reshape(b, h, nb, blk, d)) * self.scale
+        qi = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk + w, device=dev))[:, :, None]
+        ki = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk, device=dev))[:, None, :]
+        real = torch.nn.functional.pad(valid.to(dev, torch.float32), (0, nb * blk + w - n))
+        band = ((qi > ki) & (qi <= ki + w) & (qi < n)).float()[None] * real[:, qi[..., 0]][..., None]  # [b nb s k]
+        scores = scores + self._bias(qi.clamp(max=n - 1), ki.clamp(max=n - 1))
+        p = _softmax_entries(scores, lse.unfold(2, blk + w, blk)[..., None]) * band[:, None]
+        mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
+        count = band.sum(2).reshape(b, nb * blk)[:, :n]
+        return mass / count.clamp(min=1)[:, None], count
+
+    def _bias(self, qi: Tensor, ki: Tensor) -> Tensor:
+        """The mask's additive bias at query positions ``qi`` and key positions ``ki``
+        (broadcast together), shaped to add to ``[batch head ...]`` scores."""
+        if self.mask is None:
+            if not self.causal:
+                return torch.zeros((), device=self.q.device)
+            return torch.where(ki <= qi, 0.0, float("-inf")).to(self.q.device)
+        m = self.mask[:, :, qi, ki]  # [batch|1 head|1 ...]
+        return torch.where(m, 0.0, float("-inf")) if m.dtype == torch.bool else m.float()
+
+
+def _softmax_entries(scores: Tensor, lse: Tensor) -> Tensor:
+    """``exp(score - LSE)``: 0 where the score is masked, or the query saw no key at all."""
+    lse = lse if lse.ndim == scores.ndim else lse[..., None]
+    out = torch.exp(scores - lse)
+    return torch.where(torch.isfinite(lse) & torch.isfinite(scores), out, torch.zeros((), device=out.device))
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+_ACTIVE: dict[int, tuple[int, Callable[[LayerAttention], None] | None, set[int]]] = {}  # id(hf module) -> route
+_ACTIVE_GUARD = threading.Lock()
+_SUPPORT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason (None: supported)
+
+
+class _Refused(Exception):
+    """Raised inside the kernel for an attention it cannot run exactly (the reason as text)."""
+
+
+def _kernel(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, scale: float
+            ) -> tuple[Tensor, Tensor]:
+    """SDPA's output ``[batch head query d_head]`` and LSE ``[batch head query]`` from the fused kernel."""
+    if query.device.type == "cuda":
+        if mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scale)
+            return out[0], out[1]
+        bias = None if mask is None else (torch.where(mask, 0.0, float("-inf")).to(query.dtype) if mask.dtype == torch.bool
+                                          else mask.to(query.dtype)).expand(query.shape[0], query.shape[1], -1, -1)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0,
+                                                                     causal and mask is None, scale=scale)
+        return out[0], out[1][..., : query.shape[2]]
+    if mask is not None and mask.dtype == torch.bool:  # the CPU kernel adds a mask of the query's dtype
+        mask = torch.zeros((), dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal and mask is None,
+                                                                     attn_mask=mask, scale=scale)
+
+
+def _lse_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                   dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                   **kwargs: Any) -> tuple[Tensor, None]:
+    """The attention function registered with transformers: SDPA through the kernel that returns
+    the LSE, each layer handed to the active run's callback."""
+    route = _ACTIVE.get(id(module))
+    for name, what in (("softcap", "a soft cap on the attention logits"), ("s_aux", "learned sink logits"),
+                       ("sinks", "learned sink logits"), ("position_bias", "a position bias (ALiBi or relative)")):
+        if kwargs.get(name) is not None:
+            raise _Refused(f"its attention applies {what} ({name}), which the fused kernel does not")
+    if dropout:
+        raise _Refused("its attention applies dropout (the model is in training mode)")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    group = query.shape[1] // key.shape[1]
+    k, v = (key, value) if group == 1 else (key.repeat_interleave(group, 1), value.repeat_interleave(group, 1))
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.to(query.dtype)
+    out, lse = _kernel(query, k, v, attention_mask, causal, scale)
+    if route is not None:
+        layer, callback, seen = route
+        seen.add(layer)
+        if callback is not None:
+            callback(LayerAttention(layer, query, key, value, out, lse, scale, attention_mask,
+                                    causal and attention_mask is None))
+    return out.transpose(1, 2), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if _NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_NAME, _lse_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_NAME, sdpa_mask)
+
+
+def _attention_modules(view: ModelView) -> tuple[list[tuple[int, Any, Any]], str | None]:
+    """``(layer, bridge attention, HF attention)`` of every attention layer, or why there are none."""
+    if not hasattr(view.model, "original_model"):
+        return [], (f"{type(view.model).__name__} is not a TransformerBridge over a Hugging Face model (a "
+                    "HookedTransformer or a model trained here computes its own attention pattern)")
+    try:
+        from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
+    except ImportError:  # pragma: no cover - a TransformerLens without the bridge
+        return [], "this TransformerLens has no TransformerBridge"
+    found = []
+    for layer in range(view.n_layers):
+        if not view.has_hook(layer, "attn.hook_pattern"):
+            continue  # a layer without attention (recurrent, state-space)
+        attn = getattr(view.block(layer), "attn", None)
+        hf = getattr(attn, "original_component", None)
+        if not isinstance(attn, AttentionBridge) or not hasattr(getattr(hf, "config", None), "_attn_implementation"):
+            return [], (f"layer {layer}'s attention ({type(hf).__name__}) is not a Hugging Face attention module "
+                        "that dispatches through transformers' attention functions")
+        found.append((layer, attn, hf))
+    if not found:
+        return [], "it has no attention layer"
+    return found, None
+
+
+@contextlib.contextmanager
+def lse_run(view: ModelView, callback: Callable[[LayerAttention], None] | None = None, *,
+            implementation: str = _NAME) -> Iterator[set[int]]:
+    """Run ``view``'s model on the fused kernel for the block, each attention layer's
+    :class:`LayerAttention` handed to ``callback`` as it runs; yields the set of layers seen.
+
+    ``implementation="sdpa"``: transformers' own SDPA (a plain SDPA forward, nothing captured).
+    The model is put back on exit (attention forwards, attention implementation), exceptions
+    included. A model that cannot is a :class:`MassiveLensError` naming why (see
+    :func:`lse_support`)."""
+    modules, reason = _attention_modules(view)
+    if reason is not None:
+        raise MassiveLensError(f"{view.name} cannot run on the fused attention kernel: {reason}; use attention='eager'")
+    _register()
+    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
+
+    seen: set[int] = set()
+    with model_lock(view.model), contextlib.ExitStack() as stack:
+        configs = {id(c): c for m in view.model.original_model.modules()
+                   if hasattr(c := getattr(m, "config", None), "_attn_implementation_internal")}
+        saved = {key: c._attn_implementation_internal for key, c in configs.items()}
+        stack.callback(_restore_configs, configs, saved)
+        for layer, attn, hf in modules:
+            if type(attn).forward is not AttentionBridge.forward and "forward" not in attn.__dict__:
+                object.__setattr__(attn, "forward", types.MethodType(AttentionBridge.forward, attn))
+                stack.callback(attn.__dict__.pop, "forward", None)
+            with _ACTIVE_GUARD:
+                _ACTIVE[id(hf)] = (layer, callback, seen)
+            stack.callback(_ACTIVE.pop, id(hf), None)
+        for c in configs.values():
+            c._attn_implementation_internal = implementation
+        try:
+            yield seen
+        except _Refused as exc:
+            raise MassiveLensError(f"{view.name} cannot run on the fused attention kernel: {exc}; use "
+                                   "attention='eager'") from None
+
+
+def _restore_configs(configs: dict[int, Any], saved: dict[int, Any]) -> None:
+    for key, c in configs.items():
+        c._attn_implementation_internal = saved[key]
+
+
+def lse_support(view: ModelView) -> str | None:
+    """None when ``view``'s model runs exactly on the fused kernel (checked once per model on a
+    few tokens: every attention layer dispatched to it and none was refused), else why not."""
+    reason = _SUPPORT.get(view.model, "unknown") if _weakrefable(view.model) else "unknown"
+    if reason != "unknown":
+        return reason
+    modules, reason = _attention_modules(view)
+    if reason is None:
+        tokens = torch.zeros(1, 4, dtype=torch.long)
+        try:
+            with lse_run(view) as seen:
+                view.forward(view.full_batch(tokens), [], check_finite=False)
+            missing = sorted({layer for layer, _, _ in modules} - seen)
+            if missing:
+                reason = (f"layer {missing[0]}'s attention does not dispatch through transformers' attention "
+                          "functions, so no kernel gives its LSE")
+        except MassiveLensError as exc:
+            reason = str(exc).split(": ", 1)[-1].removesuffix("; use attention='eager'")
+        except Exception as exc:  # noqa: BLE001 - any architecture-specific failure means: not this way
+            reason = f"its Hugging Face attention failed on the kernel ({type(exc).__name__}: {str(exc)[:160]})"
+    if _weakrefable(view.model):
+        _SUPPORT[view.model] = reason
+    return reason
+
+
+def _weakrefable(model: Any) -> bool:
+    try:
+        weakref.ref(model)
+    except TypeError:
+        return False
+    return True
+
+
+def choose_path(view: ModelView, attention: str) -> str:
+    """``"lse"`` or ``"eager"`` for ``attention`` (``"auto"``: the LSE path where the model supports
+    it); ``"lse"`` on a model that cannot is a :class:`MassiveLensError` naming why."""
+    if attention not in PATHS:
+        raise MassiveLensError(f"attention must be one of {PATHS} ('auto': the fused kernel's log-sum-exp where the "
+                               f"model supports it, else the eager pattern), got {attention!r}")
+    if attention == EAGER:
+        return EAGER
+    reason = lse_support(view)
+    if reason is None:
+        return LSE
+    if attention == LSE:
+        raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
+                               "use attention='eager' (the pattern) or 'auto'")
+    return EAGER
+
+
+def path_text(path: str) -> str:
+    """How the attention was read, for summaries."""
+    return ("attention from q, k and the SDPA kernel's log-sum-exp (no pattern)" if path == LSE
+            else "attention read from the eager pattern")
