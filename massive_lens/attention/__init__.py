@@ -35,17 +35,22 @@ too. The split is checked: an attention whose output sink + content + b_O does n
 reconstruct (a norm between the heads and ``W_O``, a gated output, latent attention) raises a
 ``MassiveLensError`` instead of returning numbers.
 
+Why the first token is the sink, head by head: :func:`sink_circuit` splits the logit on it
+exactly and cuts each part (:mod:`~massive_lens.attention.circuit`).
+
 Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 :mod:`~massive_lens.attention.mass` (``sink_attention``) and
 :mod:`~massive_lens.attention.decompose` (``decompose_attention``).
 """
 
 from massive_lens.attention.census import SinkCensus, sink_census
+from massive_lens.attention.circuit import SinkCircuit, sink_circuit
 from massive_lens.attention.decompose import AttentionDecomposition, decompose_attention
 from massive_lens.attention.dormant import DormantHeads, dormant_heads
 from massive_lens.attention.kv import SinkKV, sink_kv
 from massive_lens.attention.mass import SinkAttention, sink_attention
 from massive_lens.attention.sinks import find_sinks
 
-__all__ = ["AttentionDecomposition", "DormantHeads", "SinkAttention", "SinkCensus", "SinkKV", "decompose_attention",
-           "dormant_heads", "find_sinks", "sink_attention", "sink_census", "sink_kv"]
+__all__ = ["AttentionDecomposition", "DormantHeads", "SinkAttention", "SinkCensus", "SinkCircuit", "SinkKV",
+           "decompose_attention", "dormant_heads", "find_sinks", "sink_attention", "sink_census", "sink_circuit",
+           "sink_kv"]

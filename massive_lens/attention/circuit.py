@@ -1,0 +1,245 @@
+"""Why the first token: the sink's circuit, split exactly and then cut.
+
+A sink head puts most of its attention on the first token because the logit ``s_i = c q_i . k_sink``
+is large for every query ``i``. Ran-Milo et al. (2026) trace GPT-2's sink to the product of the
+query bias, the first MLP's output on the position embedding, and ``W_K``'s structure.
+:func:`sink_circuit` asks the same of any model, per sink head (the top heads by attention to the
+first token, the census's primary sink):
+
+- **key side**: the sink position's residual at that layer, split by its writers (embedding,
+  position embedding where the model has one, each attention and MLP output), and across them the
+  massive dims against all others, carried through the layer's own norm (its scale taken at the
+  actual input: the norm is linear once its scale is fixed), ``W_K``, ``b_K`` (its own part, like
+  the norm's bias) and the rotary rotation at the sink's position
+  (:mod:`~massive_lens.attention.circuit_split`);
+- **query side**: ``b_Q`` (where the model has one) against the content, averaged over queries,
+  with the spread.
+
+The parts add up to the logit the model computes (checked per head, ``check`` in ``.heads``).
+With a ``corpus``, each removal alone (:mod:`~massive_lens.attention.circuit_causal`) says which
+part the sink needs: the massive dims of the key input, the dominant writer, ``b_Q``, the
+direction the sink key shares with the queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from massive_lens.attention.circuit_causal import CAUSAL_COLUMNS, causal_check, removal_line
+from massive_lens.attention.circuit_split import CircuitCapture, split_layer
+from massive_lens.core.criterion import Criterion, SinkRule
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.results import Result
+from massive_lens.errors import MassiveLensError
+
+N_HEADS = 12  # sink heads split by default: the top heads by attention to the first token
+COLUMNS = ["layer", "head", "side", "part", "component", "writer_layer", "dims", "contribution", "spread"]
+HEAD_COLUMNS = ["layer", "head", "kv_head", "sink_mass", "logit", "logit_spread", "check", "dominant",
+                "dominant_share", "massive_share", "b_q", "b_q_spread", "content", "content_spread"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkCircuit(Result):
+    """The attention logit on the first token of each sink head, split into parts (see the module
+    docstring), and, with a corpus, what each removal does.
+
+    ``to_frame()``: one row per (head, part): ``layer``, ``head``, ``side`` (``key``/``query``),
+    ``part`` (``embed``, ``pos_embed``, ``attn 3``, ``mlp 0``, ``norm bias``, ``b_K``; ``b_Q``,
+    ``content``), ``component`` (``embed``/``attn``/``mlp``/``bias``/``query``), ``writer_layer``
+    (-1 for non-block parts), ``dims`` (``massive``/``other``/``all``), ``contribution`` (mean
+    over queries and sequences of its share of the logit, in logit units), ``spread`` (its standard
+    deviation over queries). ``.heads``: per head ``sink_mass``, ``logit`` (mean, and
+    ``logit_spread``), ``check`` (largest relative error of the parts' sum against the model's
+    scores), the ``dominant`` key-side writer and its ``dominant_share`` of the logit,
+    ``massive_share`` (the massive dims' share), ``b_q``/``content`` (query side, with spreads).
+    ``.causal``: per head and removal ``mass_before``/``mass_after`` (with ``_low``/``_high``,
+    paired 95% bootstrap over sequences), ``loss_ratio`` (with interval), ``kills``.
+    """
+
+    frame: pd.DataFrame
+    heads: pd.DataFrame
+    causal: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=CAUSAL_COLUMNS))
+    model_name: str
+    sink_token: str
+    n_seqs: int
+    threshold: float = SinkRule().threshold
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def summary(self) -> str:
+        h = self.heads.sort_values("sink_mass", ascending=False)
+        top = h.iloc[0]
+        drawn = h["dominant"].value_counts()
+        lead = (f"{self.model_name}: the sink at {self.sink_token!r} in layer {int(top.layer)} "
+                f"(head {int(top['head'])}, attention {top.sink_mass:.2f}) is drawn by the key from {top.dominant} "
+                f"({top.dominant_share:.0%} of its logit {top.logit:.3g}), the massive dims giving "
+                f"{top.massive_share:.0%}")
+        lead += (f", b_Q {top.b_q:.3g} +- {top.b_q_spread:.2g} against content {top.content:.3g} +- "
+                 f"{top.content_spread:.2g}" if abs(top.b_q) > 0 else ", no query bias")
+        lines = [lead, f"over the {len(h)} sink heads the dominant key writer is "
+                 + ", ".join(f"{name} in {n}" for name, n in drawn.items())
+                 + f"; the massive dims give a median {h['massive_share'].median():.0%} of the logit; "
+                 f"the parts add up to the model's scores to {h['check'].max():.1e} (the norm's scale taken at "
+                 "the actual input)"]
+        if len(self.causal):
+            lines += [removal_line(self.causal, r, self.threshold) for r in self.causal["removal"].unique()]
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None) -> Any:
+        """The logit split per head: stacked bars of the key-side parts grouped by kind and dims."""
+        if ax is None:
+            ax = plt.subplots(figsize=(max(6.0, 0.6 * len(self.heads) + 3), 4.5), layout="constrained")[1]
+        key = self.frame[self.frame["side"] == "key"].copy()
+        key["group"] = [p if c in ("embed", "bias") else f"{c} ({d} dims)" for p, c, d in
+                        zip(key["part"], key["component"], key["dims"], strict=True)]
+        key["group"] = key["group"].where(~key["component"].eq("embed"), key["part"] + " (" + key["dims"] + " dims)")
+        table = key.pivot_table(index=["layer", "head"], columns="group", values="contribution", aggfunc="sum")
+        labels = [f"L{layer}H{head}" for layer, head in table.index]
+        pos, neg = [0.0] * len(table), [0.0] * len(table)
+        for col in table.columns:
+            vals = table[col].fillna(0).tolist()
+            base = [p if v >= 0 else n for v, p, n in zip(vals, pos, neg, strict=True)]
+            ax.bar(labels, vals, bottom=base, label=col)
+            pos = [p + max(v, 0) for v, p in zip(vals, pos, strict=True)]
+            neg = [n + min(v, 0) for v, n in zip(vals, neg, strict=True)]
+        ax.scatter(labels, [self.heads.set_index(["layer", "head"]).loc[i, "logit"] for i in table.index],
+                   color="black", marker="_", s=200, zorder=3, label="logit (sum)")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set(ylabel="mean logit on the sink", title=f"{self.model_name}: the sink's logit split per head")
+        ax.tick_params(axis="x", rotation=60, labelsize=7)
+        ax.legend(fontsize=6, ncol=2)
+        return ax
+
+
+def _component(name: str) -> tuple[str, int]:
+    kind, _, layer = name.partition(" ")
+    if kind in ("attn", "mlp"):
+        return kind, int(layer)
+    return ("embed", -1) if kind in ("embed", "pos_embed") else ("bias", -1)
+
+
+def _head_rows(split: Any, keep: Any, layer: int, head: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    kv = head // (split.q.shape[2] // split.keys.shape[2])
+    v = split.valid
+    q = split.q[:, :, head]  # [B P dh]
+    parts = split.scale * torch.einsum("bqe,bpe->bqp", q, split.keys[:, :, kv])[v]  # [n part]
+    total = keep.scores[:, head][v]
+    check = float((parts.sum(-1) - total).abs().max() / total.abs().max().clamp(min=1e-12))
+    rows = []
+    for i, (name, dims) in enumerate(zip(split.names, split.dims, strict=True)):
+        comp, wl = _component(name)
+        rows.append(dict(layer=layer, head=head, side="key", part=name, component=comp, writer_layer=wl, dims=dims,
+                         contribution=float(parts[:, i].mean()), spread=float(parts[:, i].std(correction=0))))
+    bias = split.scale * torch.einsum("bqe,be->bq", split.q_bias[:, :, head], keep.k[:, kv])[v]
+    content = total - bias
+    for name, x in (("b_Q", bias), ("content", content)):
+        rows.append(dict(layer=layer, head=head, side="query", part=name, component="query", writer_layer=-1,
+                         dims="all", contribution=float(x.mean()), spread=float(x.std(correction=0))))
+    frame = pd.DataFrame(rows[:-2])
+    writers = frame[frame["component"].isin(["embed", "attn", "mlp"])].groupby("part")["contribution"].sum()
+    logit = float(total.mean())
+    massive = float(frame.loc[frame["dims"] == "massive", "contribution"].sum())
+    info = dict(layer=layer, head=head, kv_head=kv, sink_mass=float(keep.pattern[:, head][v].mean()), logit=logit,
+                logit_spread=float(total.std(correction=0)), check=check, dominant=str(writers.idxmax()),
+                dominant_share=float(writers.max()) / logit if logit else float("nan"),
+                massive_share=massive / logit if logit else float("nan"), b_q=float(bias.mean()),
+                b_q_spread=float(bias.std(correction=0)), content=float(content.mean()),
+                content_spread=float(content.std(correction=0)))
+    return rows, info
+
+
+def chosen_heads(view: ModelView, cap: CircuitCapture, heads: Any, n_heads: int, threshold: float
+                 ) -> list[tuple[int, int]]:
+    """The (layer, head) pairs to split: ``heads`` checked, or the top ``n_heads`` by attention
+    to the sink among those above ``threshold``."""
+    mass = {}
+    for layer, keep in cap.keep.items():
+        valid = cap.batch.mask.clone().to(keep.pattern.device)
+        valid[:, : cap.sink + 1] = False
+        per = (keep.pattern * valid[:, None]).sum((0, 2)) / valid.sum().clamp(min=1)
+        mass.update({(layer, h): float(m) for h, m in enumerate(per.tolist())})
+    if heads is None:
+        ranked = sorted((m, key) for key, m in mass.items() if m > threshold)[::-1]
+        if not ranked:
+            best = max(mass.values(), default=0.0)
+            raise MassiveLensError(f"{view.name}: no sink in the text: no head gives the first token more than "
+                                   f"{threshold:g} of its attention (the most is {best:.2f}); give a longer text "
+                                   "or pass heads=[(layer, head), ...]")
+        return sorted(key for _, key in ranked[:n_heads])
+    out = []
+    for item in heads:
+        if not (isinstance(item, Sequence) and len(item) == 2 and all(isinstance(i, int) for i in item)):
+            raise MassiveLensError(f"heads must be (layer, head) pairs of ints, got {item!r}")
+        if (item[0], item[1]) not in mass:
+            raise MassiveLensError(f"{view.name}: head {tuple(item)} is out of range (layers {sorted(cap.keep)}, "
+                                   f"{view.model.cfg.n_heads} heads)")
+        if mass[item[0], item[1]] <= threshold:
+            raise MassiveLensError(f"{view.name}: head {tuple(item)} gives the first token only "
+                                   f"{mass[item[0], item[1]]:.2f} of its attention (<= {threshold:g}): it is not a "
+                                   "sink head; choose heads that attend to the sink (heads=None picks them)")
+        out.append((item[0], item[1]))
+    return out
+
+
+def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n_heads: int = N_HEADS,
+                 layers: int | Sequence[int] | None = None, corpus: Any = None, n_seqs: int = 16,
+                 seq_len: int = 128, criterion: Criterion | None = None, rule: SinkRule | None = None
+                 ) -> SinkCircuit:
+    """Split each sink head's attention logit on the first token into its parts, exactly, and
+    (with ``corpus``) cut each part alone (see the module docstring).
+
+    Args:
+        model: a TransformerLens-style model (bridge or HookedTransformer) with attention layers.
+        text: a string, a list of strings or a token tensor; the first token is the sink.
+        heads: (layer, head) pairs to split; None: the top ``n_heads`` by attention to the first
+            token among those above the sink rule's threshold.
+        n_heads: how many heads ``heads=None`` picks (default 12).
+        layers: the layers to read (None: all).
+        corpus: token batches for the causal check (a token tensor, texts, a file); None: no check.
+        n_seqs, seq_len: the causal check's sequences.
+        criterion: what counts as a massive dim (default ``Criterion()``).
+        rule: the sink rule whose threshold names sink heads (default ``SinkRule()``).
+
+    Returns:
+        A :class:`SinkCircuit`.
+
+    Raises:
+        MassiveLensError: no sink in the text, a head without attention to the sink, layers out
+            of range, a model without attention, or parts that do not add up to the logit.
+
+    >>> from massive_lens import tiny_model
+    >>> c = sink_circuit(tiny_model("qwen2"), "Hello there, world. " * 4, n_heads=2,
+    ...                  rule=SinkRule(threshold=0.05))
+    >>> bool(c.heads["check"].max() < 1e-4), sorted(c.frame["side"].unique())
+    (True, ['key', 'query'])
+    """
+    view = ModelView(model)
+    rule = rule or SinkRule()
+    chosen = view.chosen_layers(layers)
+    batch = view.tokenize(text)
+    if int(batch.lengths.min()) < 2:
+        raise MassiveLensError("sink_circuit needs at least one query after the first token; give a longer text")
+    cap = CircuitCapture(view, batch, chosen, criterion or Criterion())
+    view.forward(batch, cap.hooks(), stop_after=view.hook_name(max(chosen), "attn.hook_pattern"))
+    picked = chosen_heads(view, cap, heads, n_heads, rule.threshold)
+    rows, infos, splits = [], [], {}
+    for layer, head in picked:
+        if layer not in splits:
+            splits[layer] = split_layer(view, cap, layer)
+        r, info = _head_rows(splits[layer], cap.keep[layer], layer, head)
+        rows += r
+        infos.append(info)
+    head_frame = pd.DataFrame(infos, columns=HEAD_COLUMNS)
+    causal = (causal_check(view, head_frame, corpus, n_seqs=n_seqs, seq_len=seq_len,
+                           criterion=criterion or Criterion(), threshold=rule.threshold)
+              if corpus is not None else pd.DataFrame(columns=CAUSAL_COLUMNS))
+    token = view.str_tokens(batch)[0][0] if batch.pixel_values is None else "[first]"
+    return SinkCircuit(frame=pd.DataFrame(rows, columns=COLUMNS), heads=head_frame, causal=causal,
+                       model_name=view.name, sink_token=token, n_seqs=len(batch.tokens), threshold=rule.threshold)
