@@ -57,7 +57,13 @@ _HOOKS = ("hook_pattern", "hook_attn_scores", "hook_v", "hook_resid_post")
 
 @dataclass(frozen=True)
 class TaskSettings:
-    """One run: task, attention variant, norm placement, seed, model shape and schedule (JSON-able)."""
+    """One run: task, attention variant, norm placement, seed, model shape and schedule (JSON-able).
+
+    ``style`` is :class:`~massive_lens.train.layers.MassiveLMConfig`'s (``"llama"``: RMSNorm, rotary,
+    SwiGLU; ``"gpt2"``: LayerNorm, learned positions, GELU); the schedule is linear warmup then cosine
+    decay to ``min_lr_ratio * lr`` (1: constant), AdamW with ``beta2``, gradients clipped at ``grad_clip``
+    (0: not clipped).
+    """
 
     task: str
     variant: str = "softmax"
@@ -74,6 +80,10 @@ class TaskSettings:
     eval_every: int = 50
     eval_seqs: int = 64
     task_options: dict = field(default_factory=dict)
+    style: str = "llama"
+    min_lr_ratio: float = 0.1
+    beta2: float = 0.95
+    grad_clip: float = 1.0
 
     @property
     def name(self) -> str:
@@ -97,7 +107,7 @@ def build_model(settings: TaskSettings) -> MassiveLM:
     task = make_task(settings.task, **settings.task_options)
     cfg = MassiveLMConfig(n_layers=settings.n_layers, d_model=settings.d_model, n_heads=settings.n_heads,
                           n_ctx=task.seq_len + 1, d_vocab=task.n_tokens, attention=settings.variant,
-                          norm=settings.norm)
+                          norm=settings.norm, style=settings.style)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         return MassiveLM(cfg, task.tokenizer())
@@ -119,7 +129,8 @@ def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None)
     task = make_task(settings.task, **settings.task_options)
     model = build_model(settings)
     schedule = TrainConfig(steps=settings.steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                           weight_decay=settings.weight_decay)
+                           weight_decay=settings.weight_decay, min_lr_ratio=settings.min_lr_ratio,
+                           beta2=settings.beta2)
     optimizer = make_optimizer(model, schedule)
     held_out = task.sample(settings.eval_seqs, seed=-1, step=0)
     evals, heads, t0 = [], [], time.perf_counter()
@@ -136,7 +147,8 @@ def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None)
         batch = task.sample(settings.batch_size, settings.seed, step)
         loss = task.loss(model(batch.tokens), batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)
+        if settings.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     model.eval()
