@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", default=DEFAULT_ROOT, help=f"the run folders (default {DEFAULT_ROOT})")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="run: comma-separated seeds (default 0-4)")
     parser.add_argument("--threads", type=int, default=1, help="run: torch threads (default 1)")
-    parser.add_argument("--tasks", default=None, help="run: comma-separated tasks (default both)")
+    parser.add_argument("--tasks", default=None, help="run: comma-separated tasks (default all of the grid's)")
     parser.add_argument("--settings", default=None,
                         help="run: comma-separated <variant>-<norm> (default the grid's nine)")
     parser.add_argument("--steps", type=int, default=None, help="run: training steps (default each task's)")

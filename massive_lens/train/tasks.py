@@ -15,7 +15,11 @@ needs a head that is active on a few positions and dormant everywhere else:
 * ``bigram_backcopy`` (Guo et al. 2024, arXiv 2410.13835): tokens follow a fixed random bigram
   chain, except after one of a few trigger tokens, where the next token copies the token
   before the trigger. The head that copies is needed only after triggers (active) and is
-  dormant elsewhere. The loss is next-token cross-entropy.
+  dormant elsewhere. The loss is next-token cross-entropy. ``bigram_backcopy`` is our small
+  version (a random Dirichlet chain over 64 tokens); ``bigram_backcopy_paper`` is the paper's (its
+  code, GuoTianYu2000/Active-Dormant-Attention, ``BBM/data.py``): the chain is Tiny Shakespeare's
+  character bigrams (65 characters), the triggers its three most frequent characters (space, ``e``,
+  ``t``), 256 tokens after BOS.
 
 Each task's accuracy is the share of positions where the rule is followed, for trigger positions
 and other positions separately, and ``accuracy`` their mean (so a model that ignores the rare
@@ -42,6 +46,8 @@ every seed learns the same language.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,10 +58,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import Tensor
 from transformers import PreTrainedTokenizerFast
 
+from massive_lens.core.corpora import data_file
 from massive_lens.core.tokens import mark_bos
 from massive_lens.errors import MassiveLensError
 
-TASKS = ("trigger_conditional", "bigram_backcopy")
+TASKS = ("trigger_conditional", "bigram_backcopy", "bigram_backcopy_paper")
 L1_TOLERANCE = 0.5
 
 
@@ -159,50 +166,116 @@ class TriggerConditional:
 
 @dataclass(frozen=True)
 class BigramBackcopy:
-    """Guo et al.'s Bigram-Backcopy (module docstring): ``n_vocab`` tokens, the last ``n_triggers``
-    of them triggers; the chain's rows are Dirichlet(``alpha``) draws from ``language_seed``."""
+    """Guo et al.'s Bigram-Backcopy (module docstring). Without ``text`` (our small version): ``n_vocab``
+    tokens (default 64), the last ``n_triggers`` of them triggers, the chain's rows Dirichlet(``alpha``)
+    draws from ``language_seed``, the first token uniform over non-triggers. With ``text`` (the paper's
+    version): one token per distinct character of that file (a path, or a name under the shared data
+    folder, :func:`massive_lens.core.corpora.data_file`), the chain its character-bigram frequencies,
+    the triggers its ``n_triggers`` most frequent characters, the first token drawn from the character
+    frequencies with the triggers left out."""
 
-    n_vocab: int = 64
+    n_vocab: int | None = None
     n_triggers: int = 3
     seq_len: int = 64
     alpha: float = 0.2
     language_seed: int = 0
+    text: str | None = None
     name: str = "bigram_backcopy"
+
+    def __post_init__(self) -> None:
+        if self.text is not None and self.n_vocab is not None:
+            raise MassiveLensError("bigram_backcopy takes n_vocab or text, not both: with text the vocabulary "
+                                   "is the text's distinct characters")
+        self.language  # noqa: B018 (checks the options now: the text exists, the triggers fit)
+
+    @cached_property
+    def language(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(chain, first, triggers)``: the transition matrix ``[n, n]`` (rows sum to one), the first
+        token's distribution ``[n]`` and the trigger ids, ``n`` = :attr:`n_symbols`."""
+        if self.text is None:
+            n = 64 if self.n_vocab is None else self.n_vocab
+            _check_triggers(self.n_triggers, n)
+            chain = np.random.default_rng([self.language_seed, 7919]).dirichlet(np.full(n, self.alpha), size=n)
+            triggers = np.arange(n - self.n_triggers, n)
+            first = np.where(np.arange(n) < n - self.n_triggers, 1.0, 0.0)
+            return chain, first / first.sum(), triggers
+        ids = np.frombuffer(_read_text(self.text).encode("utf-32-le"), dtype=np.uint32)
+        alphabet, codes = np.unique(ids, return_inverse=True)
+        n = len(alphabet)
+        _check_triggers(self.n_triggers, n)
+        counts = np.zeros((n, n))
+        np.add.at(counts, (codes[:-1], codes[1:]), 1)
+        counts[counts.sum(1) == 0] = 1  # a character seen only at the very end: uniform
+        freq = np.bincount(codes, minlength=n).astype(float)
+        triggers = np.sort(np.argsort(-freq, kind="stable")[: self.n_triggers])
+        first = freq.copy()
+        first[triggers] = 0
+        return counts / counts.sum(1, keepdims=True), first / first.sum(), triggers
+
+    @property
+    def n_symbols(self) -> int:
+        """The number of tokens other than BOS."""
+        if self.text is None:
+            return 64 if self.n_vocab is None else self.n_vocab
+        return len(self.language[0])
 
     @property
     def bos(self) -> int:
-        return self.n_vocab
+        return self.n_symbols
 
     @property
     def n_tokens(self) -> int:
-        return self.n_vocab + 1
+        return self.n_symbols + 1
 
     def tokenizer(self) -> Any:
-        return _word_tokenizer([f"t{i}" for i in range(self.n_vocab)] + ["<|bos|>"], "<|bos|>")
+        return _word_tokenizer([f"t{i}" for i in range(self.n_symbols)] + ["<|bos|>"], "<|bos|>")
 
     def chain(self) -> np.ndarray:
-        """The bigram transition matrix ``[n_vocab, n_vocab]`` (rows sum to one)."""
-        rng = np.random.default_rng([self.language_seed, 7919])
-        return rng.dirichlet(np.full(self.n_vocab, self.alpha), size=self.n_vocab)
+        """The bigram transition matrix ``[n_symbols, n_symbols]`` (rows sum to one)."""
+        return self.language[0]
+
+    def is_trigger(self, tokens: Tensor) -> Tensor:
+        """Where ``tokens`` are triggers (BOS never is).
+
+        Args:
+            tokens: token ids, any shape.
+
+        Returns:
+            A boolean tensor of the same shape.
+        """
+        return torch.isin(tokens, torch.from_numpy(self.language[2]).to(tokens.device))
 
     def sample(self, n_seq: int, seed: int, step: int) -> TaskBatch:
-        rng, v, t = _rng(seed, step), self.n_vocab, self.seq_len
-        cum = self.chain().cumsum(1)
-        first_trigger = v - self.n_triggers
+        rng, t = _rng(seed, step), self.seq_len
+        chain, first, triggers = self.language
+        v, cum = len(chain), chain.cumsum(1)
         x = np.zeros((n_seq, t), dtype=np.int64)
-        x[:, 0] = rng.integers(0, first_trigger, n_seq)  # the first token is no trigger
+        if self.text is None:  # our version's draw, as its runs were trained
+            x[:, 0] = rng.integers(0, v - self.n_triggers, n_seq)
+        else:
+            x[:, 0] = np.minimum((rng.random(n_seq)[:, None] > first.cumsum()).sum(1), v - 1)
+        trigger_row = np.isin(np.arange(v), triggers)
         for i in range(1, t):
             drawn = np.minimum((rng.random(n_seq)[:, None] > cum[x[:, i - 1]]).sum(1), v - 1)
             copy = x[:, i - 2] if i >= 2 else drawn
-            x[:, i] = np.where(x[:, i - 1] >= first_trigger, copy, drawn)
-        tokens = torch.from_numpy(np.concatenate([np.full((n_seq, 1), self.bos), x], 1))
-        trigger = tokens >= first_trigger
-        trigger[:, 0] = False
+            x[:, i] = np.where(trigger_row[x[:, i - 1]], copy, drawn)
+        return self.rule(torch.from_numpy(np.concatenate([np.full((n_seq, 1), self.bos), x], 1)))
+
+    def rule(self, tokens: Int[Tensor, "batch pos"]) -> TaskBatch:
+        """What the rule expects of ``tokens``: after a trigger, the token before it; elsewhere the chain's
+        most likely next token; BOS and the last position are not scored.
+
+        Args:
+            tokens: sequences ``[BOS, x_1 .. x_T]``.
+
+        Returns:
+            The :class:`TaskBatch` of ``tokens`` (``target`` -1 where not scored).
+        """
+        trigger = self.is_trigger(tokens)
         expected = torch.full_like(tokens, -1)
         best = torch.from_numpy(self.chain().argmax(1))
         expected[:, 1:-1] = torch.where(trigger[:, 1:-1], tokens[:, :-2], best[tokens[:, 1:-1]])
-        scored = expected >= 0
-        return TaskBatch(tokens=tokens, trigger=trigger, scored=scored, target=expected)
+        return TaskBatch(tokens=tokens, trigger=trigger, scored=expected >= 0, target=expected)
 
     def loss(self, logits: Float[Tensor, "batch pos d_vocab"], batch: TaskBatch) -> Float[Tensor, ""]:
         tokens = batch.tokens.to(logits.device)
@@ -213,15 +286,37 @@ class BigramBackcopy:
         return _split_means(hit, batch.trigger, batch.scored)
 
 
+def _check_triggers(n_triggers: int, n: int) -> None:
+    if not 0 < n_triggers < n:
+        raise MassiveLensError(f"n_triggers must be between 1 and {n - 1} (the tokens other than BOS, less one); "
+                               f"got {n_triggers}")
+
+
+def _read_text(text: str) -> str:
+    path = Path(text) if Path(text).is_file() else Path(data_file(text))
+    if not path.is_file():
+        raise MassiveLensError(f"bigram_backcopy's text {text!r} is neither a file nor a file of the shared data "
+                               f"folder (looked at {path}); set $MASSIVE_LENS_DATA or pass a path")
+    return path.read_text(encoding="utf-8")
+
+
 Task = TriggerConditional | BigramBackcopy
-_CLASSES = {"trigger_conditional": TriggerConditional, "bigram_backcopy": BigramBackcopy}
+_CLASSES = {"trigger_conditional": TriggerConditional, "bigram_backcopy": BigramBackcopy,
+            "bigram_backcopy_paper": BigramBackcopy}
+# named versions of a task: their defaults (the caller's options override them)
+_PRESETS: dict[str, dict[str, Any]] = {
+    "bigram_backcopy_paper": dict(text="tinyshakespeare/input.txt", n_triggers=3, seq_len=256,
+                                  name="bigram_backcopy_paper"),
+}
 
 
 def make_task(name: str, **options: Any) -> Task:
     """A task by name (:data:`TASKS`) with its options (the dataclass fields).
 
     Args:
-        name: ``"trigger_conditional"`` or ``"bigram_backcopy"``.
+        name: ``"trigger_conditional"``, ``"bigram_backcopy"`` (our small version) or
+            ``"bigram_backcopy_paper"`` (Guo et al.'s: Tiny Shakespeare's character bigrams, its three
+            most frequent characters as triggers, 256 tokens after BOS).
         **options: fields of that task's dataclass (sizes, probabilities, seeds).
 
     Returns:
@@ -236,6 +331,6 @@ def make_task(name: str, **options: Any) -> Task:
     if name not in _CLASSES:
         raise MassiveLensError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     try:
-        return _CLASSES[name](**options)
+        return _CLASSES[name](**{**_PRESETS.get(name, {}), **options})
     except TypeError as exc:
         raise MassiveLensError(f"bad option for task {name!r}: {exc}") from exc

@@ -12,13 +12,14 @@ import torch
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.taskcli import main as taskcli
-from massive_lens.train.taskgrid import SETTINGS, grid_settings, pending, run_folder, run_grid
+from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS, grid_settings, pending, run_folder, run_grid
 from massive_lens.train.taskpage import fill, load_runs, paired, shown, write_page
 from massive_lens.train.taskrun import RESULT, TaskSettings, evaluate, lowbit_gaps, sink_step, train_task
 from massive_lens.train.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(steps=3, eval_every=2, eval_seqs=3, batch_size=2, d_model=16, n_heads=2)
+SMALL = ("trigger_conditional", "bigram_backcopy")  # the tasks whose data needs no file
 PAGE = "# t\n\n<!-- gen:answer -->\n<!-- /gen:answer -->\n\n<!-- gen:ends -->\n<!-- /gen:ends -->\n"
 
 
@@ -34,6 +35,13 @@ def test_a_run_records_every_evaluation_step_and_writes_its_result_last(tmp_path
     assert {"accuracy", "sink_mass", "resid_ratio", "w8a8_gap", "w4a4_gap", "sink_step"} <= set(result)
     assert result["settings"]["variant"] == "softmax1"
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "evals.parquet"), run.evals)
+
+
+def test_a_run_takes_the_model_style_and_schedule_of_its_settings(tmp_path):
+    run = train_task(tiny(style="gpt2", min_lr_ratio=1.0, beta2=0.99, grad_clip=0.0), tmp_path)
+    assert run.model.cfg.style == "gpt2" and run.model.W_pos is not None  # LayerNorm, learned positions
+    recorded = json.loads((tmp_path / RESULT).read_text())["settings"]
+    assert (recorded["style"], recorded["min_lr_ratio"], recorded["grad_clip"]) == ("gpt2", 1.0, 0.0)
 
 
 def test_evaluate_reads_the_sink_mass_from_the_pattern_and_leaves_the_mode():
@@ -74,8 +82,8 @@ def test_grid_gives_seeds_0_and_1_to_every_setting_first_and_resumes(tmp_path):
     first_late = next(i for i, s in enumerate(runs) if s.seed >= 2)
     assert {(s.task, s.name) for s in runs[:first_late] if s.seed == 1} == {(s.task, s.name) for s in runs
                                                                            if s.seed == 2}
-    assert all(s.seed < 2 for s in runs[:first_late]) and len(runs) == 3 * 2 * len(SETTINGS)
-    small = [s for s in grid_settings(seeds=[0], **TINY) if s.name in ("softmax-pre", "relu-pre")]
+    assert all(s.seed < 2 for s in runs[:first_late]) and len(runs) == 3 * len(TASK_SETTINGS) * len(SETTINGS)
+    small = [s for s in grid_settings(seeds=[0], tasks=SMALL, **TINY) if s.name in ("softmax-pre", "relu-pre")]
     small = [TaskSettings(**{**s.__dict__, "task_options": dict(seq_len=8)}) for s in small]
     assert run_grid(tmp_path, small[:2]) == 2
     assert [s.name for s in pending(tmp_path, small)] == [s.name for s in small[2:]]
@@ -94,7 +102,7 @@ def test_the_page_states_only_differences_whose_interval_excludes_zero():
 
 
 def test_the_page_is_regenerated_from_the_runs_and_check_sees_a_stale_one(tmp_path):
-    for s in grid_settings(seeds=[0, 1], settings=[("softmax", "pre"), ("relu", "pre")], **TINY):
+    for s in grid_settings(seeds=[0, 1], tasks=SMALL, settings=[("softmax", "pre"), ("relu", "pre")], **TINY):
         train_task(TaskSettings(**{**s.__dict__, "task_options": dict(seq_len=8)}), run_folder(tmp_path / "runs", s))
     page = tmp_path / "page.md"
     page.write_text(PAGE)

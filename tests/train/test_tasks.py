@@ -93,3 +93,58 @@ def test_task_tokenizer_round_trips_and_fits_the_model():
     assert len(tok) == task.n_tokens and tok.bos_token_id == task.bos
     batch = task.sample(1, seed=0, step=0)
     assert tok(tok.decode(batch.tokens[0]))["input_ids"] == batch.tokens[0].tolist()
+
+
+def _text_task(tmp_path, text: str, **options):
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    return make_task("bigram_backcopy_paper", text=str(path), **options)
+
+
+def test_paper_bigram_backcopy_reads_its_chain_and_triggers_from_the_text(tmp_path):
+    text = "the cat sat on the mat; a tea set.\n" * 3
+    task = _text_task(tmp_path, text, n_triggers=2, seq_len=120)
+    alphabet = sorted(set(text))
+    chain, first, triggers = task.language
+    assert task.n_symbols == len(alphabet) and task.bos == len(alphabet) and task.n_tokens == len(alphabet) + 1
+    counts = np.zeros((len(alphabet),) * 2)
+    for a, b in zip(text, text[1:], strict=False):
+        counts[alphabet.index(a), alphabet.index(b)] += 1
+    np.testing.assert_allclose(chain, counts / counts.sum(1, keepdims=True))
+    by_count = sorted(alphabet, key=lambda ch: -text.count(ch))
+    assert sorted(alphabet[i] for i in triggers) == sorted(by_count[:2])  # the two most frequent characters
+    assert first[triggers].sum() == 0 and first.sum() == pytest.approx(1)
+    batch = task.sample(4, seed=2, step=1)
+    assert torch.equal(batch.tokens, task.sample(4, seed=2, step=1).tokens)  # a pure function of seed and step
+    assert not torch.equal(batch.tokens, task.sample(4, seed=3, step=1).tokens)
+    x = batch.tokens[:, 1:]
+    is_trigger = torch.isin(x, torch.from_numpy(triggers))
+    assert is_trigger.any() and not is_trigger[:, 0].any() and (batch.tokens[:, 0] == task.bos).all()
+    after = is_trigger[:, 1:-1]
+    assert torch.equal(x[:, 2:][after], x[:, :-2][after])  # after a trigger: the token before it
+    for a, b in zip(x[:, :-1][~is_trigger[:, :-1]].tolist(), x[:, 1:][~is_trigger[:, :-1]].tolist(), strict=True):
+        assert chain[a, b] > 0  # elsewhere only the text's own bigrams
+
+
+def test_paper_bigram_backcopy_accuracy_follows_the_rule_on_a_hand_made_sequence(tmp_path):
+    # "abcb": b is the most frequent character (the trigger); the chain's best next: a->b, b->c, c->b
+    task = _text_task(tmp_path, "abcb" * 6, n_triggers=1, seq_len=5)
+    a, b, c, bos = 0, 1, 2, task.bos
+    batch = task.rule(torch.tensor([[bos, a, b, c, b, a]]))
+    assert batch.trigger.tolist() == [[False, False, True, False, True, False]]
+    assert batch.target.tolist() == [[-1, b, a, b, c, -1]]  # after b: copy the token before it
+    logits = torch.zeros(1, 6, task.n_tokens)
+    logits[0, torch.arange(6), torch.tensor([a, b, a, b, c, a])] = 1.0
+    assert task.accuracy(logits, batch) == dict(accuracy=1.0, accuracy_trigger=1.0, accuracy_other=1.0)
+    bigram_only = torch.zeros_like(logits)  # the chain everywhere: right at c, wrong at the first trigger
+    bigram_only[0, torch.arange(6), torch.tensor([a, b, c, b, c, a])] = 1.0
+    assert task.accuracy(bigram_only, batch) == dict(accuracy=0.75, accuracy_trigger=0.5, accuracy_other=1.0)
+
+
+def test_paper_bigram_backcopy_refuses_a_vocabulary_size_or_a_missing_text(tmp_path):
+    with pytest.raises(MassiveLensError, match="n_vocab or text"):
+        _text_task(tmp_path, "abc", n_vocab=5)
+    with pytest.raises(MassiveLensError, match="neither a file"):
+        make_task("bigram_backcopy_paper", text=str(tmp_path / "missing.txt")).chain()
+    with pytest.raises(MassiveLensError, match="n_triggers"):
+        _text_task(tmp_path, "abc", n_triggers=3)
