@@ -103,7 +103,7 @@ committed = next((p / 'docs/sinktasks/runs' for p in [Path.cwd(), *Path.cwd().pa
                   if (p / 'docs/sinktasks/runs').is_dir()), None)
 if committed is None or SMALL:
     committed = Path(tempfile.mkdtemp()) / 'runs'
-    mini = grid_settings(seeds=[0, 1], settings=[('softmax', 'pre'), ('relu', 'pre')],
-                         **(small if SMALL else {}))
+    mini = grid_settings(seeds=[0, 1], tasks=['trigger_conditional', 'bigram_backcopy'],
+                         settings=[('softmax', 'pre'), ('relu', 'pre')], **(small if SMALL else {}))
     run_grid(committed, mini, threads=None)
 print(task_answer(committed))
