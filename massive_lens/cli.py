@@ -8,6 +8,7 @@
     massive-lens intervene --corpus test.txt --calibration valid.txt
     massive-lens precision                 # does the model hold in float16 / bfloat16? (measured, then run)
     massive-lens sinks --corpus test.txt --out-dir sinks   # census, keys and values, dormant heads
+    massive-lens sink-circuit --corpus test.txt   # why the first token: the sink's logit split, then cut
     massive-lens mask --corpus test.txt    # positions and token ids to leave out of SAE training
     massive-lens dims --json dims.json     # massive dims to keep out of an abliteration direction
     massive-lens train smoke runs/smoke steps=50 lr=3e-4     # one run (also under torchrun)
@@ -26,6 +27,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from massive_lens.attention import dormant_heads, find_sinks, sink_census, sink_kv
+from massive_lens.attention.circuit_cli import HELP as CIRCUIT_HELP
+from massive_lens.attention.circuit_cli import add_arguments as circuit_arguments
+from massive_lens.attention.circuit_cli import cmd_circuit
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
@@ -233,6 +237,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "mask": (cmd_mask, MASK_HELP),
     "dims": (cmd_dims, DIMS_HELP),
     "sinks": (cmd_sinks, "the sink census (levels and lifetimes), the sink's keys and values, and dormant heads"),
+    "sink-circuit": (cmd_circuit, CIRCUIT_HELP),
     "train": (cmd_train, "train one MassiveLM from a preset (data parallel under torchrun)"),
     "train-compare": (cmd_train_compare,
                       "train small models with softmax, softmax1 and other attention variants and compare"),
@@ -310,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     retrofit_arguments(cmd["retrofit"])
     quantize_arguments(cmd["quantize"])
     effects_arguments(cmd["effects"])
+    circuit_arguments(cmd["sink-circuit"])
     return parser
 
 

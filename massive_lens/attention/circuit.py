@@ -59,7 +59,7 @@ class SinkCircuit(Result):
     scores), the ``dominant`` key-side writer and its ``dominant_share`` of the logit,
     ``massive_share`` (the massive dims' share), ``b_q``/``content`` (query side, with spreads).
     ``.causal``: per head and removal ``mass_before``/``mass_after`` (with ``_low``/``_high``,
-    paired 95% bootstrap over sequences), ``loss_ratio`` (with interval), ``kills``.
+    paired 95% interval over sequences), ``loss_ratio`` (with interval), ``kills``.
     """
 
     frame: pd.DataFrame

@@ -2,7 +2,8 @@
 
 One forward pass keeps, per layer, what the logit ``s_i = c * q_i . k_sink`` is made of (``c`` the
 attention's scale): the sink position's residual by its writers (``hook_embed``, ``hook_pos_embed``,
-each block's attention and MLP output as :func:`~massive_lens.origin.blocks.block_plan` names them),
+each block's attention and MLP output as added to the residual: after the post-norm where the
+model has one, the rule of :func:`~massive_lens.origin.blocks.block_plan`),
 the layer's norm at the sink (input, scale, output), the sink's key, every query, the sink column of
 the attention scores and pattern. Afterwards each writer part ``p`` is carried to the key:
 
@@ -28,7 +29,6 @@ from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
-from massive_lens.origin.blocks import block_plan
 
 TOL = 1e-4  # relative, float32: what "exact" means here
 
@@ -63,16 +63,16 @@ class CircuitCapture:
         self.view, self.batch, self.layers, self.criterion, self.sink = view, batch, layers, criterion, sink
         self.keep = {layer: LayerKeep() for layer in layers}
         self.writers: dict[str, Tensor] = {}
-        self.plans = [block_plan(view, layer) for layer in range(max(layers))]
 
     def hooks(self) -> list[tuple[str, Any]]:
         v, out = self.view, []
         for name in ("hook_embed", "hook_pos_embed"):
             if name in v.hook_names:
                 out.append((name, self._writer(name.removeprefix("hook_"))))
-        for plan in self.plans:
-            out += [(plan.hooks["attn"], self._writer(f"attn {plan.layer}")),
-                    (plan.hooks["mlp"], self._writer(f"mlp {plan.layer}"))]
+        for layer in range(max(self.layers)):
+            for kind, post in (("attn", "ln1_post.hook_out"), ("mlp", "ln2_post.hook_out")):
+                hook = post if v.has_hook(layer, post) else f"hook_{kind}_out"  # what the residual adds
+                out.append((v.hook_name(layer, hook), self._writer(f"{kind} {layer}")))
         for layer in self.layers:
             for hook, fn in self._layer_hooks(layer):
                 out.append((v.hook_name(layer, hook), fn))

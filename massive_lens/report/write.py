@@ -49,6 +49,7 @@ from massive_lens.core.outputs import check_out_dir
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.load import load_model
 from massive_lens.report import sections as sec
+from massive_lens.report.circuit_section import circuit_section
 from massive_lens.report.lowbit_section import lowbit_section
 from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
@@ -63,6 +64,7 @@ SECTIONS: list[tuple[str, str, Any, tuple[str, ...]]] = [
     ("origin", "Origin", sec.origin_section, (MASSIVE,)),
     ("attention", "Attention sinks and the value-update decomposition", sec.attention_section, (MASSIVE,)),
     ("sinks", "Sink census, keys, values and dormant heads", sinks_section, ()),
+    ("circuit", "Why the first token: the sink's circuit", circuit_section, ()),
     ("interventions", "Interventions", sec.intervention_section, ()),
     ("quantization", "W8A8 quantization and half precision", quantize_and_precision, ()),
     ("lowbit", "Low-bit settings: W4A4, a rotation and kept sinks", lowbit_section, ()),
@@ -105,7 +107,7 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
         layer: the layer of the landscape, attention and magnitude figures (None: the layer
             of the headline activation, the text's largest token-specific massive value).
         skip: sections to leave out, by key: ``"massive"``, ``"origin"``, ``"attention"``,
-            ``"sinks"``, ``"interventions"``, ``"quantization"``, ``"lowbit"`` (a comma-separated
+            ``"sinks"``, ``"circuit"``, ``"interventions"``, ``"quantization"``, ``"lowbit"`` (a comma-separated
             string or a tuple); each shows one line saying it was skipped.
         device: where to load a model given by name (None: the loader's choice); for a
             loaded model it must match (:func:`~massive_lens.load_model` never moves one).
