@@ -61,7 +61,17 @@ def model_lock(model: Any) -> Any:
 
 
 class ModelView:
-    """Uniform access to a TransformerLens-style model (never holds state of its own)."""
+    """Uniform access to a TransformerLens-style model (never holds state of its own).
+    ``ModelView(lm)`` on an nnsight model builds a :class:`~massive_lens.core.nnsight_view.NnsightView`."""
+
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> ModelView:
+        nnsight = getattr(type(model), "NNSIGHT_ADAPTER", False) or any(
+            c.__module__.split(".")[0] == "nnsight" for c in type(model).__mro__)
+        if cls is ModelView and nnsight:
+            from massive_lens.core.nnsight_view import NnsightView  # the one dispatch point; nnsight is optional
+
+            return super().__new__(NnsightView)
+        return super().__new__(cls)
 
     def __init__(self, model: Any):
         missing = [a for a in ("run_with_hooks", "hooks", "cfg", "hook_dict") if not hasattr(model, a)]
@@ -338,8 +348,7 @@ class ModelView:
         if stop_after is not None:
             hooks.append((stop_after, _stop_forward))
         try:
-            with torch.no_grad(), self.hooked(hooks):
-                out = self.model(inputs.to(self.input_device), **kwargs)
+            out = self.run_hooked(inputs.to(self.input_device), kwargs, hooks)
         except _StopForward:
             out = None
         except MassiveLensError:
@@ -352,6 +361,12 @@ class ModelView:
             raise MassiveLensError(f"{self.name}: hook {stop_after!r} exists but never fired in a forward pass "
                                    "(this architecture's bridge does not run it), so nothing can be read there")
         return out
+
+    def run_hooked(self, inputs: Tensor, kwargs: dict[str, Any], hooks: list[tuple[str, Any]]) -> Any:
+        """The model on ``inputs`` with ``hooks`` attached (no grad): what :meth:`forward` runs,
+        after its checks (a view of another model kind runs it its own way)."""
+        with torch.no_grad(), self.hooked(hooks):
+            return self.model(inputs, **kwargs)
 
     def _raise_if_nonfinite(self, seen: list[tuple[str, Tensor]], cause: BaseException | None = None) -> None:
         if not seen:

@@ -12,6 +12,11 @@
   from TransformerLens's own reading of the Hugging Face config, then the converted weights.
 
 Both give the same hook names and the same numbers (to float32 rounding) in every analysis.
+
+- ``"nnsight"``: an nnsight ``TransformersModel`` over the Hugging Face model (its weights as
+  they are). The residual-stream analyses run on it through
+  :class:`~massive_lens.core.nnsight_view.NnsightView`, with the bridge's numbers; what needs
+  TransformerLens's own modules is a clear error there (see ``docs/nnsight.md``).
 :func:`default_backend` is ``"hooked"`` where TransformerLens 3.x offers it, else ``"bridge"``.
 
 >>> default_backend() in BACKENDS
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 import os
 import tempfile
@@ -36,7 +42,8 @@ from massive_lens.errors import MassiveLensError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("bridge", "hooked")
+BACKENDS = ("bridge", "hooked", "nnsight")
+NNSIGHT_VERSION = "0.8.1"  # the version the nnsight backend is tested with (pyproject.toml pins it)
 
 
 def hooked_class() -> Any:
@@ -63,8 +70,10 @@ def check_backend(backend: str | None) -> str:
     if backend is None:
         return default_backend()
     if backend not in BACKENDS:
-        raise MassiveLensError(f"unknown backend {backend!r}; choose 'bridge' (TransformerBridge) or 'hooked' "
-                               "(HookedTransformer, TransformerLens 3.x)")
+        raise MassiveLensError(f"unknown backend {backend!r}; choose 'bridge' (TransformerBridge), 'hooked' "
+                               "(HookedTransformer, TransformerLens 3.x) or 'nnsight' (an nnsight TransformersModel)")
+    if backend == "nnsight" and importlib.util.find_spec("nnsight") is None:
+        raise MassiveLensError(f"backend='nnsight' needs nnsight: pip install nnsight=={NNSIGHT_VERSION}")
     if backend == "hooked" and hooked_class() is None:
         import transformer_lens
 
@@ -124,6 +133,52 @@ def hooked_from_hf(hf_model: Any, tokenizer: Any, name: str, *, device: Any = No
     model.cfg.model_name = readable_name(name)
     model.cfg.tokenizer_name = readable_name(name)
     return model.eval()
+
+
+def nnsight_from_hf(hf_model: Any, tokenizer: Any, name: str, *, device: Any = None,
+                    dtype: torch.dtype = torch.float32) -> Any:
+    """An nnsight ``TransformersModel`` (text generation) over ``hf_model``, whose weights it uses
+    as they are: the analyses read it through :class:`~massive_lens.core.nnsight_view.NnsightView`.
+
+    Args:
+        hf_model: a loaded Hugging Face causal LM (moved to ``device`` and ``dtype``, put in eval
+            mode, its ``config.name_or_path`` set to ``name``).
+        tokenizer: its tokenizer (nnsight pads on the left; massive_lens tokenizes for itself,
+            on the right, so positions are never shifted).
+        name: the model's name in results.
+        device: where it goes; None: where it is.
+        dtype: its floating dtype.
+
+    Returns:
+        The nnsight model.
+
+    Raises:
+        MassiveLensError: when nnsight is not installed or the model has no tokenizer.
+    """
+    check_backend("nnsight")
+    if tokenizer is None:
+        raise MassiveLensError(f"backend='nnsight' needs a tokenizer for {name!r}; pass tokenizer= to load_model")
+    import nnsight
+
+    hf_model = hf_model.to(dtype) if dtype != next(hf_model.parameters()).dtype else hf_model
+    if device is not None:
+        hf_model = hf_model.to(device)
+    hf_model.config.name_or_path = name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nnsight.NNsightDeprecationWarning)
+        return nnsight.TransformersModel(hf_model.eval(), task="text-generation", tokenizer=tokenizer)
+
+
+def nnsight_as_found(model: Any, backend: str | None, device: Any, dtype: torch.dtype | None, device_map: Any) -> Any:
+    """A user's own nnsight model, returned as it is after :func:`as_found`'s checks on the torch
+    module inside it; an explicit other ``backend`` is an error."""
+    from massive_lens.core.model_view import ModelView
+
+    if backend not in (None, "nnsight"):
+        raise MassiveLensError(f"this model is an nnsight {type(model).__name__} and load_model does not convert a "
+                               f"model it is given, so backend={backend!r} would be ignored; drop backend=")
+    as_found(ModelView(model).hf, device, dtype, device_map)
+    return model
 
 
 def _official_name(loading: Any, name: str) -> str | None:

@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from massive_lens.core.hooked import is_hooked_transformer
 from massive_lens.core.model_view import readable_name
+from massive_lens.core.nnsight_view import is_nnsight_model
 from massive_lens.core.tokens import mark_bos
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.backends import (
@@ -48,6 +49,8 @@ from massive_lens.models.backends import (
     check_device,
     hooked_from_hf,
     hub_offline,
+    nnsight_as_found,
+    nnsight_from_hf,
     unsupported,
 )
 from massive_lens.models.offline import (
@@ -106,12 +109,12 @@ def load_model(
             folders only; needs the ``accelerate`` package.
         tokenizer: the tokenizer of a ``PreTrainedModel`` input; None looks it up offline by
             the model's name. Ignored for the other inputs.
-        backend: ``"bridge"`` (a ``TransformerBridge``) or ``"hooked"`` (a ``HookedTransformer``
-            with no weight processing; TransformerLens 3.x only): see :mod:`massive_lens.models.backends`.
-            None: ``"hooked"`` where the installed TransformerLens has it (3.x), falling back to
-            the bridge for an architecture it cannot convert or with ``device_map``; ``"bridge"``
-            on 4.x. Both give
-            the same numbers. A TransformerLens model passed in keeps its kind.
+        backend: ``"bridge"`` (a ``TransformerBridge``), ``"hooked"`` (a ``HookedTransformer`` with no
+            weight processing; TransformerLens 3.x only) or ``"nnsight"`` (an nnsight ``TransformersModel``;
+            residual-stream analyses only, ``docs/nnsight.md``): see :mod:`massive_lens.models.backends`.
+            None: ``"hooked"`` where TransformerLens has it (3.x; the bridge for an architecture it
+            cannot convert or with ``device_map``), else ``"bridge"``; all give the same numbers. A
+            TransformerLens or nnsight model passed in keeps its kind.
         name: the name results and the report print for this model (sets ``cfg.model_name``);
             None: the offline model's name, the hub id, or the folder's or file's name.
 
@@ -154,6 +157,8 @@ def load_model(
             )
         hf, tok = load_offline(offline, dtype)
         return _build(hf, tok, offline.name, **build, display=name)
+    if is_nnsight_model(name_or_model):  # the user's own nnsight model: used as it is
+        return nnsight_as_found(name_or_model, backend, device, asked, device_map)
     if _is_hooked(name_or_model):
         _check_kind(name_or_model, backend)
         model = as_found(name_or_model, device, asked, device_map)
@@ -162,6 +167,10 @@ def load_model(
         return model
     if isinstance(name_or_model, PreTrainedModel):
         as_found(name_or_model, device, asked, device_map)
+        if kind == "nnsight":  # nnsight hooks the model in place of TransformerLens: used as it is
+            tok = tokenizer if tokenizer is not None else _local_tokenizer(_source(name_or_model))
+            return nnsight_from_hf(name_or_model, tok, name or _source(name_or_model),
+                                   dtype=next(name_or_model.parameters()).dtype)
         if kind == "hooked":  # a copy of the weights: the Hugging Face model stays as it is
             tok = tokenizer if tokenizer is not None else _local_tokenizer(_source(name_or_model))
             return _build(name_or_model, tok, _source(name_or_model), **build, display=name)
@@ -190,7 +199,7 @@ def load_model(
     if not path.exists() and _looks_local(str(name_or_model)):
         raise MassiveLensError(f"no folder or file at {path}; a local model is a folder saved with save_pretrained "
                                "(config.json and *.safetensors) or a .gguf file")
-    if kind == "hooked" or path.is_dir():  # local folders: loaded here, checked tensor by tensor
+    if kind in ("hooked", "nnsight") or path.is_dir():  # local folders: loaded here, checked tensor by tensor
         hf, tok = _load_hf(str(name_or_model), path.is_dir(), dtype, device_map)
         return _build(hf, tok, str(name_or_model), **{**build, "device": None if device_map else device},
                       display=name)
@@ -338,6 +347,8 @@ def _build(hf: Any, tok: Any, label: str, *, backend: str, explicit: bool, devic
     ``label`` is what TransformerLens may look up (the model's own name); ``display``, the
     user's name for it, is only written into ``cfg.model_name`` afterwards (a display name
     that is also a TransformerLens alias must not load that model's config)."""
+    if backend == "nnsight":
+        return nnsight_from_hf(hf, tok, display or label, device=device, dtype=dtype)
     model = None
     if backend == "hooked" and tok is not None:  # a vision model has no tokenizer and no HookedTransformer
         mark_bos(tok, label)
@@ -371,11 +382,8 @@ def _check_kind(model: Any, backend: str | None) -> None:
 
 
 def _finish(model: Any, device: Any, dtype: torch.dtype) -> Any:
-    if dtype != torch.float32:
-        model = model.to(dtype)
-    if device is not None:
-        model = model.to(device)
-    return model.eval()
+    model = model.to(dtype) if dtype != torch.float32 else model
+    return (model.to(device) if device is not None else model).eval()
 
 
 def _local_tokenizer(name: str) -> Any:

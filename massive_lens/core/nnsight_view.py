@@ -1,0 +1,328 @@
+"""nnsight models behind the same :class:`~massive_lens.core.model_view.ModelView`.
+
+`nnsight <https://nnsight.net>`_ runs a Hugging Face model inside ``with lm.trace(...)``: the
+body of the block reads and writes module inputs and outputs (``lm.model.layers[3].output``)
+while the model runs, in the order the model computes them. :class:`NnsightView` serves the
+TransformerLens names the residual-stream analyses ask for on such a model, so
+``find_massive(lm, text)`` works as ``find_massive(bridge, text)`` does:
+
+- ``blocks.{l}.hook_resid_pre``: the decoder layer's input; ``hook_resid_post``: its output;
+- ``hook_resid_mid``: the input of the norm before the MLP (``post_attention_layernorm``,
+  ``pre_feedforward_layernorm`` in sandwich-norm blocks, GPT-2's ``ln_2``);
+- ``hook_attn_out`` and ``hook_mlp_out``: the attention's and the MLP's outputs (blocks with
+  no norm after them only: elsewhere TransformerLens's names mean another tensor).
+
+The hook functions run inside the trace, in firing order, so only what they reduce leaves it
+(what NDIF's ``remote=True`` would ship back). Three traps nnsight users meet are handled here:
+text is tokenized by the view, **right**-padded with an attention mask (nnsight's own tokenizer
+pads on the left, which shifts every real token's position and, in models with learned
+absolute positions, its embedding); the first token is position 0 of every row; and a layer
+whose output (or input) is a tuple ``(hidden, residual)`` of two same-shaped tensors (vLLM's
+fused-residual layers) carries the residual stream as their **sum**, which is what is read,
+and what an edit writes back (``(edited, zeros)``).
+
+What needs TransformerLens's own modules (per-head hooks, MLP neurons, attention patterns,
+TransformerLens-style weights) is a :class:`MassiveLensError` naming the calls that run here.
+
+>>> is_nnsight_model(object())
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from massive_lens.core.model_view import ModelView, model_lock, readable_name
+from massive_lens.errors import MassiveLensError
+
+__all__ = ["SUPPORTED_CALLS", "NnsightModel", "NnsightView", "is_nnsight_model", "trace_options"]
+
+# the per-block sites served, in the order a block computes them
+SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+SUPPORTED_CALLS = ("find_massive", "layer_profile", "scan_corpus", "perplexity")
+_ATTN = ("self_attn", "attn", "attention", "self_attention")
+_MLP = ("mlp", "feed_forward", "ffn")
+_MID_NORM = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")  # first found: resid_mid is its input
+_POST_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")  # a sublayer output normed before the add
+_OPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nnsight model -> trace keyword arguments
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nnsight model -> its NnsightModel
+
+
+def is_nnsight_model(model: Any) -> bool:
+    """Whether ``model`` is an nnsight model (``nnsight.NNsight``, ``LanguageModel``, ...),
+    checked without importing nnsight."""
+    return any(c.__module__.split(".")[0] == "nnsight" for c in type(model).__mro__)
+
+
+def trace_options(model: Any, **options: Any) -> dict[str, Any]:
+    """Keyword arguments every ``model.trace(...)`` of massive_lens passes on as they are (for
+    NDIF: ``remote=True``, which needs an NDIF API key and a model NDIF hosts); returns them.
+    Called with none, returns the current ones.
+
+    >>> trace_options(object.__new__(type("Envoy", (), {})))
+    {}
+    """
+    if options:
+        _OPTIONS[model] = {**_OPTIONS.get(model, {}), **options}
+    return dict(_OPTIONS.get(model, {}))
+
+
+@dataclass
+class _Config:
+    """The few TransformerLens config fields the analyses read, from the Hugging Face config."""
+
+    n_layers: int
+    d_model: int
+    n_ctx: int | None
+    d_vocab: int | None
+    model_name: str
+    default_prepend_bos: bool = True
+
+
+@dataclass(frozen=True)
+class _Hook:
+    """What a TransformerLens hook function receives as ``hook``: its name and layer."""
+
+    name: str
+
+    def layer(self) -> int:
+        return int(self.name.split(".")[1])
+
+
+class NnsightModel:
+    """An nnsight model as the rest of massive_lens reads a model: ``cfg``, ``tokenizer``, the
+    parameters and the Hugging Face model (``original_model``, as a bridge has it). One per nnsight
+    model (so :func:`model_lock` is the same); ``ModelView`` of it is its :class:`NnsightView`."""
+
+    NNSIGHT_ADAPTER = True
+
+    def __init__(self, lm: Any, hf: torch.nn.Module, cfg: _Config, layers_path: str):
+        self._lm = weakref.ref(lm)  # _ADAPTERS maps lm to this: a strong reference would keep lm alive
+        self.original_model, self.cfg, self.layers_path = hf, cfg, layers_path
+
+    @property
+    def lm(self) -> Any:
+        """The nnsight model."""
+        return self._lm()
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.lm, "tokenizer", None)
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.original_model.parameters(recurse)
+
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        return self.original_model.buffers(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.original_model.named_parameters(*args, **kwargs)
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        return self.original_model.modules()
+
+
+class NnsightView(ModelView):
+    """:class:`ModelView` over an nnsight model (``ModelView(lm)`` builds one); ``.model`` is its
+    :class:`NnsightModel`, ``.lm`` the nnsight model, ``.hf`` the Hugging Face model inside."""
+
+    def __init__(self, model: Any):
+        adapter = model if isinstance(model, NnsightModel) else _ADAPTERS.get(model) or self._adapter(model)
+        self.lm, self.hf, self.model, self.cfg = adapter.lm, adapter.original_model, adapter, adapter.cfg
+        self.layers_path = adapter.layers_path
+        self._hook_names = frozenset(self.block_hook(layer, site) for layer in range(self.cfg.n_layers)
+                                     for site in self._sites(layer))
+        self._aliases = {}
+        self.image_layout = None
+
+    @staticmethod
+    def _adapter(model: Any) -> NnsightModel:
+        hf = getattr(getattr(model, "pipeline", None), "model", None) or getattr(model, "_module", None)
+        if not isinstance(hf, torch.nn.Module):
+            raise MassiveLensError(f"{type(model).__name__}: an nnsight model with no torch module inside")
+        config = getattr(hf, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n_layers = getattr(text, "num_hidden_layers", None)
+        layers_path = _layers_path(hf, n_layers)
+        if text is None or layers_path is None:
+            raise MassiveLensError(f"{type(hf).__name__} is not a Hugging Face decoder the nnsight backend reads: it "
+                                   "needs a config with num_hidden_layers and a list of that many decoder layers")
+        name = getattr(config, "_name_or_path", None) or type(hf).__name__
+        cfg = _Config(int(n_layers), int(text.hidden_size), getattr(text, "max_position_embeddings", None),
+                      getattr(text, "vocab_size", None), readable_name(str(name)))
+        _ADAPTERS[model] = adapter = NnsightModel(model, hf, cfg, layers_path)
+        return adapter
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def tokenizer(self) -> Any:
+        tok = getattr(self.lm, "tokenizer", None)
+        if tok is None:
+            raise MassiveLensError(f"this nnsight {type(self.lm).__name__} of {self.name} has no tokenizer; wrap it "
+                                   "as nnsight.LanguageModel(hf_model, tokenizer=tokenizer), or pass token ids (a "
+                                   "LongTensor [batch, pos]) instead of text")
+        return tok
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
+    @property
+    def input_device(self) -> torch.device:
+        embed = self.hf.get_input_embeddings() if hasattr(self.hf, "get_input_embeddings") else None
+        return next((embed or self.hf).parameters()).device
+
+    @property
+    def hook_names(self) -> frozenset[str]:
+        return self._hook_names
+
+    @property
+    def blocks(self) -> Any:
+        raise self.unsupported("TransformerLens-style weights (model.blocks)")
+
+    def block(self, layer: int) -> Any:
+        raise self.unsupported(f"block {layer}'s TransformerLens-style weights")
+
+    def hook_name(self, layer: int, hook: str) -> str:
+        name = self.block_hook(layer, hook)
+        if 0 <= layer < self.n_layers and name not in self.hook_names:
+            raise self.unsupported(f"the hook {name!r}")
+        return super().hook_name(layer, hook)
+
+    def unsupported(self, what: str) -> MassiveLensError:
+        """The error for what the nnsight backend cannot serve, naming what runs on it."""
+        sites = ", ".join(sorted({n.split(".", 2)[2] for n in self.hook_names}))
+        return MassiveLensError(
+            f"{self.name} is an nnsight model, which serves the residual stream only ({sites}); {what} needs "
+            f"TransformerLens's own modules (per-head hooks, MLP neurons, attention patterns, weights). On nnsight "
+            f"these run: {', '.join(SUPPORTED_CALLS)}. For the rest load the model with "
+            "massive_lens.load_model(..., backend='bridge')")
+
+    # ------------------------------------------------------------------ running
+    @contextlib.contextmanager
+    def hooked(self, fwd_hooks: list[tuple[str, Any]]) -> Iterator[None]:
+        raise self.unsupported("attaching hooks outside a forward pass (view.hooked)")
+        yield  # pragma: no cover
+
+    def run_hooked(self, inputs: Tensor, kwargs: dict[str, Any], hooks: list[tuple[str, Any]]) -> Any:
+        """One traced pass: each hook function runs on its site's tensor inside ``model.trace``,
+        in the order the model computes them; a tensor it returns replaces the site's value.
+        Returns the model's logits."""
+        order = []
+        for i, (name, fn) in enumerate(hooks):
+            if name not in self.hook_names:
+                raise self.unsupported(f"the hook {name!r}")
+            layer, site = int(name.split(".")[1]), name.split(".", 2)[2]
+            order.append((layer, SITES.index(site), i, site, name, fn))
+        order.sort(key=lambda item: item[:3])
+        box: dict[str, Any] = {}
+        lm = self.lm
+        with model_lock(self.model), _eval_mode(self.hf), torch.no_grad():
+            with lm.trace(inputs, **kwargs, **trace_options(lm)):
+                for layer, _, _, site, name, fn in order:
+                    self._run_hook(layer, site, name, fn)
+                box["out"] = lm.output
+        out = box["out"]
+        return getattr(out, "logits", out[0] if isinstance(out, tuple) else out)
+
+    def _run_hook(self, layer: int, site: str, name: str, fn: Any) -> None:
+        envoy, side = self._site(layer, site)
+        raw = envoy.input if side == "input" else envoy.output
+        value, split = residual_of(raw)
+        new = fn(value, hook=_Hook(name))
+        if new is None or new is value:
+            if split is None:  # read, or edited in place: the model's own tensor
+                return
+            new = value  # a split stream's sum is a new tensor: an in-place edit is written back
+        replaced = replace_residual(raw, new, split)
+        if side == "input":
+            envoy.input = replaced
+        else:
+            envoy.output = replaced
+
+    def _site(self, layer: int, site: str) -> tuple[Any, str]:
+        block = _envoy(self.lm, f"{self.layers_path}.{layer}")
+        if site in ("hook_resid_pre", "hook_resid_post"):
+            return block, "input" if site == "hook_resid_pre" else "output"
+        child = {"hook_attn_out": _ATTN, "hook_mlp_out": _MLP, "hook_resid_mid": _MID_NORM}[site]
+        found = _child(self.hf, f"{self.layers_path}.{layer}", child)
+        return _envoy(block, found), "input" if site == "hook_resid_mid" else "output"
+
+    def _sites(self, layer: int) -> list[str]:
+        path = f"{self.layers_path}.{layer}"
+        sites = ["hook_resid_pre", "hook_resid_post"]
+        if _child(self.hf, path, _MID_NORM) is not None:
+            sites.append("hook_resid_mid")
+        sandwich = _child(self.hf, path, _POST_NORMS) is not None
+        if not sandwich and _child(self.hf, path, _ATTN) is not None:
+            sites.append("hook_attn_out")
+        if not sandwich and _child(self.hf, path, _MLP) is not None:
+            sites.append("hook_mlp_out")
+        return sites
+
+
+def residual_of(raw: Any) -> tuple[Tensor, Tensor | None]:
+    """The residual stream in a module's input or output: a tensor as it is; a tuple's first
+    part, or, when its second part is a tensor of the same shape (a fused-residual layer's
+    ``(hidden, residual)``), the sum of the two, with that second part.
+
+    >>> h, r = torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0)
+    >>> float(residual_of((h, r))[0][0, 0, 0]), residual_of((h, None))[1] is None
+    (3.0, True)
+    """
+    if isinstance(raw, Tensor):
+        return raw, None
+    if isinstance(raw, (tuple, list)) and raw and isinstance(raw[0], Tensor):
+        second = raw[1] if len(raw) > 1 else None
+        if isinstance(second, Tensor) and second.shape == raw[0].shape:
+            return raw[0] + second, second
+        return raw[0], None
+    raise MassiveLensError(f"an nnsight module gave a {type(raw).__name__}, not a tensor or a tuple of tensors; "
+                           "its residual stream cannot be read")
+
+
+def replace_residual(raw: Any, new: Tensor, split: Tensor | None) -> Any:
+    """``raw`` with its residual stream replaced by ``new`` (a split one as ``(new, zeros)``)."""
+    if isinstance(raw, Tensor):
+        return new
+    rest = tuple(raw[2:]) if split is not None else tuple(raw[1:])
+    head = (new, torch.zeros_like(split)) if split is not None else (new,)
+    return type(raw)((*head, *rest)) if isinstance(raw, tuple) else [*head, *rest]
+
+
+def _layers_path(hf: torch.nn.Module, n_layers: Any) -> str | None:
+    if not isinstance(n_layers, int):
+        return None
+    return next((name for name, m in hf.named_modules()
+                 if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers and name), None)
+
+
+def _child(hf: torch.nn.Module, path: str, names: tuple[str, ...]) -> str | None:
+    block = hf.get_submodule(path)
+    return next((n for n in names if isinstance(getattr(block, n, None), torch.nn.Module)), None)
+
+
+def _envoy(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = root[int(part)] if part.isdigit() else getattr(root, part)
+    return root
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode inside the block; the ones in train mode put back after."""
+    training = [m for m in module.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
