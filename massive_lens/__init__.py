@@ -48,7 +48,7 @@ try:  # the imports take seconds; a Ctrl-C in them, under the command line, ends
     from massive_lens.models.load import load_model
     from massive_lens.models.tiny import tiny_model
     from massive_lens.origin import trace_origin
-    from massive_lens.quantize import measure_outliers
+    from massive_lens.quant import measure_outliers
     from massive_lens.report import compare_models, write_report
     from massive_lens.train import compare_variants, train_model
 except KeyboardInterrupt:

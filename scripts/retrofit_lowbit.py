@@ -10,7 +10,7 @@ as folders ``massive_lens.load`` reads:
 
 * ``docs/retrofit/seeds/JOB/outliers``: :func:`~massive_lens.measure_outliers` (kurtosis, max
   inf-norm, W8A8 with static per-tensor activations);
-* ``docs/retrofit/seeds/JOB/lowbit``: :func:`~massive_lens.quantize.lowbit_grid` (W8A8, W4A16, W4A4;
+* ``docs/retrofit/seeds/JOB/lowbit``: :func:`~massive_lens.quant.lowbit_grid` (W8A8, W4A16, W4A4;
   per-channel weights, per-token activations).
 
 Both use the same 8 windows of 128 tokens of WikiText-2 test (BOS first): the first 4 are the windows
@@ -27,7 +27,7 @@ import torch
 
 from massive_lens.core.corpora import data_file
 from massive_lens.models import load_model
-from massive_lens.quantize import lowbit_grid, measure_outliers
+from massive_lens.quant import lowbit_grid, measure_outliers
 from massive_lens.train.data import sample_batch, start_token, token_stream
 from massive_lens.train.retrofit_parts import analysis_bridge, load_retrofitted
 

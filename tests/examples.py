@@ -32,7 +32,7 @@ from massive_lens.effects import compression_valley, over_mixing, repeated_token
 from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check, sae_check
 from massive_lens.interventions import head_curve
 from massive_lens.quant import quantize_grid
-from massive_lens.quantize import lowbit_grid
+from massive_lens.quant import lowbit_grid
 from massive_lens.train import compare_variants, retrofit, train_model, training_stability
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM

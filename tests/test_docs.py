@@ -39,7 +39,7 @@ def test_mkdocs_build_strict(tmp_path):
 
 # the namespaces with an __all__ (docs/architecture.md)
 PUBLIC = ("massive_lens", "massive_lens.models", "massive_lens.detect", "massive_lens.attention", "massive_lens.origin",
-          "massive_lens.quantize", "massive_lens.quant", "massive_lens.interventions", "massive_lens.train",
+          "massive_lens.quant", "massive_lens.interventions", "massive_lens.train",
           "massive_lens.viz", "massive_lens.report", "massive_lens.handover", "massive_lens.effects")
 PYTHON_FENCES = ("python", "py", "python3", "pycon")
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})\s*(?P<info>[\w+-]*)")

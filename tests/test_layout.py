@@ -139,10 +139,7 @@ def private_imports(root: Path) -> list[str]:
     return found
 
 
-_PRIVATE_TODAY = {  # issue 38's offenders left to the quantization rework; this list only shrinks
-    "massive_lens/quant/api.py": ("massive_lens.quantize", "_eval_and_calibration"),
-    "massive_lens/quant/sites.py": ("massive_lens.lowbit", "_sites"),
-}
+_PRIVATE_TODAY: dict[str, tuple[str, str]] = {}  # issue 38's offenders, fixed; this list only shrinks
 PRIVATE_ALLOWED = {f"{file} {name} from {module}" for file, (module, names) in _PRIVATE_TODAY.items()
                    for name in names.split()}
 
@@ -221,7 +218,7 @@ _POSITIONAL_TODAY = (  # issue 38: results and registry rows are built by keywor
     "handover.masks.ExclusionMask handover.masks.NormThresholds handover.precision.PrecisionCheck "
     "handover.sae.SAECheck interventions.calibration.Calibration interventions.head_curve.HeadCurve "
     "interventions.registry.InterventionSetting interventions.table.InterventionTable metrics.Perplexity "
-    "origin.trace.OriginTrace quant.result.Quantization quantize.LowBitGrid quantize.OutlierReport "
+    "origin.trace.OriginTrace "
     "train.compare.Comparison train.retrofit.Retrofit train.stability.TrainingStability train.trainer.TrainRun")
 POSITIONAL_ALLOWED = {f"massive_lens.{name}" for name in _POSITIONAL_TODAY.split()}
 

@@ -32,7 +32,7 @@ OWN_MODELS = {  # edits of a model no user holds: built in the same call, or a c
                                                         "not a temporary edit",
 }
 # edits the rule must see (so that a reader that finds nothing cannot pass)
-KNOWN_EDITS = {"massive_lens.handover.mixed:cast", "massive_lens.lowbit:fake_quantized",
+KNOWN_EDITS = {"massive_lens.handover.mixed:cast", "massive_lens.quant.fake:attached",
                "massive_lens.quant.simulate:Simulator.attached", "massive_lens.origin.verify:zeroed_weights"}
 
 
@@ -63,10 +63,11 @@ def test_a_cast_without_the_lock_breaks_the_rule(sources):
 
 
 def test_a_weight_swap_that_no_longer_acquires_breaks_the_rule(sources):
-    assert "lock.acquire()" in sources["massive_lens.lowbit"]
-    broken = {**sources, "massive_lens.lowbit": sources["massive_lens.lowbit"].replace("lock.acquire()", "pass")}
+    fake = "massive_lens.quant.fake"
+    assert "with model_lock(model):" in sources[fake]
+    broken = {**sources, fake: sources[fake].replace("with model_lock(model):", "if True:")}
     found = violations(read_sources(broken), OWN_MODELS)
-    assert found and all("massive_lens.lowbit:" in v for v in found)
+    assert found and all(f"{fake}:" in v for v in found)
 
 
 PLANTED = '''

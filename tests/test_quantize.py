@@ -9,17 +9,10 @@ from helpers import hook_count, tiny_lm, untouched
 
 from massive_lens import load
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import fake_quant_tokens
 from massive_lens.models import tiny_model
-from massive_lens.quantize import (
-    LowBitGrid,
-    fake_quant_activation,
-    fake_quant_weight,
-    fake_quantized,
-    lowbit_grid,
-    measure_outliers,
-    parse_bits,
-)
+from massive_lens.quant import LowBitGrid, fake_quantized, lowbit_grid, measure_outliers
+from massive_lens.quant.fake import fake_quant_activation, fake_quant_tokens, fake_quant_weight
+from massive_lens.quant.settings import parse_bits
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 

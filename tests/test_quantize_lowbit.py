@@ -13,7 +13,7 @@ from matrix import LAYERS, decoder_architectures, tiny_hf
 
 from massive_lens import load
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import fake_quant, rtn
+from massive_lens.quant.fake import fake_quant, rtn
 from massive_lens.models import byte_tokenizer, tiny_model, wrap_hf_model
 from massive_lens.quant import Quantization, Setting, quantize, quantize_grid
 from massive_lens.quant.rotation import Rotation, hadamard_factors

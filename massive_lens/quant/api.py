@@ -48,15 +48,14 @@ from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import GRANULARITIES
 from massive_lens.metrics import bootstrap_mean
+from massive_lens.quant.outliers import eval_and_calibration
 from massive_lens.quant.plan import NO_ROTATION, none_runs, runnable, sites_for, without_rotation
 from massive_lens.quant.result import GROUPS, Quantization
 from massive_lens.quant.rotation import Rotation
-from massive_lens.quant.settings import GRID, Setting, parse_settings
+from massive_lens.quant.settings import GRANULARITIES, GRID, Setting, parse_settings
 from massive_lens.quant.simulate import STATIC, Bits, Simulator
 from massive_lens.quant.sites import Site
-from massive_lens.quantize import _eval_and_calibration
 
 log = logging.getLogger(__name__)
 EXACT = {torch.float32: 1e-5, torch.float64: 1e-9}  # relative logit error a rotation may add; else 2e-3
@@ -254,7 +253,7 @@ def quantize_grid(
     Args:
         model: a TransformerBridge (any setting) or another TransformerLens-style model (no
             rotation, no KV cache: every ``nn.Linear`` is quantized).
-        corpus: evaluation text, split as in :func:`~massive_lens.measure_outliers`: the first
+        corpus: evaluation text, split as in :func:`~massive_lens.quant.measure_outliers`: the first
             ``n_seqs`` sequences evaluated, the next ``n_seqs`` calibrate static ranges and the prefix.
         settings: names (:class:`~massive_lens.quant.settings.Setting`, e.g. ``"W4A4KV4@tensor+hadamard+kvsink"``)
             or ``Setting`` objects; default :data:`~massive_lens.quant.settings.GRID`.
@@ -301,7 +300,7 @@ def quantize_grid(
     planned = [(s, _bits(s, granularity, symmetric, group_size)) for s in specs]
     planned, skipped = runnable(view, None, planned, include_head)  # the structure: before any pass
     none_runs(view, planned, skipped)
-    tokens, calib = _eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
+    tokens, calib = eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
     run = _Run(view, tokens, calib, criterion or Criterion(), include_head, seed)
     planned, late = runnable(view, run, planned, include_head)  # the rotations' exactness: before any setting
     skipped += late
@@ -316,7 +315,8 @@ def quantize_grid(
         rows.append(row)
         token_frames.append(per_token)
     tokens_frame = pd.concat(token_frames, ignore_index=True) if any(len(f) for f in token_frames) else token_frames[0]
-    return Quantization(view.name, pd.DataFrame(rows), float(run.fp.mean()), tokens_frame, tuple(skipped))
+    return Quantization(model_name=view.name, frame=pd.DataFrame(rows), fp_loss=float(run.fp.mean()),
+                        tokens=tokens_frame, skipped=tuple(skipped))
 
 
 def quantize(

@@ -16,10 +16,9 @@ from pathlib import Path
 
 from massive_lens.core.outputs import check_out_dir
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import GRANULARITIES
 from massive_lens.models.load import load_model
 from massive_lens.quant.api import quantize_grid
-from massive_lens.quant.settings import GRID, Setting
+from massive_lens.quant.settings import GRANULARITIES, GRID, Setting
 
 HELP = "loss and quantization error under low-bit settings (W4A4, KV cache, rotations, kept sinks)"
 COLUMNS = ["setting", "loss", "gap", "gap_low", "gap_high", "ppl_ratio", "err_sink", "err_massive", "err_other",

@@ -1,4 +1,10 @@
-"""The result of a low-bit grid: one row per setting, and the per-token error behind it."""
+"""The results of quantization: outlier statistics with the W8A8 gap, the round-to-nearest grid,
+and the low-bit grid (one row per setting, and the per-token error behind it).
+
+:class:`OutlierReport` (:func:`~massive_lens.quant.measure_outliers`), :class:`LowBitGrid`
+(:func:`~massive_lens.quant.lowbit_grid`) and :class:`Quantization`
+(:func:`~massive_lens.quant.quantize_grid`), which extends the grid's table.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,103 @@ from typing import Any
 
 import pandas as pd
 
-from massive_lens.quantize import LowBitGrid
+from massive_lens.core.render import profile_axes
+from massive_lens.core.results import Result
 
 GROUPS = ("sink", "massive", "other")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class OutlierReport(Result):
+    """Outlier and quantization statistics of one model on one corpus.
+
+    ``to_frame()`` has one row per layer: ``layer``, ``max_inf_norm``, ``top1``, ``median``,
+    ``ratio`` (top-1/median), ``kurtosis``, ``first_token_norm_ratio``, ``sink_share``;
+    :attr:`totals` aggregates them with the losses into one dict.
+    """
+
+    model_name: str
+    frame: pd.DataFrame
+    sink_metric: float
+    fp_loss: float
+    w8a8_loss: float
+    per_channel: bool
+
+    @property
+    def gap(self) -> float:
+        """W8A8 loss minus full-precision loss."""
+        return self.w8a8_loss - self.fp_loss
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """max_inf_norm, max_ratio, mean_kurtosis, sink_metric, first_token_norm_ratio,
+        fp_loss, w8a8_loss, gap."""
+        return dict(
+            max_inf_norm=float(self.frame["max_inf_norm"].max()),
+            max_ratio=float(self.frame["ratio"].max()),
+            mean_kurtosis=float(self.frame["kurtosis"].mean()),
+            sink_metric=self.sink_metric,
+            first_token_norm_ratio=float(self.frame["first_token_norm_ratio"].max()),
+            fp_loss=self.fp_loss, w8a8_loss=self.w8a8_loss, gap=self.gap,
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def summary(self) -> str:
+        row = pd.Series(self.totals)
+        kind = "per-channel" if self.per_channel else "per-tensor"
+        return (
+            f"{self.model_name}: max |act| {row.max_inf_norm:.1f}, top-1/median up to "
+            f"{row.max_ratio:.0f}x, mean kurtosis {row.mean_kurtosis:.1f}, sink metric "
+            f"{row.sink_metric:.0%}; loss {self.fp_loss:.3f} -> W8A8 ({kind} weights, per-tensor static activations) "
+            f"{self.w8a8_loss:.3f} (gap {self.gap:+.3f})"
+        )
+
+    def plot(self, ax: Any = None) -> Any:
+        """Max inf-norm and median magnitude per layer (log scale)."""
+        return profile_axes(self.frame, ["max_inf_norm", "median"], ax=ax,
+                            title=f"{self.model_name}: block outputs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowBitGrid(Result):
+    """Loss of one model under round-to-nearest fake quantization at several bit widths.
+
+    ``to_frame()``: one row per setting: ``setting`` (``"W<w>A<a>"``, 16 = not quantized),
+    ``w_bits``, ``a_bits``, ``activations`` (``"per-token"`` or ``"per-tensor"``), ``loss``,
+    ``fp_loss`` and ``gap`` (loss minus full precision, nats per token).
+    """
+
+    model_name: str
+    frame: pd.DataFrame
+    fp_loss: float
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame.copy()
+
+    def gaps(self) -> dict[str, float]:
+        """``{setting: gap}``."""
+        return dict(zip(self.frame.setting, self.frame.gap, strict=True))
+
+    def summary(self) -> str:
+        kind = self.frame.activations.iloc[0] if len(self.frame) else "-"
+        parts = ", ".join(f"{r.setting} {r.loss:.3f} ({r.gap:+.3f})" for r in self.frame.itertuples())
+        return (f"{self.model_name}: loss {self.fp_loss:.3f} in full precision; round-to-nearest, per-channel "
+                f"weights, {kind} activations: {parts}")
+
+    def plot(self, ax: Any = None) -> Any:
+        """The gap to full precision per setting (a bar each)."""
+        import matplotlib.pyplot as plt
+
+        ax = ax if ax is not None else plt.subplots(figsize=(5, 3))[1]
+        ax.bar(self.frame.setting, self.frame.gap)
+        ax.set_ylabel("loss - full-precision loss (nats)")
+        ax.set_title(f"{self.model_name}: round-to-nearest fake quantization")
+        return ax
+
+
+@dataclass(frozen=True, kw_only=True)
 class Quantization(LowBitGrid):
     """Loss, perplexity, quantization error and outlier statistics of one model under low-bit settings.
 
@@ -29,7 +126,7 @@ class Quantization(LowBitGrid):
     (``sink``, ``massive`` or ``other``), ``error``.
     """
 
-    tokens: pd.DataFrame  # after LowBitGrid's model_name, frame and fp_loss (to_frame and gaps are its own)
+    tokens: pd.DataFrame  # besides LowBitGrid's model_name, frame and fp_loss (to_frame and gaps are its own)
     skipped: tuple[tuple[str, str], ...] = ()  # (setting, why) of the settings that cannot run on this model
 
     def summary(self) -> str:

@@ -1,9 +1,13 @@
-"""A low-bit setting by name: ``W4A4``, ``W4A4KV4``, ``W4A4@tensor+hadamard+kvsink``.
+"""A low-bit setting by name: ``W4A4``, ``W4A4KV4``, ``W4A4@tensor+hadamard+kvsink``; the settings tables.
 
 ``W<w>A<a>`` weight and activation bits (16: full precision), ``KV<b>`` the key-value cache
 (default 16), ``@<granularity>`` (``tensor``, ``channel``, ``token`` or ``group``; default: the
 grid's), ``+hadamard`` or ``+orthogonal`` (a rotation of the residual stream), ``+kvsink`` (the
 sinks kept in full precision; ``+sinks`` for short) or ``+prefix`` (PrefixQuant's prefix).
+
+The tables: :data:`GRID`, what :func:`~massive_lens.quant.quantize_grid` runs by default, and
+:data:`ROUND_TO_NEAREST`, its plain settings (no KV cache, rotation or kept sinks: the ones
+:func:`~massive_lens.quant.lowbit_grid` takes).
 
 >>> Setting.parse("w4a4kv8@tensor+hadamard+sinks").name
 'W4A4KV8@tensor+hadamard+kvsink'
@@ -16,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import GRANULARITIES
 
+GRANULARITIES = ("tensor", "channel", "token", "group")  # one range per tensor, output row or token, or group
 ROTATIONS = (None, "orthogonal", "hadamard")
 KEEP = (None, "kvsink", "prefix")
 GRID = ("W8A8", "W4A16", "W4A4", "W4A4+hadamard", "W4A4+hadamard+kvsink")
+ROUND_TO_NEAREST = tuple(name for name in GRID if "+" not in name)  # the plain settings: W8A8, W4A16, W4A4
 _NAME = re.compile(r"w(\d+)a(\d+)(?:kv(\d+))?(?:@([a-z]+))?((?:\+[a-z]+)*)")
 _ALTERNATIVES = {"rotation": ROTATIONS, "keep_sinks": KEEP}
 _FLAGS = {"hadamard": ("rotation", "hadamard"), "orthogonal": ("rotation", "orthogonal"),
@@ -105,3 +110,30 @@ def parse_settings(settings: str | Setting | Sequence[str | Setting]) -> list[Se
         raise MassiveLensError(f"settings are low-bit setting names (e.g. ['W8A8', 'W4A4+hadamard']) or Setting "
                                f"objects, got {type(settings).__name__}")
     return [s if isinstance(s, Setting) else Setting.parse(s) for s in settings]
+
+
+def parse_bits(setting: str) -> tuple[int, int]:
+    """The weight and activation widths of a plain setting: ``"W4A16"`` -> ``(4, 16)``.
+
+    Args:
+        setting: ``W<bits>A<bits>``, widths 2-16 (16: full precision), case ignored.
+
+    Returns:
+        ``(weight bits, activation bits)``.
+
+    Raises:
+        MassiveLensError: for another form (a KV cache, granularity, rotation or kept sinks
+            included: :func:`~massive_lens.quant.quantize_grid` runs those) or a width outside 2-16.
+
+    >>> parse_bits("w4a16")
+    (4, 16)
+    """
+    try:
+        parsed = Setting.parse(setting)
+    except MassiveLensError as exc:
+        raise MassiveLensError(f"bad quantization setting {setting!r}: write W<bits>A<bits> with widths 2-16 "
+                               "(16: full precision), e.g. W8A8, W4A16, W4A4") from exc
+    if parsed != Setting(parsed.weights, parsed.activations):
+        raise MassiveLensError(f"bad quantization setting {setting!r}: this grid takes W<bits>A<bits> only; a KV "
+                               "cache, granularity, rotation or kept sinks need massive_lens.quant.quantize_grid")
+    return parsed.weights, parsed.activations

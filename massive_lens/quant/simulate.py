@@ -17,7 +17,6 @@ attention rotations) are not applied.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,8 @@ import torch
 from torch import Tensor
 
 from massive_lens.core.budget import trim_allocator
-from massive_lens.lowbit import fake_quant, rtn
+from massive_lens.core.stats import kurtosis, top1_median
+from massive_lens.quant.fake import attached, fake_quant, rtn
 from massive_lens.quant.rotation import Rotation
 from massive_lens.quant.sites import Site
 
@@ -50,8 +50,10 @@ class Bits:
 
 @dataclass
 class Seen:
-    """What the activation quantizer saw at the residual readers (kept positions left out) and
-    the per-token relative quantization error there, summed over readers."""
+    """What the activation quantizer saw at the residual readers (kept positions left out): the
+    largest ``|x|``, the kurtosis of each token's input summed over tokens, the largest
+    top-1/median of one sequence's input (:mod:`massive_lens.core.stats`), and the per-token
+    relative quantization error there, summed over readers."""
 
     max_abs: float = 0.0
     kurtosis_sum: float = 0.0
@@ -60,16 +62,19 @@ class Seen:
     errors: list[Tensor] = field(default_factory=list)  # one [batch, pos] per forward pass
 
     def add(self, x: Tensor, keep: Tensor | None) -> None:
-        rows = (x[~keep] if keep is not None else x.flatten(0, -2)).float()
+        x = x.detach().float()
+        x = x if x.ndim == 3 else x.reshape(1, -1, x.shape[-1])  # [batch, pos, d]; else one sequence of rows
+        valid = None if keep is None else ~keep.to(x.device)
+        rows = x.flatten(0, -2) if valid is None else x[valid]
         if not len(rows):
             return
-        mag = rows.abs()
-        self.max_abs = max(self.max_abs, float(mag.max()))
-        centered = rows - rows.mean(-1, keepdim=True)
-        kurt = centered.pow(4).mean(-1) / centered.pow(2).mean(-1).pow(2).clamp(min=1e-24)
-        self.kurtosis_sum += float(kurt.sum())
+        self.max_abs = max(self.max_abs, float(rows.abs().max()))
+        self.kurtosis_sum += float(kurtosis(rows).sum())
         self.rows += len(rows)
-        self.top1_median = max(self.top1_median, float(mag.max() / mag.median().clamp(min=1e-12)))
+        ratio = top1_median(x.abs(), valid)[2]
+        ratio = ratio[~ratio.isnan()]
+        if len(ratio):
+            self.top1_median = max(self.top1_median, float(ratio.max()))
 
 
 class Simulator:
@@ -206,19 +211,8 @@ class Simulator:
             self.seen.errors.append(self._err / self._n_err)
         self._err, self._n_err = None, 0
 
-    @contextlib.contextmanager
-    def attached(self) -> Iterator[Simulator]:
-        """The hooks on every site for the block; hooks removed and weights put back on every exit."""
-        handles = []
-        weights = [(s.weight, s.weight.data) for s in self.sites]
-        try:
-            for i, site in enumerate(self.sites):
-                pre, post = self._hooks(i, site)
-                handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(site.module.register_forward_hook(post))
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-            for weight, data in weights:
-                weight.data = data
+    def attached(self) -> contextlib.AbstractContextManager[None]:
+        """The hooks on every site for the block; hooks removed and weights put back on every exit
+        (:func:`~massive_lens.quant.fake.attached`)."""
+        return attached([(site.module, *self._hooks(i, site)) for i, site in enumerate(self.sites)],
+                        [site.weight for site in self.sites])

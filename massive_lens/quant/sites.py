@@ -23,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import _sites as plain_sites
 
 
 @dataclass
@@ -78,9 +77,47 @@ def structured_sites(model: Any, include_head: bool = False) -> list[Site] | Non
     return sites
 
 
+def linear_sites(model: Any, include_head: bool = False) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
+    """Every linear map as (module whose first input is the linear input, weight, input axes of the weight).
+
+    A model that knows its own linear layers (``MassiveLM``) lists them with
+    ``quantization_sites(include_head)``; for a Hugging Face model (or a bridge over one)
+    every ``nn.Linear`` is a site, the output head left out unless ``include_head``.
+
+    Args:
+        model: a MassiveLM, a TransformerBridge or a Hugging Face ``nn.Module``.
+        include_head: also list the unembedding.
+
+    Returns:
+        ``(module, weight, input_axes)`` tuples.
+
+    Raises:
+        MassiveLensError: for another kind of model, or one with no ``nn.Linear`` layers.
+    """
+    own = getattr(model, "quantization_sites", None)
+    if own is not None:
+        return own(include_head)
+    hf = getattr(model, "original_model", model)
+    if not isinstance(hf, nn.Module):
+        raise MassiveLensError(
+            f"fake_quantized needs a MassiveLM, a TransformerBridge or an nn.Module; got "
+            f"{type(model).__name__}"
+        )
+    head = getattr(hf, "get_output_embeddings", lambda: None)()
+    head_ids = {id(m) for m in head.modules()} if head is not None and not include_head else set()
+    sites = [
+        (m, m.weight, (1,)) for m in hf.modules()
+        if isinstance(m, nn.Linear) and id(m) not in head_ids
+    ]
+    if not sites:
+        raise MassiveLensError(f"found no nn.Linear layers to quantize in {type(hf).__name__}")
+    return sites
+
+
 def plain(model: Any, include_head: bool) -> list[Site]:
-    """Every linear layer as a ``plain`` site (what :func:`~massive_lens.lowbit.fake_quantized` quantizes)."""
-    return [Site(m, w, "plain", -1, type(m).__name__) for m, w, _ in plain_sites(model, include_head)]
+    """Every linear layer as a ``plain`` site (:func:`linear_sites`, what
+    :func:`~massive_lens.quant.fake.fake_quantized` quantizes)."""
+    return [Site(m, w, "plain", -1, type(m).__name__) for m, w, _ in linear_sites(model, include_head)]
 
 
 def norm_gain(norm: Any, width: int, where: str) -> Tensor:

@@ -32,7 +32,7 @@ from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
 from massive_lens.origin import OriginTrace, trace_origin
-from massive_lens.quantize import measure_outliers
+from massive_lens.quant import measure_outliers
 from massive_lens.report.memory import release_free_memory
 from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view

@@ -2,7 +2,7 @@
 
 Each variant is trained with the same preset, seeds, data order and budget; only the
 attention differs. Then each trained model is measured with
-:func:`massive_lens.quantize.measure_outliers` on held-out text: full-precision loss,
+:func:`massive_lens.quant.measure_outliers` on held-out text: full-precision loss,
 W8A8 loss and their gap, max |activation|, top-1/median ratio, kurtosis, sink metric.
 
 The comparison means something only if the ``softmax`` baseline develops massive
@@ -35,7 +35,7 @@ from massive_lens.core.outputs import check_out_dir
 from massive_lens.core.render import curve_axes, save_figure
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
-from massive_lens.quantize import measure_outliers
+from massive_lens.quant import measure_outliers
 from massive_lens.train.data import get_tokenizer, sample_batch, split_held_out, start_token, token_stream
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.presets import get_preset

@@ -214,7 +214,7 @@ class MassiveLM(HookedRootModule):
 
     def quantization_sites(self, include_head: bool = False) -> list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]]:
         """Every linear map as (module whose first input is its input, weight, the weight's input
-        axes), for :func:`massive_lens.quantize.fake_quantized`.
+        axes), for :func:`massive_lens.quant.fake_quantized`.
 
         Args:
             include_head: also list the unembedding ``W_U`` (default False).

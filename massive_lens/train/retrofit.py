@@ -13,7 +13,7 @@ same pretrained weights, swaps the attention through transformers' attention int
 in the same order. Every ``eval_every`` steps it measures held-out loss, the formerly
 massive dims' largest ``|value|`` and top-1/median ratio per layer, and the attention mass on
 the first token and on the slot; at the end, the W8A8 loss gap and kurtosis
-(:func:`~massive_lens.quantize.measure_outliers`, on a bridge with the variant's hooks).
+(:func:`~massive_lens.quant.measure_outliers`, on a bridge with the variant's hooks).
 
 >>> from massive_lens import tiny_model
 >>> text = "The cat sat on the mat. " * 200
@@ -42,7 +42,7 @@ from massive_lens.core.corpora import data_file
 from massive_lens.core.render import curve_axes, save_figure
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
-from massive_lens.quantize import measure_outliers
+from massive_lens.quant import measure_outliers
 from massive_lens.train.data import sample_batch, start_token, token_stream
 from massive_lens.train.hf_attention import init_slots, plain_copy, swap_attention
 from massive_lens.train.model import lm_loss

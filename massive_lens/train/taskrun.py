@@ -19,7 +19,7 @@ At step 0, every ``eval_every`` steps and at the last step, one pass over a fixe
 At the end (``result.json``): the last record, ``sink_step`` (the first evaluation step whose
 ``sink_mass`` exceeds the package's sink threshold, :data:`massive_lens.core.criterion.SINK_THRESHOLD`,
 Gu et al.'s 0.3; NaN if none), and the W8A8 / W4A4 gaps in task loss
-and accuracy under :func:`massive_lens.lowbit.fake_quantized` (per-channel weights, dynamic
+and accuracy under :func:`massive_lens.quant.fake_quantized` (per-channel weights, dynamic
 per-token activations, the unembedding kept in full precision). ``result.json`` is written last,
 so its presence marks a finished run.
 
@@ -44,7 +44,7 @@ import torch
 
 from massive_lens.core.criterion import SINK_THRESHOLD
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import fake_quantized
+from massive_lens.quant import fake_quantized
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import TrainConfig

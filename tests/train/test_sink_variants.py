@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.lowbit import fake_quantized
+from massive_lens.quant import fake_quantized
 from massive_lens.train.layers import NORM_PLACEMENTS, MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.variants import VariantConfig, causal_scores, make_variant
