@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import transformers
 from helpers import untouched
+from matrix_circuit import ANALYSES as CIRCUIT_ANALYSES
 from matrix_sinks import ANALYSES as SINK_ANALYSES
 from matrix_vit import cls_trigger, images, is_vision, tiny_vit
 from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
@@ -532,6 +533,7 @@ ANALYSES: dict[str, Callable[[Built], str | None]] = {
     **{name: functools.partial(_intervention, make=make) for name, make in INTERVENTIONS.items()},
     "perplexity": check_perplexity,
     **SINK_ANALYSES,
+    **CIRCUIT_ANALYSES,
 }
 
 

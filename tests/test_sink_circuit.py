@@ -112,3 +112,36 @@ def test_bad_input():
         sink_circuit(model, TEXT, heads=[0], rule=LOW)
     with pytest.raises(MassiveLensError, match="query after the first token"):
         sink_circuit(model, torch.tensor([[1]]), rule=LOW)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_norm_roles(family):
+    """BOS's planted massive value takes nearly all of the next norm's denominator (checked against
+    the cached residual); with the norm's weight on that dim as is it is a contributor, with the
+    weight shrunk 1e4-fold (what a rescaler looks like) a rescaler; after the norm the BOS states
+    of different texts point the same way."""
+    from planting import SINK_DIM
+
+    from massive_lens.attention import norm_roles
+
+    model = plant_secondary(tiny_model(family, num_hidden_layers=N_LAYERS))
+    tokens = _tokens(model)
+    with untouched(model):
+        r = norm_roles(model, tokens)
+    bos = r.to_frame().query("pos == 0 and layer == 2")
+    assert len(bos) == len(tokens) and (bos["dims"] == str(SINK_DIM)).all()
+    _, cache = model.run_with_cache(tokens)
+    x = cache["blocks.2.ln1.hook_in"][:, 0].double()
+    x = x - x.mean(-1, keepdim=True) if family == "gpt2" else x
+    want = (x[:, SINK_DIM] ** 2 / (x ** 2).sum(-1)).tolist()
+    assert bos["denominator_share"].tolist() == pytest.approx(want, rel=1e-5)
+    assert (bos["role"] == "contributor").all()
+    lay = r.layers.set_index("layer").loc[2]
+    assert lay["n_tokens"] == len(tokens) and lay["cos_normed"] > 0.99
+    with torch.no_grad():
+        ln = model.blocks[2].ln1.original_component
+        ln.weight[SINK_DIM] *= 1e-4
+    shrunk = norm_roles(model, tokens).to_frame().query("pos == 0 and layer == 2")
+    assert (shrunk["role"] == "rescaler").all()
+    assert (shrunk["output_share"].to_numpy() < bos["output_share"].to_numpy() / 2).all()
+    assert f"a {r.headline()['role']}" in r.summary()

@@ -36,7 +36,9 @@ reconstruct (a norm between the heads and ``W_O``, a gated output, latent attent
 ``MassiveLensError`` instead of returning numbers.
 
 Why the first token is the sink, head by head: :func:`sink_circuit` splits the logit on it
-exactly and cuts each part (:mod:`~massive_lens.attention.circuit`).
+exactly and cuts each part (:mod:`~massive_lens.attention.circuit`); :func:`norm_roles` says
+whether each massive entry is a rescaler or a contributor at the next norm, and how alike and
+sparse the massive tokens are after it (:mod:`~massive_lens.attention.rescale`).
 
 Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 :mod:`~massive_lens.attention.mass` (``sink_attention``) and
@@ -49,8 +51,9 @@ from massive_lens.attention.decompose import AttentionDecomposition, decompose_a
 from massive_lens.attention.dormant import DormantHeads, dormant_heads
 from massive_lens.attention.kv import SinkKV, sink_kv
 from massive_lens.attention.mass import SinkAttention, sink_attention
+from massive_lens.attention.rescale import NormRoles, norm_roles
 from massive_lens.attention.sinks import find_sinks
 
-__all__ = ["AttentionDecomposition", "DormantHeads", "SinkAttention", "SinkCensus", "SinkCircuit", "SinkKV",
-           "decompose_attention", "dormant_heads", "find_sinks", "sink_attention", "sink_census", "sink_circuit",
-           "sink_kv"]
+__all__ = ["AttentionDecomposition", "DormantHeads", "NormRoles", "SinkAttention", "SinkCensus", "SinkCircuit",
+           "SinkKV", "decompose_attention", "dormant_heads", "find_sinks", "norm_roles", "sink_attention",
+           "sink_census", "sink_circuit", "sink_kv"]

@@ -39,7 +39,7 @@ from massive_lens.viz import activation_landscape, attention_maps, attention_vie
 
 log = logging.getLogger(__name__)
 # The sections a report may leave out (``skip=``), by key; the model section always runs.
-SKIPPABLE = ("massive", "origin", "attention", "sinks", "interventions", "quantization", "lowbit")
+SKIPPABLE = ("massive", "origin", "attention", "sinks", "circuit", "interventions", "quantization", "lowbit")
 SECOND_TEXT = "Another text, on another topic.\nIt has two lines."
 # (sequences, tokens of each; None: seq_len) the origin's causal check measures perplexity on, by ``full``:
 # every ablation scope costs two perplexity runs, most of the default report's time at 4 x 128
