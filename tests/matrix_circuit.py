@@ -1,7 +1,7 @@
 """The matrix's column for ``sink_circuit`` (issue 40): on every tiny planted model, the logit on
 the first token of every head of every attention layer, split into parts, must add up to the
-attention scores the model computed (read here with ``run_with_cache``, independently of
-massive_lens), per head and on average over the queries; an architecture the split does not
+attention scores the model computed (read here by a hook on ``attn.hook_attn_scores``, not
+through the split's code), per head and on average over the queries; an architecture the split does not
 cover raises a ``MassiveLensError`` that names why (the matrix records it).
 """
 
@@ -22,10 +22,14 @@ def check_circuit(b: Any) -> str | None:
     heads = [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
     circuit = sink_circuit(b.model, b.tokens, heads=heads, rule=LOW)
     assert (circuit.heads["check"] < TOL).all(), circuit.heads[circuit.heads["check"] >= TOL]
-    _, cache = b.model.run_with_cache(b.tokens)
+    view, seen = ModelView(b.model), {}
+    hooks = [(view.hook_name(layer, "attn.hook_attn_scores"),
+              lambda x, hook, layer=layer: seen.__setitem__(layer, x.detach()[0, :, 1:, 0].float()))
+             for layer in range(cfg.n_layers)]
+    view.forward(view.tokenize(b.tokens), hooks)
     sums = circuit.to_frame().query("side == 'key'").groupby(["layer", "head"])["contribution"].sum()
     for (layer, head), total in sums.items():
-        scores = cache[ModelView.block_hook(layer, "attn.hook_attn_scores")][0, head, 1:, 0].float()
+        scores = seen[layer][head]
         want = float(scores.mean())
         assert abs(total - want) <= TOL * max(1.0, float(scores.abs().max())), (layer, head, total, want)
     return None

@@ -73,6 +73,22 @@ class SinkCircuit(Result):
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
 
+    def verdicts(self) -> pd.DataFrame:
+        """Per sink head: its dominant writer and massive share, and which removals kill the sink
+        there (``killed_by``) and which do not (``survives``), from ``.causal`` (empty without it).
+
+        Returns:
+            One row per head: ``layer``, ``head``, ``sink_mass``, ``dominant``, ``massive_share``,
+            ``killed_by``, ``survives`` (removal names, comma-separated).
+        """
+        rows = []
+        for r in self.heads.itertuples():
+            c = self.causal[(self.causal["layer"] == r.layer) & (self.causal["head"] == r.head)]
+            rows.append(dict(layer=r.layer, head=r.head, sink_mass=r.sink_mass, dominant=r.dominant,
+                             massive_share=r.massive_share, killed_by=", ".join(c.loc[c["kills"], "removal"]),
+                             survives=", ".join(c.loc[~c["kills"].astype(bool), "removal"])))
+        return pd.DataFrame(rows)
+
     def summary(self) -> str:
         h = self.heads.sort_values("sink_mass", ascending=False)
         top = h.iloc[0]
@@ -93,7 +109,8 @@ class SinkCircuit(Result):
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:
-        """The logit split per head: stacked bars of the key-side parts grouped by kind and dims."""
+        """The logit split per head: stacked bars of the key-side parts grouped by kind and dims (the
+        black mark is their sum, the logit; a red cross ``b_Q``'s part of it, on the query side)."""
         if ax is None:
             ax = plt.subplots(figsize=(max(6.0, 0.6 * len(self.heads) + 3), 4.5), layout="constrained")[1]
         key = self.frame[self.frame["side"] == "key"].copy()
@@ -111,6 +128,10 @@ class SinkCircuit(Result):
             neg = [n + min(v, 0) for v, n in zip(vals, neg, strict=True)]
         ax.scatter(labels, [self.heads.set_index(["layer", "head"]).loc[i, "logit"] for i in table.index],
                    color="black", marker="_", s=200, zorder=3, label="logit (sum)")
+        bq = [self.heads.set_index(["layer", "head"]).loc[i, "b_q"] for i in table.index]
+        if any(abs(v) > 0 for v in bq):  # the query side: b_Q's part of the same logit
+            ax.scatter(labels, bq, color="red", marker="x", zorder=3, label="b_Q's part (query side)")
+        ax.set_ylim(min(min(neg), 0) * 1.08 - 0.1, max(max(pos), 0) * 1.08 + 0.1)
         ax.axhline(0, color="grey", lw=0.5)
         ax.set(ylabel="mean logit on the sink", title=f"{self.model_name}: the sink's logit split per head")
         ax.tick_params(axis="x", rotation=60, labelsize=7)

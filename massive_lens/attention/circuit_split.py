@@ -123,7 +123,7 @@ class CircuitCapture:
                  ("attn.hook_rot_k" if rot else "attn.hook_k", setter("k", True)),
                  ("attn.hook_rot_q" if rot else "attn.hook_q", setter("q", False)),
                  ("attn.hook_attn_scores", column("scores")), ("attn.hook_pattern", column("pattern"))]
-        if rot:
+        if rot and v.has_hook(layer, "attn.hook_cos") and v.has_hook(layer, "attn.hook_sin"):
             hooks += [("attn.hook_cos", setter("cos", False)), ("attn.hook_sin", setter("sin", False))]
         if v.has_hook(layer, "attn.k_norm.hook_scale"):
             hooks += [(f"attn.k_norm.hook_{k}", kn(k)) for k in ("in", "scale", "out")]
@@ -187,6 +187,11 @@ def rotate(v: Tensor, cos: Tensor | None, sin: Tensor | None) -> Tensor:
     return torch.cat([a * cos + half * sin, v[..., r:]], -1)
 
 
+def v_rot(view: ModelView, layer: int) -> bool:
+    """Whether ``layer`` rotates its queries and keys (a rotary hook)."""
+    return view.has_hook(layer, "attn.hook_rot_k")
+
+
 def _rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
@@ -244,7 +249,10 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
         normed = torch.cat([normed, norm.bias.expand(len(parts), 1, -1)], 1)
         labels, dims = labels + ["norm bias"], dims + ["all"]
     attn = block.attn
-    w_k = getattr(attn, "W_K", None)
+    try:
+        w_k = getattr(attn, "W_K", None)
+    except Exception:  # noqa: BLE001 - latent attention's bridge raises for W_K
+        w_k = None
     kv, dh = keep.k.shape[-2:]
     if not isinstance(w_k, Tensor) or tuple(w_k.shape) != (kv, view.d_model, dh):
         raise MassiveLensError(f"{where}: W_K is {None if not isinstance(w_k, Tensor) else tuple(w_k.shape)}, not "
@@ -257,13 +265,17 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
         labels, dims = labels + ["b_K"], dims + ["all"]
     if keep.kn:
         kmap = read_norm(block.attn.k_norm, keep.kn["in"], keep.kn["scale"], keep.kn["out"], f"{where} (k_norm)")
-        keys = kmap(keys, keep.kn["scale"][:, None])
+        wide = keep.kn["in"].shape[-1] == kv * dh and kv > 1  # one norm over every head's key (OLMoE)
+        flat = keys.flatten(2) if wide else keys
+        flat = kmap(flat, keep.kn["scale"][:, None])
+        keys = flat.unflatten(2, (kv, dh)) if wide else flat
         if kmap.bias is not None:
-            keys = torch.cat([keys, kmap.bias.expand(len(keys), 1, kv, dh)], 1)
+            keys = torch.cat([keys, kmap.bias.reshape(kv, dh).expand(len(keys), 1, kv, dh)], 1)
             labels, dims = labels + ["k_norm bias"], dims + ["all"]
     cos = None if keep.cos is None else keep.cos.expand(len(keys), -1, -1)[:, cap.sink]
     sin = None if keep.sin is None else keep.sin.expand(len(keys), -1, -1)[:, cap.sink]
     keys = rotate(keys, None if cos is None else cos[:, None, None], None if sin is None else sin[:, None, None])
+    # (a rotary model without cos/sin hooks: the sink's own rotation is checked against its key just below)
     key_error = _rel(keys.sum(1), keep.k)
     if key_error > TOL:
         raise MassiveLensError(f"{where}: the key parts do not add up to the sink's key (off by {key_error:.1e} "
@@ -275,8 +287,12 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
     q_bias = torch.zeros_like(keep.q)
     if b_q is not None:
         q_bias = b_q.to(q_bias.device).expand_as(q_bias).clone()
-        if keep.qn_scale is not None:  # a query norm after b_Q, linear at its measured scale
-            q_bias = q_bias * norm_params(block.attn.q_norm)[0].to(q_bias.device) / keep.qn_scale
+        if keep.qn_scale is not None:
+            raise MassiveLensError(f"{where}: a query bias followed by a query norm: b_Q's share of each query "
+                                   "is not split by sink_circuit (the key side would be; pass heads of another layer)")
+        if keep.cos is None and v_rot(view, layer):
+            raise MassiveLensError(f"{where}: the model rotates its queries but shows no attn.hook_cos/hook_sin, so "
+                                   "b_Q cannot be carried to each query's position; sink_circuit needs those hooks")
         if keep.cos is not None:
             c, s = keep.cos.expand(len(q_bias), -1, -1), keep.sin.expand(len(q_bias), -1, -1)
             q_bias = rotate(q_bias, c[:, :, None], s[:, :, None])
@@ -289,7 +305,8 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
     score_error = _rel(scale * raw[w], keep.scores[w]) if bool(w.any()) else 0.0
     if score_error > TOL:
         raise MassiveLensError(f"{where}: the attention scores on the sink are not a constant times q . k (off by "
-                               f"{score_error:.1e} relative): soft-capped or position-biased (ALiBi) scores are "
-                               "not split by sink_circuit")
+                               f"{score_error:.1e} relative): soft-capped or position-biased (ALiBi) scores, or query "
+                               "and key hooks that do not hold what the scores multiply, are not split by "
+                               "sink_circuit")
     return LayerSplit(keys=keys, names=labels, dims=dims, scale=scale, q=keep.q, q_bias=q_bias, valid=valid,
                       key_error=key_error, has_bq=b_q is not None)
