@@ -224,7 +224,8 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
         n_heads: how many heads ``heads=None`` picks (default 12).
         layers: the layers to read (None: all).
         corpus: token batches for the causal check (a token tensor, texts, a file); None: no check.
-        n_seqs, seq_len: the causal check's sequences.
+        n_seqs: the causal check's sequences (from ``corpus``).
+        seq_len: their length in tokens.
         criterion: what counts as a massive dim (default ``Criterion()``).
         rule: the sink rule whose threshold names sink heads (default ``SinkRule()``).
 

@@ -50,6 +50,10 @@ class LayerKeep:
     kn: dict[str, Tensor] = field(default_factory=dict)  # key norm at the sink: in, scale, out
     qn_scale: Tensor | None = None  # [B P H 1] query norm scale
 
+    def put(self, attr: str, value: Tensor) -> None:
+        """Keep ``value`` as ``attr`` (what a hook read)."""
+        setattr(self, attr, value)
+
 
 def _sink_row(x: Tensor, sink: int) -> Tensor:
     return x.detach()[:, sink].float().clone()
@@ -72,6 +76,12 @@ class CircuitCapture:
         for layer in range(max(self.layers)):
             for kind, post in (("attn", "ln1_post.hook_out"), ("mlp", "ln2_post.hook_out")):
                 hook = post if v.has_hook(layer, post) else f"hook_{kind}_out"  # what the residual adds
+                if not v.has_hook(layer, hook):
+                    raise MassiveLensError(f"{v.name}: block {layer} shows no {kind} output (hook_{kind}_out): "
+                                           "sink_circuit splits the sink's residual by the attention and MLP "
+                                           "outputs of every earlier block (state-space and recurrent blocks "
+                                           "have none); pass layers before it, or a model whose blocks all "
+                                           "attend")
                 out.append((v.hook_name(layer, hook), self._writer(f"{kind} {layer}")))
         for layer in self.layers:
             for hook, fn in self._layer_hooks(layer):
@@ -100,12 +110,12 @@ class CircuitCapture:
 
         def setter(attr: str, row: bool) -> Any:
             def fn(x: Tensor, hook: Any) -> None:
-                setattr(keep, attr, _sink_row(x, s) if row else x.detach().float().clone())
+                keep.put(attr, _sink_row(x, s) if row else x.detach().float().clone())
             return fn
 
         def column(attr: str) -> Any:
             def fn(x: Tensor, hook: Any) -> None:
-                setattr(keep, attr, x.detach()[..., s].float().clone())
+                keep.put(attr, x.detach()[..., s].float().clone())
             return fn
 
         n_pos = self.batch.tokens.shape[1]
@@ -227,8 +237,13 @@ def _bias(attn: Any, name: str, heads: int, dh: int) -> Tensor | None:
 def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
     """The key parts of ``layer`` for every sequence, checked to add up to the sink's key."""
     keep, block, where = cap.keep[layer], view.block(layer), f"{view.name}, layer {layer}"
-    if keep.q is None or keep.k is None or keep.scores is None or keep.x is None:
-        raise MassiveLensError(f"{where}: the query, key or score hooks did not fire; sink_circuit cannot read them")
+    silent = [name for name, got in (("queries", keep.q), ("keys", keep.k), ("scores", keep.scores),
+                                     ("ln1 input", keep.x)) if got is None]
+    if silent:
+        rot = " (attn.hook_rot_q/hook_rot_k: the rotary embedding is applied where no hook shows it)" \
+            if v_rot(view, layer) and keep.scores is not None else ""
+        raise MassiveLensError(f"{where}: the hooks of the {', '.join(silent)} did not fire{rot}; sink_circuit "
+                               "cannot read them")
     names = ["embed"] + (["pos_embed"] if "pos_embed" in cap.writers else [])
     names += [f"{kind} {i}" for i in range(layer) for kind in ("attn", "mlp")]
     missing = [n for n in names if n not in cap.writers]

@@ -47,7 +47,7 @@ class NormRoles(Result):
     ``to_frame()``: ``layer`` (the block whose norm reads it), ``seq``, ``pos``, ``token``, ``dims``
     (the massive dims, comma-separated), ``value`` (the largest |value|), ``denominator_share``,
     ``output_share``, ``role``. ``.layers``: ``layer``, ``n_tokens`` (massive tokens there),
-    ``top_k``, ``cos_normed``/``cos_raw`` (mean pairwise cosine, -1 pairs excluded: NaN with fewer
+    ``top_k``, ``cos_normed``/``cos_raw`` (mean pairwise cosine; NaN with fewer
     than two tokens), ``sparsity_normed``/``sparsity_raw`` (share of the squared norm in the top
     ``top_k`` dims), ``value`` (median largest |value|).
     """
