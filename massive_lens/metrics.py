@@ -47,7 +47,7 @@ def _exp(loss: float) -> float:
     return math.exp(loss) if loss < math.log(sys.float_info.max) else math.inf
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Perplexity(Result):
     """Per-sequence mean next-token loss (nats) and accuracy; every sequence has the same
     length, so the corpus perplexity is ``exp(mean loss)``. ``to_frame()`` columns:
@@ -195,5 +195,6 @@ def perplexity(
     per_seq = torch.cat(losses)
     if not bool(torch.isfinite(per_seq).all()):
         per_seq = per_seq.nan_to_num(nan=float("inf"))
-    return Perplexity(per_seq, torch.cat(accs), int(tokens.shape[0] * (tokens.shape[1] - 1)), view.name)
+    return Perplexity(per_seq=per_seq, accuracy_per_seq=torch.cat(accs),
+                      n_tokens=int(tokens.shape[0] * (tokens.shape[1] - 1)), model_name=view.name)
 

@@ -107,8 +107,8 @@ def test_sink_levels_come_from_the_census():
 def test_token_ids_drop_an_id_that_is_kept_somewhere():
     tokens = torch.tensor([[1, 7, 9, 7], [1, 9, 9, 3]])
     mask = torch.tensor([[True, True, False, False], [True, False, False, False]])
-    ex = ExclusionMask(mask, torch.ones_like(mask), tokens, pd.DataFrame(), "m", ("primary",), "exclude",
-                       massive_lens.Criterion())
+    ex = ExclusionMask(mask=mask, valid=torch.ones_like(mask), tokens=tokens, frame=pd.DataFrame(), model_name="m",
+                       levels=("primary",), outliers="exclude", criterion=massive_lens.Criterion())
     assert ex.token_ids() == [1] and ex.token_ids(every=False) == [1, 7]
 
 

@@ -43,7 +43,7 @@ from massive_lens.metrics import as_hooks
 INTACT, REMOVED = "sinks_intact", "sink_attention_removed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OverMixing(Result):
     """How far a small perturbation of one token spreads, per layer (see the module docstring).
 
@@ -182,4 +182,5 @@ def over_mixing(model: Any, text: Corpus = None, *, pos: int = 1, scale: float |
             rows += _rows(name, clean, moved, pos, start)
     per_seq = pd.DataFrame(rows)
     frame = with_intervals(per_seq, ["setting", "layer"], ["spread", "self_change"])
-    return OverMixing(frame, per_seq, view.name, pos, float(scale), int(tokens.shape[1]))
+    return OverMixing(frame=frame, per_seq=per_seq, model_name=view.name, pos=pos, scale=float(scale),
+                      seq_len=int(tokens.shape[1]))

@@ -46,7 +46,7 @@ from massive_lens.metrics import bootstrap_mean, perplexity
 from massive_lens.origin import trace_origin
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RepeatedToken(Result):
     """What a long repetition does, the circuit behind it and the patch that stops it (see the
     module docstring).
@@ -220,8 +220,8 @@ def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | 
         trace = trace_origin(model, ids[0, :onset + 1], dim=dim, pos=onset)
         mlp = trace.neurons[(trace.neurons["layer"] <= layer) & (trace.neurons["contribution"] > 0)]
     if not len(mlp):  # nothing looks like the first token, or no MLP neuron writes its dim there
-        return RepeatedToken(frame, heads, pd.DataFrame(), view.name, tok_text, n, layer, dim, onset, -1, -1, like,
-                             first_text)
+        return RepeatedToken(frame=frame, heads=heads, ppl=pd.DataFrame(), model_name=view.name, token=tok_text, n=n,
+                             layer=layer, dim=dim, onset=onset, neuron_layer=-1, neuron=-1, like=like, first=first_text)
     top = mlp.loc[mlp["contribution"].idxmax()]
     n_layer, neuron = int(top["layer"]), int(top["neuron"])
     patch = patch_hooks(view, n_layer, neuron)
@@ -236,8 +236,8 @@ def repeated_token_probe(model: Any, token: str | int, n: int, *, like: float | 
                         dict(setting="patched", perplexity=patched.perplexity,
                              ratio=patched.perplexity / base.perplexity, ratio_low=float(torch.tensor(low).exp()),
                              ratio_high=float(torch.tensor(high).exp()))])
-    return RepeatedToken(frame, heads, ppl, view.name, tok_text, n, layer, dim, onset, n_layer, neuron, like,
-                         first_text)
+    return RepeatedToken(frame=frame, heads=heads, ppl=ppl, model_name=view.name, token=tok_text, n=n, layer=layer,
+                         dim=dim, onset=onset, neuron_layer=n_layer, neuron=neuron, like=like, first=first_text)
 
 
 def _one_token(view: ModelView, token: str | int) -> int:

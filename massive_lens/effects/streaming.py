@@ -43,7 +43,7 @@ def _exp(loss: float) -> float:
     return float(torch.tensor(loss, dtype=torch.float64).exp())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamingWindow(Result):
     """Perplexity under a StreamingLLM window against full attention (see the module docstring).
 
@@ -196,4 +196,6 @@ def streaming_window(model: Any, text: Corpus = None, *, window: int = 256, sink
                           for i, (name, k, _) in enumerate(settings) for a, b in zip(edges, edges[1:], strict=False)
                           if b > a])
     predicted, where = _predicted_k(model, tokens, min(census_len, tokens.shape[1])) if census else (-1, "")
-    return StreamingWindow(frame, curve, losses, view.name, window, int(tokens.shape[1]), positions, predicted, where)
+    return StreamingWindow(frame=frame, curve=curve, losses=losses, model_name=view.name, window=window,
+                           seq_len=int(tokens.shape[1]), positions=positions, predicted_k=predicted,
+                           primary_positions=where)

@@ -64,7 +64,7 @@ HERETIC_PERSISTENCE = 0.25  # heretic's rule: massive in >= 25% of the layers
 DIM_COLUMNS = ["dim", "n_layers", "share", "first_layer", "last_layer", "scope", "max_abs", "kept_out"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MassiveDims(Result):
     """Dims that are massive somewhere in a corpus, and those to keep out of a direction.
 
@@ -263,11 +263,12 @@ def _from_data(data: dict[str, Any]) -> MassiveDims:
     by_layer = pd.DataFrame(rows, columns=["dim", "layer", "scope", "max_abs"])
     if not isinstance(data["model"], str) or not isinstance(data["hook"], str):
         raise TypeError("model and hook must be strings")
-    return MassiveDims(by_layer, data["model"], d_model, n_layers, data["hook"],
-                       Criterion(_number(rule["abs_threshold"], "rule.abs_threshold"),
-                                 _number(rule["ratio_threshold"], "rule.ratio_threshold"), rule["median_over"]),
-                       persistence, _count(corpus["n_seqs"], "corpus.n_seqs", 1),
-                       _count(corpus["seq_len"], "corpus.seq_len", 1))
+    criterion = Criterion(_number(rule["abs_threshold"], "rule.abs_threshold"),
+                          _number(rule["ratio_threshold"], "rule.ratio_threshold"), rule["median_over"])
+    return MassiveDims(by_layer=by_layer, model_name=data["model"], d_model=d_model, n_layers=n_layers,
+                       hook=data["hook"], criterion=criterion,
+                       persistence=persistence, n_seqs=_count(corpus["n_seqs"], "corpus.n_seqs", 1),
+                       seq_len=_count(corpus["seq_len"], "corpus.seq_len", 1))
 
 
 def massive_dims(
@@ -315,6 +316,7 @@ def massive_dims(
     by_layer = (entries.groupby(["dim", "layer", "scope"], as_index=False)["max_abs"].max()
                 if len(entries) else pd.DataFrame(columns=["dim", "layer", "scope", "max_abs"]))
     by_layer = by_layer.astype({"dim": "int64", "layer": "int64", "max_abs": "float64"})
-    return MassiveDims(by_layer.reset_index(drop=True), view.name, view.d_model, view.n_layers, hook, criterion,
-                       float(persistence), int(tokens.shape[0]), int(tokens.shape[1]))
+    return MassiveDims(by_layer=by_layer.reset_index(drop=True), model_name=view.name, d_model=view.d_model,
+                       n_layers=view.n_layers, hook=hook, criterion=criterion, persistence=float(persistence),
+                       n_seqs=int(tokens.shape[0]), seq_len=int(tokens.shape[1]))
 

@@ -67,7 +67,7 @@ from massive_lens.errors import MassiveLensError
 COLUMNS = ["seq", "pos", "token", "token_kind", "reason", "massive", "level", "dim", "value", "n_layers"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExclusionMask(Result):
     """The positions to leave out, and why.
 
@@ -228,7 +228,8 @@ def exclusion_mask(
         records.append((b, p, strings[b][p], TOKEN_KINDS[int(kinds[b, p])], reason, bool(massive[b, p]), level[b][p],
                         dim, value, n_layers))
     frame = pd.DataFrame(records, columns=COLUMNS)
-    return ExclusionMask(mask, batch.mask.clone(), batch.tokens.clone(), frame, view.name, chosen, outliers, criterion)
+    return ExclusionMask(mask=mask, valid=batch.mask.clone(), tokens=batch.tokens.clone(), frame=frame,
+                         model_name=view.name, levels=chosen, outliers=outliers, criterion=criterion)
 
 
 # --------------------------------------------------------------------------- norm thresholds
@@ -238,7 +239,7 @@ THRESHOLD_COLUMNS = ["layer", "median_norm", "n_massive", "kept_max", "massive_m
                      "caught"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NormThresholds(Result):
     """Per layer, a norm multiple that drops the positions massive at that layer.
 
@@ -374,4 +375,5 @@ def norm_thresholds(
         threshold = (low * kept) ** 0.5 if separates else kept
         caught = float((multiple[massive] > threshold).float().mean()) if bool(massive.any()) else float("nan")
         rows.append((layer, median, int(massive.sum()), kept, low, threshold, separates, caught))
-    return NormThresholds(pd.DataFrame(rows, columns=THRESHOLD_COLUMNS), view.name, hook, len(tokens))
+    return NormThresholds(frame=pd.DataFrame(rows, columns=THRESHOLD_COLUMNS), model_name=view.name, hook=hook,
+                          n_seqs=len(tokens))

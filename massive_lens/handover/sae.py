@@ -56,7 +56,7 @@ GROUP_COLUMNS = ["group", "n_positions", "position_share", "mse", "error_share",
 LATENT_COLUMNS = ["latent", "only", "fires_massive", "fires_sink", "fires_excluded", "mean_act"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SAECheck(Result):
     """An SAE's reconstruction error, split by position kind.
 
@@ -245,8 +245,9 @@ def sae_check(
     sinks = frame[frame["level"] != ""]
     sink[sinks["seq"].tolist(), sinks["pos"].tolist()] = True
     masks = dict(massive=massive, sink=sink, excluded=ex.mask, rest=~ex.mask, all=torch.ones_like(ex.mask))
-    return SAECheck(_groups(x, sq_error, masks), _latents(fired, masks, act_sum), sq_error, massive, sink, view.name,
-                    hook, d_in, int(fired.shape[-1]), int((~fired.flatten(0, 1).any(0)).sum()), ex.levels)
+    return SAECheck(groups=_groups(x, sq_error, masks), latents=_latents(fired, masks, act_sum), sq_error=sq_error,
+                    massive=massive, sink=sink, model_name=view.name, hook=hook, d_in=d_in, d_sae=int(fired.shape[-1]),
+                    n_dead=int((~fired.flatten(0, 1).any(0)).sum()), levels=ex.levels)
 
 
 def _div(a: float, b: float | int) -> float:

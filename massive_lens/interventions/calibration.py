@@ -55,7 +55,7 @@ def _long() -> Tensor:
     return torch.zeros(0, dtype=torch.long)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Calibration(Result):
     """What the interventions need to know about a model, measured on calibration text.
 

@@ -41,7 +41,7 @@ SHARES = (0.02, 0.04, 0.08, 0.16, 0.32)
 T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by dof
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeadCurve(Result):
     """Results of :func:`head_curve`. ``frame``: one row per (order, draw, share): ``order``
     (``dormant`` or ``random``), ``draw``, ``share``, ``n_heads``, ``perplexity``, ``ratio`` (to
@@ -167,4 +167,4 @@ def head_curve(model: Any, corpus: Any = None, *, calibration: Any = None, share
     frame = pd.DataFrame(rows).sort_values(["share", "order", "draw"], ignore_index=True)
     source = (f"{len(tokens)} sequences of {tokens.shape[1]} tokens; heads ranked on {len(calib)} calibration "
               f"sequences")
-    return HeadCurve(frame, base.perplexity, view.name, source)
+    return HeadCurve(frame=frame, baseline=base.perplexity, model_name=view.name, source=source)

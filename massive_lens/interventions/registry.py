@@ -41,7 +41,7 @@ from massive_lens.interventions.intervention import Intervention
 RESID, ATTN, NOTHING = "residual stream", "attention", "nothing"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InterventionSetting:
     """One intervention setting: ``build(model, calibration, sinks=None)`` gives its
     :class:`~massive_lens.interventions.Intervention`.
@@ -89,30 +89,39 @@ def _patched_from_default_text(model: Any, *, calibration: Any = None) -> Interv
 
 Row = InterventionSetting
 ROWS: tuple[InterventionSetting, ...] = (
-    Row("original", observe, "no intervention", NOTHING),
-    Row("zero", ablate_massive, "massive activations set to zero where they appear", RESID, True,
-        every="zero_every", takes_sinks=False, options=dict(mode="zero")),
-    Row("mean", ablate_massive, "massive activations set to their calibration mean", RESID, True,
-        every="mean_every", takes_sinks=False, options=dict(mode="mean")),
-    Row("control", ablate_massive, "as many median-magnitude activations set to zero", RESID, True,
-        takes_sinks=False, options=dict(mode="zero", control=True)),
-    Row("sink_term_mean", fix_sink_term, "each head's sink term replaced by its calibration mean", ATTN,
+    Row(name="original", builder=observe, description="no intervention", acts_on=NOTHING),
+    Row(name="zero", builder=ablate_massive, description="massive activations set to zero where they appear",
+        acts_on=RESID, needs_massive=True, every="zero_every", takes_sinks=False, options=dict(mode="zero")),
+    Row(name="mean", builder=ablate_massive, description="massive activations set to their calibration mean",
+        acts_on=RESID, needs_massive=True, every="mean_every", takes_sinks=False, options=dict(mode="mean")),
+    Row(name="control", builder=ablate_massive, description="as many median-magnitude activations set to zero",
+        acts_on=RESID, needs_massive=True, takes_sinks=False, options=dict(mode="zero", control=True)),
+    Row(name="sink_term_mean", builder=fix_sink_term,
+        description="each head's sink term replaced by its calibration mean", acts_on=ATTN,
         options=dict(mode="mean")),
-    Row("sink_term_zero", fix_sink_term, "each head's sink term set to zero", ATTN, options=dict(mode="zero")),
-    Row("sink_attention_removed", remove_sink_attention, "attention to sink positions dropped, renormalized", ATTN),
-    Row("bias_surgery", bias_surgery, "explicit per-head k/v bias slot; sinks masked; massive activations zeroed",
-        ATTN, True, every="bias_surgery_every"),
-    Row("zero_every", ablate_massive, "massive activations set to zero at every layer where they are massive",
-        RESID, True, False, takes_sinks=False, options=dict(mode="zero", where="every")),
-    Row("mean_every", ablate_massive,
-        "massive activations set to their calibration mean at every layer where they are massive", RESID, True,
-        False, takes_sinks=False, options=dict(mode="mean", where="every")),
-    Row("bias_surgery_every", bias_surgery, "explicit per-head k/v bias slot; sinks masked; massive activations "
-        "zeroed at every layer where they are massive", ATTN, True, False, options=dict(where="every")),
-    Row("sink_patched", _patched_from_default_text,
-        "residual stream at the sink positions patched from another text", RESID, False, False, takes_sinks=False),
-    Row("zero_dormant_heads", zero_dormant_heads, "outputs of the 4% most dormant heads (found on the default text) "
-        "set to zero", ATTN, False, False, takes_sinks=False, options=dict(share=0.04)),
+    Row(name="sink_term_zero", builder=fix_sink_term, description="each head's sink term set to zero",
+        acts_on=ATTN, options=dict(mode="zero")),
+    Row(name="sink_attention_removed", builder=remove_sink_attention,
+        description="attention to sink positions dropped, renormalized", acts_on=ATTN),
+    Row(name="bias_surgery", builder=bias_surgery,
+        description="explicit per-head k/v bias slot; sinks masked; massive activations zeroed", acts_on=ATTN,
+        needs_massive=True, every="bias_surgery_every"),
+    Row(name="zero_every", builder=ablate_massive,
+        description="massive activations set to zero at every layer where they are massive", acts_on=RESID,
+        needs_massive=True, in_table3=False, takes_sinks=False, options=dict(mode="zero", where="every")),
+    Row(name="mean_every", builder=ablate_massive,
+        description="massive activations set to their calibration mean at every layer where they are massive",
+        acts_on=RESID, needs_massive=True, in_table3=False, takes_sinks=False,
+        options=dict(mode="mean", where="every")),
+    Row(name="bias_surgery_every", builder=bias_surgery,
+        description="explicit per-head k/v bias slot; sinks masked; massive activations zeroed at every layer "
+        "where they are massive", acts_on=ATTN, needs_massive=True, in_table3=False, options=dict(where="every")),
+    Row(name="sink_patched", builder=_patched_from_default_text,
+        description="residual stream at the sink positions patched from another text", acts_on=RESID,
+        needs_massive=False, in_table3=False, takes_sinks=False),
+    Row(name="zero_dormant_heads", builder=zero_dormant_heads,
+        description="outputs of the 4% most dormant heads (found on the default text) set to zero", acts_on=ATTN,
+        needs_massive=False, in_table3=False, takes_sinks=False, options=dict(share=0.04)),
 )
 REGISTRY: dict[str, InterventionSetting] = {}
 EVERY: dict[str, str] = {}  # first-layer form -> every form
@@ -135,9 +144,9 @@ def register(row: InterventionSetting, *, replace: bool = False) -> Intervention
         MassiveLensError: if a different setting already has the name and ``replace`` is False.
 
     >>> from massive_lens.interventions import remove_sink_attention
-    >>> row = register(InterventionSetting("sink_attention_dropped", remove_sink_attention,
-    ...                "attention to sink positions dropped, not renormalized", ATTN, in_table3=False,
-    ...                options=dict(renormalize=False)))
+    >>> row = register(InterventionSetting(name="sink_attention_dropped", builder=remove_sink_attention,
+    ...                description="attention to sink positions dropped, not renormalized", acts_on=ATTN,
+    ...                in_table3=False, options=dict(renormalize=False)))
     >>> REGISTRY["sink_attention_dropped"].options
     {'renormalize': False}
     """

@@ -46,7 +46,7 @@ CHECK_COLUMNS = ["where", "acts_on", "sinks_per_seq", "sink_kinds", "targets_per
                  "added", "check"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InterventionTable(Result):
     """The paper's Table 3, with each row's downstream check.
 
@@ -305,8 +305,9 @@ def run_interventions(
             added, check = _row(extra, runs[extra], runs["original"], calib, sinks, added=True)
             rows.append(added)
             checks.append(check)
-    return InterventionTable(pd.DataFrame(rows), view.name, describe_source(corpus),
-                             f"{calib.source}, {calib.n_seqs} sequences", int(tokens.shape[1]),
+    return InterventionTable(frame=pd.DataFrame(rows), model_name=view.name, corpus=describe_source(corpus),
+                             calibration_source=f"{calib.source}, {calib.n_seqs} sequences",
+                             seq_len=int(tokens.shape[1]),
                              checks=pd.concat(checks, ignore_index=True) if checks else pd.DataFrame(), sinks=sinks,
                              calibration=calib)
 

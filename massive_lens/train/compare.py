@@ -48,7 +48,7 @@ METRICS = ["fp_loss", "w8a8_loss", "gap", "max_inf_norm", "max_ratio", "mean_kur
            "sink_metric", "first_token_norm_ratio"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Comparison(Result):
     """Results of :func:`compare_variants`.
 
@@ -206,7 +206,8 @@ def compare_variants(
             log.info("%s seed %d: %s", variant, seed, report.summary())
     name = preset if isinstance(preset, str) else "custom"
     steps = pd.concat(per_step, ignore_index=True) if per_step else pd.DataFrame()
-    return Comparison(name, pd.DataFrame(runs), pd.DataFrame(curves), pd.DataFrame(profiles), steps)
+    return Comparison(preset=name, runs=pd.DataFrame(runs), curves=pd.DataFrame(curves),
+                      profiles=pd.DataFrame(profiles), per_step=steps)
 
 
 def compare_main(

@@ -66,7 +66,7 @@ RETROFIT_SETTINGS = ("softmax-kept", "softmax-removed", "softmax1-removed", "kv_
 FINALS = ["fp_loss", "w8a8_loss", "gap", "mean_kurtosis", "max_inf_norm", "max_ratio"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Retrofit(Result):
     """Results of :func:`retrofit`.
 
@@ -151,11 +151,13 @@ class Retrofit(Result):
         if not results or len({(r.model_name, tuple(r.dims)) for r in results}) != 1:
             raise MassiveLensError("merge needs one or more retrofit results of the same model and removal")
         first = results[0]
-        frames = [pd.concat([getattr(r, name) for r in results if len(getattr(r, name))] or [getattr(first, name)],
-                            ignore_index=True) for name in ("curves", "per_layer", "finals")]
-        runs = len(frames[0][["setting", "seed"]].drop_duplicates())
+        frames = {name: pd.concat([getattr(r, name) for r in results if len(getattr(r, name))]
+                                  or [getattr(first, name)], ignore_index=True)
+                  for name in ("curves", "per_layer", "finals")}
+        runs = len(frames["curves"][["setting", "seed"]].drop_duplicates())
         budget = dict(first.budget, runs=runs, wall_s=sum(r.budget.get("wall_s", 0) for r in results))
-        return cls(first.model_name, *frames, first.super_weights, list(first.dims), budget)
+        return cls(model_name=first.model_name, **frames, super_weights=first.super_weights, dims=list(first.dims),
+                   budget=budget)
 
     def plot_activations(self, ax: Any = None) -> Any:
         """The formerly massive dims' largest ``|value|`` (any layer) over steps, per setting:
@@ -272,9 +274,10 @@ class _Runs:
 
     def snapshot(self) -> Retrofit:
         done = dict(self.budget, wall_s=round(time.perf_counter() - self.started))
-        result = Retrofit(self.model_name, pd.DataFrame(self.curves), pd.DataFrame(self.per_layer),
-                          pd.DataFrame(self.finals, columns=["setting", "seed", "steps", *FINALS]), self.supers,
-                          self.dims, done)
+        result = Retrofit(model_name=self.model_name, curves=pd.DataFrame(self.curves),
+                          per_layer=pd.DataFrame(self.per_layer),
+                          finals=pd.DataFrame(self.finals, columns=["setting", "seed", "steps", *FINALS]),
+                          super_weights=self.supers, dims=self.dims, budget=done)
         if self.out_dir is not None and self.curves and self.per_layer:
             _write(result, Path(self.out_dir))
         return result

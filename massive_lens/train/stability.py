@@ -124,7 +124,7 @@ def t_interval(values: Sequence[float | int]) -> tuple[float, float, float]:
     return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingStability(Result):
     """Spikes and massive activations over training (see the module docstring).
 
@@ -323,7 +323,8 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
     spikes = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
     if len(spikes):
         spikes = spikes[[*KEYS] + [c for c in spikes if c not in KEYS]]
-    return TrainingStability(per_step, spikes, window, float(loss_factor), float(grad_factor), around)
+    return TrainingStability(per_step=per_step, spikes=spikes, window=window, loss_factor=float(loss_factor),
+                             grad_factor=float(grad_factor), around=around)
 
 
 def _per_step(runs: Any) -> pd.DataFrame:

@@ -74,7 +74,7 @@ from massive_lens.train.recorder import StepRecorder
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainRun(Result):
     """A finished (or stopped) run: the model, its logged history and where it lives.
 
@@ -241,7 +241,8 @@ def train_model(
     finally:
         bar.close()
     model.eval()
-    return TrainRun(model, cfg, history, max(stop, start), None if out is None else str(out), pd.DataFrame(per_step))
+    return TrainRun(model=model, config=cfg, history=history, steps=max(stop, start),
+                    out_dir=None if out is None else str(out), per_step=pd.DataFrame(per_step))
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pandas as pd
 import pytest
@@ -155,8 +156,9 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
     assert variant_of(saved) == "kv_bias"
     loaded = load(tmp_path / "result")
     assert isinstance(loaded, Retrofit) and loaded.summary() == result.summary()
-    parts = [Retrofit(result.model_name, *(f[f.setting == s] for f in (result.curves, result.per_layer, result.finals)),
-                      result.super_weights, result.dims, result.budget) for s in result.curves.setting.unique()]
+    parts = [dataclasses.replace(result, **{name: getattr(result, name).query("setting == @s")
+                                            for name in ("curves", "per_layer", "finals")})
+             for s in result.curves.setting.unique()]
     pd.testing.assert_frame_equal(Retrofit.merge(*parts).to_frame(), result.to_frame())
     with pytest.raises(MassiveLensError):
         Retrofit.merge()
