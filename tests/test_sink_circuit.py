@@ -145,3 +145,38 @@ def test_norm_roles(family):
     assert (shrunk["role"] == "rescaler").all()
     assert (shrunk["output_share"].to_numpy() < bos["output_share"].to_numpy() / 2).all()
     assert f"a {r.headline()['role']}" in r.summary()
+
+
+def test_bad_input_leaves_the_model_as_found():
+    model = tiny_model("qwen2")
+    with untouched(model), pytest.raises(MassiveLensError, match="no sink in the text"):
+        sink_circuit(model, TEXT, corpus=TEXT)
+
+
+def test_command_and_report_section(planted, monkeypatch, tmp_path, capsys):
+    """``massive-lens sink-circuit`` prints the chain and saves the result and its figure; the
+    report's section shows the summary, the figure and both tables; a text with no sink gives the
+    section a note instead of failing the report."""
+    from massive_lens.attention import circuit_cli
+    from massive_lens.cli import main
+    from massive_lens.report.circuit_section import circuit_section
+    from massive_lens.report.render import Section
+    from massive_lens.report.sections import Inputs, ReportOptions
+
+    def inputs(model):  # the section reads the model and the evaluation sequences
+        tokens = _tokens(model)
+        return Inputs(model, "", tokens, ReportOptions(seq_len=tokens.shape[1], n_seqs=len(tokens)))
+
+    monkeypatch.setattr(circuit_cli, "load_model", lambda *a, **k: planted)
+    text = planted.tokenizer.decode(_tokens(planted)[0])
+    assert main(["sink-circuit", "--text", text, "--no-causal", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the sink at" in out and "mlp 0" in out
+    assert isinstance(load(tmp_path / "sink_circuit"), SinkCircuit) and (tmp_path / "sink_circuit.png").exists()
+    s = Section("circuit")
+    circuit_section(inputs(planted), s)
+    kinds = [kind for kind, _, _ in s.blocks]
+    assert kinds.count("table") == 2 and "figure" in kinds and "pre" in kinds
+    none = Section("circuit")
+    circuit_section(inputs(tiny_model("llama")), none)
+    assert [kind for kind, _, _ in none.blocks] == ["note"] and "no sink in the text" in none.blocks[0][1]
