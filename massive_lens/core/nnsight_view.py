@@ -170,6 +170,13 @@ class NnsightView(ModelView):
                                    "LongTensor [batch, pos]) instead of text")
         return tok
 
+    def str_tokens(self, batch: Any) -> list[list[str]]:
+        """Token strings; with no tokenizer (``nnsight.NNsight`` over token ids), the ids as text."""
+        if getattr(self.lm, "tokenizer", None) is None:
+            return [[str(t) for t in row[: int(n)].tolist()] for row, n in zip(batch.tokens, batch.lengths,
+                                                                                strict=True)]
+        return super().str_tokens(batch)
+
     @property
     def dtype(self) -> torch.dtype:
         return next(self.hf.parameters()).dtype

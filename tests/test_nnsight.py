@@ -1,0 +1,251 @@
+"""The nnsight backend (:mod:`massive_lens.core.nnsight_view`): the same calls give the bridge's
+numbers on tiny models of every family and on both real models, the traps nnsight users report
+(ndif-team/nnbench docs/findings.md: left-padded batches shift positions, a layer returning
+``(hidden, residual)`` must be summed, the first token under padding) are handled, and what
+nnsight cannot serve is a clear error."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import nnsight
+import pandas as pd
+import pytest
+import torch
+
+from massive_lens import Criterion, find_massive, layer_profile, load_model, perplexity, scan_corpus, tiny_model
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.nnsight_view import NnsightView, trace_options
+from massive_lens.core.tokens import byte_tokenizer
+from massive_lens.errors import MassiveLensError
+from massive_lens.models.tiny import tiny_config
+
+FAMILIES = ("llama", "gpt2", "gemma3", "qwen2")
+TEXTS = ["The cat sat on the mat. Then it slept for a while.", "Hi there"]
+KEYS = ["seq", "layer", "pos", "dim", "token", "token_kind", "scope"]
+BOS = 256  # byte_tokenizer's <|bos|>
+
+
+def hf_twin(family: str, plant: float | None = None):
+    """The Hugging Face model ``tiny_model(family)`` wraps (same seed, same weights); with
+    ``plant``, BOS's embedding carries that value in dim 3, a massive activation at position 0."""
+    cls, config = tiny_config(family, byte_tokenizer(), {})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = cls(config)
+    if plant is not None:
+        with torch.no_grad():
+            hf.get_input_embeddings().weight[BOS, 3] = plant
+    return hf.eval()
+
+
+def twins(family: str, plant: float | None = None):
+    """A bridge and an nnsight model over identical weights."""
+    bridge = load_model(hf_twin(family, plant), tokenizer=byte_tokenizer(), name=f"tiny-{family}") \
+        if plant is not None else tiny_model(family)
+    lm = load_model(hf_twin(family, plant), tokenizer=byte_tokenizer(), backend="nnsight", name=f"tiny-{family}")
+    return bridge, lm
+
+
+def view_tokens(model, text: str) -> torch.Tensor:
+    return ModelView(model).tokenize(text, prepend_bos=True).tokens
+
+
+def same_profile(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    """Magnitudes to 1e-5 relative (1e-6 absolute); a ratio over a tiny random model's small median
+    (float32 rounding of the two implementations is 1e-7 absolute there) to 1e-3 relative."""
+    ratios = [c for c in a.columns if c.startswith("ratio")]
+    pd.testing.assert_frame_equal(a.drop(columns=ratios), b.drop(columns=ratios), rtol=1e-5, atol=1e-6)
+    pd.testing.assert_frame_equal(a[ratios], b[ratios], rtol=1e-3)
+
+
+def same_entries(a, b, rtol=1e-5):
+    fa, fb = a.to_frame().reset_index(drop=True), b.to_frame().reset_index(drop=True)
+    pd.testing.assert_frame_equal(fa[KEYS], fb[KEYS])
+    torch.testing.assert_close(torch.tensor(fb["value"].values), torch.tensor(fa["value"].values), rtol=rtol,
+                               atol=1e-6)
+    torch.testing.assert_close(torch.tensor(b.magnitudes[["top1", "median"]].values),
+                               torch.tensor(a.magnitudes[["top1", "median"]].values), rtol=rtol, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("hook", ["resid_pre", "resid_mid", "resid_post"])
+def test_find_massive_same_as_bridge(family, hook):
+    bridge, lm = twins(family, plant=400.0)
+    assert type(ModelView(lm)) is NnsightView
+    a = find_massive(bridge, TEXTS, hook=hook, prepend_bos=True)
+    b = find_massive(lm, TEXTS, hook=hook, prepend_bos=True)
+    assert len(a.to_frame()) > 0  # the planted entry: the comparison is not of two empty tables
+    same_entries(a, b)
+    assert b.model_name == "tiny-" + family
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_profile_scan_and_edited_perplexity_same_as_bridge(family):
+    bridge, lm = twins(family, plant=400.0)
+    pa, pb = layer_profile(bridge, TEXTS, prepend_bos=True), layer_profile(lm, TEXTS, prepend_bos=True)
+    same_profile(pa.to_frame(), pb.to_frame())
+    text = "Some words to read, and a few more of them. " * 20
+    sa = scan_corpus(bridge, text, seq_len=16, max_tokens=64, prepend_bos=True, progress=False)
+    sb = scan_corpus(lm, text, seq_len=16, max_tokens=64, prepend_bos=True, progress=False)
+    pd.testing.assert_frame_equal(sa.to_frame(), sb.to_frame(), rtol=1e-5)
+
+    def zero_bos(x, hook):  # the residual edit of Table 3's "zero": the planted entry at the first token
+        x = x.clone()
+        x[:, 0, 3] = 0.0
+        return x
+
+    hooks = [("blocks.0.hook_resid_pre", zero_bos)]
+    tokens = ModelView(lm).tokenize([text[:40], text[40:80]], prepend_bos=True).tokens
+    base = [perplexity(m, tokens, progress=False).perplexity for m in (bridge, lm)]
+    edited = [perplexity(m, tokens, hooks=hooks, progress=False).perplexity for m in (bridge, lm)]
+    assert base[1] == pytest.approx(base[0], rel=1e-5) and edited[1] == pytest.approx(edited[0], rel=1e-5)
+    assert abs(edited[0] / base[0] - 1) > 1e-3  # the edit moved the loss: the equality is of two real effects
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_left_padding_trap():
+    """nnsight's tokenizer pads on the left, which shifts a short text's positions (GPT-2's
+    learned position embeddings then differ); the view pads on the right: the short text in a
+    batch reads as it does alone, its first token at position 0."""
+    _, lm = twins("gpt2", plant=400.0)
+    assert lm.tokenizer.padding_side == "left"  # the trap is live in nnsight itself
+    together = find_massive(lm, TEXTS, prepend_bos=True)
+    alone = find_massive(lm, TEXTS[1], prepend_bos=True)
+    mine = together.magnitudes[together.magnitudes.seq == 1].reset_index(drop=True)
+    torch.testing.assert_close(torch.tensor(mine[["top1", "median"]].values),
+                               torch.tensor(alone.magnitudes[["top1", "median"]].values), rtol=1e-5, atol=1e-7)
+    assert lm.tokenizer.padding_side == "left"  # the user's tokenizer is left as it was
+    # nnsight's own batch puts the short text's first token elsewhere: what the view avoids
+    ids = lm.tokenizer(["<|bos|>" + t for t in TEXTS], return_tensors="pt", padding=True).input_ids
+    assert int(ids[1, 0]) != BOS
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_first_token_at_position_zero_under_padding():
+    _, lm = twins("llama", plant=400.0)
+    frame = find_massive(lm, ["a much longer text than the other one", "x", "mid length"], prepend_bos=True).to_frame()
+    firsts = frame[(frame.dim == 3)]
+    assert sorted(firsts.seq.unique()) == [0, 1, 2]
+    assert set(firsts.pos) == {0} and set(firsts.token_kind) == {"bos"}
+
+
+class _Split(torch.nn.Module):
+    """A decoder layer as vLLM's fused-residual layers shape it: ``(hidden, residual)`` in and
+    out, the residual stream being their sum."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if isinstance(hidden_states, tuple):
+            hidden_states = hidden_states[0] + hidden_states[1]
+        out = self.layer(hidden_states, *args, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        part = 0.25 * out
+        return out - part, part
+
+
+class _SumNorm(torch.nn.Module):
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x[0] + x[1] if isinstance(x, tuple) else x)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_split_residual_tuple_is_summed():
+    plain = load_model(hf_twin("llama", plant=400.0), tokenizer=byte_tokenizer(), backend="nnsight")
+    hf = hf_twin("llama", plant=400.0)
+    hf.model.layers = torch.nn.ModuleList(_Split(layer) for layer in hf.model.layers)
+    hf.model.norm = _SumNorm(hf.model.norm)
+    split = load_model(hf, tokenizer=byte_tokenizer(), backend="nnsight")
+    with split.trace(view_tokens(split, "Hi")):  # the trap: the first part alone is not the stream
+        first = split.model.layers[1].output[0][0, 0, 3].save()
+    a, b = find_massive(plain, TEXTS, prepend_bos=True), find_massive(split, TEXTS, prepend_bos=True)
+    top = float(b.to_frame().query("layer == 1 and pos == 0 and dim == 3 and seq == 0").value.iloc[0])
+    assert abs(float(first)) < 0.9 * abs(top)
+    same_entries(a, b)
+    for layer in (0, 2):  # an edit of a split stream is written back whole
+        hooks = [(f"blocks.{layer}.hook_resid_post", lambda x, hook: x * 0.5)]
+        tokens = view_tokens(plain, "Hello, world. And more.")
+        got = [perplexity(m, tokens, hooks=hooks, progress=False).perplexity for m in (plain, split)]
+        assert got[1] == pytest.approx(got[0], rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_model_left_as_found_and_lock():
+    _, lm = twins("llama", plant=400.0)
+    hf = ModelView(lm).hf
+    hf.train()
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    find_massive(lm, TEXTS, hook="resid_mid")
+    perplexity(lm, view_tokens(lm, "Hello there"), hooks=[("blocks.1.hook_resid_post", lambda x, hook: x * 0)],
+               progress=False)
+    assert all(m.training for m in hf.modules())
+    assert all(torch.equal(before[k], v) for k, v in hf.state_dict().items())
+    view = ModelView(lm)
+    with pytest.raises(ZeroDivisionError):  # a failing hook: still nothing left behind
+        view.forward(view.tokenize("Hi"), [("blocks.1.hook_resid_post", lambda x, hook: 1 / 0)])
+    assert all(m.training for m in hf.modules())
+    assert ModelView(lm).model is ModelView(lm).model  # one adapter, so one model lock
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bad_input_errors():
+    hf = hf_twin("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bare = nnsight.NNsight(hf)  # no tokenizer
+    with pytest.raises(MassiveLensError, match="no tokenizer.*LanguageModel"):
+        find_massive(bare, "Some text")
+    assert len(find_massive(bare, torch.tensor([[BOS, 7, 8]])).magnitudes) == 4  # token ids need none
+    _, lm = twins("llama")
+    from massive_lens import sink_attention, trace_origin
+
+    for call in (lambda: sink_attention(lm, "Hello there"), lambda: trace_origin(lm, "Hello there")):
+        with pytest.raises(MassiveLensError, match="nnsight model.*find_massive.*backend='bridge'"):
+            call()
+    with pytest.raises(MassiveLensError, match="backend='bridge' would be ignored"):
+        load_model(lm, backend="bridge")
+    with pytest.raises(MassiveLensError, match="unknown backend.*'nnsight'"):
+        load_model(hf, backend="nnsite")
+    assert load_model(lm) is lm
+    assert trace_options(lm) == {}  # remote=True would be passed on as it is; none set here
+
+
+# --------------------------------------------------------------------------- both real models
+
+REAL = ("default", "qwen2.5-coder-1.5b")
+REAL_TEXTS = ["The history of the city begins in the Roman era, when a fort stood by the river.",
+              "Photosynthesis converts light into chemical energy."]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REAL)
+def test_real_models_same_numbers(name):
+    """Every entry of find_massive (both texts in one padded batch), the layer profile and an
+    edited perplexity: the bridge's numbers on nnsight, to 1e-5 relative. The models are loaded
+    one after the other (Qwen takes about 7 GB in float32)."""
+    text = " ".join(REAL_TEXTS * 3)
+    hooks = [("blocks.2.hook_resid_post", lambda x, hook: x * 0.9)]
+    results = []
+    for backend in ("bridge", "nnsight"):
+        model = load_model(None if name == "default" else name, backend=backend)
+        results.append((find_massive(model, REAL_TEXTS), layer_profile(model, REAL_TEXTS).to_frame(),
+                        perplexity(model, text, seq_len=24, n_seqs=2, hooks=hooks, progress=False).perplexity,
+                        ModelView(model).name))
+        del model
+        gc.collect()
+    (fa, pa, xa, na), (fb, pb, xb, nb) = results
+    assert len(fa.to_frame()) > 0 and na == nb
+    same_entries(fa, fb)
+    pd.testing.assert_frame_equal(pa, pb, rtol=1e-5)  # real models: the ratios too, to 1e-5
+    assert xb == pytest.approx(xa, rel=1e-5)
