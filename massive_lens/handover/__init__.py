@@ -12,14 +12,25 @@ overflow. This subpackage gives them the library's own definitions (``find_massi
 - :func:`massive_dims`: the dims to keep out of a direction, as a small JSON file;
 - :func:`precision_check`: whether float16 / bfloat16 hold the model's values, confirmed by
   running it in each;
+- :func:`outlier_severity`: γ = ‖μ‖/‖σ‖ per layer and hook, with and without the massive and
+  sink positions, and the SAE dead-latent share a fit implies;
 - :func:`sae_check`: an SAE's reconstruction error at massive and sink positions against the
   rest, and the latents that fire only there.
 """
 
 from massive_lens.handover.dims import MassiveDims, massive_dims, read_dims
+from massive_lens.handover.gamma import (
+                                         DeadShareFit,
+                                         OutlierSeverity,
+                                         fit_dead_share,
+                                         gamma_of,
+                                         outlier_severity,
+                                         spearman_interval,
+)
 from massive_lens.handover.masks import ExclusionMask, NormThresholds, exclusion_mask, norm_thresholds
 from massive_lens.handover.precision import PrecisionCheck, precision_check
 from massive_lens.handover.sae import SAECheck, sae_check
 
-__all__ = ["ExclusionMask", "MassiveDims", "NormThresholds", "PrecisionCheck", "SAECheck", "exclusion_mask",
-           "massive_dims", "norm_thresholds", "precision_check", "read_dims", "sae_check"]
+__all__ = ["DeadShareFit", "ExclusionMask", "MassiveDims", "NormThresholds", "OutlierSeverity", "PrecisionCheck",
+           "SAECheck", "exclusion_mask", "fit_dead_share", "gamma_of", "massive_dims", "norm_thresholds",
+           "outlier_severity", "precision_check", "read_dims", "sae_check", "spearman_interval"]

@@ -17,12 +17,11 @@ bfloat16 keeps float32's range but only 8 bits of mantissa. Two things go wrong:
 dtype's range and spacing (no cast needed), giving each problem's site, layer, position
 and dim. It then **confirms** by running the model in each dtype on the same tokens. The
 weights are cast in place, and every parameter and buffer is put back, bit for bit, on every
-exit path. The verdict is ``safe`` or ``unsafe``. An unsafe verdict comes with its fix, both
-measured: the fewest blocks to keep in float32 (a mixed run, :mod:`~massive_lens.handover.mixed`,
-with those blocks in float32 and the rest in the dtype), or clamping at the dtype's limit,
-whose perplexity cost is measured in float32. Whether a norm's square overflows in practice depends on the
-implementation (Hugging Face's RMSNorm squares in float32), which is what the confirmation
-run shows.
+exit path. The verdict is ``safe`` or ``unsafe``. An unsafe verdict names its cause and the
+smallest fix that held in a run (:mod:`~massive_lens.handover.rescale`): rescaling the residual
+stream, the fewest blocks kept in float32 (:mod:`~massive_lens.handover.mixed`), bfloat16, or
+float32; clamping at the dtype's limit is costed in float32. Whether a norm's square overflows
+depends on the implementation (Hugging Face's RMSNorm squares in float32): the run shows it.
 
 >>> from massive_lens import tiny_model
 >>> check = precision_check(tiny_model("llama"), "Some text to read. " * 20, seq_len=16, n_seqs=2)
@@ -38,7 +37,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from jaxtyping import Float
@@ -48,10 +46,12 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import num, ratio
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover.mixed import block_dtype_hooks, cast
+from massive_lens.handover.rescale import cause_of, smallest_fix
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # per block: (hook, what it is); a norm's input is also checked for its sum of squares
@@ -64,6 +64,7 @@ PROBLEMS = ("overflow", "square_overflow", "variance_overflow", "rounds_away")
 PROBLEM_COLUMNS = ["dtype", "problem", "site", "layer", "seq", "pos", "dim", "value", "limit", "count"]
 VERDICT_COLUMNS = ["dtype", "verdict", "loss_float32", "loss", "ppl_ratio", "top1_agree", "nonfinite_at", *PROBLEMS,
                    "clamp_ppl_ratio", "kept_float32", "kept_ppl_ratio", "fix"]
+FIX_COLUMNS = ["cause", "rescale_factor", "rescale_ppl_ratio", "bfloat16_ppl_ratio", "smallest_fix"]
 
 
 def spacing(value: Float[Tensor, "..."], dtype: torch.dtype) -> Float[Tensor, "..."]:
@@ -100,7 +101,11 @@ class PrecisionCheck(Result):
     perplexity with the overflowing sites clamped to the dtype's range, over the unclamped; NaN
     when nothing overflows), ``kept_float32`` and ``kept_ppl_ratio`` (the blocks an unsafe,
     confirmed verdict keeps in float32, and the perplexity ratio of that mixed run, measured; ""
-    and NaN otherwise) and ``fix``.
+    and NaN otherwise), ``fix``, and from :func:`~massive_lens.handover.rescale.smallest_fix`:
+    ``cause`` (the first value past the range: site, layer, value; and the run's first inf/NaN),
+    ``rescale_factor`` and ``rescale_ppl_ratio`` (the residual-stream scale and the perplexity
+    ratio of a float16 run with it), ``bfloat16_ppl_ratio`` and ``smallest_fix`` (the least
+    change that held in a run: rescale, keep blocks in float32, bfloat16, float32).
     ``peaks``: per site and layer, the float32 ``max_abs``, ``median`` and, at a norm's input,
     ``max_square`` and ``max_variance``.
     """
@@ -150,14 +155,14 @@ class PrecisionCheck(Result):
                    f"Confirmed by running in {v.dtype}: loss {v.loss:.4f} vs {v.loss_float32:.4f} in float32 "
                    f"(perplexity x{ratio(v.ppl_ratio)}, top-1 agreement {v.top1_agree:.1%}).")
             lines.append(f"  {v.dtype}: {v.verdict.upper()}. Predicted: {found}. {ran}" + (f" Fix: {v.fix}" if v.fix
-                                                                                           else ""))
+                                                                                           else "")
+                         + (f" Cause: {v.cause}. Smallest fix: {v.smallest_fix}." if v.cause else ""))
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:
         """Per layer: the residual's largest ``|x|`` and what the norms compute from it (largest
         square and variance), with each dtype's largest value (log scale)."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 4))[1]
+        ax = ensure_axes(ax, (7, 4), layout=None)
         resid = self.peaks[self.peaks["site"] == "hook_resid_post"]
         norms = self.peaks[self.peaks["kind"] == "norm"].groupby("layer")[["max_square", "max_variance"]].max()
         ax.plot(resid["layer"], resid["max_abs"], marker="o", markersize=3, label="max |resid_post|")
@@ -214,11 +219,11 @@ def _clamp(x: Tensor, hook: Any, *, limit: float) -> Tensor:
     return x.clamp(-limit, limit)
 
 
-def _seen(x: Tensor, hook: Any, *, order: list[tuple[str, bool]], name: str) -> None:
+def _seen(x: Tensor, hook: Any, *, order: list[tuple[str, int, bool]], name: str, layer: int) -> None:
     if name.endswith("attn_scores"):  # masked scores may hold -inf by design: only NaN and +inf count
-        order.append((name, not bool(torch.isnan(x).any() | torch.isposinf(x).any())))
+        order.append((name, layer, not bool(torch.isnan(x).any() | torch.isposinf(x).any())))
     else:
-        order.append((name, bool(torch.isfinite(x).all())))
+        order.append((name, layer, bool(torch.isfinite(x).all())))
 
 
 def _run(scorer: NextTokenLoss, tokens: Tensor, hooks: list[tuple[str, Any]]) -> tuple[Tensor, Tensor]:
@@ -227,6 +232,13 @@ def _run(scorer: NextTokenLoss, tokens: Tensor, hooks: list[tuple[str, Any]]) ->
     can be applied slice by slice (:mod:`massive_lens.core.loss`); else the pass's logits are."""
     out = scorer(tokens, hooks=hooks, top1=True)
     return out.loss.float(), out.top1
+
+
+def _loss_in(view: ModelView, scorer: NextTokenLoss, tokens: Tensor, dtype: torch.dtype,
+             hooks: list[tuple[str, Any]]) -> float:
+    """The mean loss of a run with the model cast to ``dtype`` and ``hooks`` on."""
+    with cast(view.model, dtype):
+        return float(_run(scorer, tokens, hooks)[0].mean())
 
 
 def precision_check(
@@ -275,8 +287,8 @@ def precision_check(
     scale = getattr(view.cfg, "attn_scale", None)  # the score divisor; configs may hold -1 for "sqrt(d_head)"
     scale = scale if isinstance(scale, (int, float)) and scale > 0 else math.sqrt(getattr(view.cfg, "d_head", 1) or 1)
     peaks = _Peaks(chosen, str(getattr(view.cfg, "normalization_type", "RMS")).startswith("LN"), float(scale))
-    hooks = [(f"blocks.{layer}.{site}", partial(peaks.hook, site=site, kind=kind, layer=layer))
-             for layer in range(view.n_layers) for site, kind in SITES if f"blocks.{layer}.{site}" in view.hook_names]
+    hooks = [(view.block_hook(layer, site), partial(peaks.hook, site=site, kind=kind, layer=layer))
+             for layer in range(view.n_layers) for site, kind in SITES if view.has_hook(layer, site)]
     scorer = NextTokenLoss(view)  # decides, in float32 before any cast, whether the head can run in slices
     loss32, top32 = _run(scorer, tokens, hooks)
     frame = pd.DataFrame(peaks.rows)
@@ -291,13 +303,18 @@ def precision_check(
                 else math.sqrt(limit) for r in mine if r[1] != "rounds_away"}
         clamp = float("nan")
         if over:
-            clamp_loss, _ = _run(scorer, tokens, [(f"blocks.{layer}.{site}", partial(_clamp, limit=bound))
+            clamp_loss, _ = _run(scorer, tokens, [(view.block_hook(layer, site), partial(_clamp, limit=bound))
                                                 for (site, layer), bound in over.items()])
             clamp = math.exp(float(clamp_loss.mean()) - float(loss32.mean()))
         verdicts.append(_verdict(view, scorer, tokens, name, dtype, mine, loss32, top32, clamp, tolerance, confirm))
     keep = ["site", "kind", "layer", "max_abs", "median", "max_square", "max_variance"]
-    return PrecisionCheck(pd.DataFrame(problems, columns=PROBLEM_COLUMNS),
-                          pd.DataFrame(verdicts, columns=VERDICT_COLUMNS), frame[keep].copy(), view.name,
+    table = pd.DataFrame(verdicts, columns=VERDICT_COLUMNS)
+    rows = table.to_dict("records")
+    fixes = smallest_fix(view, partial(_loss_in, view, scorer, tokens), rows, frame[keep], float(loss32.mean()),
+                         tolerance, confirm)
+    table = table.assign(cause=[cause_of(r, [p for p in problems if p[0] == r["dtype"]], torch.finfo(
+        DTYPES[r["dtype"]]).max) for r in rows], **{c: [f[c] for f in fixes] for c in FIX_COLUMNS[1:]})
+    return PrecisionCheck(pd.DataFrame(problems, columns=PROBLEM_COLUMNS), table, frame[keep].copy(), view.name,
                           int(tokens.shape[0]), int(tokens.shape[1]), float(tolerance))
 
 
@@ -321,24 +338,19 @@ def _problems(frame: pd.DataFrame, name: str, dtype: torch.dtype, limit: float) 
     return out
 
 
-def _layer_of(hook: str) -> int | None:
-    """The block of a hook name (``blocks.3.attn.hook_out`` -> 3), None for anything else."""
-    parts = hook.split(".")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() else None
-
-
 def _verdict(view: ModelView, scorer: NextTokenLoss, tokens: Tensor, name: str, dtype: torch.dtype,
              mine: list[tuple], loss32: Tensor, top32: Tensor, clamp: float, tolerance: float, confirm: bool) -> tuple:
     counts = {p: sum(1 for r in mine if r[1] == p) for p in PROBLEMS}
-    loss, agree, bad = float("nan"), float("nan"), ""
+    loss, agree, bad, failed = float("nan"), float("nan"), "", None  # failed: the block where the run saw inf/NaN
     if confirm:
-        order: list[tuple[str, bool]] = []
-        names = [f"blocks.{layer}.{site}" for layer in range(view.n_layers) for site, _ in SITES]
-        watch = [(n, partial(_seen, order=order, name=n)) for n in names if n in view.hook_names]
+        order: list[tuple[str, int, bool]] = []
+        watch = [(view.block_hook(layer, site), partial(_seen, order=order, name=view.block_hook(layer, site),
+                                                        layer=layer))
+                 for layer in range(view.n_layers) for site, _ in SITES if view.has_hook(layer, site)]
         with cast(view.model, dtype):
             losses, top = _run(scorer, tokens, watch)
         loss, agree = float(losses.mean()), float((top == top32).float().mean())
-        bad = next((n for n, ok in order if not ok), "")
+        bad, failed = next(((n, layer) for n, layer, ok in order if not ok), ("", None))
         if not bad and not math.isfinite(loss):
             bad = "the logits"
     base = float(loss32.mean())
@@ -347,7 +359,6 @@ def _verdict(view: ModelView, scorer: NextTokenLoss, tokens: Tensor, name: str, 
     unsafe = bool(bad) or (confirm and change > 1 + tolerance) or (not confirm and counts["overflow"] > 0)
     fix, kept, kept_change = "", "", float("nan")
     if unsafe:
-        failed = _layer_of(bad)  # where the run in the dtype first saw inf or NaN
         where = sorted({*(layers or {r[3] for r in mine}), *([failed] if failed is not None else [])})
         fix = f"keep {layer_span(where)} in float32" if where else "run in float32"
         if confirm and where:
