@@ -116,3 +116,30 @@ def test_cli_report_with_two_models(tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert md.startswith("# massive_lens comparison: llama-one vs gpt2-two")  # folder names, never paths
     assert _row(md, "layers") == ["2", "3"]
+
+
+def test_a_cell_is_empty_only_where_its_analysis_did_not_run_and_says_why():
+    from massive_lens.report.compare import ModelResults
+    from massive_lens.report.compare_cells import MISSING, side_by_side
+
+    ran = ModelResults("ran", {}, 2, notes=[])
+    ran.found = type("Found", (), {"layers": (0, 1)})()
+    failed = ModelResults("failed", {}, 2, notes=[("find_massive", "failed: find_massive did not run: too long")])
+    rows = [("layers where massive", "found", lambda r: f"{min(r.found.layers)}-{max(r.found.layers)}"),
+            ("corpus", "scan", lambda r: r.scan.n_tokens), ("layers", None, lambda r: r.n_layers)]
+    frame = side_by_side([ran, failed], rows)
+    assert frame["ran"].tolist() == ["0-1", f"{MISSING} (scan_corpus did not run)", "2"]
+    assert frame["failed"].tolist() == [f"{MISSING} (find_massive did not run; see the note below)",
+                                        f"{MISSING} (scan_corpus did not run)", "2"]
+
+
+@pytest.mark.parametrize("bug", [lambda r: r.found.no_such_field, lambda r: r.found.layers[5],
+                                 lambda r: {"a": 1}["b"]])
+def test_a_bug_in_a_cell_raises_instead_of_leaving_it_empty(bug):
+    from massive_lens.report.compare import ModelResults
+    from massive_lens.report.compare_cells import side_by_side
+
+    r = ModelResults("ran", {}, 2)
+    r.found = type("Found", (), {"layers": (0, 1)})()
+    with pytest.raises((AttributeError, IndexError, KeyError)):
+        side_by_side([r], [("row", "found", bug)])

@@ -210,6 +210,16 @@ def sink_metric(mass: Float[Tensor, " head"], threshold: float = SINK_THRESHOLD)
     return float((mass > threshold).float().mean()) if mass.numel() else float("nan")
 
 
+
+def first_norm_ratio(norms: Float[Tensor, "*batch pos"]) -> Float[Tensor, "*batch"]:
+    """The first token's residual norm over the (lower) median norm of the other positions, per
+    sequence: how far a sink's hidden state stands out (the compression valley, trained models).
+
+    >>> first_norm_ratio(torch.tensor([[40.0, 1.0, 2.0, 4.0]])).tolist()
+    [20.0]
+    """
+    return norms[..., 0] / norms[..., 1:].median(-1).values.clamp(min=1e-12)
+
 @dataclass(frozen=True)
 class SinkRule:
     """When a position counts as an attention sink.

@@ -147,7 +147,18 @@ class ModelView:
         >>> ModelView.block_hook(3, "resid_pre"), ModelView.block_hook(0, "attn.hook_z")
         ('blocks.3.hook_resid_pre', 'blocks.0.attn.hook_z')
         """
-        return f"blocks.{layer}.{hook if hook.startswith(('hook_', 'attn.', 'mlp.', 'ln')) else 'hook_' + hook}"
+        named = hook.startswith(("hook_", "attn.", "mlp.", "ln"))
+        return ModelView.block_param(layer, hook if named else "hook_" + hook)
+
+    @staticmethod
+    def block_param(layer: int, name: str) -> str:
+        """TransformerLens's full name of a per-block attribute (a parameter such as ``"mlp.W_out"``,
+        or a hook :meth:`block_hook` has completed): ``blocks.{layer}.{name}``.
+
+        >>> ModelView.block_param(2, "mlp.W_out")
+        'blocks.2.mlp.W_out'
+        """
+        return f"blocks.{layer}.{name}"
 
     def has_hook(self, layer: int, hook: str) -> bool:
         """Whether this model has the per-block hook :meth:`block_hook` names (False for a layer

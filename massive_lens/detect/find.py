@@ -46,23 +46,6 @@ def run_reducer(view: ModelView, batch: Batch, criterion: Criterion, hook: str, 
     return reducer
 
 
-def chosen_layers(view: ModelView, layers: int | Sequence[int] | None) -> list[int]:
-    """Sorted distinct layers (``None``: all), each checked to exist."""
-    if isinstance(layers, int):
-        layers = [layers]
-    items = list(range(view.n_layers)) if layers is None else (
-        list(layers) if isinstance(layers, Sequence) and not isinstance(layers, str) else [layers])
-    wrong = [x for x in items if isinstance(x, bool) or not isinstance(x, int)]
-    if wrong:
-        raise MassiveLensError(f"layers must be an int, a sequence of ints or None (all layers), got {wrong[0]!r}")
-    chosen = sorted(set(items))
-    if not chosen:
-        raise MassiveLensError("layers is empty; pass None for all layers")
-    for layer in chosen:
-        view.hook_name(layer, "resid_post")  # range check with a clear message
-    return chosen
-
-
 # --------------------------------------------------------------------------- find_massive
 
 
@@ -259,13 +242,13 @@ def find_massive(
     view = ModelView(model)
     criterion = as_criterion(criterion)
     batch = view.tokenize(text, prepend_bos)
-    return find_in_batch(view, batch, criterion, chosen_layers(view, layers), hook)
+    return find_in_batch(view, batch, criterion, view.chosen_layers(layers), hook)
 
 
 def find_in_batch(view: ModelView, batch: Batch, criterion: Criterion, layers: Sequence[int],
                   hook: str = "resid_post") -> MassiveActivations:
     """:func:`find_massive` on a view and batch already built, ``layers`` already chosen (see
-    :func:`chosen_layers`): the door other analyses use, so they never re-wrap the model."""
+    :meth:`ModelView.chosen_layers`): the door other analyses use, so they never re-wrap the model."""
     reducer = run_reducer(view, batch, criterion, hook, layers, k=1, entries=True)
     tokens = view.str_tokens(batch)
     kinds = view.token_kinds(batch)
@@ -356,7 +339,7 @@ def layer_profile(
     texts = [text] if isinstance(text, str) else (text if isinstance(text, Tensor) else list(text))
     if len(texts) == 0:
         raise MassiveLensError("layer_profile got no texts; pass at least one string")
-    layers = chosen_layers(view, None)
+    layers = view.chosen_layers(None)
     sums = ProfileSums(layers, k)
     if isinstance(text, Tensor):  # token ids or images: one batch, cut into passes
         batches = view.tokenize(text, prepend_bos).split(batch_size)

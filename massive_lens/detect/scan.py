@@ -27,7 +27,7 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ProfileSums
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS
-from massive_lens.detect.find import LayerProfile, chosen_layers, run_reducer
+from massive_lens.detect.find import LayerProfile, run_reducer
 from massive_lens.detect.scope import outlier_lines
 from massive_lens.errors import MassiveLensError
 
@@ -126,7 +126,7 @@ def scan_corpus(
         raise MassiveLensError(f"k={k!r}: the largest magnitudes kept per layer is a whole number from 1 to "
                                f"d_model ({view.d_model})")
     criterion = as_criterion(criterion)
-    layers = chosen_layers(view, None)
+    layers = view.chosen_layers(None)
     rank, world = _distributed()
     n_kinds = len(TOKEN_KINDS) + 1
     sums = ProfileSums(layers, k)

@@ -39,6 +39,7 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
+from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 
@@ -113,13 +114,10 @@ def _sink_logits(view: ModelView, layer: int, scores: Tensor, seen: dict[str, Te
     return out
 
 
-def _keep(x: Tensor, hook: Any, *, seen: dict[str, Tensor], key: str) -> None:
-    seen[key] = x.detach()
-
-
-def _scores(scores: Tensor, hook: Any, *, view: ModelView, layer: int, seen: dict[str, Tensor], window: int,
+def _scores(scores: Tensor, hook: Any, *, view: ModelView, layer: int, rotary: LayerGather, window: int,
             sinks: int, positions: str) -> Tensor:
     if positions == "cache" and sinks > 0:
+        seen = rotary.kept[layer]  # this pass's rot_q, rot_k, cos and sin of the layer
         _check_rotation(view, layer, seen)
         scores = _sink_logits(view, layer, scores, seen, window, sinks)
     keep = visible(scores.shape[-1], window, sinks).to(scores.device)
@@ -132,17 +130,17 @@ def window_hooks(view: ModelView, window: int, sinks: int, positions: str = "cac
     if positions not in POSITIONS:
         raise MassiveLensError(f"positions must be one of {POSITIONS}, got {positions!r}")
     hooks: list[tuple[str, Any]] = []
+    needed = ("rot_q", "rot_k", "cos", "sin")
+    rotary = LayerGather(needed, reduce=Tensor.detach)
     for layer in range(view.n_layers):
-        seen: dict[str, Tensor] = {}
         if positions == "cache" and sinks > 0:
-            needed = ("rot_q", "rot_k", "cos", "sin")
-            missing = [h for h in needed if f"blocks.{layer}.attn.hook_{h}" not in view.hook_names]
+            missing = [h for h in needed if not view.has_hook(layer, f"attn.hook_{h}")]
             if missing:
                 raise MassiveLensError(f"{view.name} has no rotary hooks {missing} at layer {layer} (no rotary "
                                        "embedding, or not one TransformerLens exposes): positions within the cache "
                                        "cannot be re-assigned; use positions='original'")
-            hooks += [(view.hook_name(layer, f"attn.hook_{h}"), partial(_keep, seen=seen, key=h)) for h in needed]
+            hooks += [(view.hook_name(layer, f"attn.hook_{h}"), rotary.hook(h, layer)) for h in needed]
         hooks.append((view.hook_name(layer, "attn.hook_attn_scores"),
-                      partial(_scores, view=view, layer=layer, seen=seen, window=window, sinks=sinks,
+                      partial(_scores, view=view, layer=layer, rotary=rotary, window=window, sinks=sinks,
                               positions=positions)))
     return hooks

@@ -94,7 +94,7 @@ def attention_access(model: Any) -> dict[int, Access]:
     if model in _PROBED:
         return _PROBED[model]
     pos = max(2, int(getattr(getattr(model, "cfg", None), "n_heads", 1) or 1) + 1)
-    named = {layer: frozenset(h for h in HOOKS if f"blocks.{layer}.attn.hook_{h}" in view.hook_names)
+    named = {layer: frozenset(h for h in HOOKS if view.has_hook(layer, f"attn.hook_{h}"))
              for layer in range(view.n_layers)}
     order: dict[int, list[str]] = {layer: [] for layer in named}
     shapes: dict[int, dict[str, tuple[int, ...]]] = {layer: {} for layer in named}
@@ -103,7 +103,7 @@ def attention_access(model: Any) -> dict[int, Access]:
         order[layer].append(name)
         shapes[layer][name] = tuple(x.shape)
 
-    hooks = [(f"blocks.{layer}.attn.hook_{h}", partial(seen, layer=layer, name=h))
+    hooks = [(view.block_hook(layer, f"attn.hook_{h}"), partial(seen, layer=layer, name=h))
              for layer, hooks in named.items() for h in sorted(hooks)]
     if hooks:
         view.forward(view.full_batch(probe_tokens(model, pos)), hooks, check_finite=False)
@@ -167,7 +167,7 @@ def require(model: Any, what: str, layers: Any, *, reads: tuple[str, ...] = (),
         for hook in reads:
             if not a.fires(hook):
                 why = "the bridge never runs it" if hook in a.named else "the model has no such hook"
-                raise MassiveLensError(f"{who}: {what} needs blocks.{layer}.attn.hook_{hook}, but {why}; "
+                raise MassiveLensError(f"{who}: {what} needs {view.block_hook(layer, 'attn.hook_' + hook)}, but {why}; "
                                        "the massive-activation interventions (ablate_massive) do not need it")
         for kind in positioned:
             if (a.query_hook if kind == "q" else a.key_hook) is None:
@@ -179,18 +179,18 @@ def require(model: Any, what: str, layers: Any, *, reads: tuple[str, ...] = (),
             first = a.query_hook if first == "query" else first
             if not a.before(first, then):
                 raise MassiveLensError(
-                    f"{who}: {what} needs blocks.{layer}.attn.hook_{first} before hook_{then}, but this "
+                    f"{who}: {what} needs {view.block_hook(layer, 'attn.hook_' + first)} before hook_{then}, but this "
                     f"architecture's bridge fires it after (it reads the Hugging Face module's attention after "
                     "the fact), so it cannot be used in time; the massive-activation interventions "
                     "(ablate_massive) still work")
         for hook in per_head:
             if not a.per_head(hook):
                 raise MassiveLensError(
-                    f"{who}: {what} needs blocks.{layer}.attn.hook_{hook} as [batch, pos, head, d_head]; this "
-                    f"attention gives {a.shapes.get(hook, 'nothing')} on {a.pos} tokens (e.g. latent or "
+                    f"{who}: {what} needs {view.block_hook(layer, 'attn.hook_' + hook)} as [batch, pos, head, d_head]; "
+                    f"this attention gives {a.shapes.get(hook, 'nothing')} on {a.pos} tokens (e.g. latent or "
                     "compressed attention)")
         if edits_pattern and not pattern_edits_apply(model, layer):
             raise MassiveLensError(
-                f"{who}: {what} edits blocks.{layer}.attn.hook_pattern, but this architecture's bridge fires "
-                "that hook after the Hugging Face module used the pattern, so an edit would be discarded; "
+                f"{who}: {what} edits {view.block_hook(layer, 'attn.hook_pattern')}, but this architecture's bridge "
+                "fires that hook after the Hugging Face module used the pattern, so an edit would be discarded; "
                 "the massive-activation interventions (ablate_massive) still work")

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from massive_lens.attention.sinks import post_attention_norm
+from massive_lens.attention.sinks import Sinks, post_attention_norm
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions.calibration import Calibration, calibrate
 from massive_lens.interventions.edits import ResidPlan, measure_pattern, reset, resid_step
 from massive_lens.interventions.intervention import Intervention
-from massive_lens.interventions.state import HookState, Sinks
+from massive_lens.interventions.state import HookState
 
 
 def build_hooks(model: Any, calib: Calibration, state: HookState, *,

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention import find_sinks
+from massive_lens.attention.sinks import Sinks
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.errors import MassiveLensError
@@ -75,7 +76,7 @@ from massive_lens.interventions.edits import (
 )
 from massive_lens.interventions.intervention import WHERE, Intervention
 from massive_lens.interventions.sink_stats import unpad
-from massive_lens.interventions.state import HookState, Sinks, stash
+from massive_lens.interventions.state import HookState, stash
 
 __all__ = ["Intervention", "ablate_massive", "bias_surgery", "fix_sink_term", "observe", "patch_sink_from",
            "remove_sink_attention"]

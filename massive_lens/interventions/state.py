@@ -7,19 +7,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-from massive_lens.attention.sinks import SinkSet
+from massive_lens.attention.sinks import Sinks, SinkSet
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.calibration import Calibration
 from massive_lens.interventions.checks import Record
-
-Sinks = SinkSet | Tensor | Sequence[int] | None
 
 
 class HookState:

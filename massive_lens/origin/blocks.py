@@ -25,6 +25,7 @@ block (:class:`BlockPlan`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -49,10 +50,6 @@ class BlockPlan:
     experts: Experts | None = None  # a mixture of experts as transformers stores it (origin.experts)
 
 
-def _has(view: ModelView, name: str) -> bool:
-    return name in view.hook_names
-
-
 def _weight(mlp: Any, name: str) -> Tensor | None:
     """``W_in``, ``W_gate`` or ``W_out`` of an MLP bridge (None where it has none or cannot say)."""
     try:
@@ -66,11 +63,11 @@ def block_plan(view: ModelView, layer: int) -> BlockPlan:
     """Which hooks hold what in block ``layer`` (raises a clear error for a block without an
     attention and an MLP output, e.g. a state-space or linear-attention block)."""
     block = view.block(layer)
-    prefix = f"blocks.{layer}."
-    parallel = not _has(view, prefix + "hook_resid_mid")
-    attn_post, mlp_post = _has(view, prefix + "ln1_post.hook_out"), _has(view, prefix + "ln2_post.hook_out")
-    missing = [n for n in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
-               if not _has(view, prefix + n)]
+    name = partial(view.block_hook, layer)  # "hook_attn_out" -> "blocks.{layer}.hook_attn_out"
+    has = partial(view.has_hook, layer)
+    parallel = not has("hook_resid_mid")
+    attn_post, mlp_post = has("ln1_post.hook_out"), has("ln2_post.hook_out")
+    missing = [n for n in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out") if not has(n)]
     if missing or getattr(block, "mlp", None) is None:
         kind = type(block).__name__
         raise MassiveLensError(
@@ -78,46 +75,45 @@ def block_plan(view: ModelView, layer: int) -> BlockPlan:
             "needs every block to add an attention output and an MLP output to the residual stream "
             "(state-space, recurrent and linear-attention blocks do not)")
     hooks = {
-        "resid_pre": prefix + "hook_resid_pre",
-        "resid_post": prefix + "hook_resid_post",
-        "attn": prefix + ("ln1_post.hook_out" if attn_post else "hook_attn_out"),
-        "mlp": prefix + ("ln2_post.hook_out" if mlp_post else "hook_mlp_out"),
+        "resid_pre": name("hook_resid_pre"),
+        "resid_post": name("hook_resid_post"),
+        "attn": name("ln1_post.hook_out" if attn_post else "hook_attn_out"),
+        "mlp": name("ln2_post.hook_out" if mlp_post else "hook_mlp_out"),
     }
     if not parallel:
-        hooks["resid_mid"] = prefix + "hook_resid_mid"
+        hooks["resid_mid"] = name("hook_resid_mid")
     if mlp_post:
-        hooks["mlp_raw"] = prefix + "ln2_post.hook_in"
+        hooks["mlp_raw"] = name("ln2_post.hook_in")
     if attn_post:
-        hooks["attn_raw"] = prefix + "ln1_post.hook_in"
+        hooks["attn_raw"] = name("ln1_post.hook_in")
     for key in ("z", "pattern"):  # per-head attribution (origin.heads), where the hooks exist
-        if _has(view, prefix + f"attn.hook_{key}"):
-            hooks[key] = prefix + f"attn.hook_{key}"
-    norm = "ln2" if _has(view, prefix + "ln2.hook_in") else ("ln1" if parallel and _has(view, prefix + "ln1.hook_in")
-                                                              else None)
+        if has(f"attn.hook_{key}"):
+            hooks[key] = name(f"attn.hook_{key}")
+    norm = "ln2" if has("ln2.hook_in") else ("ln1" if parallel and has("ln1.hook_in") else None)
     if norm is not None:
-        hooks["norm_in"], hooks["norm_out"] = prefix + f"{norm}.hook_in", prefix + f"{norm}.hook_out"
-        if _has(view, prefix + f"{norm}.hook_scale"):
-            hooks["scale"] = prefix + f"{norm}.hook_scale"
-    elif _has(view, prefix + "mlp.hook_in"):
-        hooks["norm_in"] = prefix + "mlp.hook_in"
+        hooks["norm_in"], hooks["norm_out"] = name(f"{norm}.hook_in"), name(f"{norm}.hook_out")
+        if has(f"{norm}.hook_scale"):
+            hooks["scale"] = name(f"{norm}.hook_scale")
+    elif has("mlp.hook_in"):
+        hooks["norm_in"] = name("mlp.hook_in")
     w_in, w_gate, w_out = (_weight(block.mlp, name) for name in ("W_in", "W_gate", "W_out"))
     d_mlp = None if w_out is None else int(w_out.shape[0])
     dense = (w_in is not None and w_out is not None and tuple(w_in.shape) == (view.d_model, d_mlp)
              and tuple(w_out.shape) == (d_mlp, view.d_model) and (w_gate is None or w_gate.shape == w_in.shape)
-             and _has(view, prefix + "mlp.hook_post") and _has(view, prefix + "mlp.hook_pre")
-             and (w_gate is None or _has(view, prefix + "mlp.hook_pre_linear")) and "norm_in" in hooks)
+             and has("mlp.hook_post") and has("mlp.hook_pre")
+             and (w_gate is None or has("mlp.hook_pre_linear")) and "norm_in" in hooks)
     gated = dense and w_gate is not None
     if dense:
-        hooks.update(post=prefix + "mlp.hook_post", pre=prefix + "mlp.hook_pre")
+        hooks.update(post=name("mlp.hook_post"), pre=name("mlp.hook_pre"))
         if gated:
-            hooks["up"] = prefix + "mlp.hook_pre_linear"
+            hooks["up"] = name("mlp.hook_pre_linear")
     experts = None if dense else find_experts(view.model, block.mlp)
     return BlockPlan(layer=layer, parallel=parallel, mlp_norm=norm, dense=dense, gated=gated, post_norm=mlp_post,
                      d_mlp=d_mlp if dense else None, hooks=hooks, experts=experts)
 
 
 def is_post_norm(view: ModelView) -> bool:
-    return "blocks.0.ln2_post.hook_out" in view.hook_names
+    return view.has_hook(0, "ln2_post.hook_out")
 
 
 def d_mlp(view: ModelView) -> int:

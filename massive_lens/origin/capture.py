@@ -152,7 +152,7 @@ class _Pass:
     def hooks(self) -> list[tuple[str, Any]]:
         """(hook name, function) for every key of every block, and the embeddings."""
         hooks = [("hook_embed", partial(self.keep, "embed", -1)),
-                 ("blocks.0.hook_resid_pre", partial(self.keep, "resid_pre0", -1))]
+                 (self.view.block_hook(0, "resid_pre"), partial(self.keep, "resid_pre0", -1))]
         if "hook_pos_embed" in self.view.hook_names:
             hooks.append(("hook_pos_embed", partial(self.keep, "pos_embed", -1)))
         for plan in self.plans:

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 SHARED = -1  # the ``expert`` of a shared expert's neurons (and of a dense MLP's)
-CHECK_TOL = 1e-3  # relative: the routed terms vs the experts module's output
+CHECK_TOL = 1e-3  # relative, for every sum trace_origin checks: routed terms vs the experts module's output,
+# neuron terms vs the MLP's term, sources vs the MLP's input (origin.neurons)
 
 
 @dataclass(frozen=True)

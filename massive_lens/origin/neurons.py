@@ -20,7 +20,7 @@ from torch import Tensor
 from massive_lens.core.model_view import ModelView
 from massive_lens.origin.blocks import block_plan
 from massive_lens.origin.capture import Capture
-from massive_lens.origin.experts import SHARED, UnitTerms, input_columns, unit_terms
+from massive_lens.origin.experts import CHECK_TOL, SHARED, UnitTerms, input_columns, unit_terms
 from massive_lens.origin.norms import norm_affine, norm_scale, post_norm_factor
 
 NEURON_COLUMNS = ["pos", "dim", "layer", "kind", "expert", "neuron", "contribution", "share", "named", "post", "pre",
@@ -32,7 +32,6 @@ SUPER_COLUMNS = ["pos", "dim", "layer", "expert", "neuron", "value", "zscore", "
 WHY_COLUMNS = ["pos", "dim", "layer", "expert", "neuron", "input", "source", "source_layer", "contribution", "share",
                "value"]
 Unit = int | tuple[int, int]  # a dense MLP's neuron, or (expert, neuron)
-CHECK_TOL = 1e-3  # relative: neuron terms vs the MLP's term, sources vs the MLP's input
 
 
 def w_out(view: ModelView, layer: int) -> Float[Tensor, "d_mlp d_model"]:
@@ -130,7 +129,7 @@ def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
         for name, param in original.named_parameters():
             if param.data_ptr() == weight.data_ptr() and param.numel() == weight.numel():
                 return name.replace("._original_component", ""), tuple(param.shape) != tuple(weight.shape)
-    return f"blocks.{layer}.mlp.W_out", False
+    return ModelView.block_param(layer, "mlp.W_out"), False
 
 
 def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit],

@@ -48,7 +48,7 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import waterfall_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
-from massive_lens.detect.find import chosen_layers, find_in_batch
+from massive_lens.detect.find import find_in_batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import neurons as neu
 from massive_lens.origin.attribution import ATTRIBUTION_COLUMNS, attribution_rows
@@ -315,7 +315,7 @@ def _positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None, 
         return torch.tensor([pos])
     if seq * d_mlp(view) * view.n_layers * 12 <= _CAPTURE_BUDGET:
         return torch.arange(seq)
-    found = find_in_batch(view, batch, criterion, chosen_layers(view, None)).to_frame()
+    found = find_in_batch(view, batch, criterion, view.chosen_layers(None)).to_frame()
     found = found[found.dim == dim] if dim is not None else found
     if dim is None and (found.scope == "token").any():  # outlier dimensions are traced only when asked
         found = found[found.scope == "token"]

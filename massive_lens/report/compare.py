@@ -42,7 +42,7 @@ from massive_lens.origin import OriginTrace
 from massive_lens.report import compare_cells as cells
 from massive_lens.report import sections as sec
 from massive_lens.report.compare_cells import MISSING as _MISSING
-from massive_lens.report.compare_cells import REBUILT_MARK
+from massive_lens.report.compare_cells import REBUILT_MARK, side_by_side
 from massive_lens.report.memory import PeakMemory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
 from massive_lens.report.write import check_inputs, settings_for
@@ -217,23 +217,6 @@ def analyse(model: Any, text: str, corpus: Corpus, settings: sec.ReportOptions, 
 # --------------------------------------------------------------------------- the sections
 
 
-def _side_by_side(results: list[ModelResults], rows: list[tuple[str, Any]]) -> pd.DataFrame:
-    """One row per (label, cell function), one column per model."""
-    data = {"": [label for label, _ in rows]}
-    for r in results:
-        data[r.name] = [_cell(fn, r) for _, fn in rows]
-    return pd.DataFrame(data)
-
-
-def _cell(fn: Any, r: ModelResults) -> str:
-    """``fn(r)`` as text; a dash where the result it reads is missing (its analysis did not run)."""
-    try:
-        value = fn(r)
-    except (AttributeError, IndexError, KeyError):  # the result it reads is missing
-        return _MISSING
-    return _MISSING if value is None or value == "" else str(value)
-
-
 def _notes(s: Section, results: list[ModelResults], *whats: str) -> None:
     for r in results:
         for what, note in r.notes:
@@ -244,7 +227,7 @@ def _notes(s: Section, results: list[ModelResults], *whats: str) -> None:
 def _models(results: list[ModelResults], text: str) -> Section:
     s = Section("Models")
     labels = list(dict.fromkeys(k for r in results for k in r.facts))
-    s.table(_side_by_side(results, [(k, lambda r, k=k: r.facts.get(k)) for k in labels]))
+    s.table(side_by_side(results, [(k, None, lambda r, k=k: r.facts.get(k)) for k in labels]))
     s.text(f"Text inspected token by token: {text!r}")
     return s
 
@@ -252,23 +235,24 @@ def _models(results: list[ModelResults], text: str) -> Section:
 def _massive(results: list[ModelResults]) -> Section:
     s = Section("Massive activations")
     rows = [
-        ("token-specific massive (position, dim) pairs in the text", lambda r: len(cells.token_pairs(r))),
-        ("their dims, largest first", lambda r: cells.listed(cells.token_pairs(r).dim.drop_duplicates().tolist())),
-        ("token kinds (pairs)", lambda r: cells.counts(cells.token_pairs(r).token_kind)),
-        ("tokens",
+        ("token-specific massive (position, dim) pairs in the text", "found", lambda r: len(cells.token_pairs(r))),
+        ("their dims, largest first", "found",
+         lambda r: cells.listed(cells.token_pairs(r).dim.drop_duplicates().tolist())),
+        ("token kinds (pairs)", "found", lambda r: cells.counts(cells.token_pairs(r).token_kind)),
+        ("tokens", "found",
          lambda r: cells.listed([repr(short(t, 20)) for t in cells.token_pairs(r).token.drop_duplicates()], 4)),
-        ("largest |value| (x median), at layer", lambda r: cells.largest(cells.token_pairs(r))),
-        ("layers where massive (any scope)", lambda r: cells.layer_range(r.found.layers, r.n_layers)),
-        ("outlier dimensions (massive at most tokens of a layer), listed apart",
+        ("largest |value| (x median), at layer", "found", lambda r: cells.largest(cells.token_pairs(r))),
+        ("layers where massive (any scope)", "found", lambda r: cells.layer_range(r.found.layers, r.n_layers)),
+        ("outlier dimensions (massive at most tokens of a layer), listed apart", "found",
          lambda r: "; ".join(f"dim {o.dim} at {pct(o.share)} of tokens in {layer_span(o.layers)}"
                              for o in r.found.outlier_dims().head(3).itertuples()) or "none"),
-        ("over the corpus: dim at token kind, share of sequences",
+        ("over the corpus: dim at token kind, share of sequences", "scan",
          lambda r: "; ".join(f"dim {f.dim} at {f.token_kind}: {pct(f.frequency)}"
                              for f in r.scan.frequency[r.scan.frequency.scope == "token"].head(4).itertuples())
          or "none"),
-        ("corpus: sequences, tokens", lambda r: f"{r.scan.n_sequences}, {r.scan.n_tokens:,}"),
+        ("corpus: sequences, tokens", "scan", lambda r: f"{r.scan.n_sequences}, {r.scan.n_tokens:,}"),
     ]
-    s.table(_side_by_side(results, rows), "one column per model (from find_massive on the text and scan_corpus)")
+    s.table(side_by_side(results, rows), "one column per model (from find_massive on the text and scan_corpus)")
     scans = {r.name: r.scan for r in results if r.scan is not None}
     if scans:
         s.figure(overlay_profiles(scans, relative_depth=True, title="layer profiles, relative depth"),
@@ -281,14 +265,14 @@ def _massive(results: list[ModelResults]) -> Section:
 def _origin(results: list[ModelResults]) -> Section:
     s = Section("Origin of the largest massive activation")
     rows = [
-        ("traced entry", lambda r: cells.entry(r.trace.targets.iloc[0])),
-        ("peak (layer), final value", lambda r: cells.peak(r.trace.targets.iloc[0])),
-        ("births", lambda r: cells.births(r.trace)),
-        ("birth neurons (share of their MLP's write)", lambda r: cells.neurons(r.trace)),
-        ("candidate super weights", lambda r: cells.super_weights(r.trace)),
-        ("what accounts for the peak", lambda r: cells.attribution(r.trace)),
+        ("traced entry", "trace", lambda r: cells.entry(r.trace.targets.iloc[0])),
+        ("peak (layer), final value", "trace", lambda r: cells.peak(r.trace.targets.iloc[0])),
+        ("births", "trace", lambda r: cells.births(r.trace)),
+        ("birth neurons (share of their MLP's write)", "trace", lambda r: cells.neurons(r.trace)),
+        ("candidate super weights", "trace", lambda r: cells.super_weights(r.trace)),
+        ("what accounts for the peak", "trace", lambda r: cells.attribution(r.trace)),
     ]
-    s.table(_side_by_side(results, rows), "trace_origin of each model's largest massive entry in the text "
+    s.table(side_by_side(results, rows), "trace_origin of each model's largest massive entry in the text "
             "(without one: the largest value at the first token); not verified here")
     _notes(s, results, "trace_origin")
     return s
@@ -299,11 +283,11 @@ def _interventions(results: list[ModelResults]) -> Section:
     tables = {r.name: r.table.to_frame() for r in results if r.table is not None}
     if tables:
         settings = list(dict.fromkeys(name for frame in tables.values() for name in frame.setting))
-        rows: list[tuple[str, Any]] = [("perplexity of the untouched model",
-                                        lambda r: cells.original_perplexity(r.table.to_frame()))]
-        rows += [(name, lambda r, name=name: cells.setting_ratio(r.table.to_frame(), name)) for name in settings
-                 if name != "original"]
-        s.table(_side_by_side(results, rows), "perplexity ratio to the untouched model [95% bootstrap interval] "
+        rows: list[tuple[str, str | None, Any]] = [("perplexity of the untouched model", "table",
+                                                    lambda r: cells.original_perplexity(r.table.to_frame()))]
+        rows += [(name, "table", lambda r, name=name: cells.setting_ratio(r.table.to_frame(), name))
+                 for name in settings if name != "original"]
+        s.table(side_by_side(results, rows), "perplexity ratio to the untouched model [95% bootstrap interval] "
                 f"per setting (run_interventions on each model's own tokens of the same corpus); {REBUILT_MARK}: the "
                 "model rebuilt the removed activation downstream, so the ratio does not measure a removal",
                 max_rows=60)

@@ -12,6 +12,42 @@ from massive_lens.core.fmt import num, pct, ratio, short
 from massive_lens.origin import OriginTrace
 
 MISSING = "-"  # a cell whose analysis did not run (or a setting that was not needed)
+RAN_BY = {"found": "find_massive", "scan": "scan_corpus", "trace": "trace_origin", "table": "interventions"}
+# a row reads one of these results of a model's column; the analysis named is what made it
+
+
+def cell(fn: Any, r: Any, needs: str | None = None) -> str:
+    """``fn(r)`` as the text of one table cell. Where the result it ``needs`` (a key of
+    :data:`RAN_BY`) is missing, because that analysis did not run on this model, the cell is
+    :data:`MISSING` and says so (the section's notes say why); any error of ``fn`` itself is a
+    bug and raises.
+
+    >>> from types import SimpleNamespace
+    >>> r = SimpleNamespace(found=None, notes=[("find_massive", "m: find_massive did not run: ...")])
+    >>> cell(lambda r: len(r.found.dims), r, "found")
+    '- (find_massive did not run; see the note below)'
+    >>> cell(lambda r: "x2.0", r)
+    'x2.0'
+    """
+    if needs is not None and getattr(r, needs) is None:
+        what = RAN_BY[needs]
+        noted = any(w == what for w, _ in getattr(r, "notes", ()))
+        return f"{MISSING} ({what} did not run{'; see the note below' if noted else ''})"
+    value = fn(r)
+    return MISSING if value is None or value == "" else str(value)
+
+
+def side_by_side(results: Sequence[Any], rows: Sequence[tuple[str, str | None, Any]]) -> pd.DataFrame:
+    """One row per ``(label, needs, cell function)`` (see :func:`cell`), one column per model.
+
+    >>> from types import SimpleNamespace
+    >>> side_by_side([SimpleNamespace(name="m", n_layers=2)], [("layers", None, lambda r: r.n_layers)]).values.tolist()
+    [['layers', '2']]
+    """
+    data = {"": [label for label, _, _ in rows]}
+    for r in results:
+        data[r.name] = [cell(fn, r, needs) for _, needs, fn in rows]
+    return pd.DataFrame(data)
 REBUILT_MARK = "(rebuilt)"  # after a ratio whose removal the model undid downstream
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.variants import AttentionVariant, VariantConfig, make_variant
 
@@ -203,11 +204,12 @@ def bridge_hooks(bridge: Any, hf_model: nn.Module) -> list[tuple[str, Any]]:
         scaling = float(getattr(module, "scaling", module.head_dim ** -0.5))
         state: dict[str, Tensor] = {}
         stash = partial(_stash, state=state)
-        hooks += [(f"blocks.{layer}.attn.hook_rot_q", partial(stash, key="q")),
-                  (f"blocks.{layer}.attn.hook_attn_scores", partial(stash, key="scores")),
-                  (f"blocks.{layer}.attn.hook_pattern",
+        name = partial(ModelView.block_hook, layer)
+        hooks += [(name("attn.hook_rot_q"), partial(stash, key="q")),
+                  (name("attn.hook_attn_scores"), partial(stash, key="scores")),
+                  (name("attn.hook_pattern"),
                    partial(_slot_pattern, state=state, variant=module.ml_variant, scaling=scaling)),
-                  (f"blocks.{layer}.attn.hook_z", partial(_slot_value, state=state, variant=module.ml_variant))]
+                  (name("attn.hook_z"), partial(_slot_value, state=state, variant=module.ml_variant))]
     return hooks
 
 

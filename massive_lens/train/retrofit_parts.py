@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from massive_lens.core.criterion import Criterion, median_scale
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.load import wrap_hf_model
 from massive_lens.origin import trace_origin
@@ -109,12 +110,12 @@ def sink_keys_values(bridge: Any, tokens: Int[Tensor, "batch pos"]) -> tuple[Ten
     def grab(x: Tensor, hook: Any, name: str) -> None:
         found[name] = x[:, 0].mean(0).float()  # [kv_head, d_head] at the first token
 
-    names = [f"blocks.{layer}.attn.hook_{kind}" for layer in range(n) for kind in ("rot_k", "v")]
+    names = [ModelView.block_hook(layer, f"attn.hook_{kind}") for layer in range(n) for kind in ("rot_k", "v")]
     hooks = [(name, partial(grab, name=name)) for name in names]
     with torch.no_grad(), bridge.hooks(fwd_hooks=hooks):  # (run_with_cache leaves hooks on a bridge)
         bridge(tokens)
-    keys = torch.stack([found[f"blocks.{layer}.attn.hook_rot_k"] for layer in range(n)])
-    values = torch.stack([found[f"blocks.{layer}.attn.hook_v"] for layer in range(n)])
+    keys = torch.stack([found[ModelView.block_hook(layer, "attn.hook_rot_k")] for layer in range(n)])
+    values = torch.stack([found[ModelView.block_hook(layer, "attn.hook_v")] for layer in range(n)])
     return keys, values
 
 
@@ -208,7 +209,7 @@ def analysis_bridge(hf_model: nn.Module, tokenizer: Any, *, hold: tuple[list[int
     hooks = bridge_hooks(bridge, hf_model)
     if hold is not None:
         dims, start = hold
-        hooks += [(f"blocks.{layer}.hook_resid_post", partial(_zero_dims, dims=dims))
+        hooks += [(ModelView.block_hook(layer, "resid_post"), partial(_zero_dims, dims=dims))
                   for layer in range(start, bridge.cfg.n_layers)]
     for hook_name, fn in hooks:
         bridge.add_hook(hook_name, fn, is_permanent=True)
