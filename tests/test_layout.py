@@ -336,3 +336,52 @@ def test_the_quick_loop_leaves_out_every_real_model_and_report(tmp_path):
                                        "def test_named(default_model):\n    load_model('a/local/dir')\n")
     (planted / "test_b.py").write_text("pytestmark = pytest.mark.heavy\n\n\ndef test_real(big):\n    pass\n")
     assert quick_leaks(planted) == ["tests/test_a.py::test_real", "tests/test_a.py::test_report"]
+
+
+def _docstring_nodes(tree: ast.Module) -> set[int]:
+    """``id`` of every docstring constant (a module's, class's or function's first statement)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def hand_built_hook_names(root: Path) -> list[str]:
+    """``file:line`` of every string outside ``core/`` that is, or starts building, a per-block
+    name (``"blocks.0.hook_resid_pre"``, ``f"blocks.{layer}.attn.hook_z"``, ``"blocks." + ...``);
+    docstrings and comments are exempt, and so is a message that only mentions one mid-sentence.
+    ``ModelView.block_hook`` / ``has_hook`` / ``hook_name`` (and ``block_param``) are the one place."""
+    found = []
+    for file in sorted(root.rglob("*.py")):
+        if file.relative_to(root).parts[0] == "core":
+            continue
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        docs, parts = _docstring_nodes(tree), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):
+                parts |= {id(v) for v in node.values}
+                head = node.values[0] if node.values else None
+                if isinstance(head, ast.Constant) and str(head.value).startswith("blocks."):
+                    found.append(f"{file.relative_to(root.parent)}:{node.lineno}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("blocks.")
+                    and id(node) not in docs and id(node) not in parts):
+                found.append(f"{file.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_no_module_outside_core_builds_a_hook_name(tmp_path):
+    found = hand_built_hook_names(PACKAGE)
+    assert not found, f"{found}: name per-block hooks with ModelView.block_hook / hook_name / has_hook"
+    pkg = tmp_path / "pkg"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "core" / "view.py").write_text('def name(layer):\n    return f"blocks.{layer}.hook_resid_post"\n')
+    (pkg / "a.py").write_text('"""blocks.0.hook_resid_pre in a docstring is fine."""\n'
+                              'A = f"blocks.{1}.attn.hook_z"\n'
+                              'B = "blocks.0.hook_resid_pre"  # blocks.1 in a comment is fine\n'
+                              'C = "blocks." + str(2) + ".hook_mlp_out"\n'
+                              'D = f"set sae.cfg.hook_name, e.g. blocks.{6}.hook_resid_post"\n')
+    assert hand_built_hook_names(pkg) == ["pkg/a.py:2", "pkg/a.py:3", "pkg/a.py:4"]

@@ -220,7 +220,7 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
 
     gather, hooks = LayerGather(("q", "k", "v", "pattern"), ready), []
     for layer in chosen:
-        rot = f"blocks.{layer}.attn.hook_rot_q" in view.hook_names
+        rot = view.has_hook(layer, "attn.hook_rot_q")
         for key, name in (("q", "attn.hook_rot_q" if rot else "attn.hook_q"), ("k", "attn.hook_rot_k" if rot else
                           "attn.hook_k"), ("v", "attn.hook_v"), ("pattern", "attn.hook_pattern")):
             hooks.append((view.hook_name(layer, name), gather.hook(key, layer)))

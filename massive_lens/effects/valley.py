@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -49,7 +48,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import first_token_mass, sink_metric
+from massive_lens.core.criterion import first_norm_ratio, first_token_mass, sink_metric
+from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.effects.common import axes, band, with_intervals
@@ -216,21 +216,27 @@ def _measure(view: ModelView, tokens: Tensor, layers: list[int], extra: list, se
              batch_size: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     seq0 = 0
+
+    def ready(layer: int, pattern: Tensor, resid: Tensor) -> None:  # a layer's rows, as soon as it has run
+        masses, resid = first_token_mass_per_seq(pattern), resid.detach().float().cpu()
+        norms = resid.norm(dim=-1)
+        ratios = first_norm_ratio(norms)
+        for b in range(len(resid)):
+            rows.append(dict(setting=setting, seq=seq0 + b, layer=layer, entropy=matrix_entropy(resid[b]),
+                             first_norm=float(norms[b, 0]), first_norm_ratio=float(ratios[b]),
+                             sink_rate=sink_metric(masses[b])))
+
     for chunk in tokens.split(batch_size):
-        seen: dict[tuple[str, int], Tensor] = {}
+        gather = LayerGather(("pattern", "resid"), ready)
         hooks = list(extra)
         for layer in layers:
-            for kind, name in (("pattern", "attn.hook_pattern"), ("resid", "resid_post")):
-                hooks.append((view.hook_name(layer, name), partial(_keep, seen=seen, key=(kind, layer))))
+            hooks.append((view.hook_name(layer, "attn.hook_pattern"), gather.hook("pattern", layer)))
+            hooks.append((view.hook_name(layer, "resid_post"), gather.hook("resid", layer)))
         view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(max(layers), "resid_post"))
-        for layer in layers:
-            resid, masses = seen[("resid", layer)], seen[("pattern", layer)]
-            norms = resid.norm(dim=-1)
-            for b in range(len(chunk)):
-                rows.append(dict(setting=setting, seq=seq0 + b, layer=layer, entropy=matrix_entropy(resid[b]),
-                                 first_norm=float(norms[b, 0]),
-                                 first_norm_ratio=float(norms[b, 0] / norms[b, 1:].median().clamp(min=1e-12)),
-                                 sink_rate=sink_metric(masses[b])))
+        if gather.done != layers:
+            raise MassiveLensError(f"{view.name}: the attention pattern and residual hooks did not both fire in "
+                                   f"layers {sorted(set(layers) - set(gather.done))}; compression_valley cannot "
+                                   "read them")
         seq0 += len(chunk)
     return rows
 
@@ -239,9 +245,6 @@ def first_token_mass_per_seq(pattern: Float[Tensor, "batch head_index query_pos 
     """Per sequence and head, the mean attention to the first token over the first 64 queries."""
     return torch.stack([first_token_mass(pattern[b:b + 1]) for b in range(len(pattern))]).float().cpu()
 
-
-def _keep(x: Tensor, hook: Any, *, seen: dict, key: tuple[str, int]) -> None:
-    seen[key] = x.detach().float().cpu() if key[0] == "resid" else first_token_mass_per_seq(x)
 
 
 def compression_valley(model: Any, corpus: Corpus = None, *, layers: int | Sequence[int] | None = None,

@@ -42,7 +42,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from massive_lens.core.criterion import SINK_THRESHOLD
+from massive_lens.core.criterion import SINK_THRESHOLD, first_norm_ratio
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant import fake_quantized
 from massive_lens.train.layers import MassiveLMConfig
@@ -184,21 +185,20 @@ def evaluate(model: MassiveLM, task: Any, batch: TaskBatch) -> tuple[dict[str, f
         model.train(was_training)
     per_head, resid_ratio, norm_ratio = [], 0.0, 0.0
     for layer in range(model.cfg.n_layers):
-        pattern = cache[f"blocks.{layer}.attn.hook_pattern"][:, :, 1:, 0].mean((0, 2))
-        scores = cache[f"blocks.{layer}.attn.hook_attn_scores"]
+        pattern = cache[ModelView.block_hook(layer, "attn.hook_pattern")][:, :, 1:, 0].mean((0, 2))
+        scores = cache[ModelView.block_hook(layer, "attn.hook_attn_scores")]
         top_logit = scores.masked_fill(~torch.isfinite(scores), -math.inf).amax((0, 2, 3))
-        v_norm = cache[f"blocks.{layer}.attn.hook_v"].norm(dim=-1)  # [batch, pos, kv_head]
+        v_norm = cache[ModelView.block_hook(layer, "attn.hook_v")].norm(dim=-1)  # [batch, pos, kv_head]
         v_norm = v_norm.repeat_interleave(model.cfg.n_heads // v_norm.shape[-1], -1)
         v_first, v_rest = v_norm[:, 0].mean(0), v_norm[:, 1:].median(1).values.mean(0)
         for head in range(model.cfg.n_heads):
             per_head.append(dict(layer=layer, head=head, sink_mass=float(pattern[head]),
                                  max_logit=float(top_logit[head]), value_norm_first=float(v_first[head]),
                                  value_ratio=float(v_first[head] / v_rest[head].clamp(min=1e-12))))
-        x = cache[f"blocks.{layer}.hook_resid_post"].float()
+        x = cache[ModelView.block_hook(layer, "resid_post")].float()
         median = x.abs().flatten().median().clamp(min=1e-12)
         resid_ratio = max(resid_ratio, float(x[:, 0].abs().amax(-1).mean() / median))
-        norms = x.norm(dim=-1)
-        norm_ratio = max(norm_ratio, float((norms[:, 0] / norms[:, 1:].median(1).values.clamp(min=1e-12)).mean()))
+        norm_ratio = max(norm_ratio, float(first_norm_ratio(x.norm(dim=-1)).mean()))
     top = max(per_head, key=lambda h: h["sink_mass"])
     row = dict(loss=float(task.loss(logits, batch)), **task.accuracy(logits, batch), sink_mass=top["sink_mass"],
                sink_layer=top["layer"], sink_head=top["head"], value_ratio=top["value_ratio"],
