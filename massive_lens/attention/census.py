@@ -28,12 +28,12 @@ fewer layers: one head that likes one token is not a sink).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from torch import Tensor
@@ -42,7 +42,9 @@ from massive_lens.attention.sinks import sink_hooks
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, key_attention
+from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.errors import MassiveLensError
@@ -52,7 +54,7 @@ COLUMNS = ["seq", "pos", "token", "token_kind", "level", "layer", "first_layer",
            "peak_mass", "heads", "norm", "norm_ratio", "cos_first", "mlp_layer", "mlp_growth", "neuron", "in_rule"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SinkCensus(Result):
     """Every position that acts as a sink, with its level and life (see the module docstring).
 
@@ -66,7 +68,8 @@ class SinkCensus(Result):
     NaN at layer 0), ``neuron`` (that MLP's neuron writing most there; -1 when the MLP has no
     per-neuron weights), ``in_rule`` (the sink rule counts it). ``.by_kind``: per token kind
     over the sequences, how often it became a secondary sink and at which layers; ``.by_layer``:
-    per layer and level, the sinks acting there.
+    per layer and level, the sinks acting there. ``attention``: ``"lse"`` (each key's attention
+    from q, k and the SDPA kernel's log-sum-exp, no pattern) or ``"eager"`` (the pattern).
     """
 
     frame: pd.DataFrame
@@ -77,6 +80,7 @@ class SinkCensus(Result):
     n_layers: int
     rule: SinkRule = field(default_factory=SinkRule)
     min_layers: int = 2
+    attention: str = EAGER
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
@@ -116,12 +120,11 @@ class SinkCensus(Result):
         n_tr = int((f["level"] == "transient").sum())
         parts.append(f"{n_tr} transient (sink-like attention in fewer than {self.min_layers} layers)")
         return (f"{self.model_name}, {self.n_seqs} sequence(s), sink = a head gives it > {self.rule.threshold:g} "
-                "of its attention: " + "; ".join(parts))
+                "of its attention: " + "; ".join(parts) + f" ({path_text(self.attention)})")
 
     def plot(self, ax: Any = None) -> Any:
         """Per layer: the share of sequences with a sink of each level acting there."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 4))[1]
+        ax = ensure_axes(ax, (7, 4), layout=None)
         for lvl, group in self.by_layer.groupby("level"):
             share = group.set_index("layer")["sequences"].reindex(range(self.n_layers), fill_value=0) / self.n_seqs
             ax.plot(share.index, share.values, marker="o", markersize=3, label=lvl)
@@ -146,8 +149,8 @@ class _Tally:
     the most attention one head gives it, its residual norm and cosine to the first token, the
     MLP's norm growth and the neuron that writes most there."""
 
-    def __init__(self, view: ModelView, batch: Batch, rule: SinkRule, evidence: SinkEvidence):
-        self.view, self.batch, self.rule, self.evidence = view, batch, rule, evidence
+    def __init__(self, view: ModelView, batch: Batch, rule: SinkRule, evidence: SinkEvidence, path: str = EAGER):
+        self.view, self.batch, self.rule, self.evidence, self.path = view, batch, rule, evidence, path
         shape = (view.n_layers, *batch.tokens.shape)
         self.heads = torch.zeros(shape, dtype=torch.long)
         self.mass, self.norm, self.cos, self.growth = (torch.zeros(shape) for _ in range(4))
@@ -155,21 +158,24 @@ class _Tally:
         self.neuron = torch.full(shape, -1, dtype=torch.long)
         self.w_out_norm: dict[int, Tensor] = {}
         for layer in range(view.n_layers):
-            w = getattr(view.block(layer).mlp, "W_out", None) if f"blocks.{layer}.mlp.hook_post" in view.hook_names \
-                else None
+            w = getattr(view.block(layer).mlp, "W_out", None) if view.has_hook(layer, "mlp.hook_post") else None
             if isinstance(w, Tensor) and w.ndim == 2:
                 self.w_out_norm[layer] = _row_norms(w.detach().float())
 
     def hooks(self) -> list[tuple[str, Any]]:
         out = []
-        names = self.view.hook_names
         for layer in range(self.view.n_layers):
             for hook, fn in (("resid_pre", self._pre), ("attn.hook_pattern", self._pattern), ("resid_mid", self._mid),
                              ("mlp.hook_post", self._post), ("resid_post", self._post_resid)):
-                name = f"blocks.{layer}.{hook if '.' in hook else 'hook_' + hook}"
-                if name in names and (hook != "mlp.hook_post" or layer in self.w_out_norm):
-                    out.append((name, partial(fn, layer=layer)))
+                if hook == "attn.hook_pattern" and self.path == LSE:
+                    continue  # the kernel hands each layer over instead (lse)
+                if self.view.has_hook(layer, hook) and (hook != "mlp.hook_post" or layer in self.w_out_norm):
+                    out.append((self.view.block_hook(layer, hook), partial(fn, layer=layer)))
         return out
+
+    def lse(self, att: LayerAttention) -> None:
+        """One layer from the kernel: each key's attention from the band of queries after it."""
+        self._key_mass(att.layer, *att.band(self.batch.mask))
 
     def check_finite(self) -> None:
         """The overflow error naming the first residual hook (in forward order) whose norm is NaN or
@@ -186,11 +192,13 @@ class _Tally:
         dot = torch.einsum("bpd,bd->bp", x, x[:, 0])  # the cosine to the first token, from the norms just taken
         self.norm[layer] = norm.cpu()
         self.cos[layer] = (dot / (norm * norm[:, :1]).clamp(min=1e-8)).cpu()
-        if "blocks.0.hook_resid_mid" not in self.view.hook_names:
+        if not self.view.has_hook(0, "resid_mid"):
             self.mid[layer] = self.norm[layer]  # no resid_mid: the growth is the whole block's
 
     def _pattern(self, pattern: Tensor, hook: Any, *, layer: int) -> None:
-        mass, count = key_attention(pattern.detach(), self.batch.mask)
+        self._key_mass(layer, *key_attention(pattern.detach(), self.batch.mask))
+
+    def _key_mass(self, layer: int, mass: Tensor, count: Tensor) -> None:
         self.evidence.add_key_attention(mass, count)  # the sink rule's evidence, from the same reduction
         mass = (mass * (count >= self.rule.min_queries)[:, None]).cpu()
         self.heads[layer] = (mass > self.rule.threshold).sum(1)
@@ -249,7 +257,7 @@ def _token_strings(view: ModelView, batch: Batch) -> list[list[str]]:
 
 def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int | None = None, n_seqs: int = 8,
                 batch_size: int = 4, rule: SinkRule | None = None, criterion: Criterion | None = None,
-                min_layers: int | None = None) -> SinkCensus:
+                min_layers: int | None = None, attention: str = "auto") -> SinkCensus:
     """Every position that acts as an attention sink, its level (primary, secondary,
     transient) and its life, over one text or a corpus (see the module docstring).
 
@@ -265,13 +273,17 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         criterion: when an activation is massive, for the rule (None: ``Criterion()``).
         min_layers: layers a non-primary position must act as a sink in to be ``secondary``
             (None: the rule's ``min_layers``).
+        attention: ``"auto"`` (the default: each key's attention from q, k and the fused SDPA
+            kernel's log-sum-exp where the model supports it, no pattern built; else the eager
+            pattern), ``"lse"`` or ``"eager"`` (:mod:`massive_lens.core.lse`).
 
     Returns:
         A :class:`SinkCensus`.
 
     Raises:
         MassiveLensError: if ``min_layers`` or ``batch_size`` is below 1, the model has no
-            attention pattern, or the text cannot be read (see ``find_sinks``).
+            attention pattern, the text cannot be read (see ``find_sinks``), or ``attention="lse"``
+            on a model whose kernel cannot give the log-sum-exp.
 
     >>> from massive_lens import tiny_model
     >>> census = sink_census(tiny_model("llama"), "Hello there, world. " * 4)
@@ -283,19 +295,21 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     if isinstance(min_layers, bool) or not isinstance(min_layers, int) or min_layers < 1 or batch_size < 1:
         raise MassiveLensError(f"min_layers and batch_size must be integers >= 1, got {min_layers!r}, {batch_size!r}")
     view = ModelView(model)
-    if not any(f"blocks.{layer}.attn.hook_pattern" in view.hook_names for layer in range(view.n_layers)):
+    if not any(view.has_hook(layer, "attn.hook_pattern") for layer in range(view.n_layers)):
         raise MassiveLensError(f"{view.name} has no attention pattern in any layer (a recurrent or state-space "
                                "model?): sink_census reads the attention that positions draw")
+    path = choose_path(view, attention)
     whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
     rows: list[dict[str, Any]] = []
     kind_seqs = torch.zeros(len(TOKEN_KINDS))
     seq0 = 0
     for batch in whole.split(batch_size):
         evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-        tally = _Tally(view, batch, rule, evidence)
+        tally = _Tally(view, batch, rule, evidence, path)
         hooks = [*sink_hooks(view, evidence, patterns=False), *tally.hooks()]
         # the tally's residual norms at every layer are the overflow check (NaN or inf reach them)
-        view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"), check_finite=False)
+        with lse_run(view, tally.lse) if path == LSE else contextlib.nullcontext():
+            view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"), check_finite=False)
         tally.check_finite()
         kinds = view.token_kinds(batch)
         present = torch.zeros(len(batch.tokens), len(TOKEN_KINDS), dtype=torch.bool)
@@ -306,8 +320,9 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         del tally, evidence, hooks
         trim_allocator()  # a pass's freed activations do not pile up as resident memory
     frame = pd.DataFrame(rows, columns=COLUMNS)
-    return SinkCensus(frame, _by_kind(frame, kind_seqs), _by_layer(frame, view.n_layers), view.name, seq0,
-                      view.n_layers, rule, min_layers)
+    return SinkCensus(frame=frame, by_kind=_by_kind(frame, kind_seqs), by_layer=_by_layer(frame, view.n_layers),
+                      model_name=view.name, n_seqs=seq0, n_layers=view.n_layers, rule=rule, min_layers=min_layers,
+                      attention=path)
 
 
 def _by_kind(frame: pd.DataFrame, kind_seqs: Tensor) -> pd.DataFrame:

@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from torch import Tensor
 from massive_lens.attention.sinks import Sinks, SinkSet, post_attention_norm, sink_hooks, sink_mask, sinks_from
 from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.gather import LayerGather
+from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_content_axes
 from massive_lens.core.results import Result
@@ -39,7 +41,7 @@ from massive_lens.errors import MassiveLensError
 _EXCLUDED = "constancy statistics exclude the sink query positions (a sink attends to itself)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionDecomposition(Result):
     """Sink and content terms of the attention output, in the residual stream.
 
@@ -49,6 +51,8 @@ class AttentionDecomposition(Result):
     norm), ``rel_std_pos``/``cos_pos`` (spread and mean pairwise cosine across query
     positions of one text, averaged over texts), ``rel_std_text``/``cos_text`` (the same
     across the per-text mean vectors; NaN for one text). Sink query positions are excluded.
+    ``attention``: ``"lse"`` (the attention on the sink columns from q, k and the SDPA kernel's
+    log-sum-exp, the heads' outputs from the kernel) or ``"eager"`` (the pattern).
     """
 
     frame: pd.DataFrame
@@ -62,6 +66,7 @@ class AttentionDecomposition(Result):
     model_name: str
     sinks: SinkSet | None = None  # the positions treated as sinks (count per sequence, token kinds)
     post_norm: bool = False  # the model normalizes the attention output after W_O (Gemma 2/3)
+    attention: str = EAGER  # how attention was read: "lse" or "eager"
 
     @property
     def reconstruction_error(self) -> float:
@@ -78,7 +83,8 @@ class AttentionDecomposition(Result):
                  "terms sum exactly" if self.post_norm else "decomposed before any post-attention norm")
         lines = [f"{self.model_name}: attention output = sink term + content term + b_O, layers "
                  f"{self.layers[0]}-{self.layers[-1]}, sinks = {self.sink_source}{treated}; max relative "
-                 f"reconstruction error {self.reconstruction_error:.1e} ({where}); {_EXCLUDED}.",
+                 f"reconstruction error {self.reconstruction_error:.1e} ({where}); {_EXCLUDED}; "
+                 f"{path_text(self.attention)}.",
                  "median over heads:   norm   rel.std(pos)  cos(pos)  rel.std(texts)  cos(texts)"]
         for term, r in by.iterrows():
             lines.append(f"  {term:<8} {r.norm:>12.3f} {r.rel_std_pos:>12.3f} {r.cos_pos:>9.3f} "
@@ -136,8 +142,8 @@ def _mean_cosine(rows: Float[Tensor, "term n head d_model"]) -> Float[Tensor, "t
     return (unit.sum(1).pow(2).sum(-1) - n) / (n * (n - 1))
 
 
-def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
-                        layers: int | Sequence[int] | None = None, sinks: Sinks = None) -> AttentionDecomposition:
+def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layers: int | Sequence[int] | None = None,
+                        sinks: Sinks = None, attention: str = "auto") -> AttentionDecomposition:
     """Split each attention output into sink term + content term + b_O (see module docstring).
 
     Args:
@@ -148,6 +154,9 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
         sinks: sink positions (a list of ints, the same for every sequence, or a bool
             ``[batch, pos]`` mask); None: the positions that act as sinks (:func:`find_sinks`),
             else the first token.
+        attention: ``"auto"`` (the default: the attention on the sink columns from q, k and the
+            fused SDPA kernel's log-sum-exp where the model supports it, no pattern built; else
+            the eager pattern), ``"lse"`` or ``"eager"`` (:mod:`massive_lens.core.lse`).
 
     Returns:
         An :class:`AttentionDecomposition`: the terms, their constancy per head, and the
@@ -158,7 +167,8 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
             :func:`sink_attention`), ``text`` is empty or too long, ``model`` is not a
             TransformerLens model, or a layer's attention cannot be split: no per-head ``W_O``,
             latent attention, or an output that sink + content + b_O does not reconstruct
-            (relative error above 1e-3 in float32; a decomposition never returns unchecked).
+            (relative error above 1e-3 in float32; a decomposition never returns unchecked), or
+            ``attention="lse"`` on a model whose kernel cannot give the log-sum-exp.
 
     >>> from massive_lens import tiny_model
     >>> d = decompose_attention(tiny_model("qwen2"), "Hi there.", layers=1, sinks=[0])
@@ -168,8 +178,9 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
     view = ModelView(model)
     layers = tuple(view.chosen_layers(layers))
     batch = view.tokenize(text)
+    path = choose_path(view, attention)
     weights = {layer: output_weights(view, layer) for layer in layers}
-    given = None if sinks is None else sink_mask(model, batch, sinks)
+    given = None if sinks is None else sink_mask(model, batch, sinks, path)
     # the key columns kept per layer: the given sinks' or, when the sinks are found in this same pass,
     # every position that could turn out to be one (see _candidates)
     columns = _candidates(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
@@ -177,34 +188,56 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
     out: dict[str, list] = {"sink": [], "content": [], "bias": [], "stats": [], "errors": []}
 
     def take(layer: int, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
-        _check_shapes(view, layer, pattern, v, weights[layer][0], attn_out)
+        _check_shapes(view, layer, tuple(pattern.shape), v, weights[layer][0], attn_out)
         v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)  # one value head per query head
         cols = columns.to(pattern.device)
-        parts = (torch.einsum("bhqk,bkhd->bqhd", pattern, v), pattern[..., cols], v[:, cols], attn_out)
+        keep(layer, (torch.einsum("bhqk,bkhd->bqhd", pattern, v), pattern[..., cols], v[:, cols], attn_out))
+
+    def take_lse(layer: int, z: Tensor, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
+        # from the kernel: the heads' outputs z, the attention on the kept columns (from q, k and the LSE), v
+        _check_shapes(view, layer, (*pattern.shape[:3], v.shape[1]), v, weights[layer][0], attn_out)
+        v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)
+        keep(layer, (z, pattern, v[:, columns.to(v.device)], attn_out))
+
+    def keep(layer: int, parts: tuple[Tensor, ...]) -> None:
         if given is None:
             kept[layer] = tuple(t.detach().cpu() for t in parts)  # until the pass has found the sinks
         else:
             _split(view, layer, *parts, given.mask[:, columns], weights[layer], batch.mask, given.mask, out)
 
-    gather = LayerGather(("pattern", "v", "out"), take)  # they fire in any order (some bridges: pattern last)
-    hooks = [(view.hook_name(i, name), gather.hook(key, i)) for i in layers
-             for key, name in (("pattern", "attn.hook_pattern"), ("v", "attn.hook_v"), ("out", _output_hook(view, i)))]
+    if path == LSE:
+        gather = LayerGather(("z", "pattern", "v", "out"), take_lse)
+        hooks = [(view.hook_name(i, _output_hook(view, i)), gather.hook("out", i)) for i in layers]
+    else:
+        gather = LayerGather(("pattern", "v", "out"), take)  # they fire in any order (some bridges: pattern last)
+        hooks = [(view.hook_name(i, name), gather.hook(key, i)) for i in layers for key, name in
+                 (("pattern", "attn.hook_pattern"), ("v", "attn.hook_v"), ("out", _output_hook(view, i)))]
     last = view.hook_name(max(layers), "resid_post")
+    evidence = SinkEvidence(batch.mask, view.n_layers)
     if given is None:  # the sink rule reads every layer
-        evidence = SinkEvidence(batch.mask, view.n_layers)
-        hooks += sink_hooks(view, evidence)
+        hooks += sink_hooks(view, evidence, patterns=path != LSE)
         last = hooks[-1][0]
-    view.forward(batch, hooks, stop_after=last)
+
+    def from_lse(att: LayerAttention) -> None:
+        if given is None:
+            evidence.add_key_attention(*att.band(batch.mask))
+        if att.layer in layers:
+            z = att.z.transpose(1, 2)  # [batch query head d_head]
+            for key, act in (("z", z), ("pattern", att.columns(columns).to(z.dtype)), ("v", att.v.transpose(1, 2))):
+                gather.hook(key, att.layer)(act, None)
+
+    with lse_run(view, from_lse) if path == LSE else contextlib.nullcontext():
+        view.forward(batch, hooks, stop_after=last)
     missed = sorted(set(gather.pending) | (set(layers) - set(gather.done)))
     if missed:
         raise MassiveLensError(f"{view.name}: the pattern, value and output hooks of attention layer {missed[0]} did "
                                "not all fire; decompose_attention cannot split that layer")
     found = given
     if given is None:
-        found = sinks_from(evidence, view.token_kinds(batch))
+        found = sinks_from(evidence, view.token_kinds(batch), path)
         inside = found.mask[:, columns]
         if int(inside.sum()) < int(found.mask.sum()):  # a sink outside the kept columns: a second pass
-            return decompose_attention(model, text, layers=layers, sinks=found)
+            return decompose_attention(model, text, layers=layers, sinks=found, attention=path)
         for layer in layers:
             _split(view, layer, *kept.pop(layer), inside, weights[layer], batch.mask, found.mask, out)
     stats = _constancy([parts for _, _, parts in out["stats"]], batch.mask & ~found.mask)  # [term head 5]
@@ -216,7 +249,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *,
         frame=frame, errors=pd.DataFrame(out["errors"], columns=["layer", "rel_error"]), layers=layers,
         sink=torch.stack(out["sink"]), content=torch.stack(out["content"]), bias=torch.stack(out["bias"]),
         sink_mask=found.mask, sink_source=found.source, model_name=view.name, sinks=found,
-        post_norm=post_attention_norm(model))
+        post_norm=post_attention_norm(model), attention=path)
 
 
 # at most this many key columns are kept per layer while the sinks are found in the same pass
@@ -274,7 +307,7 @@ def _output_hook(view: ModelView, layer: int) -> str:
     """Where the attention output is read: the output projection's own hook (``attn.o.hook_out``:
     ``z @ W_O + b_O`` and nothing else) where there is one, else ``attn.hook_out`` (which on some
     bridges, e.g. BLOOM's, also holds the residual added inside the HF attention module)."""
-    return "attn.o.hook_out" if f"blocks.{layer}.attn.o.hook_out" in view.hook_names else "attn.hook_out"
+    return "attn.o.hook_out" if view.has_hook(layer, "attn.o.hook_out") else "attn.hook_out"
 
 
 def output_weights(view: ModelView, layer: int) -> tuple[Tensor, Tensor | None]:
@@ -293,14 +326,16 @@ def output_weights(view: ModelView, layer: int) -> tuple[Tensor, Tensor | None]:
     return W_O.detach(), b_O.detach() if isinstance(b_O, Tensor) else None
 
 
-def _check_shapes(view: ModelView, layer: int, pattern: Tensor, v: Tensor, W_O: Tensor, attn_out: Tensor) -> None:
+def _check_shapes(view: ModelView, layer: int, pattern: tuple[int, ...], v: Tensor, W_O: Tensor, attn_out: Tensor
+                  ) -> None:
+    """``pattern``: the pattern's shape (the eager one's, or the one the kernel's q and k imply)."""
     heads, d_head, d_model = W_O.shape
-    ok = (pattern.ndim == 4 and v.ndim == 4 and pattern.shape[1] == heads and v.shape[1] == pattern.shape[-1]
+    ok = (len(pattern) == 4 and v.ndim == 4 and pattern[1] == heads and v.shape[1] == pattern[-1]
           and v.shape[3] == d_head and heads % v.shape[2] == 0 and attn_out.shape[-1] == d_model)
     if not ok:
         raise MassiveLensError(
             f"{view.name}: attention layer {layer} does not have the shapes decompose_attention splits: pattern "
-            f"{tuple(pattern.shape)} [batch, head, query, key], v {tuple(v.shape)} [batch, key, kv_head, d_head], "
+            f"{tuple(pattern)} [batch, head, query, key], v {tuple(v.shape)} [batch, key, kv_head, d_head], "
             f"W_O {tuple(W_O.shape)} [head, d_head, d_model] (e.g. latent or compressed attention)")
 
 

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from torch import Tensor
@@ -31,7 +30,9 @@ from torch import Tensor
 from massive_lens.attention.decompose import output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
 from massive_lens.core.gather import LayerGather
+from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
@@ -39,11 +40,12 @@ SINK_SHARE = 0.5  # most of the head's attention on the sinks
 NORM_RATIO = 0.2  # output norm below a fifth of its layer's mean head
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DormantHeads(Result):
     """Per sequence, layer and head: ``sink_mass``, ``out_norm``, ``norm_ratio`` and ``dormant``
     (see the module docstring). ``to_frame()`` columns: ``seq``, ``layer``, ``head``,
-    ``sink_mass``, ``out_norm``, ``norm_ratio``, ``dormant``."""
+    ``sink_mass``, ``out_norm``, ``norm_ratio``, ``dormant``. ``attention``: ``"lse"`` (the
+    attention on the sinks from q, k and the SDPA kernel's log-sum-exp) or ``"eager"`` (the pattern)."""
 
     frame: pd.DataFrame
     model_name: str
@@ -51,6 +53,7 @@ class DormantHeads(Result):
     sink_share: float
     norm_ratio: float
     sinks: SinkSet | None = None
+    attention: str = EAGER
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
@@ -82,12 +85,11 @@ class DormantHeads(Result):
         return (f"{self.model_name}, {n_seqs} sequence(s), sinks = {self.sink_source}: dormant = sink mass > "
                 f"{self.sink_share:g} and output norm < {self.norm_ratio:g}x its layer's mean head; {always} of {n} "
                 f"heads ({always / max(n, 1):.1%}) dormant on every sequence, {ever} ({ever / max(n, 1):.1%}) on at "
-                f"least one; most in {where}")
+                f"least one; most in {where} ({path_text(self.attention)})")
 
     def plot(self, ax: Any = None) -> Any:
         """Every head as a point: sink mass against output norm ratio, dormant ones marked."""
-        if ax is None:
-            ax = plt.subplots(figsize=(6, 4))[1]
+        ax = ensure_axes(ax, (6, 4), layout=None)
         f = self.frame
         for flag, label, marker in ((False, "active", "."), (True, "dormant", "x")):
             part = f[f["dormant"] == flag]
@@ -101,7 +103,8 @@ class DormantHeads(Result):
 
 
 def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = None,
-                  sink_share: float = SINK_SHARE, norm_ratio: float = NORM_RATIO) -> DormantHeads:
+                  sink_share: float = SINK_SHARE, norm_ratio: float = NORM_RATIO, attention: str = "auto"
+                  ) -> DormantHeads:
     """Classify every head, on every input sequence, as dormant or active (see the module docstring).
 
     Args:
@@ -112,13 +115,17 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
             positions that act as sinks (``find_sinks``), else the first token.
         sink_share: attention on the sinks above which a head may be dormant, in (0, 1).
         norm_ratio: output norm, as a share of its layer's mean head, below which it may be dormant (> 0).
+        attention: ``"auto"`` (the default: the attention on the sinks from q, k and the fused SDPA
+            kernel's log-sum-exp where the model supports it, no pattern built; else the eager
+            pattern), ``"lse"`` or ``"eager"`` (:mod:`massive_lens.core.lse`).
 
     Returns:
         A :class:`DormantHeads`.
 
     Raises:
         MassiveLensError: for a threshold out of range, invalid ``sinks``, or a layer whose heads'
-            outputs cannot be read (no ``hook_z`` or no per-head ``W_O``).
+            outputs cannot be read (no ``hook_z`` or no per-head ``W_O``), or ``attention="lse"`` on a
+            model whose kernel cannot give the log-sum-exp.
 
     >>> from massive_lens import tiny_model
     >>> result = dormant_heads(tiny_model("llama"), "Hello there, world.", sinks=[0])
@@ -129,23 +136,35 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
         raise MassiveLensError(f"sink_share must be in (0, 1) and norm_ratio > 0, got {sink_share}, {norm_ratio}")
     view = ModelView(model)
     batch = view.tokenize(text)
-    found = sink_mask(model, batch, sinks)
+    path = choose_path(view, attention)
+    found = sink_mask(model, batch, sinks, path)
     sink = found.mask & batch.mask
     queries = (batch.mask & ~sink & (sink.long().cumsum(1) > 0)).float()
     real = batch.mask.float()
     weights = {layer: output_weights(view, layer)[0] for layer in range(view.n_layers)}
     rows: list[Tensor] = []
 
-    def ready(layer: int, *acts: Tensor) -> None:
-        pattern, z = (act.detach().float() for act in acts)
+    def ready(layer: int, pattern: Tensor, z: Tensor) -> None:
+        pattern = pattern.detach().float()
+        row(layer, torch.einsum("bhqk,bk->bhq", pattern, sink.to(pattern.device).float()), z.detach().float(),
+            tuple(pattern.shape))
+
+    cols = sink.any(0).nonzero()[:, 0]
+
+    def from_lse(att: LayerAttention) -> None:
+        p = att.columns(cols)
+        on = (p @ sink[:, cols].to(p.device, p.dtype)[:, None, :, None])[..., 0]
+        row(att.layer, on, att.z.transpose(1, 2).float(), (*att.q.shape[:3], att.k.shape[2]))
+
+    def row(layer: int, on_sinks: Tensor, z: Tensor, pattern: tuple[int, ...]) -> None:
         heads = weights[layer].shape[0]
-        if z.ndim != 4 or tuple(z.shape[:2]) != tuple(sink.shape) or z.shape[2] != heads or pattern.shape[1] != heads:
+        if z.ndim != 4 or tuple(z.shape[:2]) != tuple(sink.shape) or z.shape[2] != heads or pattern[1] != heads:
             raise MassiveLensError(f"{view.name}: layer {layer} has z {tuple(z.shape)}, pattern "
-                                   f"{tuple(pattern.shape)} and W_O for {heads} heads; dormant_heads needs one [batch, "
+                                   f"{pattern} and W_O for {heads} heads; dormant_heads needs one [batch, "
                                    "pos, head, d_head] z and one pattern per head of W_O (multi-head latent attention "
                                    "is not read)")
-        q, r, s = queries.to(z.device), real.to(z.device), sink.to(z.device).float()
-        mass = torch.einsum("bhqk,bk,bq->bh", pattern, s, q) / q.sum(1, keepdim=True).clamp(min=1)
+        q, r = queries.to(z.device), real.to(z.device)
+        mass = torch.einsum("bhq,bq->bh", on_sinks, q) / q.sum(1, keepdim=True).clamp(min=1)
         out = torch.einsum("bqhd,hdm->bqhm", z, weights[layer].to(z)).norm(dim=-1)  # [b q h]
         out = torch.einsum("bqh,bq->bh", out, r) / r.sum(1, keepdim=True).clamp(min=1)
         ratio = out / out.mean(1, keepdim=True).clamp(min=1e-12)
@@ -156,7 +175,11 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     gather = LayerGather(("pattern", "z"), ready)
     hooks = [(view.hook_name(layer, name), gather.hook(key, layer)) for layer in range(view.n_layers)
              for key, name in (("pattern", "attn.hook_pattern"), ("z", "attn.hook_z"))]
-    view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+    if path == LSE:
+        with lse_run(view, from_lse):
+            view.forward(batch, [], stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+    else:
+        view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
     if len(rows) != view.n_layers:
         raise MassiveLensError(f"{view.name}: the pattern and z hooks did not fire in every layer; dormant_heads "
                                "cannot read the heads' outputs")
@@ -165,4 +188,5 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     frame[["seq", "layer", "head"]] = frame[["seq", "layer", "head"]].astype(int)
     frame["dormant"] = (frame["sink_mass"] > sink_share) & (frame["norm_ratio"] < norm_ratio)
     frame = frame.sort_values(["seq", "layer", "head"], ignore_index=True)
-    return DormantHeads(frame, view.name, found.source, float(sink_share), float(norm_ratio), found)
+    return DormantHeads(frame=frame, model_name=view.name, sink_source=found.source, sink_share=float(sink_share),
+                        norm_ratio=float(norm_ratio), sinks=found, attention=path)

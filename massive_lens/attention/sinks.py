@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule
+from massive_lens.core.lse import LSE, choose_path, lse_run
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.errors import MassiveLensError
 
@@ -67,6 +68,7 @@ class SinkSet:
     source: str
     by_attention: Bool[Tensor, "batch pos"] | None = None
     by_massive: Bool[Tensor, "batch pos"] | None = None
+    attention: str = ""  # how the rule read attention: "lse" (the kernel's log-sum-exp) or "eager" ("": given)
 
     @property
     def per_seq(self) -> Int[Tensor, " batch"]:
@@ -99,7 +101,7 @@ class SinkSet:
 
     def plot(self, ax: Any = None) -> Any:
         """Sink positions per token kind (a bar each)."""
-        ax = ax or plt.subplots(figsize=(5, 3))[1]
+        ax = ensure_axes(ax, (5, 3), layout=None)
         counts = self.kind_counts
         ax.bar(list(counts), list(counts.values()))
         ax.set(xlabel="token kind", ylabel="sink positions", title=f"sinks: {self.source}")
@@ -127,7 +129,7 @@ def sink_hooks(view: ModelView, evidence: SinkEvidence, patterns: bool = True) -
     ``patterns=False``: the residual only, for a caller that feeds the patterns itself)."""
     hooks = []
     for layer in range(view.n_layers):
-        if patterns and f"blocks.{layer}.attn.hook_pattern" in view.hook_names:
+        if patterns and view.has_hook(layer, "attn.hook_pattern"):
             hooks.append((view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, evidence=evidence)))
         hooks.append((view.hook_name(layer, "resid_post"), partial(_add_resid, evidence=evidence, layer=layer)))
     return hooks
@@ -141,7 +143,7 @@ def _add_resid(resid: Tensor, hook: Any, *, evidence: SinkEvidence, layer: int) 
     evidence.add_resid(layer, resid)
 
 
-def sinks_from(evidence: SinkEvidence, kinds: Int[Tensor, "batch pos"]) -> SinkSet:
+def sinks_from(evidence: SinkEvidence, kinds: Int[Tensor, "batch pos"], attention: str = "") -> SinkSet:
     """The :class:`SinkSet` the rule gives, each sequence without one falling back to its first token."""
     mask = evidence.mask()
     none = ~mask.any(-1)
@@ -150,11 +152,11 @@ def sinks_from(evidence: SinkEvidence, kinds: Int[Tensor, "batch pos"]) -> SinkS
         mask = mask.clone()
         mask[none, 0] = True
         source += f"; the first token in {int(none.sum())} sequence(s) with none"
-    return SinkSet(mask, kinds, source, evidence.by_attention, evidence.by_massive)
+    return SinkSet(mask, kinds, source, evidence.by_attention, evidence.by_massive, attention)
 
 
 def find_sinks(model: Any, text: str | Sequence[str] | Tensor, *, rule: SinkRule | None = None,
-               criterion: Criterion | None = None) -> SinkSet:
+               criterion: Criterion | None = None, attention: str = "auto") -> SinkSet:
     """The positions of ``text`` that act as attention sinks (one forward pass).
 
     A position is a sink when a large share of heads put most of their attention on it, or
@@ -168,9 +170,15 @@ def find_sinks(model: Any, text: str | Sequence[str] | Tensor, *, rule: SinkRule
             vision model, ``pixel_values`` ``[batch, channels, height, width]``.
         rule: the sink rule (None: ``SinkRule()``).
         criterion: when an activation is massive (None: ``Criterion()``).
+        attention: ``"auto"`` (the default: each key's attention from q, k and the fused SDPA
+            kernel's log-sum-exp where the model supports it, else the eager pattern), ``"lse"``
+            or ``"eager"`` (:mod:`massive_lens.core.lse`); the set's ``attention`` says which.
 
     Returns:
         A :class:`SinkSet`.
+
+    Raises:
+        MassiveLensError: for ``attention="lse"`` on a model whose kernel cannot give the LSE.
 
     >>> from massive_lens import tiny_model
     >>> find_sinks(tiny_model("llama"), "Hello there, world.").describe()
@@ -178,16 +186,21 @@ def find_sinks(model: Any, text: str | Sequence[str] | Tensor, *, rule: SinkRule
     """
     view = ModelView(model)
     batch = view.tokenize(text)
-    return sinks_of(view, batch, rule, criterion)
+    return sinks_of(view, batch, rule, criterion, attention)
 
 
-def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criterion: Criterion | None = None
-             ) -> SinkSet:
+def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criterion: Criterion | None = None,
+             attention: str = "auto") -> SinkSet:
     """The sinks of an already tokenized ``batch`` (what :func:`find_sinks` does after tokenizing)."""
+    path = choose_path(view, attention)
     evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-    hooks = sink_hooks(view, evidence)
-    view.forward(batch, hooks, stop_after=hooks[-1][0])
-    return sinks_from(evidence, view.token_kinds(batch))
+    hooks = sink_hooks(view, evidence, patterns=path != LSE)
+    if path == LSE:
+        with lse_run(view, lambda att: evidence.add_key_attention(*att.band(batch.mask))):
+            view.forward(batch, hooks, stop_after=hooks[-1][0])
+    else:
+        view.forward(batch, hooks, stop_after=hooks[-1][0])
+    return sinks_from(evidence, view.token_kinds(batch), path)
 
 
 def post_attention_norm(model: Any) -> bool:
@@ -195,7 +208,9 @@ def post_attention_norm(model: Any) -> bool:
     return any(name.startswith("blocks.0.ln1_post.") for name in model.hook_dict)
 
 
-def sink_mask(model: Any, batch: Batch, sinks: Sinks) -> SinkSet:
+def sink_mask(model: Any, batch: Batch, sinks: Sinks, attention: str = "auto") -> SinkSet:
+    """``sinks`` as the analyses take them (see :data:`Sinks`) as a :class:`SinkSet` for ``batch``;
+    None: found here (:func:`sinks_of`, reading attention as ``attention`` says)."""
     view = ModelView(model)
     n, pos = batch.tokens.shape
     mask = torch.zeros(n, pos, dtype=torch.bool)
@@ -210,7 +225,7 @@ def sink_mask(model: Any, batch: Batch, sinks: Sinks) -> SinkSet:
                                    f"{sinks.dtype} {list(sinks.shape)}; or pass a list of positions")
         return SinkSet(sinks.cpu() & batch.mask, view.token_kinds(batch), "given mask")
     if sinks is None:
-        return sinks_of(view, batch)
+        return sinks_of(view, batch, attention=attention)
     if isinstance(sinks, (str, bytes, int, float)) or not hasattr(sinks, "__iter__"):
         raise MassiveLensError(f"sinks must be None (found by the sink rule), a list of positions, a bool mask "
                                f"[batch, pos] or a SinkSet; got {type(sinks).__name__} {sinks!r}"
