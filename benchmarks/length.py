@@ -35,14 +35,22 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
     """The analyses on one sequence ``one`` (``two``: two sequences of the same length)."""
     import massive_lens as ml
 
+    from massive_lens.core.lse import lse_run
+    from massive_lens.core.model_view import ModelView
+
     def forward(tokens: torch.Tensor) -> Callable[[], Any]:
         def call() -> None:
             with torch.no_grad():
                 model(tokens)
         return call
 
+    def sdpa_forward() -> None:  # the yardstick of the LSE path: the model on transformers' own SDPA
+        with lse_run(ModelView(model), implementation="sdpa"), torch.no_grad():
+            model(one)
+
     return {
         "plain_forward": forward(one),
+        "plain_forward (SDPA)": sdpa_forward,
         "plain_forward x2": forward(two),
         "find_massive": lambda: ml.find_massive(model, one),
         "find_massive x2": lambda: ml.find_massive(model, two),
@@ -52,6 +60,8 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
         "sink_attention": lambda: ml.sink_attention(model, one),
         "decompose_attention": lambda: ml.decompose_attention(model, one),
         "sink_census": lambda: ml.sink_census(model, one),
+        "sink_attention (eager)": lambda: ml.sink_attention(model, one, attention="eager"),
+        "sink_census (eager)": lambda: ml.sink_census(model, one, attention="eager"),
         "perplexity": lambda: ml.perplexity(model, one, progress=False),
         "intervention perplexity": lambda: ml.perplexity(model, one, hooks=hooks, progress=False),
         "measure_outliers (W8A8)": lambda: ml.measure_outliers(model, two),

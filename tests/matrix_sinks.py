@@ -11,8 +11,11 @@ from typing import Any
 
 import torch
 
-from massive_lens.attention import dormant_heads, sink_census, sink_kv
+from massive_lens.attention import dormant_heads, sink_attention, sink_census, sink_kv
 from massive_lens.core.criterion import SinkRule
+from massive_lens.core.lse import lse_support
+from massive_lens.core.model_view import ModelView
+from massive_lens.errors import MassiveLensError
 
 TOL = 1e-4  # float32
 QUERIES = 64  # Gu et al.: a key's attention is averaged over the (up to) 64 queries after it
@@ -133,4 +136,29 @@ def check_dormant(b: Any) -> str | None:
     return None
 
 
-ANALYSES = {"sink_census": check_census, "sink_kv": check_kv, "dormant_heads": check_dormant}
+LSE_TOL = 1e-5  # relative to the column's largest value (norms are large, attention shares at most 1)
+
+
+def check_lse(b: Any) -> str | None:
+    """The LSE path (attention from q, k and the fused kernel's log-sum-exp) gives the eager
+    path's tables: sink_attention, dormant_heads and the census (threshold 0.1); a model that has
+    none says why (the reason is the cell)."""
+    reason = lse_support(ModelView(b.model))
+    if reason is not None:
+        raise MassiveLensError(f"{b.arch}: no LSE path: {reason}")
+    runs = (lambda a: sink_attention(b.model, b.tokens, sinks=[0], attention=a),
+            lambda a: dormant_heads(b.model, b.tokens, sinks=[0], attention=a),
+            lambda a: sink_census(b.model, b.tokens, rule=SinkRule(threshold=0.1), attention=a))
+    for run in runs:
+        eager, lse = run("eager"), run("lse")
+        fa, fb = eager.to_frame(), lse.to_frame()
+        assert lse.attention == "lse" and len(fa) == len(fb), (type(lse).__name__, len(fa), len(fb))
+        num = fa.select_dtypes("number").columns
+        scale = fa[num].abs().max().clip(lower=1.0)
+        err = ((fa[num] - fb[num]).abs() / scale).max().max() if len(fa) else 0.0
+        assert err < LSE_TOL, f"{type(lse).__name__}: the LSE path differs from the eager one by {err:.1e}"
+        assert fa.drop(columns=num).equals(fb.drop(columns=num)), type(lse).__name__
+    return None
+
+
+ANALYSES = {"sink_census": check_census, "sink_kv": check_kv, "dormant_heads": check_dormant, "lse": check_lse}
