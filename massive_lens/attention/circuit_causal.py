@@ -16,7 +16,8 @@ for queries after the sink), with each query as that pass computes it; the sink 
 residual never changes (it attends only to itself), so the clean pass's parts stay exact. Each
 removal is reported as the attention on the first token before and after and the next-token loss
 ratio, with paired 95% intervals over sequences (normal approximation). The cost is ``1 + 4`` forward passes per
-batch of sequences, estimated (from one timed pass) and logged before the removals start.
+batch of sequences, estimated from the split's own timed pass and logged before the check starts
+(refused over ``max_seconds``), then re-estimated after its first pass.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
+from massive_lens.errors import MassiveLensError
 
 log = logging.getLogger(__name__)
 REMOVALS = ("massive dims", "dominant writer", "b_Q", "shared direction")
@@ -119,10 +121,19 @@ def _hooks(view: ModelView, heads: pd.DataFrame, removal: str, parts: dict[Any, 
 
 
 def causal_check(view: ModelView, heads: pd.DataFrame, corpus: Any, *, n_seqs: int, seq_len: int,
-                 criterion: Criterion, threshold: float) -> pd.DataFrame:
+                 criterion: Criterion, threshold: float, token_seconds: float = 0.0,
+                 max_seconds: float | None = None) -> pd.DataFrame:
     """Each removal alone on ``n_seqs`` sequences of ``corpus`` (see the module docstring); one row
-    per (head, removal) with the columns :data:`CAUSAL_COLUMNS`."""
+    per (head, removal) with the columns :data:`CAUSAL_COLUMNS`. Before any pass the cost is
+    estimated from ``token_seconds`` (the split's own pass, per token) and refused over ``max_seconds``."""
     tokens = sequences(view, corpus, seq_len, n_seqs)
+    first = token_seconds * tokens.numel() * (1 + len(REMOVALS))
+    log.info("sink_circuit causal check: %d sequences of %d tokens, %d passes over them, about %.0fs", len(tokens),
+             tokens.shape[1], 1 + len(REMOVALS), first)
+    if max_seconds is not None and first > max_seconds:
+        raise MassiveLensError(f"{view.name}: the causal check would take about {first:.0f}s ({len(tokens)} sequences "
+                               f"x {1 + len(REMOVALS)} passes), over max_seconds={max_seconds:g}; lower n_seqs or "
+                               "seq_len, or raise max_seconds")
     loss = NextTokenLoss(view)
     layers = sorted(int(x) for x in set(heads["layer"]))
     has_bq = None
@@ -140,7 +151,7 @@ def causal_check(view: ModelView, heads: pd.DataFrame, corpus: Any, *, n_seqs: i
         if n == 0:
             per_pass = time.perf_counter() - start
             est = per_pass * (1 + len(REMOVALS)) * -(-len(tokens) // len(x))
-            log.info("sink_circuit causal check: %d sequences, %d passes of %.2fs each, about %.0fs", len(tokens),
+            log.info("sink_circuit causal check, after its first pass: %d passes of %.2fs each, about %.0fs",
                      (1 + len(REMOVALS)) * -(-len(tokens) // len(x)), per_pass, est)
         for r in heads.itertuples():
             before.setdefault((r.layer, r.head), []).append(_mass(cap.keep[r.layer].pattern, valid, r.head).cpu())
