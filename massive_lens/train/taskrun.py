@@ -53,6 +53,10 @@ from massive_lens.train.tasks import TaskBatch, make_task
 from massive_lens.train.trainer import lr_at, make_optimizer
 
 RESULT = "result.json"
+INITS = ("massive_lm", "torch")
+# fan-in of each matrix from its shape: [in, out], W_Q/K/V [head, d_model, d_head], W_O [head, d_head, d_model]
+_FAN_IN = {"W_Q": lambda s: s[1], "W_K": lambda s: s[1], "W_V": lambda s: s[1], "W_O": lambda s: s[0] * s[1],
+           "W_in": lambda s: s[0], "W_gate": lambda s: s[0], "W_out": lambda s: s[0], "W_U": lambda s: s[0]}
 _HOOKS = ("hook_pattern", "hook_attn_scores", "hook_v", "hook_resid_post")
 
 
@@ -63,7 +67,9 @@ class TaskSettings:
     ``style`` is :class:`~massive_lens.train.layers.MassiveLMConfig`'s (``"llama"``: RMSNorm, rotary,
     SwiGLU; ``"gpt2"``: LayerNorm, learned positions, GELU); the schedule is linear warmup then cosine
     decay to ``min_lr_ratio * lr`` (1: constant), AdamW with ``beta2``, gradients clipped at ``grad_clip``
-    (0: not clipped).
+    (0: not clipped). ``init`` ``"torch"`` redraws the weights as PyTorch's layers would (embeddings
+    N(0, 1), matrices uniform within 1/sqrt(fan-in)), the init of Guo et al.'s code; ``"massive_lm"``
+    keeps MassiveLM's N(0, 0.02).
     """
 
     task: str
@@ -85,6 +91,7 @@ class TaskSettings:
     min_lr_ratio: float = 0.1
     beta2: float = 0.95
     grad_clip: float = 1.0
+    init: str = "massive_lm"
 
     @property
     def name(self) -> str:
@@ -109,9 +116,27 @@ def build_model(settings: TaskSettings) -> MassiveLM:
     cfg = MassiveLMConfig(n_layers=settings.n_layers, d_model=settings.d_model, n_heads=settings.n_heads,
                           n_ctx=task.seq_len + 1, d_vocab=task.n_tokens, attention=settings.variant,
                           norm=settings.norm, style=settings.style)
+    if settings.init not in INITS:
+        raise MassiveLensError(f"init must be one of {', '.join(INITS)}; got {settings.init!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        return MassiveLM(cfg, task.tokenizer())
+        model = MassiveLM(cfg, task.tokenizer())
+        if settings.init == "torch":
+            torch_init(model)
+        return model
+
+
+@torch.no_grad()
+def torch_init(model: MassiveLM) -> None:
+    """Redraw ``model``'s embeddings from N(0, 1) and its matrices uniformly within 1/sqrt(fan-in), as
+    ``nn.Embedding`` and ``nn.Linear`` start (biases, norms and variant parameters are left as they are)."""
+    for name, p in model.named_parameters():
+        kind = name.split(".")[-1]
+        if kind in ("W_E", "W_pos"):
+            torch.nn.init.normal_(p)
+        elif kind in _FAN_IN:
+            bound = 1 / math.sqrt(_FAN_IN[kind](p.shape))
+            torch.nn.init.uniform_(p, -bound, bound)
 
 
 def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None) -> TaskRun:
