@@ -14,7 +14,7 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.train.taskcli import main as taskcli
 from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS, grid_settings, pending, run_folder, run_grid
 from massive_lens.train.taskpage import fill, load_runs, paired, shown, write_page
-from massive_lens.train.taskrun import RESULT, TaskSettings, evaluate, lowbit_gaps, sink_step, train_task
+from massive_lens.train.taskrun import RESULT, TaskSettings, build_model, evaluate, lowbit_gaps, sink_step, train_task
 from massive_lens.train.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +42,19 @@ def test_a_run_takes_the_model_style_and_schedule_of_its_settings(tmp_path):
     assert run.model.cfg.style == "gpt2" and run.model.W_pos is not None  # LayerNorm, learned positions
     recorded = json.loads((tmp_path / RESULT).read_text())["settings"]
     assert (recorded["style"], recorded["min_lr_ratio"], recorded["grad_clip"]) == ("gpt2", 1.0, 0.0)
+
+
+def test_torch_init_draws_embeddings_from_a_unit_normal_and_matrices_within_their_fan_in_bound():
+    settings = tiny(task="bigram_backcopy", d_model=64, init="torch", task_options=dict(seq_len=8, n_vocab=200))
+    model = build_model(settings)
+    assert 0.9 < float(model.W_E.std()) < 1.1
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    for weight, fan_in in ((attn.W_Q, 64), (attn.W_O, 64), (mlp.W_in, 64), (mlp.W_out, mlp.W_out.shape[0])):
+        assert float(weight.abs().max()) <= fan_in ** -0.5 and float(weight.abs().max()) > 0.9 * fan_in ** -0.5
+    default = build_model(TaskSettings(**{**settings.__dict__, "init": "massive_lm"}))
+    assert float(default.W_E.std()) < 0.05  # MassiveLM's own N(0, 0.02)
+    with pytest.raises(MassiveLensError, match="init must be"):
+        build_model(TaskSettings(**{**settings.__dict__, "init": "xavier"}))
 
 
 def test_evaluate_reads_the_sink_mass_from_the_pattern_and_leaves_the_mode():
