@@ -180,3 +180,9 @@ def test_command_and_report_section(planted, monkeypatch, tmp_path, capsys):
     none = Section("circuit")
     circuit_section(inputs(tiny_model("llama")), none)
     assert [kind for kind, _, _ in none.blocks] == ["note"] and "no sink in the text" in none.blocks[0][1]
+
+
+def test_the_causal_check_is_bounded(planted):
+    tokens = _tokens(planted)
+    with untouched(planted), pytest.raises(MassiveLensError, match="over max_seconds"):
+        sink_circuit(planted, tokens, corpus=tokens, max_seconds=1e-9)

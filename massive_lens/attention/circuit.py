@@ -23,6 +23,7 @@ direction the sink key shares with the queries.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,10 @@ class SinkCircuit(Result):
                 f"(head {int(top['head'])}, attention {top.sink_mass:.2f}) is drawn by the key from {top.dominant} "
                 f"({top.dominant_share:.0%} of its logit {top.logit:.3g}), the massive dims giving "
                 f"{top.massive_share:.0%}")
+        parts = self.frame[(self.frame["layer"] == top.layer) & (self.frame["head"] == top["head"])
+                           & (self.frame["side"] == "key")].groupby("part")["contribution"].sum()
+        if len(parts) and parts.min() < -0.5 * abs(top.logit):  # a part that pulls the logit down
+            lead += f", against {parts.idxmin()} {parts.min():.3g}"
         lead += (f", b_Q {top.b_q:.3g} +- {top.b_q_spread:.2g} against content {top.content:.3g} +- "
                  f"{top.content_spread:.2g}" if abs(top.b_q) > 0 else ", no query bias")
         lines = [lead, f"over the {len(h)} sink heads the dominant key writer is "
@@ -104,8 +109,13 @@ class SinkCircuit(Result):
                  + f"; the massive dims give a median {h['massive_share'].median():.0%} of the logit; "
                  f"the parts add up to the model's scores to {h['check'].max():.1e} (the norm's scale taken at "
                  "the actual input)"]
-        if len(self.causal):
-            lines += [removal_line(self.causal, r, self.threshold) for r in self.causal["removal"].unique()]
+        if len(self.causal):  # the chain's verdict first: the removal that kills the sink in most heads
+            kills = self.causal.groupby("removal", sort=False)["kills"].sum()
+            best = str(kills.idxmax()) if kills.max() > 0 else None
+            if best is not None:
+                lines[0] += "; " + removal_line(self.causal, best, self.threshold)
+            lines += [removal_line(self.causal, r, self.threshold) for r in self.causal["removal"].unique()
+                      if r != best]
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:
@@ -211,8 +221,8 @@ def chosen_heads(view: ModelView, cap: CircuitCapture, heads: Any, n_heads: int,
 
 def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n_heads: int = N_HEADS,
                  layers: int | Sequence[int] | None = None, corpus: Any = None, n_seqs: int = 16,
-                 seq_len: int = 128, criterion: Criterion | None = None, rule: SinkRule | None = None
-                 ) -> SinkCircuit:
+                 seq_len: int = 128, criterion: Criterion | None = None, rule: SinkRule | None = None,
+                 max_seconds: float | None = None) -> SinkCircuit:
     """Split each sink head's attention logit on the first token into its parts, exactly, and
     (with ``corpus``) cut each part alone (see the module docstring).
 
@@ -228,13 +238,16 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
         seq_len: their length in tokens.
         criterion: what counts as a massive dim (default ``Criterion()``).
         rule: the sink rule whose threshold names sink heads (default ``SinkRule()``).
+        max_seconds: refuse the causal check when its cost, estimated before it starts from the
+            split's own pass (1 + 4 passes over the corpus), is over this (None: no bound).
 
     Returns:
         A :class:`SinkCircuit`.
 
     Raises:
         MassiveLensError: no sink in the text, a head without attention to the sink, layers out
-            of range, a model without attention, or parts that do not add up to the logit.
+            of range, a model without attention, parts that do not add up to the logit, or a
+            causal check estimated over ``max_seconds``.
 
     >>> from massive_lens import tiny_model
     >>> c = sink_circuit(tiny_model("qwen2"), "Hello there, world. " * 4, n_heads=2,
@@ -249,7 +262,9 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
     if int(batch.lengths.min()) < 2:
         raise MassiveLensError("sink_circuit needs at least one query after the first token; give a longer text")
     cap = CircuitCapture(view, batch, chosen, criterion or Criterion())
+    start = time.perf_counter()
     view.forward(batch, cap.hooks(), stop_after=view.hook_name(max(chosen), "attn.hook_pattern"))
+    token_seconds = (time.perf_counter() - start) / batch.tokens.numel()
     picked = chosen_heads(view, cap, heads, n_heads, rule.threshold)
     rows, infos, splits = [], [], {}
     for layer, head in picked:
@@ -260,7 +275,8 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
         infos.append(info)
     head_frame = pd.DataFrame(infos, columns=HEAD_COLUMNS)
     causal = (causal_check(view, head_frame, corpus, n_seqs=n_seqs, seq_len=seq_len,
-                           criterion=criterion or Criterion(), threshold=rule.threshold)
+                           criterion=criterion or Criterion(), threshold=rule.threshold,
+                           token_seconds=token_seconds, max_seconds=max_seconds)
               if corpus is not None else pd.DataFrame(columns=CAUSAL_COLUMNS))
     token = view.str_tokens(batch)[0][0] if batch.pixel_values is None else "[first]"
     return SinkCircuit(frame=pd.DataFrame(rows, columns=COLUMNS), heads=head_frame, causal=causal,

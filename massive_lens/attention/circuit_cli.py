@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--n-seqs", type=int, default=16, help="causal check: corpus sequences (default 16)")
     parser.add_argument("--no-causal", dest="causal", action="store_false", help="the split only")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="refuse a causal check estimated (before it starts) to take longer than this")
     parser.add_argument("--out-dir", "--out", dest="out_dir", default=None,
                         help="save the result and its figure here")
 
@@ -63,7 +65,7 @@ def cmd_circuit(args: argparse.Namespace) -> None:
     view = ModelView(model)
     text = args.text if args.text is not None else sequences(view, args.corpus, args.seq_len, args.n_text)
     corpus = sequences(view, args.corpus, args.seq_len, args.n_seqs) if args.causal else None
-    result = sink_circuit(model, text, heads=heads, n_heads=args.n_heads, corpus=corpus)
+    result = sink_circuit(model, text, heads=heads, n_heads=args.n_heads, corpus=corpus, max_seconds=args.max_seconds)
     print(result.summary())
     if folder is not None:
         print(f"\nwrote {result.save(folder / 'sink_circuit', overwrite=True)}")
