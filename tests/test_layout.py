@@ -1,7 +1,8 @@
 """The package's layout keeps its rules, each a test that can fail (shown on a planted break):
 every internal import takes a name from the module that defines it (only a package's
 ``__init__`` re-exports); no ``_private`` name is imported across modules; every module sits in
-its package's import-linter contract; results are keyword-only dataclasses; ``register``
+its package's import-linter contract; results are keyword-only dataclasses; every ``.plot()`` draws
+through ``core.render`` (no other module touches ``matplotlib.pyplot``); ``register``
 refuses a name already taken; the quick loop leaves out, by marker or fixture, every test that
 loads a real model or builds a report."""
 
@@ -211,15 +212,8 @@ def positional(classes) -> list[str]:
 
 
 _POSITIONAL_TODAY = (  # issue 38: results and registry rows are built by keyword; this list only shrinks
-    "attention.census.SinkCensus attention.decompose.AttentionDecomposition attention.dormant.DormantHeads "
-    "attention.kv.SinkKV attention.mass.SinkAttention detect.find.LayerProfile detect.find.MassiveActivations "
-    "detect.scan.CorpusScan effects.mixing.OverMixing effects.repeated.RepeatedToken "
-    "effects.streaming.StreamingWindow effects.valley.CompressionValley handover.dims.MassiveDims "
-    "handover.masks.ExclusionMask handover.masks.NormThresholds handover.precision.PrecisionCheck "
-    "handover.sae.SAECheck interventions.calibration.Calibration interventions.head_curve.HeadCurve "
-    "interventions.registry.InterventionSetting interventions.table.InterventionTable metrics.Perplexity "
-    "origin.trace.OriginTrace "
-    "train.compare.Comparison train.retrofit.Retrofit train.stability.TrainingStability train.trainer.TrainRun")
+    "attention.kv.SinkKV detect.find.LayerProfile detect.find.MassiveActivations detect.scan.CorpusScan "
+    "effects.valley.CompressionValley handover.precision.PrecisionCheck origin.trace.OriginTrace")
 POSITIONAL_ALLOWED = {f"massive_lens.{name}" for name in _POSITIONAL_TODAY.split()}
 
 
@@ -385,3 +379,33 @@ def test_no_module_outside_core_builds_a_hook_name(tmp_path):
                               'C = "blocks." + str(2) + ".hook_mlp_out"\n'
                               'D = f"set sae.cfg.hook_name, e.g. blocks.{6}.hook_resid_post"\n')
     assert hand_built_hook_names(pkg) == ["pkg/a.py:2", "pkg/a.py:3", "pkg/a.py:4"]
+
+
+DRAWS = "core/render.py"  # the one module that makes and closes figures (pyplot); every .plot() draws through it
+
+
+def pyplot_users(root: Path, gate: str = DRAWS) -> list[str]:
+    """``file:line`` of each use of ``matplotlib.pyplot`` (an import of it, in any spelling) outside ``gate``."""
+    found = []
+    for file in sorted(root.rglob("*.py")):
+        if file.relative_to(root).as_posix() == gate:
+            continue
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""] \
+                if isinstance(node, ast.ImportFrom) else []
+            if any(n == "matplotlib.pyplot" or n.startswith("matplotlib.pyplot.") for n in names):
+                found.append(f"{file.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_every_plot_draws_through_core_render(tmp_path):
+    assert not pyplot_users(PACKAGE), (f"{pyplot_users(PACKAGE)}: make figures with core.render's ensure_axes / "
+                                       "new_figure and close them with close_figure")
+    pkg = tmp_path / "pkg"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "core" / "render.py").write_text("import matplotlib.pyplot as plt\n")
+    (pkg / "a.py").write_text("import matplotlib.pyplot as plt\nimport matplotlib.colors\n")
+    (pkg / "b.py").write_text("def plot():\n    from matplotlib import pyplot\n    return pyplot.gca()\n")
+    (pkg / "c.py").write_text("from matplotlib.pyplot import subplots\nfrom matplotlib import ticker\n")
+    assert pyplot_users(pkg) == ["pkg/a.py:1", "pkg/b.py:2", "pkg/c.py:1"]

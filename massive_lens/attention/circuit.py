@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
@@ -36,6 +35,7 @@ from massive_lens.attention.circuit_causal import CAUSAL_COLUMNS, causal_check, 
 from massive_lens.attention.circuit_split import CircuitCapture, split_layer
 from massive_lens.core.criterion import Criterion, SinkRule
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
@@ -121,8 +121,7 @@ class SinkCircuit(Result):
     def plot(self, ax: Any = None) -> Any:
         """The logit split per head: stacked bars of the key-side parts grouped by kind and dims (the
         black mark is their sum, the logit; a red cross ``b_Q``'s part of it, on the query side)."""
-        if ax is None:
-            ax = plt.subplots(figsize=(max(6.0, 0.6 * len(self.heads) + 3), 4.5), layout="constrained")[1]
+        ax = ensure_axes(ax, (max(6.0, 0.6 * len(self.heads) + 3), 4.5))
         key = self.frame[self.frame["side"] == "key"].copy()
         key["group"] = [p if c in ("embed", "bias") else f"{c} ({d} dims)" for p, c, d in
                         zip(key["part"], key["component"], key["dims"], strict=True)]

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from jaxtyping import Bool
@@ -46,6 +45,7 @@ from torch import Tensor
 from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
 from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
@@ -100,8 +100,7 @@ class SinkKV(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Per layer, the median over heads of the key and value norm ratios and the drain."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 4))[1]
+        ax = ensure_axes(ax, (7, 4), layout=None)
         by = self.frame.groupby("layer")[["key_ratio", "value_ratio", "drain", "bias_share"]].median()
         for col, label in (("key_ratio", "sink key norm / others' median"),
                            ("value_ratio", "sink value norm / others' median"),

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from torch import Tensor
@@ -31,6 +30,7 @@ from massive_lens.attention.circuit_split import read_norm
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
@@ -83,8 +83,7 @@ class NormRoles(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Per layer: cosine and sparsity after the norm and raw."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 4), layout="constrained")[1]
+        ax = ensure_axes(ax, (7, 4))
         for col in ("cos_normed", "cos_raw", "sparsity_normed", "sparsity_raw"):
             ax.plot(self.layers["layer"], self.layers[col], marker="o", markersize=3, label=col)
         ax.set(xlabel="layer", ylabel="massive tokens", title=f"{self.model_name}: massive tokens after the norm")

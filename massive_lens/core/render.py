@@ -22,11 +22,30 @@ from massive_lens.core.criterion import SINK_THRESHOLD
 from massive_lens.errors import MassiveLensError
 
 
-def _axes(ax: Any = None, size: tuple[float, float] = (7, 4)) -> Any:
-    if ax is not None:
-        return ax
-    _, ax = plt.subplots(figsize=size, layout="constrained")
-    return ax
+def new_figure(rows: int = 1, cols: int = 1, *, size: tuple[float | int, float | int] = (7, 4),
+               layout: str | None = "constrained", **options: Any) -> tuple[Any, Any]:
+    """``(figure, axes)``: a new figure of ``rows x cols`` Axes (``options`` go to
+    ``plt.subplots``; ``rows = cols = 0``: a figure with no Axes, ``(figure, None)``). The one
+    place a figure is made, so every ``.plot()`` shares the style.
+
+    >>> fig, axes = new_figure(2, 1, size=(4, 4), sharex=True)
+    >>> len(axes), new_figure(0, 0)[1] is None
+    (2, True)
+    """
+    if rows == cols == 0:
+        return plt.figure(figsize=size, layout=layout), None
+    return plt.subplots(rows, cols, figsize=size, layout=layout, **options)
+
+
+def ensure_axes(ax: Any = None, size: tuple[float | int, float | int] = (7, 4), *,
+                layout: str | None = "constrained") -> Any:
+    """``ax``, or the Axes of a new figure of ``size`` (:func:`new_figure`)."""
+    return ax if ax is not None else new_figure(size=size, layout=layout)[1]
+
+
+def close_figure(fig: Any = None) -> None:
+    """Close ``fig`` (a Figure or the Figure of an Axes; None: every open figure) to free its memory."""
+    plt.close("all" if fig is None else figure_of(fig))
 
 
 def profile_axes(
@@ -57,7 +76,7 @@ def profile_axes(
     >>> profile_axes(frame, ["top1", "median"]).get_yscale()
     'log'
     """
-    ax = _axes(ax)
+    ax = ensure_axes(ax)
     for column in columns:
         values = frame[column + suffix]
         line = ax.plot(frame["layer"], values, marker="o", markersize=3, label=column)[0]
@@ -93,7 +112,7 @@ def waterfall_axes(ledger: pd.DataFrame, *, ax: Any = None, title: str = "") -> 
     >>> waterfall_axes(frame).get_xlabel()
     'layer (each layer: attention bar, then MLP bar)'
     """
-    ax = _axes(ax, size=(9.0, 4.0))
+    ax = ensure_axes(ax, size=(9.0, 4.0))
     after = ledger["resid"].to_numpy()
     contrib = ledger["contribution"].to_numpy()
     x = list(range(len(ledger)))
@@ -135,7 +154,7 @@ def sink_mass_axes(frame: pd.DataFrame, *, threshold: float = SINK_THRESHOLD, ax
     >>> bool(sink_mass_axes(frame).get_ylim()[1] >= 1)
     True
     """
-    ax = _axes(ax)
+    ax = ensure_axes(ax)
     by = frame.groupby("layer")
     mean = by["sink_mass"].mean()
     line = ax.plot(mean.index, mean.values, marker="o", markersize=3, label="sink mass (mean over heads)")[0]
@@ -171,7 +190,7 @@ def sink_content_axes(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
     >>> sink_content_axes(frame).get_yscale()
     'log'
     """
-    ax = _axes(ax)
+    ax = ensure_axes(ax)
     norms = frame.groupby(["term", "layer"])["norm"].mean()
     for term in ("sink", "content"):
         if term in norms.index.get_level_values(0):
@@ -209,7 +228,7 @@ def intervention_bars(frame: pd.DataFrame, *, ax: Any = None, title: str = "") -
     >>> intervention_bars(frame).get_yscale()
     'log'
     """
-    ax = _axes(ax)
+    ax = ensure_axes(ax)
     ratio = frame["ratio"].clip(upper=1e6)
     low = (ratio - frame["ratio_low"].clip(upper=1e6)).clip(lower=0)
     high = (frame["ratio_high"].clip(upper=1e6) - ratio).clip(lower=0)
@@ -279,7 +298,7 @@ def overlay_profiles(profiles: Any, *, relative_depth: bool = False, ax: Any = N
     if isinstance(profiles, pd.DataFrame) and "variant" in profiles:
         profiles = {str(k): g.groupby("layer", as_index=False).mean(numeric_only=True)
                     for k, g in profiles.groupby("variant", sort=False)}
-    ax = _axes(ax)
+    ax = ensure_axes(ax)
     for name, item in dict(profiles).items():
         frame = getattr(item, "profile", item)
         frame = getattr(frame, "frame", frame)
@@ -352,7 +371,7 @@ def loss_axes(frame: pd.DataFrame, mean: float, interval: tuple[float, float], *
     >>> loss_axes(pd.DataFrame({"loss": [2.0, 3.0, 4.0]}), 3.0, (2.2, 3.8)).get_ylabel()
     'loss (nats per token)'
     """
-    ax = _axes(ax)
+    ax = ensure_axes(ax)
     values = np.sort(frame["loss"].to_numpy())
     ax.plot(range(len(values)), values, marker="o", markersize=3, lw=0.8, label="sequences, sorted")
     ax.axhline(mean, color="black", lw=0.8, label=f"mean {mean:.3f}")
@@ -385,7 +404,7 @@ def curve_axes(frame: pd.DataFrame, *, x: str = "step", y: Sequence[str] = ("los
     >>> [t.get_text() for t in curve_axes(frame).get_legend().get_texts()]
     ['loss', 'val_loss']
     """
-    ax = _axes(ax)
+    ax = ensure_axes(ax)
     groups = frame.groupby(by, sort=False) if by else [("", frame)]
     for name, group in groups:
         for column in y:

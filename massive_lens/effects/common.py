@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
@@ -32,11 +31,6 @@ def with_intervals(per_seq: pd.DataFrame, keys: Sequence[str], metrics: Sequence
         row["n_seqs"] = len(part)
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def axes(ax: Any = None, size: tuple[float | int, float | int] = (8, 4.5)) -> Any:
-    """``ax``, or the Axes of a new figure of ``size``."""
-    return ax if ax is not None else plt.subplots(figsize=size, layout="constrained")[1]
 
 
 def band(ax: Any, frame: pd.DataFrame, metric: str, *, x: str = "layer", **style: Any) -> Any:

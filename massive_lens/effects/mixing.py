@@ -34,8 +34,9 @@ from torch import Tensor
 
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
-from massive_lens.effects.common import axes, band, with_intervals
+from massive_lens.effects.common import band, with_intervals
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import calibrate, remove_sink_attention
 from massive_lens.metrics import as_hooks
@@ -81,7 +82,7 @@ class OverMixing(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Relative spread to later tokens per layer (log), one line per setting, with intervals."""
-        ax = axes(ax, (7, 4))
+        ax = ensure_axes(ax, (7, 4))
         for name, rows in self.frame.groupby("setting", sort=False):
             band(ax, rows.sort_values("layer"), "spread", label=name)
         ax.set(xlabel="layer", ylabel="relative change of later tokens (log)", yscale="log",

@@ -39,8 +39,8 @@ from torch import Tensor
 from massive_lens.attention import sink_census
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
-from massive_lens.effects.common import axes
 from massive_lens.errors import MassiveLensError
 from massive_lens.metrics import bootstrap_mean, perplexity
 from massive_lens.origin import trace_origin
@@ -108,7 +108,7 @@ class RepeatedToken(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Each position's norm over the first token's at the sink layer, original and patched."""
-        ax = axes(ax, (8, 4))
+        ax = ensure_axes(ax, (8, 4))
         f = self.frame[self.frame["pos"] > 0]
         ax.plot(f["pos"], f["norm_ratio"], label="original", lw=1)
         if f["patched_ratio"].notna().any():

@@ -29,9 +29,9 @@ from massive_lens.attention import sink_census
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.effects.cache import POSITIONS, window_hooks
-from massive_lens.effects.common import axes
 from massive_lens.errors import MassiveLensError
 from massive_lens.metrics import bootstrap_mean
 
@@ -88,7 +88,7 @@ class StreamingWindow(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Perplexity over position (log), one line per setting; the window's end marked."""
-        ax = axes(ax, (8, 4.5))
+        ax = ensure_axes(ax, (8, 4.5))
         for name, rows in self.curve.groupby("setting", sort=False):
             mid = (rows["pos_start"] + rows["pos_end"]) / 2
             ax.plot(mid, rows["perplexity"], marker="o", markersize=3, label=name, lw=2 if name == FULL else 1.2)

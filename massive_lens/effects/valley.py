@@ -51,8 +51,9 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import first_norm_ratio, first_token_mass, sink_metric
 from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
-from massive_lens.effects.common import axes, band, with_intervals
+from massive_lens.effects.common import band, with_intervals
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, calibrate
 from massive_lens.metrics import as_hooks
@@ -144,7 +145,7 @@ class CompressionValley(Result):
     def plot(self, ax: Any = None) -> Any:
         """Entropy and sink rate (left axis) and first-token norm (right axis, log) per layer,
         one color per setting, with 95% intervals."""
-        ax = axes(ax, (8, 4.5))
+        ax = ensure_axes(ax, (8, 4.5))
         right = ax.twinx()
         for i, name in enumerate(self.frame["setting"].unique()):
             rows, color = self.setting(name), f"C{i}"

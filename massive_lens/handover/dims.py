@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 from jaxtyping import Float
 from torch import Tensor
@@ -50,6 +49,7 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.fmt import num, pct
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.core.store import read_json
 from massive_lens.detect.find import find_massive
@@ -151,8 +151,7 @@ class MassiveDims(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Per dim, the share of layers where it is massive, with the persistence rule as a line."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 4))[1]
+        ax = ensure_axes(ax, (7, 4), layout=None)
         f = self.to_frame()
         ax.bar([str(d) for d in f["dim"]], f["share"], color=["C3" if k else "C0" for k in f["kept_out"]])
         ax.axhline(self.persistence, color="k", linestyle="--", label=f"persistence {self.persistence:g}")

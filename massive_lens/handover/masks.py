@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from jaxtyping import Bool, Int
@@ -58,6 +57,7 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import OUTLIER_CHOICES, Criterion, SinkRule
 from massive_lens.core.fmt import pct
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.detect.find import RESIDUAL_HOOKS, find_massive
@@ -124,8 +124,7 @@ class ExclusionMask(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """The mask, sequences by positions (pads grey)."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 2 + 0.2 * len(self.mask)))[1]
+        ax = ensure_axes(ax, (7, 2 + 0.2 * len(self.mask)), layout=None)
         image = self.mask.float().masked_fill(~self.valid, 0.5)
         ax.pcolormesh(image.numpy(), cmap="Greys_r", vmin=0, vmax=1)
         ax.invert_yaxis()
@@ -293,8 +292,7 @@ class NormThresholds(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Per layer: the largest kept multiple, the smallest massive one and the threshold (log scale)."""
-        if ax is None:
-            ax = plt.subplots(figsize=(7, 4))[1]
+        ax = ensure_axes(ax, (7, 4), layout=None)
         for col in ("kept_max", "massive_min", "threshold"):
             ax.plot(self.frame["layer"], self.frame[col], marker="o", markersize=3, label=col)
         ax.set(yscale="log", xlabel="layer", ylabel="norm / median norm", title=f"{self.model_name}: norm multiples")

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from jaxtyping import Bool, Float
@@ -47,6 +46,7 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, SinkRule
 from massive_lens.core.fmt import num, pct
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover.masks import exclusion_mask
@@ -139,8 +139,7 @@ class SAECheck(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Per group: its share of the positions and of the squared error."""
-        if ax is None:
-            ax = plt.subplots(figsize=(6, 3.5))[1]
+        ax = ensure_axes(ax, (6, 3.5), layout=None)
         f = self.groups[self.groups["group"] != "all"]
         x = torch.arange(len(f)).numpy()
         ax.bar(x - 0.2, f["position_share"], width=0.4, label="share of positions")

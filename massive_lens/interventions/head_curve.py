@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
 from massive_lens.attention.dormant import dormant_heads
 from massive_lens.core.corpora import default_text, sequences
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.heads import ranked_heads, zero_dormant_heads
@@ -88,7 +88,7 @@ class HeadCurve(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Ratio against the share of heads zeroed, dormant-first and random, with intervals."""
-        ax = ax or plt.subplots(figsize=(6, 4))[1]
+        ax = ensure_axes(ax, (6, 4), layout=None)
         for order, g in self.curve().groupby("order", sort=False):
             label = "dormant heads first" if order == "dormant" else f"random heads ({g.draws.max()} draws)"
             ax.plot(g.share * 100, g.ratio, marker="o", label=label)

@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from massive_lens.core.outputs import check_out_dir
+from massive_lens.core.render import close_figure
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.load import load_model
 from massive_lens.quant.api import quantize_grid
@@ -64,11 +65,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(result.summary())
     print(result.to_frame()[COLUMNS].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if out is not None:
-        import matplotlib.pyplot as plt
-
         out.mkdir(parents=True, exist_ok=True)
         result.save(out / "result", overwrite=True)
         result.to_frame().to_csv(out / "quantization.csv", index=False)
         ax = result.plot()
         ax.figure.savefig(out / "quantization.png", dpi=120, bbox_inches="tight")
-        plt.close(ax.figure)
+        close_figure(ax)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from massive_lens.core.render import profile_axes
+from massive_lens.core.render import ensure_axes, profile_axes
 from massive_lens.core.results import Result
 
 GROUPS = ("sink", "massive", "other")
@@ -101,9 +101,8 @@ class LowBitGrid(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """The gap to full precision per setting (a bar each)."""
-        import matplotlib.pyplot as plt
 
-        ax = ax if ax is not None else plt.subplots(figsize=(5, 3))[1]
+        ax = ensure_axes(ax, (5, 3), layout=None)
         ax.bar(self.frame.setting, self.frame.gap)
         ax.set_ylabel("loss - full-precision loss (nats)")
         ax.set_title(f"{self.model_name}: round-to-nearest fake quantization")
@@ -143,9 +142,8 @@ class Quantization(LowBitGrid):
 
     def plot(self, ax: Any = None) -> Any:
         """The loss gap per setting with its interval, and the activation error per token group."""
-        import matplotlib.pyplot as plt
 
-        ax = ax if ax is not None else plt.subplots(figsize=(7, 3.5))[1]
+        ax = ensure_axes(ax, (7, 3.5), layout=None)
         f = self.frame
         x = range(len(f))
         ax.bar(x, f.gap, color="tab:gray", label="loss gap (nats)",

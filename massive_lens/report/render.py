@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from massive_lens.core.fmt import cell as _fmt
-from massive_lens.core.render import figure_of
+from massive_lens.core.render import close_figure, figure_of
 from massive_lens.viz.views import bundle_tag
 
 LONG_CELL = 60  # a text cell longer than this is prose: it wraps, or folds into <details> beyond FOLD_CELL
@@ -89,7 +88,7 @@ class Section:
 def _png(fig: Any) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    close_figure(fig)
     return buf.getvalue()
 
 

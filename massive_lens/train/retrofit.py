@@ -34,12 +34,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
 from massive_lens.core.corpora import data_file
-from massive_lens.core.render import curve_axes, save_figure
+from massive_lens.core.render import close_figure, curve_axes, save_figure
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant import measure_outliers
@@ -382,4 +381,4 @@ def _write(result: Retrofit, out: Path) -> None:
     (out / "summary.txt").write_text(result.summary() + "\n")
     for name, draw in (("loss", result.plot), ("activations", result.plot_activations)):
         save_figure(draw(), out / name, formats=("png",), dpi=110)
-        plt.close("all")
+        close_figure()

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from massive_lens.core.render import ensure_axes, new_figure
 from massive_lens.core.results import Result
 from massive_lens.core.store import read_json
 from massive_lens.errors import MassiveLensError
@@ -223,15 +223,14 @@ class TrainingStability(Result):
             The axis drawn on (with four panels, the top one; ``.figure`` holds all).
         """
         if ax is None and metric is None:
-            fig, panels = plt.subplots(len(PANELS), 1, figsize=(9, 10), sharex=True, layout="constrained")
+            fig, panels = new_figure(len(PANELS), 1, size=(9, 10), sharex=True)
             for panel, (name, label, log) in zip(panels, PANELS, strict=True):
                 self._draw(panel, name, label, log)
             panels[-1].set_xlabel("step")
             panels[0].legend(fontsize=7, ncol=3)
             panels[0].set_title(f"training stability ({len(self.to_frame())} runs; x: spikes)")
             return panels[0]
-        if ax is None:
-            ax = plt.subplots(figsize=(9, 3.5), layout="constrained")[1]
+        ax = ensure_axes(ax, (9, 3.5))
         name, label, log = next((p for p in PANELS if p[0] == (metric or "max_act")), (metric, metric, False))
         self._draw(ax, name, label, log)
         ax.set_xlabel("step")

@@ -22,11 +22,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from massive_lens.core.criterion import SINK_THRESHOLD
-from massive_lens.core.render import save_figure
+from massive_lens.core.render import close_figure, new_figure, save_figure
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.stability import t_interval
 from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS
@@ -216,7 +215,7 @@ def _tasks(frame: pd.DataFrame) -> list[str]:
 def figure(curves: pd.DataFrame, path: str | Path) -> Any:
     """Sink mass and the first token's residual top-1/median against steps, mean over seeds, per setting."""
     tasks = _tasks(curves)
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.6 * len(tasks)), layout="constrained", squeeze=False)
+    fig, axes = new_figure(len(tasks), 2, size=(11, 3.6 * len(tasks)), squeeze=False)
     for row, task in zip(axes, tasks, strict=True):
         part = curves[curves.task == task]
         for setting in [s for s in ORDER if s in set(part.setting)]:
@@ -229,7 +228,7 @@ def figure(curves: pd.DataFrame, path: str | Path) -> Any:
         row[1].set(title=f"{task}: first token's residual top-1 / median", xlabel="step", ylabel="ratio")
         row[0].legend(fontsize=7, frameon=False, ncol=2)
     save_figure(fig, path, formats=("png",), dpi=110)
-    plt.close(fig)
+    close_figure(fig)
     return fig
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import new_figure
 from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
 from massive_lens.viz.landscape import landscape_axes, tick_label
@@ -122,7 +122,7 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
         sinks = sorted(rows[rows.scope == "token"].pos.unique().tolist()) or [0]
     cols = min(4, len(chosen))
     rows = -(-len(chosen) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
+    fig, axes = new_figure(rows, cols, size=(3.0 * cols, 3.0 * rows), squeeze=False)
     labels = [tick_label(t, 8) for t in tokens]
     image = None
     for ax, head in zip(axes.flat, chosen, strict=False):

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 
+from massive_lens.core.render import new_figure
 from massive_lens.errors import MassiveLensError
 
 
@@ -75,7 +75,7 @@ def landscape_axes(
     if mag.ndim != 2 or mag.shape[0] != len(tokens):
         raise MassiveLensError(f"values must be [pos, d_model] with pos = {len(tokens)} tokens, got {mag.shape}")
     if ax is None:
-        fig = plt.figure(figsize=(8.0, 5.5), layout="constrained")
+        fig = new_figure(0, 0, size=(8.0, 5.5))[0]
         ax = fig.add_subplot(projection="3d")
     dims = np.arange(mag.shape[1])
     cmap = matplotlib.colormaps["viridis"]

@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.colors import LogNorm
 from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.detect import find_massive
 from massive_lens.errors import MassiveLensError
 from massive_lens.viz.figures import capture_one
@@ -59,8 +59,7 @@ def patch_grid_axes(values: Any, specials: Sequence[str], grid: tuple[int, int],
     if len(vals) != len(specials) + rows * cols:
         raise MassiveLensError(f"need one value per position: {len(specials)} special + {rows}x{cols} patches = "
                                f"{len(specials) + rows * cols}, got {len(vals)}")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(5.5, 4.2), layout="constrained")
+    ax = ensure_axes(ax, (5.5, 4.2))
     positive = vals[vals > 0]
     low = float(positive.min()) if len(positive) else 1e-12
     norm = LogNorm(vmin=low, vmax=max(float(vals.max()), low * 1.001))
