@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
-from massive_lens import Criterion, find_massive, layer_profile, load_model, perplexity, scan_corpus, tiny_model
+from massive_lens import find_massive, layer_profile, load_model, perplexity, scan_corpus, tiny_model
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.nnsight_view import NnsightView, trace_options
 from massive_lens.core.tokens import byte_tokenizer
