@@ -61,7 +61,7 @@ def rescale_factor(peaks: pd.DataFrame, limit: float, headroom: float = HEADROOM
         The factor ``c``.
 
     >>> rescale_factor(pd.DataFrame(dict(site=["hook_resid_post"], max_abs=[150_000.0])), 65504.0)
-    0.03125
+    0.125
     """
     rows = peaks[peaks["site"].isin(RESIDUAL_SITES)]
     top = float(rows["max_abs"].max()) if len(rows) else 0.0
