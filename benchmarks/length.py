@@ -34,7 +34,6 @@ LENGTHS = (128, 256, 512, 1024, 2048)
 def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> dict[str, Callable[[], Any]]:
     """The analyses on one sequence ``one`` (``two``: two sequences of the same length)."""
     import massive_lens as ml
-
     from massive_lens.core.lse import lse_run
     from massive_lens.core.model_view import ModelView
 

@@ -20,8 +20,8 @@ TEXTS = ["Hello there, world. The cat sat on the mat. " * 3, "Bye now."]  # padd
 
 def _patterns(view, batch):
     seen = {}
-    hooks = [(view.hook_name(layer, "attn.hook_pattern"), lambda x, hook, layer=layer: seen.__setitem__(layer, x.float()))
-             for layer in range(view.n_layers)]
+    hooks = [(view.hook_name(layer, "attn.hook_pattern"),
+              lambda x, hook, layer=layer: seen.__setitem__(layer, x.float())) for layer in range(view.n_layers)]
     view.forward(batch, hooks)
     return seen
 

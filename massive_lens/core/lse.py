@@ -87,7 +87,8 @@ class LayerAttention:
         scores = scores + self._bias(qi, cols[None, :])
         return _softmax_entries(scores, self.lse)
 
-    def band(self, valid: Bool[Tensor, "batch pos"]) -> tuple[Float[Tensor, "batch head pos"], Float[Tensor, "batch pos"]]:
+    def band(self, valid: Bool[Tensor, "batch pos"]
+             ) -> tuple[Float[Tensor, "batch head pos"], Float[Tensor, "batch pos"]]:
         """Per head, each key's mean attention from the (up to ``SINK_QUERIES``) real queries
         after it, and how many such queries each key has: exactly
         :func:`~massive_lens.core.criterion.key_attention` of the pattern, from a band of
@@ -145,8 +146,9 @@ def _kernel(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, caus
         if mask is None and query.dtype in (torch.float16, torch.bfloat16):
             out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scale)
             return out[0], out[1]
-        bias = None if mask is None else (torch.where(mask, 0.0, float("-inf")).to(query.dtype) if mask.dtype == torch.bool
-                                          else mask.to(query.dtype)).expand(query.shape[0], query.shape[1], -1, -1)
+        bias = None if mask is None else (
+            torch.where(mask, 0.0, float("-inf")).to(query.dtype) if mask.dtype == torch.bool
+            else mask.to(query.dtype)).expand(query.shape[0], query.shape[1], -1, -1)
         out = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0,
                                                                      causal and mask is None, scale=scale)
         return out[0], out[1][..., : query.shape[2]]
