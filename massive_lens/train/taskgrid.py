@@ -39,7 +39,8 @@ TASK_SETTINGS: dict[str, dict[str, Any]] = {
     # Guo et al.'s setting (their code's BBM/train_main.py and scripts/dynamics.sh): Tiny Shakespeare's
     # character chain, 256 tokens after BOS, a 1-layer model of width 256 with one head, LayerNorm,
     # learned positions, a 4x MLP; AdamW at a constant 3e-4, betas (0.9, 0.99), weight decay 1e-4, no
-    # clipping; PyTorch's default init. Shortened for one CPU thread: batches of 32 sequences (theirs 512), 300 steps (theirs 10,000)
+    # clipping; PyTorch's default init. Shortened for one CPU thread: batches of 32 sequences (theirs
+    # 512), 300 steps (theirs 10,000)
     "bigram_backcopy_paper": dict(steps=300, n_layers=1, d_model=256, n_heads=1, eval_every=25, batch_size=32,
                                   lr=3e-4, warmup_steps=0, min_lr_ratio=1.0, beta2=0.99, weight_decay=1e-4,
                                   grad_clip=0.0, style="gpt2", init="torch"),
