@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from massive_lens import find_massive, layer_profile, load_model, perplexity, scan_corpus, tiny_model
+from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.nnsight_view import NnsightView, trace_options
 from massive_lens.core.tokens import byte_tokenizer
@@ -241,12 +242,14 @@ def test_real_models_same_numbers(name):
     one after the other (Qwen takes about 7 GB in float32)."""
     text = " ".join(REAL_TEXTS * 3)
     hooks = [("blocks.2.hook_resid_post", lambda x, hook: x * 0.9)]
-    results = []
+    results, bos, tokens = [], None, None
     for backend in ("bridge", "nnsight"):
         model = load_model(None if name == "default" else name, backend=backend)
-        results.append((find_massive(model, REAL_TEXTS), layer_profile(model, REAL_TEXTS).to_frame(),
-                        perplexity(model, text, seq_len=24, n_seqs=2, hooks=hooks, progress=False).perplexity,
-                        ModelView(model).name))
+        if bos is None:  # TransformerLens's default for the architecture (False for Qwen2); nnsight's is True
+            bos, tokens = bool(model.cfg.default_prepend_bos), sequences(ModelView(model), text, 24, 2)
+        results.append((find_massive(model, REAL_TEXTS, prepend_bos=bos),
+                        layer_profile(model, REAL_TEXTS, prepend_bos=bos).to_frame(),
+                        perplexity(model, tokens, hooks=hooks, progress=False).perplexity, ModelView(model).name))
         del model
         gc.collect()
     (fa, pa, xa, na), (fb, pb, xb, nb) = results

@@ -83,7 +83,7 @@ class _Config:
     n_ctx: int | None
     d_vocab: int | None
     model_name: str
-    default_prepend_bos: bool = True
+    default_prepend_bos: bool = True  # TransformerLens's usual default; it turns it off for a few architectures
 
 
 @dataclass(frozen=True)
