@@ -105,7 +105,7 @@ def test_valley_summary_names_a_near_tie_and_says_whether_the_valley_is_there():
     """Layer 0 is lowest by less than ENTROPY_TIE: a near-tie with layer 3, named as such; no
     middle layer is below both ends by more than the tolerance, so no valley."""
     tied = _valley([0.300, 0.60, 0.62, 0.300 + ENTROPY_TIE / 2, 0.65, 0.35], [10, 20, 30, 40, 50, 60])
-    text = CompressionValley(tied, tied.assign(seq=0), "m", 32).summary()
+    text = CompressionValley(frame=tied, per_seq=tied.assign(seq=0), model_name="m", seq_len=32).summary()
     assert "lowest at 2 layers within 0.01 of each other, a near-tie: layers 0, 3" in text
     assert "lowest at layer 0" not in text
     assert "compression valley (the paper's claim): NOT present on this model" in text
@@ -116,13 +116,14 @@ def test_valley_summary_says_the_claim_holds_where_the_norm_peaks_in_the_valley(
     deep = _valley([0.7, 0.6, 0.05, 0.1, 0.6, 0.5], [10, 20, 900, 800, 50, 40])
     ablated = _valley([0.7, 0.6, 0.65, 0.6, 0.6, 0.5], [10, 20, 30, 30, 50, 40], setting="zero_every")
     both = pd.concat([deep, ablated], ignore_index=True)
-    text = CompressionValley(both, both.assign(seq=0), "m", 32).summary()
+    text = CompressionValley(frame=both, per_seq=both.assign(seq=0), model_name="m", seq_len=32).summary()
     assert "matrix entropy lowest at layer 2 (0.050" in text
     assert "present on this model" in text and "layers 2, 3" in text
     assert "peaks inside it (layer 2): the claim holds" in text
     assert text.splitlines()[-1].endswith("valley absent")
     off = _valley([0.7, 0.6, 0.05, 0.1, 0.6, 0.5], [10, 20, 30, 40, 50, 900])
-    assert "peaks outside it (layer 5)" in CompressionValley(off, off.assign(seq=0), "m", 32).summary()
+    assert "peaks outside it (layer 5)" in CompressionValley(frame=off, per_seq=off.assign(seq=0), model_name="m",
+                                                             seq_len=32).summary()
 
 
 # --------------------------------------------------------------------------- streaming window

@@ -211,19 +211,12 @@ def positional(classes) -> list[str]:
                   or any(f.init and not f.kw_only for f in dataclasses.fields(c)))
 
 
-_POSITIONAL_TODAY = (  # issue 38: results and registry rows are built by keyword; this list only shrinks
-    "attention.kv.SinkKV detect.find.LayerProfile detect.find.MassiveActivations detect.scan.CorpusScan "
-    "effects.valley.CompressionValley handover.precision.PrecisionCheck origin.trace.OriginTrace")
-POSITIONAL_ALLOWED = {f"massive_lens.{name}" for name in _POSITIONAL_TODAY.split()}
-
-
 def test_results_and_registry_rows_are_keyword_only_dataclasses():
     for module in pkgutil.walk_packages(massive_lens.__path__, "massive_lens."):
         importlib.import_module(module.name)  # every result class is defined, so a subclass
     ours = {c for c in _subclasses(Result) - {Result} if c.__module__.startswith("massive_lens.")}  # not tests' own
-    found = set(positional(ours | {InterventionSetting}))
-    assert not found - POSITIONAL_ALLOWED, f"{sorted(found - POSITIONAL_ALLOWED)}: make it @dataclass(kw_only=True)"
-    assert not POSITIONAL_ALLOWED - found, f"now keyword-only, so take them off: {sorted(POSITIONAL_ALLOWED - found)}"
+    found = positional(ours | {InterventionSetting})
+    assert not found, f"{found}: make it @dataclass(kw_only=True) and build it by keyword"
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class ByKeyword:

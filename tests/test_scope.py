@@ -93,10 +93,10 @@ def test_profile_names_the_ratio_layer_when_it_differs():
     frame = pd.DataFrame(dict(layer=[0, 1, 2], top1_mean=[50.0, 900.0, 2000.0], top1_std=0.0,
                               median_mean=[0.001, 0.5, 2.0], median_std=0.0,
                               ratio_mean=[50_000.0, 1_800.0, 1_000.0], ratio_std=0.0))
-    text = LayerProfile(frame, "m", 3).summary()
+    text = LayerProfile(frame=frame, model_name="m", n_sequences=3).summary()
     assert "top-1 is largest at layer 2 with 2,000.0" in text
     assert "top-1/median peaks at layer 0 (50,000x" in text
-    same = LayerProfile(frame.assign(ratio_mean=[1.0, 2.0, 3.0]), "m", 3).summary()
+    same = LayerProfile(frame=frame.assign(ratio_mean=[1.0, 2.0, 3.0]), model_name="m", n_sequences=3).summary()
     assert "peaks at" not in same
 
 

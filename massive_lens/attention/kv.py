@@ -54,7 +54,7 @@ COLUMNS = ["layer", "head", "kv_head", "key_norm", "key_median", "key_ratio", "k
 BAND_COLUMNS = ["layer", "head", "band", "frequency", "q_max", "k_max"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SinkKV(Result):
     """The sink's keys and values per layer and head (see the module docstring for each column).
 
@@ -231,4 +231,5 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     frame[["layer", "head", "kv_head"]] = frame[["layer", "head", "kv_head"]].astype(int)
     band_frame = pd.DataFrame(bands, columns=BAND_COLUMNS)
     band_frame[["layer", "head", "band"]] = band_frame[["layer", "head", "band"]].astype(int)
-    return SinkKV(frame, band_frame, view.name, found.source, rotary is not None, found)
+    return SinkKV(frame=frame, bands=band_frame, model_name=view.name, sink_source=found.source,
+                  rotary=rotary is not None, sinks=found)

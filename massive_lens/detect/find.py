@@ -53,7 +53,7 @@ _BY_DIM = ["seq", "pos", "dim", "token", "token_kind", "scope", "first_layer", "
            "peak_layer", "value", "ratio"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MassiveActivations(Result):
     """Every massive entry of a batch of texts. ``to_frame()`` columns: ``seq``, ``layer``,
     ``pos``, ``token``, ``token_kind``, ``dim``, ``value``, ``ratio``, ``scope``
@@ -273,7 +273,7 @@ def find_in_batch(view: ModelView, batch: Batch, criterion: Criterion, layers: S
 # --------------------------------------------------------------------------- layer_profile
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerProfile(Result):
     """Per layer: mean and std over sequences of the top-1..k magnitudes and the median.
     ``to_frame()`` columns: ``layer``, ``top1_mean``, ``top1_std``, ..., ``median_mean``,
@@ -348,4 +348,4 @@ def layer_profile(
                    for start in range(0, len(texts), batch_size))
     for batch in batches:
         sums.add(run_reducer(view, batch, Criterion(), hook, layers, k=k))
-    return LayerProfile(sums.frame(), view.name, sums.n)
+    return LayerProfile(frame=sums.frame(), model_name=view.name, n_sequences=sums.n)

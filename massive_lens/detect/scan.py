@@ -32,7 +32,7 @@ from massive_lens.detect.scope import outlier_lines
 from massive_lens.errors import MassiveLensError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CorpusScan(Result):
     """Statistics of a corpus scan. ``profile`` is the per-layer table of a
     :class:`~massive_lens.detect.LayerProfile` (``layer``, ``top1_mean``, ...); ``frequency``
@@ -51,7 +51,7 @@ class CorpusScan(Result):
     @property
     def layer_profile(self) -> LayerProfile:
         """The per-layer statistics as a :class:`~massive_lens.detect.LayerProfile`."""
-        return LayerProfile(self.profile, self.model_name, self.n_sequences)
+        return LayerProfile(frame=self.profile, model_name=self.model_name, n_sequences=self.n_sequences)
 
     def to_frame(self) -> pd.DataFrame:
         return self.frequency.copy()
@@ -165,7 +165,8 @@ def scan_corpus(
     sums.n = n_seqs
     frequency = pd.concat([_frequency(hits, any_hits, present, layers),
                            _outliers(outlier, outlier_any, share, layers, n_seqs)], ignore_index=True)
-    return CorpusScan(sums.frame(), frequency, n_seqs, int(counts[1]), view.name, criterion)
+    return CorpusScan(profile=sums.frame(), frequency=frequency, n_sequences=n_seqs, n_tokens=int(counts[1]),
+                      model_name=view.name, criterion=criterion)
 
 
 def _kinds_present(kinds: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch n_kinds"]:

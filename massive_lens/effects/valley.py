@@ -91,7 +91,7 @@ def matrix_entropy(x: Float[Tensor, "pos d_model"]) -> float:
     return float(-(p * p.log()).sum() / math.log(min(x.shape)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompressionValley(Result):
     """Matrix entropy, first-token norm and sink rate per layer, with and without the massive
     activations (see the module docstring).
@@ -299,4 +299,4 @@ def compression_valley(model: Any, corpus: Corpus = None, *, layers: int | Seque
         rows += _measure(view, tokens, chosen, extra + list(iv.fwd_hooks), ablate, batch_size)
     per_seq = pd.DataFrame(rows)
     frame = with_intervals(per_seq, ["setting", "layer"], METRICS)
-    return CompressionValley(frame, per_seq, view.name, int(tokens.shape[1]))
+    return CompressionValley(frame=frame, per_seq=per_seq, model_name=view.name, seq_len=int(tokens.shape[1]))

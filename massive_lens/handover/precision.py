@@ -85,7 +85,7 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrecisionCheck(Result):
     """What float16 and bfloat16 do to a model's activations, measured and confirmed.
 
@@ -314,8 +314,9 @@ def precision_check(
                          tolerance, confirm)
     table = table.assign(cause=[cause_of(r, [p for p in problems if p[0] == r["dtype"]], torch.finfo(
         DTYPES[r["dtype"]]).max) for r in rows], **{c: [f[c] for f in fixes] for c in FIX_COLUMNS[1:]})
-    return PrecisionCheck(pd.DataFrame(problems, columns=PROBLEM_COLUMNS), table, frame[keep].copy(), view.name,
-                          int(tokens.shape[0]), int(tokens.shape[1]), float(tolerance))
+    return PrecisionCheck(problems=pd.DataFrame(problems, columns=PROBLEM_COLUMNS), verdicts=table,
+                          peaks=frame[keep].copy(), model_name=view.name, n_seqs=int(tokens.shape[0]),
+                          seq_len=int(tokens.shape[1]), tolerance=float(tolerance))
 
 
 def _problems(frame: pd.DataFrame, name: str, dtype: torch.dtype, limit: float) -> list[tuple]:

@@ -73,7 +73,7 @@ VERIFY_WARN_S = 60.0  # the time estimate is a warning (else INFO) above this ma
 _CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OriginTrace(Result):
     """The traced story of one or more massive (pos, dim) entries of one text.
 
