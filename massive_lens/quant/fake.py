@@ -61,7 +61,8 @@ def rtn(x: Tensor, bits: int, low: Tensor | float, high: Tensor | float, *, symm
     Args:
         x: the tensor to round.
         bits: the grid's width.
-        low, high: the range (tensors broadcast against ``x``, or numbers).
+        low: the range's low end (a tensor broadcast against ``x``, or a number).
+        high: its high end, likewise.
         symmetric: symmetric (default) or asymmetric with a zero point.
 
     Returns:
@@ -156,7 +157,8 @@ def fake_quant_activation(x: Tensor, low: float, high: float, bits: int = 8) -> 
 
     Args:
         x: the activation.
-        low, high: the calibrated range.
+        low: the calibrated range's low end.
+        high: its high end.
         bits: the grid's width (default 8).
 
     Returns:
@@ -200,13 +202,14 @@ def attached(hooks: Iterable[tuple[nn.Module, Any, Any]], weights: Iterable[nn.P
     Returns:
         A context manager.
 
-    >>> lin = nn.Linear(2, 2)
-    >>> before = lin.weight.data
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> before = lin.weight.data_ptr()
     >>> def pre(module, args, kwargs): lin.weight.data = lin.weight.data * 0
     >>> with attached([(lin, pre, lambda *a: None)], [lin.weight]):
     ...     bool(lin(torch.ones(1, 2)).eq(lin.bias).all())
     True
-    >>> lin.weight.data is before, len(lin._forward_pre_hooks)
+    >>> lin.weight.data_ptr() == before, len(lin._forward_pre_hooks)
     (True, 0)
     """
     saved: dict[int, tuple[nn.Parameter, Tensor]] = {}
@@ -265,7 +268,8 @@ def fake_quantized(
             (needed only for ``per_token=False`` with ``a_bits`` below 16).
         per_channel: weights per output channel (default), else per tensor.
         include_head: also quantize the unembedding (default False).
-        w_bits, a_bits: 8 or 4 (or any width from 2); None or 16: that side not quantized.
+        w_bits: weight bits, 8 or 4 (or any width from 2); None or 16: not quantized.
+        a_bits: activation bits, likewise.
         per_token: dynamic per-token activations instead of static per-tensor ranges.
 
     Returns:
