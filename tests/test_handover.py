@@ -285,9 +285,11 @@ def test_another_thread_waits_while_precision_check_casts(monkeypatch):
     check = precision_check(model, TEXT, seq_len=16, n_seqs=2, dtypes=("float16",))
     for other in others:
         other.join()
-    assert check.verdicts.iloc[0].kept_float32 == "layer 0" and len(others) == 2  # the confirming run, the search
+    # the confirming run, the search, and the bfloat16 run of the smallest fix (rescaling is not tried:
+    # the overflow is in the attention scores, the residual stream fits)
+    assert check.verdicts.iloc[0].kept_float32 == "layer 0" and len(others) == 3
     assert not errors, errors[:1]
-    assert len(answers) == 2 and all(frame.equals(expected) for frame in answers)
+    assert len(answers) == 3 and all(frame.equals(expected) for frame in answers)
 
 
 # --------------------------------------------------------------------------- the default model
