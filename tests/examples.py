@@ -25,14 +25,23 @@ from massive_lens import (
     trace_origin,
 )
 from massive_lens.attention.census import sink_census
+from massive_lens.attention.circuit import sink_circuit
 from massive_lens.attention.dormant import dormant_heads
 from massive_lens.attention.kv import sink_kv
+from massive_lens.attention.rescale import norm_roles
+from massive_lens.core.criterion import SinkRule
 from massive_lens.core.results import Result
 from massive_lens.effects import compression_valley, over_mixing, repeated_token_probe, streaming_window
-from massive_lens.handover import exclusion_mask, massive_dims, norm_thresholds, precision_check, sae_check
+from massive_lens.handover import (
+    exclusion_mask,
+    massive_dims,
+    norm_thresholds,
+    outlier_severity,
+    precision_check,
+    sae_check,
+)
 from massive_lens.interventions import head_curve
-from massive_lens.quant import quantize_grid
-from massive_lens.quant import lowbit_grid
+from massive_lens.quant import lowbit_grid, quantize_grid
 from massive_lens.train import compare_variants, retrofit, train_model, training_stability
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
@@ -42,7 +51,7 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
                 "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization",
-                "TrainingStability"]
+                "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -98,6 +107,10 @@ def result_examples() -> dict[str, object]:
         "OverMixing": over_mixing(model, TEXT, seq_len=16, n_seqs=2, calibration=TEXT[::-1]),
         "RepeatedToken": repeated_token_probe(model, "a", 12, text=TEXT, seq_len=16, n_seqs=2),
         "TrainingStability": training_stability(train_model("smoke", progress=False, **TINY_TRAIN)),
+        "SinkCircuit": sink_circuit(_planted(), "The cat sat. The dog ran!", heads=[(1, 0)],
+                                    rule=SinkRule(threshold=0.01)),  # random tiny heads spread their attention
+        "NormRoles": norm_roles(_planted(), "The cat sat. The dog ran!"),
+        "OutlierSeverity": outlier_severity(_planted(), TEXT, seq_len=16, n_seqs=2),
     }
 
 

@@ -205,7 +205,8 @@ def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criter
 
 def post_attention_norm(model: Any) -> bool:
     """Whether the model normalizes each attention output before adding it (Gemma 2/3)."""
-    return any(name.startswith("blocks.0.ln1_post.") for name in model.hook_dict)
+    prefix = ModelView.block_hook(0, "ln1_post.")
+    return any(name.startswith(prefix) for name in model.hook_dict)
 
 
 def sink_mask(model: Any, batch: Batch, sinks: Sinks, attention: str = "auto") -> SinkSet:

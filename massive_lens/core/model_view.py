@@ -64,13 +64,15 @@ class ModelView:
     """Uniform access to a TransformerLens-style model (never holds state of its own).
     ``ModelView(lm)`` on an nnsight model builds a :class:`~massive_lens.core.nnsight_view.NnsightView`."""
 
-    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> ModelView:
-        nnsight = getattr(type(model), "NNSIGHT_ADAPTER", False) or any(
-            c.__module__.split(".")[0] == "nnsight" for c in type(model).__mro__)
-        if cls is ModelView and nnsight:
-            from massive_lens.core.nnsight_view import NnsightView  # the one dispatch point; nnsight is optional
+    # (test, view class) pairs a subclass adds for the models it serves (core.nnsight_view adds
+    # its own when massive_lens.core is imported); ``ModelView(model)`` builds the first that fits
+    variants: list[tuple[Any, type]] = []
 
-            return super().__new__(NnsightView)
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> ModelView:
+        if cls is ModelView:
+            for fits, view in cls.variants:
+                if fits(model):
+                    return super().__new__(view)
         return super().__new__(cls)
 
     def __init__(self, model: Any):

@@ -101,8 +101,6 @@ class NnsightModel:
     parameters and the Hugging Face model (``original_model``, as a bridge has it). One per nnsight
     model (so :func:`model_lock` is the same); ``ModelView`` of it is its :class:`NnsightView`."""
 
-    NNSIGHT_ADAPTER = True
-
     def __init__(self, lm: Any, hf: torch.nn.Module, cfg: _Config, layers_path: str):
         self._lm = weakref.ref(lm)  # _ADAPTERS maps lm to this: a strong reference would keep lm alive
         self.original_model, self.cfg, self.layers_path = hf, cfg, layers_path
@@ -333,3 +331,6 @@ def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for m in training:
             m.training = True
+
+
+ModelView.variants.append((lambda model: isinstance(model, NnsightModel) or is_nnsight_model(model), NnsightView))

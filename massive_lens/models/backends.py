@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from huggingface_hub import constants as hf_constants
 
-from massive_lens.core.model_view import readable_name
+from massive_lens.core.model_view import ModelView, readable_name
 from massive_lens.errors import MassiveLensError
 
 log = logging.getLogger(__name__)
@@ -172,8 +172,6 @@ def nnsight_from_hf(hf_model: Any, tokenizer: Any, name: str, *, device: Any = N
 def nnsight_as_found(model: Any, backend: str | None, device: Any, dtype: torch.dtype | None, device_map: Any) -> Any:
     """A user's own nnsight model, returned as it is after :func:`as_found`'s checks on the torch
     module inside it; an explicit other ``backend`` is an error."""
-    from massive_lens.core.model_view import ModelView
-
     if backend not in (None, "nnsight"):
         raise MassiveLensError(f"this model is an nnsight {type(model).__name__} and load_model does not convert a "
                                f"model it is given, so backend={backend!r} would be ignored; drop backend=")

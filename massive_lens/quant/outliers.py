@@ -159,7 +159,7 @@ def lowbit_grid(
 
 def eval_and_calibration(
     view: ModelView, corpus: Corpus, calibration: Any, seq_len: int, n_seqs: int
-) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "calib_batch calib_pos"]]:
     """The evaluation and calibration sequences: of ``corpus``, the first ``n_seqs`` and the next
     ``n_seqs`` (a token tensor: its two halves); or ``corpus``'s first and ``calibration``'s first.
 

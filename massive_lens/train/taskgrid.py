@@ -9,8 +9,8 @@ grid still pairs every setting with the baseline.
     python -m massive_lens.train.taskcli page --root docs/sinktasks/runs           # docs/sinktasks.md
     python -m massive_lens.train.taskcli page --root docs/sinktasks/runs --check   # 1 if it differs
 
->>> [s.name for s in grid_settings(seeds=[0])][:3]
-['softmax-pre', 'softmax-pre', 'softmax1-pre']
+>>> [s.name for s in grid_settings(seeds=[0], tasks=["trigger_conditional"])][:3]
+['softmax-pre', 'softmax1-pre', 'learned_sink-pre']
 """
 
 from __future__ import annotations
