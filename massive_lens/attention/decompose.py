@@ -207,7 +207,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
 
     if path == LSE:
         gather = LayerGather(("z", "pattern", "v", "out"), take_lse)
-        hooks = [(view.hook_name(i, _output_hook(view, i)), gather.hook("out", i)) for i in layers]
+        hooks = [(view.hook_name(i, _output_hook(view, i, LSE)), gather.hook("out", i)) for i in layers]
     else:
         gather = LayerGather(("pattern", "v", "out"), take)  # they fire in any order (some bridges: pattern last)
         hooks = [(view.hook_name(i, name), gather.hook(key, i)) for i in layers for key, name in
@@ -303,11 +303,20 @@ RECONSTRUCTION_TOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
 RECONSTRUCTION_TOL_FLOAT32 = 1e-3
 
 
-def _output_hook(view: ModelView, layer: int) -> str:
+def _output_hook(view: ModelView, layer: int, path: str = EAGER) -> str:
     """Where the attention output is read: the output projection's own hook (``attn.o.hook_out``:
     ``z @ W_O + b_O`` and nothing else) where there is one, else ``attn.hook_out`` (which on some
-    bridges, e.g. BLOOM's, also holds the residual added inside the HF attention module)."""
-    return "attn.o.hook_out" if view.has_hook(layer, "attn.o.hook_out") else "attn.hook_out"
+    bridges, e.g. BLOOM's, also holds the residual added inside the HF attention module). On the
+    LSE path the Hugging Face attention runs its own code, so ``attn.o`` fires only where that code
+    calls the bridge's projection (Llama's ``o_proj``; GPT-2's ``c_proj`` is its own module)."""
+    if not view.has_hook(layer, "attn.o.hook_out"):
+        return "attn.hook_out"
+    if path == LSE:
+        attn = view.block(layer).attn
+        hf = getattr(attn, "original_component", None)
+        if hf is not None and not any(child is attn.o for child in hf.children()):
+            return "attn.hook_out"
+    return "attn.o.hook_out"
 
 
 def output_weights(view: ModelView, layer: int) -> tuple[Tensor, Tensor | None]:
