@@ -156,13 +156,17 @@ def test_smoke_removal_swap_and_loss_falls(tmp_path):
     assert variant_of(saved) == "kv_bias"
     loaded = load(tmp_path / "result")
     assert isinstance(loaded, Retrofit) and loaded.summary() == result.summary()
-    parts = [dataclasses.replace(result, **{name: getattr(result, name).query("setting == @s")
+    parts = [dataclasses.replace(result, **{name: _rows_of(getattr(result, name), s)
                                             for name in ("curves", "per_layer", "finals")})
              for s in result.curves.setting.unique()]
     pd.testing.assert_frame_equal(Retrofit.merge(*parts).to_frame(), result.to_frame())
     with pytest.raises(MassiveLensError):
         Retrofit.merge()
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "activations.png").is_file()
+
+
+def _rows_of(frame, setting):
+    return frame[frame.setting == setting]
 
 
 @pytest.mark.slow
