@@ -163,9 +163,9 @@ def test_command_and_report_section(planted, monkeypatch, tmp_path, capsys):
     from massive_lens.report.render import Section
     from massive_lens.report.sections import Inputs, ReportOptions
 
-    def inputs(model):  # the section reads the model and the evaluation sequences
+    def inputs(model, full=True):  # the section reads the model, the evaluation sequences and full
         tokens = _tokens(model)
-        return Inputs(model, "", tokens, ReportOptions(seq_len=tokens.shape[1], n_seqs=len(tokens)))
+        return Inputs(model, "", tokens, ReportOptions(seq_len=tokens.shape[1], n_seqs=len(tokens), full=full))
 
     monkeypatch.setattr(circuit_cli, "load_model", lambda *a, **k: planted)
     text = planted.tokenizer.decode(_tokens(planted)[0])
@@ -177,6 +177,10 @@ def test_command_and_report_section(planted, monkeypatch, tmp_path, capsys):
     circuit_section(inputs(planted), s)
     kinds = [kind for kind, _, _ in s.blocks]
     assert kinds.count("table") == 2 and "figure" in kinds and "pre" in kinds
+    light = Section("circuit")  # the light default: the split only, the causal check named, not run
+    circuit_section(inputs(planted, full=False), light)
+    assert [kind for kind, _, _ in light.blocks].count("table") == 1
+    assert "--full" in light.blocks[0][1] and "removing" not in light.blocks[1][1]
     none = Section("circuit")
     circuit_section(inputs(tiny_model("llama")), none)
     assert [kind for kind, _, _ in none.blocks] == ["note"] and "no sink in the text" in none.blocks[0][1]
