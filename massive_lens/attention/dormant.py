@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -151,10 +152,26 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
 
     cols = sink.any(0).nonzero()[:, 0]
 
+    # On the LSE path a layer's head outputs are what its output projection reads (``attn.hook_z``,
+    # after any gate or sub-norm the attention applies to the kernel's output), where that hook fires
+    # inside the Hugging Face code; else (GPT-2's own c_proj) the kernel's output itself.
+    pending: dict[int, tuple[Tensor, Tensor, tuple[int, ...]]] = {}
+
+    def flush(before: int | None = None) -> None:
+        for layer in sorted(k for k in pending if before is None or k < before):
+            on, z, shape = pending.pop(layer)
+            row(layer, on, z, shape)
+
     def from_lse(att: LayerAttention) -> None:
+        flush(att.layer)
         p = att.columns(cols)
         on = (p @ sink[:, cols].to(p.device, p.dtype)[:, None, :, None])[..., 0]
-        row(att.layer, on, att.z.transpose(1, 2).float(), (*att.q.shape[:3], att.k.shape[2]))
+        pending[att.layer] = (on, att.z.transpose(1, 2).float(), (*att.q.shape[:3], att.k.shape[2]))
+
+    def projected(z: Tensor, hook: Any, layer: int) -> None:
+        if layer in pending:
+            on, kernel_z, shape = pending.pop(layer)
+            row(layer, on, z.detach().float().reshape(kernel_z.shape), shape)
 
     def row(layer: int, on_sinks: Tensor, z: Tensor, pattern: tuple[int, ...]) -> None:
         heads = weights[layer].shape[0]
@@ -176,8 +193,11 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     hooks = [(view.hook_name(layer, name), gather.hook(key, layer)) for layer in range(view.n_layers)
              for key, name in (("pattern", "attn.hook_pattern"), ("z", "attn.hook_z"))]
     if path == LSE:
+        z_hooks = [(view.hook_name(layer, "attn.hook_z"), partial(projected, layer=layer))
+                   for layer in range(view.n_layers) if view.has_hook(layer, "attn.hook_z")]
         with lse_run(view, from_lse):
-            view.forward(batch, [], stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+            view.forward(batch, z_hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+        flush()
     else:
         view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
     if len(rows) != view.n_layers:
