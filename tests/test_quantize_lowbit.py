@@ -13,9 +13,9 @@ from matrix import LAYERS, decoder_architectures, tiny_hf
 
 from massive_lens import load
 from massive_lens.errors import MassiveLensError
-from massive_lens.quant.fake import fake_quant, rtn
 from massive_lens.models import byte_tokenizer, tiny_model, wrap_hf_model
 from massive_lens.quant import Quantization, Setting, quantize, quantize_grid
+from massive_lens.quant.fake import fake_quant, rtn
 from massive_lens.quant.rotation import Rotation, hadamard_factors
 from massive_lens.quant.simulate import Bits, Simulator
 from massive_lens.quant.sites import rotation_sites
