@@ -40,7 +40,7 @@ from massive_lens.handover import (
     precision_check,
     sae_check,
 )
-from massive_lens.interventions import head_curve
+from massive_lens.interventions import head_curve, sink_scale_sweep
 from massive_lens.quant import lowbit_grid, quantize_grid
 from massive_lens.train import compare_variants, retrofit, train_model, training_stability
 from massive_lens.train.layers import MassiveLMConfig
@@ -51,7 +51,7 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
                 "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization",
-                "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity"]
+                "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity", "SinkScaleSweep"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -111,6 +111,8 @@ def result_examples() -> dict[str, object]:
                                     rule=SinkRule(threshold=0.01)),  # random tiny heads spread their attention
         "NormRoles": norm_roles(_planted(), "The cat sat. The dog ran!"),
         "OutlierSeverity": outlier_severity(_planted(), TEXT, seq_len=16, n_seqs=2),
+        "SinkScaleSweep": sink_scale_sweep(model, TEXT, gammas=(0.5,), seq_len=16, n_seqs=2, repeat_len=4,
+                                           repeat_seqs=2),
     }
 
 

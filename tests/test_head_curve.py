@@ -54,3 +54,37 @@ def test_the_same_text_for_ranking_and_evaluation_is_refused(planted):
     model, _ = planted
     with pytest.raises(MassiveLensError, match="rank the heads on other text"):
         head_curve(model, _tokens(model, TEXTS), calibration=_tokens(model, TEXTS))
+
+
+def test_every_order_ranks_on_the_calibration_text_and_best_pairs_them(planted):
+    """The sink-score, activation-norm and weight-magnitude orders, checked against the dormant
+    frame and W_O computed here; the planted dormant heads (silent values) come first by activation
+    norm; best() names the lowest order with a paired interval."""
+    from massive_lens.attention.dormant import dormant_heads
+    from massive_lens.interventions.heads import ORDERS, head_order
+
+    model, expected = planted
+    calib = _tokens(model, OTHER)
+    found = dormant_heads(model, calib).to_frame().groupby(["layer", "head"])[["sink_mass", "out_norm"]].mean()
+    ranked = {order: head_order(model, dormant_heads(model, calib), order) for order in ORDERS[:-1]}
+    assert sorted(ranked["activation"][:len(expected)]) == expected
+    sink = [found.loc[h, "sink_mass"] for h in ranked["sink"]]
+    assert sink == sorted(sink, reverse=True)
+    weight = [float(model.blocks[layer].attn.W_O[head].detach().norm()) for layer, head in ranked["weight"]]
+    assert weight == pytest.approx(sorted(weight), rel=1e-6)
+    n_heads = N_LAYERS * model.cfg.n_heads
+    with untouched(model):
+        curve = head_curve(model, _tokens(model, TEXTS), calibration=calib, shares=(len(expected) / n_heads, 0.5),
+                           draws=1, orders=ORDERS)
+    assert set(curve.to_frame().order) == set(ORDERS)
+    assert len(curve.per_seq) == 4 * 2 * len(TEXTS)  # four ranked orders, two shares, every sequence
+    best = curve.best()
+    assert len(best) == 2 and (best.low <= best.ratio).all() and (best.ratio <= best.high).all()
+    frame = curve.to_frame().set_index(["order", "share"])
+    for b in best.itertuples():  # the lowest ranked order, its ratio to the runner-up's from the frame's ratios
+        ratios = frame.xs(b.share, level="share").drop("random").ratio
+        assert b.order == ratios.idxmin() and b.runner_up == ratios.drop(b.order).idxmin()
+        assert b.ratio == pytest.approx(ratios[b.order] / ratios[b.runner_up], rel=1e-9)
+    assert "paired ratio" in curve.summary() and "sink-score-first" in curve.summary()
+    with pytest.raises(MassiveLensError, match="orders must be"):
+        head_curve(model, _tokens(model, TEXTS), calibration=calib, orders=("magnitude",))

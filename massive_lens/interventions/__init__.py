@@ -27,10 +27,13 @@ from massive_lens.interventions.head_curve import HeadCurve, head_curve
 from massive_lens.interventions.heads import zero_dormant_heads
 from massive_lens.interventions.intervention import Intervention
 from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS, InterventionSetting, register
+from massive_lens.interventions.sink_scale import scale_sink_attention
+from massive_lens.interventions.sink_sweep import SinkScaleSweep, sink_scale_sweep
 from massive_lens.interventions.table import InterventionTable, run_interventions
 
 __all__ = [
     "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "HeadCurve", "Intervention", "InterventionSetting",
-    "InterventionTable", "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term", "head_curve", "observe",
-    "patch_sink_from", "register", "remove_sink_attention", "run_interventions", "zero_dormant_heads",
+    "InterventionTable", "SinkScaleSweep", "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term",
+    "head_curve", "observe", "patch_sink_from", "register", "remove_sink_attention", "run_interventions",
+    "scale_sink_attention", "sink_scale_sweep", "zero_dormant_heads",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from massive_lens.attention.decompose import output_weights
 from massive_lens.attention.dormant import NORM_RATIO, SINK_SHARE, DormantHeads, dormant_heads
 from massive_lens.core.corpora import default_text, sequences
 from massive_lens.core.model_view import ModelView
@@ -45,6 +46,44 @@ def ranked_heads(found: DormantHeads) -> list[tuple[int, int]]:
     f = found.to_frame().groupby(["layer", "head"], as_index=False).agg(dormant=("dormant", "mean"),
                                                                           ratio=("norm_ratio", "mean"))
     f = f.sort_values(["dormant", "ratio"], ascending=[False, True])
+    return [(int(layer), int(head)) for layer, head in zip(f["layer"], f["head"], strict=True)]
+
+
+# the orders in which heads are zeroed: most dormant first; the highest first-token sink score
+# first (Sok et al. 2026's sink-aware pruning); the smallest mean output norm first (activation
+# norm); the smallest ||W_O[h]|| first (weight magnitude); random heads (a control)
+ORDERS = ("dormant", "sink", "activation", "weight", "random")
+
+
+def head_order(model: Any, found: DormantHeads, order: str) -> list[tuple[int, int]]:
+    """Every head, in the order ``order`` zeroes them, ranked on ``found`` (calibration text).
+
+    Args:
+        model: the model ``found`` was measured on (``"weight"`` reads its ``W_O``).
+        found: a :class:`~massive_lens.attention.dormant.DormantHeads` of the calibration text.
+        order: one of :data:`ORDERS` but ``"random"``: ``"dormant"`` (:func:`ranked_heads`),
+            ``"sink"`` (mean attention to the sinks, largest first), ``"activation"`` (mean output
+            norm ``|z_h W_O[h]|``, smallest first) or ``"weight"`` (Frobenius norm of ``W_O[h]``,
+            smallest first); ties keep (layer, head) order.
+
+    Returns:
+        ``(layer, head)`` pairs.
+
+    Raises:
+        MassiveLensError: for an unknown order.
+    """
+    if order == "dormant":
+        return ranked_heads(found)
+    f = found.to_frame().groupby(["layer", "head"], as_index=False).agg(sink=("sink_mass", "mean"),
+                                                                          activation=("out_norm", "mean"))
+    if order == "weight":
+        view = ModelView(model)
+        norms = {layer: output_weights(view, layer)[0].detach().float().flatten(1).norm(dim=1)
+                 for layer in sorted(set(f["layer"]))}
+        f["weight"] = [float(norms[layer][head]) for layer, head in zip(f["layer"], f["head"], strict=True)]
+    elif order not in ("sink", "activation"):
+        raise MassiveLensError(f"order must be one of {ORDERS[:-1]} to rank heads on text, got {order!r}")
+    f = f.sort_values(order, ascending=order != "sink", kind="stable")
     return [(int(layer), int(head)) for layer, head in zip(f["layer"], f["head"], strict=True)]
 
 

@@ -37,6 +37,7 @@ from massive_lens.interventions.builders import (
 )
 from massive_lens.interventions.heads import zero_dormant_heads
 from massive_lens.interventions.intervention import Intervention
+from massive_lens.interventions.sink_scale import scale_sink_attention
 
 RESID, ATTN, NOTHING = "residual stream", "attention", "nothing"
 
@@ -122,6 +123,9 @@ ROWS: tuple[InterventionSetting, ...] = (
     Row(name="zero_dormant_heads", builder=zero_dormant_heads,
         description="outputs of the 4% most dormant heads (found on the default text) set to zero", acts_on=ATTN,
         needs_massive=False, in_table3=False, takes_sinks=False, options=dict(share=0.04)),
+    Row(name="sink_attention_scaled", builder=scale_sink_attention,
+        description="every head's attention to the first token halved, rows renormalised (ZeroTuning, γ = 0.5)",
+        acts_on=ATTN, needs_massive=False, in_table3=False, takes_sinks=False, options=dict(gamma=0.5)),
 )
 REGISTRY: dict[str, InterventionSetting] = {}
 EVERY: dict[str, str] = {}  # first-layer form -> every form
