@@ -96,7 +96,7 @@ class HeadCurve(Result):
             line = f"  {share:.0%} of heads ({int(g.n_heads.iloc[0])}): " + "; ".join(parts)
             if best is not None and share in best.index:
                 b = best.loc[share]
-                verdict = ("lowest" if b.low > 1 or b.high < 1 else "lowest, but not shown apart from")
+                verdict = ("lowest, below" if b.low > 1 or b.high < 1 else "lowest, but not shown apart from")
                 line += (f"; {LABELS[b.order]} {verdict} {LABELS[b.runner_up]} (paired ratio x{b.ratio:.3g} "
                          f"[{b.low:.3g}, {b.high:.3g}])")
             lines.append(line)
