@@ -3,13 +3,14 @@ biases, Gemma's post-norm), constancy statistics, bad input, and the real defaul
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from helpers import untouched
 
 from massive_lens import MassiveLensError
 from massive_lens.attention import decompose_attention, sink_attention
-from massive_lens.attention.sinks import sink_term
+from massive_lens.attention.sinks import SinkSet, sink_term
 
 TEXTS = ["The cat sat on the mat. It slept.", "Numbers: 1, 2, 3!"]  # unequal lengths: padding
 
@@ -21,6 +22,30 @@ def test_reconstruction_every_family(tiny):
             assert result.reconstruction_error < 1e-4
             assert result.sink.shape == result.content.shape
             assert result.sink.shape[:2] == (tiny.cfg.n_layers, len(TEXTS))
+
+
+def test_terms_sum_to_the_models_own_attention_output(tiny):
+    """sink + content + b_O against the attention output read from a cache of its own (the
+    decomposition no longer keeps the output during its pass); an output that is not the heads'
+    outputs through W_O is refused, in the pass that finds the sinks and given them."""
+    from massive_lens.core.model_view import ModelView
+
+    view = ModelView(tiny)
+    batch = view.tokenize(TEXTS)
+    result = decompose_attention(tiny, TEXTS, attention="eager")
+    name = "attn.o.hook_out" if view.has_hook(0, "attn.o.hook_out") else "attn.hook_out"
+    _, cache = tiny.run_with_cache(batch.tokens, attention_mask=batch.mask.long(),
+                                   names_filter=lambda n: n.endswith(name))
+    real = batch.mask[..., None]
+    for i, layer in enumerate(result.layers):
+        out = cache[view.hook_name(layer, name)]
+        rebuilt = result.sink[i] + result.content[i] + result.bias[i]
+        assert float(((rebuilt - out) * real).norm() / (out * real).norm()) < 1e-4
+    shift = [(view.hook_name(1, n), lambda act, hook: act + 1.0) for n in {name, "attn.hook_out"}]
+    for sinks in (None, [0]):
+        for attention in ("auto", "eager"):
+            with tiny.hooks(fwd_hooks=shift), pytest.raises(MassiveLensError, match="misses the attention output"):
+                decompose_attention(tiny, TEXTS, sinks=sinks, attention=attention)
 
 
 def test_sinks_found_in_the_same_pass_split_as_when_given(tiny, monkeypatch):
@@ -36,10 +61,43 @@ def test_sinks_found_in_the_same_pass_split_as_when_given(tiny, monkeypatch):
     passes = []
     real = module.decompose_attention
     monkeypatch.setattr(module, "decompose_attention", lambda *a, **k: passes.append(k["sinks"]) or real(*a, **k))
-    monkeypatch.setattr(module, "_candidates", lambda view, batch: torch.tensor([], dtype=torch.long))  # none kept
+    none = torch.tensor([], dtype=torch.long)
+    monkeypatch.setattr(module, "candidate_columns", lambda view, batch: none)  # no candidate column kept
     again = real(tiny, TEXTS)
     assert len(passes) == 1 and torch.equal(passes[0].mask, found.sink_mask)  # the second pass, sinks given
     torch.testing.assert_close(again.sink, found.sink, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["lse", "eager"])
+def test_sink_attention_finds_and_measures_in_one_pass(tiny, monkeypatch, attention):
+    """sink_attention with sinks=None finds them and reads their mass in one pass (a few candidate
+    key columns kept per layer): the table equals a run given the same sinks; a sink outside the
+    candidates costs a second pass, given the sinks, and gives the same table."""
+    import massive_lens.attention.mass as module
+    from massive_lens.core.lse import lse_support
+    from massive_lens.core.model_view import ModelView
+
+    if attention == "lse" and lse_support(ModelView(tiny)) is not None:
+        pytest.skip("this family reads the eager pattern")
+    found = sink_attention(tiny, TEXTS, attention=attention)
+    given = sink_attention(tiny, TEXTS, sinks=found.sinks, attention=attention)
+    pd.testing.assert_frame_equal(found.to_frame(), given.to_frame(), rtol=1e-5, atol=1e-6)
+    passes = []
+    real, real_from = module.sink_attention, module.sinks_from
+
+    def with_a_sink_at_3(*args):  # the rule also finds position 3, outside the candidates
+        s = real_from(*args)
+        mask = s.mask.clone()
+        mask[:, 3] = True
+        return SinkSet(mask, s.kinds, s.source, s.by_attention, s.by_massive, s.attention)
+
+    monkeypatch.setattr(module, "sink_attention", lambda *a, **k: passes.append(k["sinks"]) or real(*a, **k))
+    monkeypatch.setattr(module, "candidate_columns", lambda view, batch: torch.tensor([], dtype=torch.long))
+    monkeypatch.setattr(module, "sinks_from", with_a_sink_at_3)
+    again = real(tiny, TEXTS, attention=attention)
+    assert len(passes) == 1 and passes[0].mask[:, 3].all()  # the second pass, given the sinks
+    pd.testing.assert_frame_equal(again.to_frame(), real(tiny, TEXTS, sinks=passes[0], attention=attention).to_frame())
+    assert not again.to_frame()["sink_mass"].equals(found.to_frame()["sink_mass"])
 
 
 def test_sink_term_matches_model_z_under_gqa(family):
@@ -105,3 +163,15 @@ def test_default_model_sink_is_a_constant_bias(default_model):
     assert sink["cos_pos"].median() > 0.9 and sink["cos_text"].median() > 0.9
     assert sink["cos_pos"].median() > content["cos_pos"].median() + 0.2
     assert sinks.sink_metric > 0.3 and sinks.to_frame()["sink_mass"].mean() > 0.3
+
+
+def test_reductions_from_factors_equal_the_built_vectors():
+    """The sink term's constancy sums are read from its factors (attention on a few sinks times
+    their values): the same as from the vectors built."""
+    from massive_lens.attention.constancy import reductions
+
+    gen = torch.Generator().manual_seed(0)
+    a, basis = torch.rand(2, 3, 7, 2, generator=gen), torch.randn(2, 3, 2, 16, generator=gen)
+    keep = torch.rand(2, 7, generator=gen) > 0.3
+    for got, want in zip(reductions(a, keep, basis=basis), reductions(a @ basis, keep), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

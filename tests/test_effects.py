@@ -13,6 +13,7 @@ import torch
 from helpers import plant_massive, untouched
 
 from massive_lens import load, tiny_model
+from massive_lens.core.model_view import ModelView
 from massive_lens.effects import (
     CompressionValley,
     compression_valley,
@@ -174,6 +175,29 @@ def test_streaming_window_refuses_a_rotation_it_cannot_move():
     scaled = [(f"blocks.{layer}.attn.hook_cos", lambda cos, hook: cos * 0.5) for layer in range(model.cfg.n_layers)]
     with untouched(model), model.hooks(fwd_hooks=scaled), pytest.raises(MassiveLensError, match="rotate-half"):
         streaming_window(model, TEXT, window=8, sinks=(1,), seq_len=32, n_seqs=1, census=False)
+
+
+def test_rotation_check_takes_long_tables_and_refuses_a_bent_one():
+    """At 8,192 positions the model's float32 angle p * theta has rounded by ~5e-4 rad: still a
+    rotation linear in the position (a table from transformers' own rotary embedding passes); an
+    angle that bends with the position does not."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from massive_lens.effects.cache import _check_rotation
+
+    view = ModelView(tiny_model("llama"))
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=8192)
+    n = 8192
+    x = torch.zeros(1, n, 64)
+    cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(n)[None])
+    seen = {"cos": cos, "sin": sin, "rot_k": torch.zeros(1, n, 1, 64)}
+    _check_rotation(view, 0, seen)  # no error
+    angle = torch.arange(n, dtype=torch.float64)[:, None] * (1 + 1e-5 * torch.arange(n, dtype=torch.float64))[:, None]
+    freqs = angle * (1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))[None]
+    bent = torch.cat([freqs, freqs], -1)
+    with pytest.raises(MassiveLensError, match="rotate-half"):
+        _check_rotation(view, 0, {**seen, "cos": bent.cos()[None].float(), "sin": bent.sin()[None].float()})
 
 
 def test_streaming_window_positions_and_bad_input():

@@ -28,14 +28,23 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from massive_lens.attention.sinks import Sinks, SinkSet, post_attention_norm, sink_hooks, sink_mask, sinks_from
+from massive_lens.attention.constancy import constancy, reductions
+from massive_lens.attention.sinks import (
+    Sinks,
+    SinkSet,
+    candidate_columns,
+    post_attention_norm,
+    sink_hooks,
+    sink_mask,
+    sinks_from,
+)
+from massive_lens.core.budget import trim_allocator
 from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.gather import LayerGather
 from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_content_axes
 from massive_lens.core.results import Result
-from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.errors import MassiveLensError
 
 _EXCLUDED = "constancy statistics exclude the sink query positions (a sink attends to itself)"
@@ -70,7 +79,8 @@ class AttentionDecomposition(Result):
 
     @property
     def reconstruction_error(self) -> float:
-        """Largest relative error ||sink + content + b_O - attn_out|| / ||attn_out||."""
+        """Largest relative error ||sink + content + b_O - attn_out|| / ||attn_out|| over the layers (a
+        bound: the output's distance from the heads' outputs through W_O, plus the terms' from those)."""
         return float(self.errors["rel_error"].max())
 
     def to_frame(self) -> pd.DataFrame:
@@ -94,52 +104,6 @@ class AttentionDecomposition(Result):
     def plot(self, ax: Any = None) -> Any:
         """Per layer: mean norm of the sink and content terms, and the sink term's cosine."""
         return sink_content_axes(self.frame, ax=ax, title=f"{self.model_name}: sink vs content term")
-
-
-def _reductions(x: Float[Tensor, "batch head_index pos d_model"], keep: Bool[Tensor, "batch pos"]
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One term's sums over the positions that count, per text and head (a few passes over x):
-    the mean vector, the sum of unit vectors, the mean squared norm and the mean norm."""
-    w = keep.to(x.dtype)
-    share = w / w.sum(1).clamp(min=1)[:, None]  # [batch pos]
-    norms = torch.linalg.vector_norm(x, dim=-1)  # [batch head pos]
-    mean = (share[:, None, None, :] @ x)[:, :, 0]  # [batch head d_model]
-    unit_sum = ((w[:, None, :] / norms.clamp(min=1e-12))[:, :, None, :] @ x)[:, :, 0]
-    return mean, unit_sum, (norms.pow(2) * share[:, None]).sum(-1), (norms * share[:, None]).sum(-1)
-
-
-def _constancy(parts: Sequence[tuple[Tensor, ...]], keep: Bool[Tensor, "batch pos"]) -> Float[Tensor, "term head 5"]:
-    """Per term (one :func:`_reductions` each) and head: norm, rel_std_pos, cos_pos,
-    rel_std_text, cos_text (see the result class), for all terms at once.
-
-    Uses E||x - mean||^2 = E||x||^2 - ||mean||^2 and, for unit vectors u, mean pairwise
-    cosine = (||sum u||^2 - n) / (n (n - 1)).
-    """
-    mean, unit_sum, sq_mean, norm_mean = (torch.stack(t).cpu() for t in zip(*parts, strict=True))  # [term batch ...]
-    n = keep.sum(1).to(mean.dtype)  # [batch]
-    mean_sq = mean.pow(2).sum(-1)
-    spread = (sq_mean - mean_sq).clamp(min=0).sqrt() / mean_sq.sqrt().clamp(min=1e-12)
-    pairs = (n * (n - 1))[:, None]
-    cos = torch.where(pairs > 0, (unit_sum.pow(2).sum(-1) - n[:, None]) / pairs.clamp(min=1), float("nan"))
-    texts = n > 0
-    if not bool(texts.any()):
-        return torch.full((*mean.shape[:1], mean.shape[2], 5), float("nan"))
-    stats = torch.stack([norm_mean, spread, cos], -1)[:, texts]  # [term text head 3]
-    text_means = mean[:, texts].double()
-    grand = text_means.mean(1, keepdim=True)
-    spread = (text_means - grand).pow(2).sum(-1).mean(1).sqrt() / grand[:, 0].norm(dim=-1).clamp(min=1e-12)
-    across = torch.stack([spread if text_means.shape[1] > 1 else torch.full_like(spread, float("nan")),
-                          _mean_cosine(text_means)], -1)
-    return torch.cat([stats.nanmean(1).double(), across], -1).float()
-
-
-def _mean_cosine(rows: Float[Tensor, "term n head d_model"]) -> Float[Tensor, "term head"]:
-    """Mean cosine over distinct pairs (axis 1): (||sum u||^2 - n) / (n (n - 1)) for unit vectors u."""
-    n = rows.shape[1]
-    if n < 2:
-        return torch.full((rows.shape[0], rows.shape[2]), float("nan"), dtype=rows.dtype)
-    unit = rows / rows.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-    return (unit.sum(1).pow(2).sum(-1) - n) / (n * (n - 1))
 
 
 def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layers: int | Sequence[int] | None = None,
@@ -182,28 +146,32 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     weights = {layer: output_weights(view, layer) for layer in layers}
     given = None if sinks is None else sink_mask(model, batch, sinks, path)
     # the key columns kept per layer: the given sinks' or, when the sinks are found in this same pass,
-    # every position that could turn out to be one (see _candidates)
-    columns = _candidates(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
-    kept: dict[int, tuple[Tensor, ...]] = {}
-    out: dict[str, list] = {"sink": [], "content": [], "bias": [], "stats": [], "errors": []}
+    # every position that could turn out to be one (see candidate_columns)
+    columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
+    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
+    held: dict[int, tuple[Tensor, tuple[float, float]]] = {}  # per layer, until the pass has found the sinks
 
     def take(layer: int, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
         _check_shapes(view, layer, tuple(pattern.shape), v, weights[layer][0], attn_out)
         v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)  # one value head per query head
         cols = columns.to(pattern.device)
-        keep(layer, (torch.einsum("bhqk,bkhd->bqhd", pattern, v), pattern[..., cols], v[:, cols], attn_out))
+        keep(layer, (torch.einsum("bhqk,bkhd->bqhd", pattern, v), pattern[..., cols], v[:, cols]), attn_out)
 
     def take_lse(layer: int, z: Tensor, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
         # from the kernel: the heads' outputs z, the attention on the kept columns (from q, k and the LSE), v
         _check_shapes(view, layer, (*pattern.shape[:3], v.shape[1]), v, weights[layer][0], attn_out)
         v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)
-        keep(layer, (z, pattern, v[:, columns.to(v.device)], attn_out))
+        keep(layer, (z, pattern, v[:, columns.to(v.device)]), attn_out)
 
-    def keep(layer: int, parts: tuple[Tensor, ...]) -> None:
+    def keep(layer: int, parts: tuple[Tensor, ...], attn_out: Tensor) -> None:
+        # the output itself is not kept: its check against z W_O + b_O is made here, the split's in _split
+        check = _output_check(view, layer, parts[0], weights[layer], attn_out, batch.mask)
         if given is None:
-            kept[layer] = tuple(t.detach().cpu() for t in parts)  # until the pass has found the sinks
+            terms.hold(layer, parts[0], parts[1])
+            held[layer] = (parts[2].detach().cpu(), check)
         else:
-            _split(view, layer, *parts, given.mask[:, columns], weights[layer], batch.mask, given.mask, out)
+            _split(view, layer, *parts, check, given.mask[:, columns], weights[layer], batch.mask, given.mask, terms)
+        trim_allocator()  # the layer's transients, freed, handed back: held between them they would fragment
 
     if path == LSE:
         gather = LayerGather(("z", "pattern", "v", "out"), take_lse)
@@ -239,63 +207,104 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         if int(inside.sum()) < int(found.mask.sum()):  # a sink outside the kept columns: a second pass
             return decompose_attention(model, text, layers=layers, sinks=found, attention=path)
         for layer in layers:
-            _split(view, layer, *kept.pop(layer), inside, weights[layer], batch.mask, found.mask, out)
-    stats = _constancy([parts for _, _, parts in out["stats"]], batch.mask & ~found.mask)  # [term head 5]
-    rows = [(layer, h, term, *vals) for (layer, term, _), per_head in zip(out["stats"], stats.tolist(), strict=True)
+            z, pattern = terms.held(layer)
+            _split(view, layer, z, pattern, *held.pop(layer), inside, weights[layer], batch.mask, found.mask, terms)
+            trim_allocator()
+    stats = constancy([parts for _, _, parts in terms.stats], batch.mask & ~found.mask)  # [term head 5]
+    rows = [(layer, h, term, *vals) for (layer, term, _), per_head in zip(terms.stats, stats.tolist(), strict=True)
             for h, vals in enumerate(per_head)]
     frame = pd.DataFrame(rows, columns=["layer", "head", "term", "norm", "rel_std_pos", "cos_pos",
                                         "rel_std_text", "cos_text"])
     return AttentionDecomposition(
-        frame=frame, errors=pd.DataFrame(out["errors"], columns=["layer", "rel_error"]), layers=layers,
-        sink=torch.stack(out["sink"]), content=torch.stack(out["content"]), bias=torch.stack(out["bias"]),
+        frame=frame, errors=pd.DataFrame(terms.errors, columns=["layer", "rel_error"]), layers=layers,
+        sink=terms.sink, content=terms.content, bias=torch.stack(terms.bias),
         sink_mask=found.mask, sink_source=found.source, model_name=view.name, sinks=found,
         post_norm=post_attention_norm(model), attention=path)
 
 
-# at most this many key columns are kept per layer while the sinks are found in the same pass
-MAX_CANDIDATES = 64
+def _output_check(view: ModelView, layer: int, z: Tensor, weights: tuple[Tensor, Tensor | None], attn_out: Tensor,
+                  valid: Tensor) -> tuple[float, float]:
+    """How far the heads' outputs ``z [batch query head d_head]`` through ``W_O`` (+ ``b_O``) are
+    from the attention output, relative, over the real positions; and that output's norm."""
+    W_O, b_O = weights
+    real = valid.to(attn_out.device)[..., None]
+    rebuilt = torch.einsum("bqhd,hdm->bqm", z.to(attn_out), W_O.to(attn_out))
+    if b_O is not None:
+        rebuilt = rebuilt + b_O.to(attn_out)
+    norm = float((attn_out * real).norm())
+    err = float(((rebuilt - attn_out) * real).norm()) / max(norm, 1e-12)
+    _check_error(view, layer, err, attn_out.dtype)
+    return err, norm
 
 
-def _candidates(view: ModelView, batch: Any) -> Tensor:
-    """Key positions that could be sinks, kept per layer while the pass finds the sinks: the first
-    four positions and every position that is not an ordinary token (first token, delimiters,
-    an image's class and register tokens) in some sequence; at most ``MAX_CANDIDATES`` (a sink
-    elsewhere costs a second pass, never a wrong split)."""
-    kinds = view.token_kinds(batch)
-    ordinary = torch.tensor([TOKEN_KINDS.index("other"), TOKEN_KINDS.index("patch")])
-    special = (~torch.isin(kinds, ordinary) & batch.mask).any(0)
-    special[:4] = True
-    return special.nonzero()[:MAX_CANDIDATES, 0]
+class _Terms:
+    """The result, filled layer by layer: ``sink``/``content`` ``[layer batch pos d_model]`` on the
+    CPU, one allocation each (no copy at the end). While the pass finds the sinks, every layer's
+    heads' outputs ``z`` and attention on the kept columns are held in one buffer each (not one per
+    layer, so that the pass's transients do not fragment around them); where ``z``'s heads fill
+    ``d_model`` (heads x d_head = d_model), the content term is written over the layer's ``z``
+    once it is split, so the result costs no memory beyond what the pass held."""
+
+    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, hold: bool):
+        self.index = {layer: i for i, layer in enumerate(layers)}
+        heads, d_head, d_model = W_O.shape
+        self.sink = torch.empty(len(layers), *shape, d_model, dtype=W_O.dtype)
+        self._z = torch.empty(len(layers), *shape, heads, d_head, dtype=W_O.dtype) if hold else None
+        self.content = (self._z.view(*self.sink.shape) if hold and heads * d_head == d_model
+                        else torch.empty_like(self.sink))
+        self._pattern: Tensor | None = None
+        self.bias: list[Tensor] = []
+        self.stats: list[tuple[int, str, tuple[Tensor, ...]]] = []
+        self.errors: list[tuple[int, float]] = []
+
+    def hold(self, layer: int, z: Tensor, pattern: Tensor) -> None:
+        if self._pattern is None:
+            self._pattern = torch.empty(len(self.index), *pattern.shape, dtype=pattern.dtype)
+        self._z[self.index[layer]].copy_(z.detach())
+        self._pattern[self.index[layer]].copy_(pattern.detach())
+
+    def held(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self._z[self.index[layer]], self._pattern[self.index[layer]]
 
 
-def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, attn_out: Tensor, keys: Tensor,
-           weights: tuple[Tensor, Tensor | None], valid: Tensor, sinks: Tensor, out: dict[str, list]) -> None:
+def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, check: tuple[float, float],
+           keys: Tensor, weights: tuple[Tensor, Tensor | None], valid: Tensor, sinks: Tensor, terms: _Terms) -> None:
     """One layer's terms from the heads' outputs ``z [batch query head d_head]``, the attention on
     the kept key columns ``pattern [batch head query col]`` and their values ``v [batch col head
-    d_head]``; ``keys [batch col]`` marks the sinks among the columns. The sink term is mapped
-    through ``W_O`` column by column (a few), the content term is the rest of the heads' output."""
+    d_head]``; ``keys [batch col]`` marks the sinks among the columns. The sink term is each
+    sink's value through ``W_O``, weighted; the content term is the rest of the heads' outputs
+    through ``W_O``; summed over heads (the per-head terms are read only through their factors).
+    ``check``: :func:`_output_check`'s error and output norm; the reconstruction error recorded is
+    that error plus the terms' distance from ``z W_O``, which bounds ``||sink + content + b_O -
+    attn_out||`` (relative) by the triangle inequality."""
     W_O, b_O = weights
-    device = attn_out.device
+    device = z.device
     W_O = W_O.to(z)
-    z, pattern, v, keys = z.to(device), pattern.to(device), v.to(device), keys.to(device)
+    pattern, v, keys = pattern.to(device), v.to(device), keys.to(device)
     used = keys.any(0).nonzero()[:, 0]  # the columns that are a sink in some sequence
     pattern, v, keys = pattern[..., used], v[:, used], keys[:, used]
     at_sinks = pattern * keys[:, None, None, :].to(pattern.dtype)  # [batch head query sink]
-    z_content = z - torch.einsum("bhqk,bkhd->bqhd", at_sinks, v)  # the heads' outputs from the other keys
-    content_heads = torch.einsum("bqhd,hdm->bhqm", z_content, W_O)  # [batch head query d_model]: einsum's own layout
-    sink_heads = at_sinks @ torch.einsum("bkhd,hdm->bhkm", v, W_O)  # each sink's value through W_O, weighted
-    bias = torch.zeros_like(attn_out[0, 0]) if b_O is None else b_O.to(attn_out)
-    sink, content = sink_heads.sum(1), content_heads.sum(1)
-    real = valid.to(device)[..., None]
-    err = ((sink + content + bias - attn_out) * real).norm() / (attn_out * real).norm().clamp(min=1e-12)
-    _check_error(view, layer, float(err), attn_out.dtype)
-    out["errors"].append((layer, float(err)))
+    sink_values = torch.einsum("bkhd,hdm->bhkm", v, W_O)  # each sink's value through W_O
     keep = (valid & ~sinks).to(device)
-    for name, t in (("sink", sink_heads), ("content", content_heads)):
-        out["stats"].append((layer, name, _reductions(t, keep)))
-    out["sink"].append(sink.cpu())
-    out["content"].append(content.cpu())
-    out["bias"].append(bias.cpu())
+    sink = torch.einsum("bhqk,bhkm->bqm", at_sinks, sink_values)
+    z_content = z - torch.einsum("bhqk,bkhd->bqhd", at_sinks, v)  # the heads' outputs from the other keys
+    content = z_content.flatten(2) @ W_O.flatten(0, 1)
+    # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows):
+    # its constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
+    stats = {"sink": reductions(at_sinks, keep, basis=sink_values),
+             "content": reductions(z_content.transpose(1, 2), keep, basis=W_O[None])}
+    bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
+    real = valid.to(device)[..., None]
+    whole = z.flatten(2) @ W_O.flatten(0, 1)  # the heads' outputs through W_O, which the terms split
+    err = check[0] + float(((sink + content - whole) * real).norm()) / max(check[1], 1e-12)
+    _check_error(view, layer, err, z.dtype)
+    terms.errors.append((layer, err))
+    for name, parts in stats.items():
+        terms.stats.append((layer, name, parts))
+    i = terms.index[layer]  # z is not read after this point: the content may be written over it
+    terms.sink[i].copy_(sink)
+    terms.content[i].copy_(content)
+    terms.bias.append(bias.cpu())
 
 
 # relative error of sink + content + b_O above which a decomposition is refused, by dtype

@@ -11,15 +11,13 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
-from massive_lens.core.criterion import SINK_THRESHOLD, first_token_mass, sink_metric
+from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_hooks, sink_mask, sinks_from
+from massive_lens.core.criterion import SINK_THRESHOLD, SinkEvidence, first_token_mass, sink_metric
 from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
-
-QUERY_BLOCK = 256  # query rows of a pattern reduced at once
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,42 +96,73 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
     view = ModelView(model)
     batch = view.tokenize(text)
     path = choose_path(view, attention)
-    found = sink_mask(model, batch, sinks, path)
-    mask, source = found.mask, found.source
-    valid = batch.mask.float()
-    queries = valid * (~mask).float()
-    rows: list[Tensor] = []
-
-    def reduce(pattern: Tensor, hook: Any, layer: int) -> None:
-        on_keys = mask[:, None, :, None].to(pattern.device, torch.float32)
-        # [batch head query]: a query block at a time in float32, never a pattern-sized product
-        on_sinks = torch.cat([block.float() @ on_keys for block in pattern.split(QUERY_BLOCK, dim=2)], 2)[..., 0]
-        add(layer, on_sinks, first_token_mass(pattern, batch.mask))
-
-    def add(layer: int, on_sinks: Tensor, first: Tensor) -> None:
-        sink = torch.einsum("bhq,bq->h", on_sinks, queries.to(on_sinks.device)).cpu() / queries.sum().clamp(min=1)
-        first = first.cpu()
-        rows.append(torch.stack([torch.full_like(sink, layer), torch.arange(len(sink)).float(), sink, first], 1))
-
-    cols = sorted({0, *mask.any(0).nonzero()[:, 0].tolist()})  # the sink columns, and the first token's
-
-    def from_lse(att: LayerAttention) -> None:
-        p = att.columns(cols)  # [batch head query col]
-        on_sinks = p @ mask[:, cols].to(p.device, p.dtype)[:, None, :, None]
-        add(att.layer, on_sinks[..., 0], first_token_mass(p, batch.mask))  # column 0 is the first token
-
-    names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]
+    given = None if sinks is None else sink_mask(model, batch, sinks, path)
+    # the key columns read per layer: the given sinks' and the first token's or, when the sinks are found in
+    # this same pass, every position that could turn out to be one (a sink elsewhere costs a second pass)
+    at = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
+    columns = torch.tensor(sorted({0, *at.tolist()}), dtype=torch.long)  # column 0: the first token
+    tally = _ColumnMass(batch.mask, columns)
+    evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None
+    hooks = [] if evidence is None else sink_hooks(view, evidence, patterns=path != LSE)
     if path == LSE:
+
+        def from_lse(att: LayerAttention) -> None:
+            if evidence is not None:
+                evidence.add_key_attention(*att.band(batch.mask))
+            tally.add(att.layer, att.columns(columns))
+
         outs = [view.hook_name(layer, "attn.hook_out") for layer in range(view.n_layers)]
+        last = hooks[-1][0] if hooks else outs[-1]
         with lse_run(view, from_lse):  # the outputs' hooks only check them for NaN and inf
-            view.forward(batch, [(n, _watch) for n in outs], stop_after=outs[-1])
+            view.forward(batch, [*hooks, *((n, _watch) for n in outs)], stop_after=last)
     else:
-        view.forward(batch, [(n, partial(reduce, layer=i)) for i, n in enumerate(names)], stop_after=names[-1])
-    frame = pd.DataFrame(torch.cat(rows).numpy(), columns=["layer", "head", "sink_mass", "first_token_mass"])
-    frame = frame.sort_values(["layer", "head"], ignore_index=True)
-    frame[["layer", "head"]] = frame[["layer", "head"]].astype(int)
-    return SinkAttention(frame=frame, threshold=threshold, sink_source=source, model_name=view.name,
+        names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]
+        hooks += [(n, partial(_from_pattern, tally=tally, layer=i)) for i, n in enumerate(names)]
+        view.forward(batch, hooks, stop_after=hooks[-1][0] if given is None else names[-1])
+    found = given if evidence is None else sinks_from(evidence, view.token_kinds(batch), path)
+    if given is None and not bool(found.mask[:, columns].sum() == found.mask.sum()):
+        return sink_attention(model, text, sinks=found, threshold=threshold, attention=path)  # a sink elsewhere
+    frame = tally.frame(found.mask)
+    return SinkAttention(frame=frame, threshold=threshold, sink_source=found.source, model_name=view.name,
                          n_texts=len(batch.tokens), sinks=found, attention=path)
+
+
+class _ColumnMass:
+    """Per layer, what the sink mass needs from the attention on a few key ``columns`` (the first
+    is the first token), kept until the sinks are known: each column's attention summed over the
+    real queries, the attention among the columns (to take out the queries that are sinks) and
+    the first-token mass. Small: ``[batch head col]`` and ``[batch head col col]`` a layer."""
+
+    def __init__(self, valid: Tensor, columns: Tensor):
+        self.valid, self.columns = valid, columns
+        self.layers: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def add(self, layer: int, p: Tensor) -> None:
+        """``p [batch head query col]``: the attention every query gives to the columns."""
+        p = p.float()
+        valid = self.valid.to(p.device, p.dtype)
+        summed = torch.einsum("bhqc,bq->bhc", p, valid)
+        among = p[:, :, self.columns.to(p.device)] * valid[:, None, self.columns.to(p.device), None]
+        self.layers[layer] = (summed.cpu(), among.cpu(), first_token_mass(p, self.valid).cpu())
+
+    def frame(self, sinks: Tensor) -> pd.DataFrame:
+        """One row per layer and head for the sinks ``[batch pos]`` (all within the columns):
+        the mean attention of the real non-sink queries to the sinks."""
+        keys = sinks[:, self.columns].float()  # [batch col]
+        n_queries = (self.valid & ~sinks).sum().clamp(min=1)
+        rows = []
+        for layer in sorted(self.layers):
+            summed, among, first = self.layers[layer]
+            from_sinks = torch.einsum("bhqc,bq->bhc", among, keys)  # the sink queries' share, taken out
+            mass = torch.einsum("bhc,bc->h", summed - from_sinks, keys) / n_queries
+            rows.append(torch.stack([torch.full_like(mass, layer), torch.arange(len(mass)).float(), mass, first], 1))
+        frame = pd.DataFrame(torch.cat(rows).numpy(), columns=["layer", "head", "sink_mass", "first_token_mass"])
+        frame[["layer", "head"]] = frame[["layer", "head"]].astype(int)
+        return frame
+
+
+def _from_pattern(pattern: Tensor, hook: Any, *, tally: _ColumnMass, layer: int) -> None:
+    tally.add(layer, pattern[..., tally.columns.to(pattern.device)])
 
 
 def _watch(x: Tensor, hook: Any) -> None:

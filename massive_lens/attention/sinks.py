@@ -203,6 +203,22 @@ def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criter
     return sinks_from(evidence, view.token_kinds(batch), path)
 
 
+# at most this many key columns are kept per layer while the sinks are found in the same pass
+MAX_CANDIDATES = 64
+
+
+def candidate_columns(view: ModelView, batch: Any) -> Tensor:
+    """Key positions that could be sinks, kept per layer while the pass finds the sinks: the first
+    four positions and every position that is not an ordinary token (first token, delimiters,
+    an image's class and register tokens) in some sequence; at most ``MAX_CANDIDATES`` (a sink
+    elsewhere costs a second pass, never a wrong split)."""
+    kinds = view.token_kinds(batch)
+    ordinary = torch.tensor([TOKEN_KINDS.index("other"), TOKEN_KINDS.index("patch")])
+    special = (~torch.isin(kinds, ordinary) & batch.mask).any(0)
+    special[:4] = True
+    return special.nonzero()[:MAX_CANDIDATES, 0]
+
+
 def post_attention_norm(model: Any) -> bool:
     """Whether the model normalizes each attention output before adding it (Gemma 2/3)."""
     prefix = ModelView.block_hook(0, "ln1_post.")

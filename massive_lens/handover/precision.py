@@ -154,8 +154,8 @@ class PrecisionCheck(Result):
                    if math.isnan(v.loss) else
                    f"Confirmed by running in {v.dtype}: loss {v.loss:.4f} vs {v.loss_float32:.4f} in float32 "
                    f"(perplexity x{ratio(v.ppl_ratio)}, top-1 agreement {v.top1_agree:.1%}).")
-            lines.append(f"  {v.dtype}: {v.verdict.upper()}. Predicted: {found}. {ran}" + (f" Fix: {v.fix}" if v.fix
-                                                                                           else "")
+            lines.append(f"  {v.dtype}: {v.verdict.upper()}. Predicted: {found}. {ran}" + (f" Fix: {v.fix.rstrip('.')}."
+                                                                                           if v.fix else "")
                          + (f" Cause: {v.cause}. Smallest fix: {v.smallest_fix}." if v.cause else ""))
         return "\n".join(lines)
 
