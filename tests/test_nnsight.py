@@ -13,9 +13,13 @@ import nnsight
 import pandas as pd
 import pytest
 import torch
+from helpers import untouched
 
 from massive_lens import find_massive, layer_profile, load_model, perplexity, scan_corpus, tiny_model
+from massive_lens.attention import find_sinks, sink_attention, sink_census
 from massive_lens.core.corpora import sequences
+from massive_lens.core.criterion import SinkRule
+from massive_lens.core.lse import lse_run, lse_support
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.nnsight_view import NnsightView, trace_options
 from massive_lens.core.tokens import byte_tokenizer
@@ -213,17 +217,76 @@ def test_bad_input_errors():
         find_massive(bare, "Some text")
     assert len(find_massive(bare, torch.tensor([[BOS, 7, 8]])).magnitudes) == 4  # token ids need none
     _, lm = twins("llama")
-    from massive_lens import sink_attention, trace_origin
+    from massive_lens import trace_origin
 
-    for call in (lambda: sink_attention(lm, "Hello there"), lambda: trace_origin(lm, "Hello there")):
-        with pytest.raises(MassiveLensError, match="nnsight model.*find_massive.*backend='bridge'"):
-            call()
+    with pytest.raises(MassiveLensError, match="nnsight model.*find_massive.*sink_census.*backend='bridge'"):
+        trace_origin(lm, "Hello there")
     with pytest.raises(MassiveLensError, match="backend='bridge' would be ignored"):
         load_model(lm, backend="bridge")
     with pytest.raises(MassiveLensError, match="unknown backend.*'nnsight'"):
         load_model(hf, backend="nnsite")
     assert load_model(lm) is lm
     assert trace_options(lm) == {}  # remote=True would be passed on as it is; none set here
+
+
+# --------------------------------------------------------------------------- sink analyses on the LSE path
+
+SINK_RULE = SinkRule(threshold=0.1, min_queries=2)  # a tiny random model's heads spread their attention
+
+
+def same_census(a, b) -> None:
+    """Every census row (the MLP neuron that wrote most included: nnsight's ``mlp.hook_post`` and
+    ``W_out``) and both summaries equal to 1e-5 relative."""
+    fa, fb = a.to_frame(), b.to_frame()
+    assert len(fa) > 0 and a.attention == b.attention == "lse"
+    assert bool((fa["neuron"] >= 0).any())  # the neuron column is compared on real values, not on -1s
+    pd.testing.assert_frame_equal(fa, fb, rtol=1e-5, atol=1e-6)
+    pd.testing.assert_frame_equal(a.by_kind, b.by_kind)
+    pd.testing.assert_frame_equal(a.by_layer, b.by_layer)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sink_attention_and_census_same_as_bridge(family):
+    """sink_attention (sinks found in the pass, and given) and sink_census on a padded two-text
+    batch: the bridge's numbers on nnsight, both on the LSE path; the model left as found."""
+    bridge, lm = twins(family, plant=400.0)
+    view = ModelView(lm)
+    view.cfg.default_prepend_bos = ModelView(bridge).cfg.default_prepend_bos  # the same tokens (Qwen2: no BOS)
+    config = view.hf.config
+    implementation = config._attn_implementation
+    with untouched(view.hf):
+        assert lse_support(view) is None
+        for sinks in (None, [0, 3]):
+            a, b = sink_attention(bridge, TEXTS, sinks=sinks), sink_attention(lm, TEXTS, sinks=sinks)
+            assert a.attention == b.attention == "lse" and float(a.to_frame()["sink_mass"].abs().max()) > 0
+            pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), rtol=1e-5, atol=1e-7)
+            assert torch.equal(a.sinks.mask, b.sinks.mask)
+        same_census(sink_census(bridge, TEXTS, rule=SINK_RULE), sink_census(lm, TEXTS, rule=SINK_RULE))
+    assert config._attn_implementation == implementation
+    assert all(getattr(m, "config", config)._attn_implementation == implementation for m in view.hf.modules()
+               if hasattr(getattr(m, "config", None), "_attn_implementation"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sink_analyses_refuse_the_eager_path():
+    _, lm = twins("llama")
+    for call in (sink_attention, sink_census, find_sinks):
+        with pytest.raises(MassiveLensError, match="nnsight model.*attention='eager' does not run.*'auto' or 'lse'"):
+            call(lm, TEXTS, attention="eager")
+    assert find_sinks(lm, TEXTS).attention == "lse"  # 'auto' takes the LSE path
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lse_run_on_nnsight_left_as_found_when_the_callback_fails():
+    _, lm = twins("llama")
+    view = ModelView(lm)
+    implementation = view.hf.config._attn_implementation
+    with untouched(view.hf), pytest.raises(ZeroDivisionError):
+        with lse_run(view, lambda att: 1 / 0):
+            view.forward(view.tokenize(TEXTS), [])
+    assert view.hf.config._attn_implementation == implementation
+    assert find_sinks(lm, TEXTS).attention == "lse"  # runs again afterwards
 
 
 # --------------------------------------------------------------------------- both real models
@@ -237,8 +300,9 @@ REAL_TEXTS = ["The history of the city begins in the Roman era, when a fort stoo
 @pytest.mark.slow
 @pytest.mark.parametrize("name", REAL)
 def test_real_models_same_numbers(name):
-    """Every entry of find_massive (both texts in one padded batch), the layer profile and an
-    edited perplexity: the bridge's numbers on nnsight, to 1e-5 relative. The models are loaded
+    """Every entry of find_massive (both texts in one padded batch), the layer profile, an edited
+    perplexity, sink_attention and the sink census (LSE path): the bridge's numbers on nnsight, to
+    1e-5 relative. The models are loaded
     one after the other (Qwen takes about 7 GB in float32)."""
     text = " ".join(REAL_TEXTS * 3)
     hooks = [("blocks.2.hook_resid_post", lambda x, hook: x * 0.9)]
@@ -247,13 +311,18 @@ def test_real_models_same_numbers(name):
         model = load_model(None if name == "default" else name, backend=backend)
         if bos is None:  # TransformerLens's default for the architecture (False for Qwen2); nnsight's is True
             bos, tokens = bool(model.cfg.default_prepend_bos), sequences(ModelView(model), text, 24, 2)
+        ModelView(model).cfg.default_prepend_bos = bos  # the sink analyses tokenize with the model's default
         results.append((find_massive(model, REAL_TEXTS, prepend_bos=bos),
                         layer_profile(model, REAL_TEXTS, prepend_bos=bos).to_frame(),
-                        perplexity(model, tokens, hooks=hooks, progress=False).perplexity, ModelView(model).name))
+                        perplexity(model, tokens, hooks=hooks, progress=False).perplexity, ModelView(model).name,
+                        sink_attention(model, REAL_TEXTS), sink_census(model, REAL_TEXTS)))
         del model
         gc.collect()
-    (fa, pa, xa, na), (fb, pb, xb, nb) = results
+    (fa, pa, xa, na, sa, ca), (fb, pb, xb, nb, sb, cb) = results
     assert len(fa.to_frame()) > 0 and na == nb
+    assert sa.attention == sb.attention == "lse" and torch.equal(sa.sinks.mask, sb.sinks.mask)
+    pd.testing.assert_frame_equal(sa.to_frame(), sb.to_frame(), rtol=1e-5, atol=1e-7)
+    same_census(ca, cb)  # every row (the first token at least: a primary sink)
     same_entries(fa, fb)
     same_profile(pa, pb, ratio_rtol=1e-5)  # real models: the ratios too, to 1e-5
     assert xb == pytest.approx(xa, rel=1e-5)

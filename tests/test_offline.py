@@ -142,3 +142,44 @@ def test_a_local_folder_is_named_by_its_folder_not_its_path(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(folder)  # its _name_or_path is the folder's path
     assert ModelView(wrap_hf_model(hf)).name == "my-model"
     assert ModelView(wrap_hf_model(hf, tok, name="given")).name == "given"
+
+
+def test_two_loads_at_once_convert_once_and_both_read_the_cache(part_packages, monkeypatch):
+    """Two workers loading an offline model into an empty cache at once: one assembles and converts
+    (and deletes the assembled file), the other waits for its cache instead of reading a file that
+    is being deleted under it (what made a real-model test fail when two xdist workers raced)."""
+    import threading
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from massive_lens.models import offline
+
+    converted = []
+
+    def slow_convert(path):
+        assert path.is_file(), "the assembled file was deleted under a converter"
+        converted.append(path)
+        time.sleep(0.5)  # long enough for the second worker to arrive mid-conversion
+        tok = byte_tokenizer()
+        return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2)), tok
+
+    monkeypatch.setattr(offline, "load_gguf", slow_convert)
+    entry = offline.OfflineModel("Fake-Model", (), part_packages)
+    results, errors = [], []
+
+    def load():
+        try:
+            results.append(offline.load_offline(entry))
+        except Exception as exc:  # noqa: BLE001 - collected and asserted on below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors and len(results) == 2 and len(converted) == 1
+    assert offline.cache_is_valid(offline.cache_dir() / f"fake-model-v{offline.CACHE_VERSION}")
+    assert not converted[0].exists()  # the assembled file is gone once the cache holds the weights

@@ -158,8 +158,8 @@ class _Tally:
         self.neuron = torch.full(shape, -1, dtype=torch.long)
         self.w_out_norm: dict[int, Tensor] = {}
         for layer in range(view.n_layers):
-            w = getattr(view.block(layer).mlp, "W_out", None) if view.has_hook(layer, "mlp.hook_post") else None
-            if isinstance(w, Tensor) and w.ndim == 2:
+            w = view.mlp_w_out(layer)
+            if w is not None:
                 self.w_out_norm[layer] = _row_norms(w.detach().float())
 
     def hooks(self) -> list[tuple[str, Any]]:
@@ -262,7 +262,7 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     transient) and its life, over one text or a corpus (see the module docstring).
 
     Args:
-        model: a TransformerLens-style model.
+        model: a TransformerLens-style model, or an nnsight model (the LSE path only).
         text: a string, a list of strings (padded into one batch) or a token tensor; with
             ``seq_len``, a corpus (a file, ``"hf:NAME"``, texts) cut into ``n_seqs`` sequences.
         seq_len: cut ``text`` as a corpus into sequences of this many tokens (None: as given).
@@ -295,10 +295,10 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     if isinstance(min_layers, bool) or not isinstance(min_layers, int) or min_layers < 1 or batch_size < 1:
         raise MassiveLensError(f"min_layers and batch_size must be integers >= 1, got {min_layers!r}, {batch_size!r}")
     view = ModelView(model)
-    if not any(view.has_hook(layer, "attn.hook_pattern") for layer in range(view.n_layers)):
+    path = choose_path(view, attention)  # an nnsight model: the LSE path, or a MassiveLensError saying so
+    if path == EAGER and not any(view.has_hook(layer, "attn.hook_pattern") for layer in range(view.n_layers)):
         raise MassiveLensError(f"{view.name} has no attention pattern in any layer (a recurrent or state-space "
                                "model?): sink_census reads the attention that positions draw")
-    path = choose_path(view, attention)
     whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
     rows: list[dict[str, Any]] = []
     kind_seqs = torch.zeros(len(TOKEN_KINDS))

@@ -64,7 +64,7 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
     """Attention mass on the sink positions per layer and head, and the sink metric.
 
     Args:
-        model: a TransformerLens-style model.
+        model: a TransformerLens-style model, or an nnsight model (the LSE path only).
         text: a string, a list of strings (padded into one batch) or a token tensor; for a
             vision model, ``pixel_values`` ``[batch, channels, height, width]``.
         sinks: sink positions (a list of ints, the same for every sequence, or a bool
@@ -111,9 +111,13 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
                 evidence.add_key_attention(*att.band(batch.mask))
             tally.add(att.layer, att.columns(columns))
 
-        outs = [view.hook_name(layer, "attn.hook_out") for layer in range(view.n_layers)]
+        # the attention outputs' hooks only check them for NaN and inf; a view that serves none (nnsight)
+        # has the residual stream checked instead, where the sink hooks do not already read it
+        outs = [view.block_hook(layer, "attn.hook_out") for layer in range(view.n_layers)]
+        if not all(view.has_hook(layer, "attn.hook_out") for layer in range(view.n_layers)):
+            outs = [] if hooks else [view.hook_name(layer, "resid_post") for layer in range(view.n_layers)]
         last = hooks[-1][0] if hooks else outs[-1]
-        with lse_run(view, from_lse):  # the outputs' hooks only check them for NaN and inf
+        with lse_run(view, from_lse):
             view.forward(batch, [*hooks, *((n, _watch) for n in outs)], stop_after=last)
     else:
         names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]

@@ -8,10 +8,11 @@ pattern, but they return the LSE. So an analysis that needs attention on a few k
 queries, the sink rule's test) runs the model on that kernel and computes just those entries
 from ``q``, ``k`` and the LSE: linear memory in the length, and no second O(n^2) pass.
 
-:func:`lse_run` does it for a TransformerBridge over a Hugging Face model: for the length of
-the block (under :func:`~massive_lens.core.model_view.model_lock`) each attention module runs
-its own Hugging Face code (the bridge's eager re-implementation is set aside) with its
-attention function replaced by the kernel that returns the LSE, and each layer's
+:func:`lse_run` does it for a TransformerBridge over a Hugging Face model, and for a view that
+runs the Hugging Face model's own decoder layers (nnsight: the view's ``attention_modules()``):
+for the length of the block (under :func:`~massive_lens.core.model_view.model_lock`) each
+attention module runs its own Hugging Face code (the bridge's eager re-implementation is set
+aside) with its attention function replaced by the kernel that returns the LSE, and each layer's
 :class:`LayerAttention` (``q`` after rotary, ``k``, ``v``, the heads' output ``z``, the LSE,
 the scale and mask) goes to a callback that reduces it at once. Everything is put back on exit,
 exceptions included. :func:`lse_support` says why a model cannot (a HookedTransformer or a
@@ -196,7 +197,14 @@ def _register() -> None:
 
 
 def _attention_modules(view: ModelView) -> tuple[list[tuple[int, Any, Any]], str | None]:
-    """``(layer, bridge attention, HF attention)`` of every attention layer, or why there are none."""
+    """``(layer, bridge attention or None, HF attention)`` of every attention layer, or why there are none."""
+    own = view.attention_modules()  # a view over the HF model's own layers (nnsight) lists them itself
+    if own is not None:
+        bad = next(((layer, hf) for layer, hf in own if not _dispatches(hf)), None)
+        if bad is not None:
+            return [], (f"layer {bad[0]}'s attention ({type(bad[1]).__name__}) is not a Hugging Face attention "
+                        "module that dispatches through transformers' attention functions")
+        return [(layer, None, hf) for layer, hf in own], None if own else "it has no attention layer"
     if not hasattr(view.model, "original_model"):
         return [], (f"{type(view.model).__name__} is not a TransformerBridge over a Hugging Face model (a "
                     "HookedTransformer or a model trained here computes its own attention pattern)")
@@ -210,13 +218,24 @@ def _attention_modules(view: ModelView) -> tuple[list[tuple[int, Any, Any]], str
             continue  # a layer without attention (recurrent, state-space)
         attn = getattr(view.block(layer), "attn", None)
         hf = getattr(attn, "original_component", None)
-        if not isinstance(attn, AttentionBridge) or not hasattr(getattr(hf, "config", None), "_attn_implementation"):
+        if not isinstance(attn, AttentionBridge) or not _dispatches(hf):
             return [], (f"layer {layer}'s attention ({type(hf).__name__}) is not a Hugging Face attention module "
                         "that dispatches through transformers' attention functions")
         found.append((layer, attn, hf))
     if not found:
         return [], "it has no attention layer"
     return found, None
+
+
+def _dispatches(hf: Any) -> bool:
+    """Whether ``hf`` looks like a Hugging Face attention module that picks its attention function
+    by its config's ``_attn_implementation``."""
+    return hasattr(getattr(hf, "config", None), "_attn_implementation")
+
+
+def _hint(view: ModelView) -> str:
+    """What to do instead of the LSE path: the eager pattern, where the view serves one."""
+    return "" if view.pattern_refusal() else "; use attention='eager'"
 
 
 @contextlib.contextmanager
@@ -231,9 +250,8 @@ def lse_run(view: ModelView, callback: Callable[[LayerAttention], None] | None =
     :func:`lse_support`)."""
     modules, reason = _attention_modules(view)
     if reason is not None:
-        raise MassiveLensError(f"{view.name} cannot run on the fused attention kernel: {reason}; use attention='eager'")
+        raise MassiveLensError(f"{view.name} cannot run on the fused attention kernel: {reason}{_hint(view)}")
     _register()
-    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
 
     seen: set[int] = set()
     with model_lock(view.model), contextlib.ExitStack() as stack:
@@ -242,9 +260,8 @@ def lse_run(view: ModelView, callback: Callable[[LayerAttention], None] | None =
         saved = {key: c._attn_implementation_internal for key, c in configs.items()}
         stack.callback(_restore_configs, configs, saved)
         for layer, attn, hf in modules:
-            if type(attn).forward is not AttentionBridge.forward and "forward" not in attn.__dict__:
-                object.__setattr__(attn, "forward", types.MethodType(AttentionBridge.forward, attn))
-                stack.callback(attn.__dict__.pop, "forward", None)
+            if attn is not None:  # a bridge: its attention component runs the HF module's own forward
+                _own_forward(attn, stack)
             with _ACTIVE_GUARD:
                 _ACTIVE[id(hf)] = (layer, callback, seen)
             stack.callback(_ACTIVE.pop, id(hf), None)
@@ -253,8 +270,18 @@ def lse_run(view: ModelView, callback: Callable[[LayerAttention], None] | None =
         try:
             yield seen
         except _Refused as exc:
-            raise MassiveLensError(f"{view.name} cannot run on the fused attention kernel: {exc}; use "
-                                   "attention='eager'") from None
+            raise MassiveLensError(f"{view.name} cannot run on the fused attention kernel: {exc}"
+                                   f"{_hint(view)}") from None
+
+
+def _own_forward(attn: Any, stack: contextlib.ExitStack) -> None:
+    """Run a bridge attention component through ``AttentionBridge.forward`` (the HF module's own code)
+    for the length of ``stack``, where a subclass re-implements it eagerly."""
+    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
+
+    if type(attn).forward is not AttentionBridge.forward and "forward" not in attn.__dict__:
+        object.__setattr__(attn, "forward", types.MethodType(AttentionBridge.forward, attn))
+        stack.callback(attn.__dict__.pop, "forward", None)
 
 
 def _restore_configs(configs: dict[int, Any], saved: dict[int, Any]) -> None:
@@ -279,7 +306,7 @@ def lse_support(view: ModelView) -> str | None:
                 reason = (f"layer {missing[0]}'s attention does not dispatch through transformers' attention "
                           "functions, so no kernel gives its LSE")
         except MassiveLensError as exc:
-            reason = str(exc).split(": ", 1)[-1].removesuffix("; use attention='eager'")
+            reason = str(exc).split(": ", 1)[-1].removesuffix(_hint(view))
         except Exception as exc:  # noqa: BLE001 - any architecture-specific failure means: not this way
             reason = f"its Hugging Face attention failed on the kernel ({type(exc).__name__}: {str(exc)[:160]})"
     if _weakrefable(view.model):
@@ -301,11 +328,17 @@ def choose_path(view: ModelView, attention: str) -> str:
     if attention not in PATHS:
         raise MassiveLensError(f"attention must be one of {PATHS} ('auto': the fused kernel's log-sum-exp where the "
                                f"model supports it, else the eager pattern), got {attention!r}")
+    refusal = view.pattern_refusal()  # a view that serves no pattern (nnsight): the LSE path or nothing
     if attention == EAGER:
+        if refusal:
+            raise MassiveLensError(refusal)
         return EAGER
     reason = lse_support(view)
     if reason is None:
         return LSE
+    if refusal:
+        raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
+                               f"and the eager pattern does not run either: {refusal.split('; ', 1)[0]}")
     if attention == LSE:
         raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
                                "use attention='eager' (the pattern) or 'auto'")

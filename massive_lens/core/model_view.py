@@ -188,6 +188,26 @@ class ModelView:
             raise MassiveLensError(f"layer {layer} out of range: {self.name} has {self.n_layers}")
         return self.model.blocks[layer]
 
+    def attention_modules(self) -> list[tuple[int, torch.nn.Module]] | None:
+        """``(layer, Hugging Face attention module)`` for each attention layer of a view that runs a
+        Hugging Face model's own decoder layers (nnsight), for :mod:`massive_lens.core.lse`; None
+        here: a TransformerBridge's are found through its attention components there."""
+        return None
+
+    def mlp_w_out(self, layer: int) -> Tensor | None:
+        """Layer ``layer``'s MLP output weights ``[d_mlp, d_model]`` (TransformerLens's ``W_out``: row
+        ``i`` is what neuron ``i`` writes), None where the layer has no per-neuron MLP (no
+        ``mlp.hook_post``, or an MLP without ``W_out``, such as a mixture of experts)."""
+        if not self.has_hook(layer, "mlp.hook_post"):
+            return None
+        w = getattr(getattr(self.block(layer), "mlp", None), "W_out", None)
+        return w if isinstance(w, Tensor) and w.ndim == 2 else None
+
+    def pattern_refusal(self) -> str | None:
+        """Why this view cannot serve attention patterns (``attn.hook_pattern``) at all, with what
+        to do instead; None where it can (or has none for another reason: a recurrent model)."""
+        return None
+
     def chosen_layers(self, layers: Any, what: str = "layers") -> list[int]:
         """Sorted distinct layers from an int, a sequence of ints or None (all), each checked
         to exist; anything else (a float, a bool, an empty list) is a :class:`MassiveLensError`."""

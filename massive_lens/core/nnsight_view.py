@@ -10,7 +10,10 @@ TransformerLens names the residual-stream analyses ask for on such a model, so
 - ``hook_resid_mid``: the input of the norm before the MLP (``post_attention_layernorm``,
   ``pre_feedforward_layernorm`` in sandwich-norm blocks, GPT-2's ``ln_2``);
 - ``hook_attn_out`` and ``hook_mlp_out``: the attention's and the MLP's outputs (blocks with
-  no norm after them only: elsewhere TransformerLens's names mean another tensor).
+  no norm after them only: elsewhere TransformerLens's names mean another tensor);
+- ``mlp.hook_post``: the MLP's neuron activations, the input of its output projection
+  (``down_proj``, GPT-2's ``c_proj``), whose weights :meth:`NnsightView.mlp_w_out` gives as
+  TransformerLens's ``W_out``.
 
 The hook functions run inside the trace, in firing order, so only what they reduce leaves it
 (what NDIF's ``remote=True`` would ship back). Three traps nnsight users meet are handled here:
@@ -21,8 +24,13 @@ whose output (or input) is a tuple ``(hidden, residual)`` of two same-shaped ten
 fused-residual layers) carries the residual stream as their **sum**, which is what is read,
 and what an edit writes back (``(edited, zeros)``).
 
-What needs TransformerLens's own modules (per-head hooks, MLP neurons, attention patterns,
-TransformerLens-style weights) is a :class:`MassiveLensError` naming the calls that run here.
+The sink analyses (``find_sinks``, ``sink_attention``, ``sink_census``) run here on the LSE path
+(:mod:`massive_lens.core.lse`): :meth:`NnsightView.attention_modules` hands over each decoder
+layer's Hugging Face attention module, whose attention function the kernel that returns the
+log-sum-exp replaces for the pass, so attention on a few key columns is computed inside the
+trace without any pattern. What needs TransformerLens's own modules (per-head hooks,
+attention patterns, TransformerLens-style weights) is a :class:`MassiveLensError` naming the
+calls that run here.
 
 >>> is_nnsight_model(object())
 False
@@ -45,10 +53,12 @@ from massive_lens.errors import MassiveLensError
 __all__ = ["SUPPORTED_CALLS", "NnsightModel", "NnsightView", "is_nnsight_model", "trace_options"]
 
 # the per-block sites served, in the order a block computes them
-SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
-SUPPORTED_CALLS = ("find_massive", "layer_profile", "scan_corpus", "perplexity")
+SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+SUPPORTED_CALLS = ("find_massive", "layer_profile", "scan_corpus", "perplexity", "find_sinks", "sink_attention",
+                   "sink_census")
 _ATTN = ("self_attn", "attn", "attention", "self_attention")
 _MLP = ("mlp", "feed_forward", "ffn")
+_DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "fc_out", "w2")  # the MLP's output projection
 _MID_NORM = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")  # first found: resid_mid is its input
 _POST_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")  # a sublayer output normed before the add
 _OPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nnsight model -> trace keyword arguments
@@ -201,13 +211,41 @@ class NnsightView(ModelView):
             raise self.unsupported(f"the hook {name!r}")
         return super().hook_name(layer, hook)
 
+    def attention_modules(self) -> list[tuple[int, torch.nn.Module]]:
+        """``(layer, attention module)`` of every decoder layer that has one (its ``self_attn``,
+        ``attn``, ...): the Hugging Face modules whose attention function the LSE path swaps
+        (:func:`~massive_lens.core.lse.lse_run`)."""
+        found = []
+        for layer in range(self.n_layers):
+            path = f"{self.layers_path}.{layer}"
+            name = _child(self.hf, path, _ATTN)
+            if name is not None:
+                found.append((layer, self.hf.get_submodule(f"{path}.{name}")))
+        return found
+
+    def mlp_w_out(self, layer: int) -> Tensor | None:
+        """The MLP's output projection as TransformerLens's ``W_out`` ``[d_mlp, d_model]`` (a
+        ``Linear``'s weight transposed, a GPT-2 ``Conv1D``'s as stored), None without one."""
+        down = self._down(layer) if 0 <= layer < self.n_layers else None
+        if down is None:
+            return None
+        module = self.hf.get_submodule(down)
+        return module.weight.T if isinstance(module, torch.nn.Linear) else module.weight
+
+    def pattern_refusal(self) -> str:
+        return (f"{self.name} is an nnsight model, which cannot serve attention patterns, so attention='eager' "
+                "does not run on it; use attention='auto' or 'lse' (the attention on the few key columns an "
+                "analysis needs, from q, k and the fused SDPA kernel's log-sum-exp: sink_attention, sink_census "
+                "and find_sinks run this way on nnsight)")
+
     def unsupported(self, what: str) -> MassiveLensError:
         """The error for what the nnsight backend cannot serve, naming what runs on it."""
         sites = ", ".join(sorted({n.split(".", 2)[2] for n in self.hook_names}))
         return MassiveLensError(
-            f"{self.name} is an nnsight model, which serves the residual stream only ({sites}); {what} needs "
-            f"TransformerLens's own modules (per-head hooks, MLP neurons, attention patterns, weights). On nnsight "
-            f"these run: {', '.join(SUPPORTED_CALLS)}. For the rest load the model with "
+            f"{self.name} is an nnsight model, which serves the residual stream and MLP activations ({sites}) and "
+            f"attention on key columns from the fused kernel's log-sum-exp (attention='lse'); {what} needs "
+            f"TransformerLens's own modules (per-head hooks, attention patterns, TransformerLens-style weights). "
+            f"On nnsight these run: {', '.join(SUPPORTED_CALLS)}. For the rest load the model with "
             "massive_lens.load_model(..., backend='bridge')")
 
     # ------------------------------------------------------------------ running
@@ -256,6 +294,8 @@ class NnsightView(ModelView):
         block = _envoy(self.lm, f"{self.layers_path}.{layer}")
         if site in ("hook_resid_pre", "hook_resid_post"):
             return block, "input" if site == "hook_resid_pre" else "output"
+        if site == "mlp.hook_post":
+            return _envoy(self.lm, self._down(layer)), "input"
         child = {"hook_attn_out": _ATTN, "hook_mlp_out": _MLP, "hook_resid_mid": _MID_NORM}[site]
         found = _child(self.hf, f"{self.layers_path}.{layer}", child)
         return _envoy(block, found), "input" if site == "hook_resid_mid" else "output"
@@ -270,7 +310,25 @@ class NnsightView(ModelView):
             sites.append("hook_attn_out")
         if not sandwich and _child(self.hf, path, _MLP) is not None:
             sites.append("hook_mlp_out")
+        if self._down(layer) is not None:
+            sites.append("mlp.hook_post")
         return sites
+
+    def _down(self, layer: int) -> str | None:
+        """The path of layer ``layer``'s MLP output projection (a ``Linear``, or a GPT-2 ``Conv1D``
+        whose weight is ``[d_mlp, d_model]``), None where the MLP has none (a mixture of experts)."""
+        path = f"{self.layers_path}.{layer}"
+        mlp = _child(self.hf, path, _MLP)
+        down = _child(self.hf, f"{path}.{mlp}", _DOWN) if mlp is not None else None
+        if down is None:
+            return None
+        module = self.hf.get_submodule(f"{path}.{mlp}.{down}")
+        w = getattr(module, "weight", None)
+        if not isinstance(w, Tensor) or w.ndim != 2:
+            return None
+        fits = (w.shape[0] == self.d_model if isinstance(module, torch.nn.Linear)
+                else type(module).__name__ == "Conv1D" and w.shape[1] == self.d_model)
+        return f"{path}.{mlp}.{down}" if fits else None
 
 
 def residual_of(raw: Any) -> tuple[Tensor, Tensor | None]:

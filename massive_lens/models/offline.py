@@ -213,12 +213,16 @@ def load_offline(entry: OfflineModel, dtype: torch.dtype = torch.float32) -> tup
     """The Hugging Face model (in ``dtype``) and tokenizer of ``entry``, converted on first use."""
     folder = cache_dir() / f"{entry.name.lower()}-v{CACHE_VERSION}"
     if not cache_is_valid(folder):
-        gguf = entry.source.path(entry.name)
-        hf, tok = load_gguf(gguf)
-        if not write_cache(folder, hf, tok):
-            return hf.to(dtype), tok
-        del hf
-        entry.source.cleanup(gguf)
+        # one process converts, the others wait and read its cache: a second converter would read the
+        # assembled file while the first deletes it (two test workers loading the model at once)
+        with _lock(folder, ".convert.lock"):
+            if not cache_is_valid(folder):
+                gguf = entry.source.path(entry.name)
+                hf, tok = load_gguf(gguf)
+                if not write_cache(folder, hf, tok):
+                    return hf.to(dtype), tok
+                del hf
+                entry.source.cleanup(gguf)
     log.info("loading %s from cache %s", entry.name, folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True)
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -355,7 +359,7 @@ def write_cache(folder: Path, hf: Any, tok: Any) -> bool:
         tok.save_pretrained(tmp)
         manifest = {"version": CACHE_VERSION, "files": _manifest(tmp)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        with _publish_lock(folder):
+        with _lock(folder, ".lock"):
             if cache_is_valid(folder):  # another process published it while we converted
                 return True
             if folder.exists():  # damaged: out of the way in one rename, then deleted
@@ -373,9 +377,10 @@ def write_cache(folder: Path, hf: Any, tok: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _publish_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock (``fcntl.flock``) on ``<folder>.lock``; none where fcntl is missing."""
-    with open(folder.with_name(folder.name + ".lock"), "a") as handle:
+def _lock(folder: Path, suffix: str) -> Iterator[None]:
+    """An exclusive lock (``fcntl.flock``) on ``<folder><suffix>``; none where fcntl is missing."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + suffix), "a") as handle:
         if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
