@@ -205,3 +205,31 @@ def test_bfloat16_finds_the_same_top_entry(default_model):
     approx = find_massive(half, TEXT).by_dim().iloc[0]
     assert (approx.pos, approx.dim) == (exact.pos, exact.dim)
     assert approx.value == pytest.approx(exact.value, rel=0.05)
+
+
+def test_the_lse_path_gives_the_eager_tables(real_model):
+    """Issue 41: on the real models the analyses read from q, k and the kernel's log-sum-exp give
+    the eager pattern's tables: every number to 1e-5 (relative where above 1), and the terms of
+    the decomposition to 1e-5 of the attention output's scale (its per-head constancy statistics
+    are not compared: a sink-saturated head's content term is rounding, which either path
+    rounds its own way)."""
+    from massive_lens.attention import dormant_heads, find_sinks, sink_attention, sink_census
+
+    texts = [TEXT, OTHER]
+    assert torch.equal(find_sinks(real_model, texts, attention="eager").mask, find_sinks(real_model, texts).mask)
+    for run in (lambda a: sink_attention(real_model, texts, attention=a),
+                lambda a: sink_census(real_model, texts, attention=a),
+                lambda a: dormant_heads(real_model, texts, attention=a)):
+        eager, lse = run("eager"), run("auto")
+        assert (eager.attention, lse.attention) == ("eager", "lse")
+        fa, fb = eager.to_frame(), lse.to_frame()
+        assert list(fa.columns) == list(fb.columns) and len(fa) == len(fb) > 0
+        num = fa.select_dtypes("number").columns
+        a, b = torch.tensor(fa[num].to_numpy(float)), torch.tensor(fb[num].to_numpy(float))
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5, equal_nan=True), float((a - b).abs().nan_to_num().max())
+        assert fa.drop(columns=num).equals(fb.drop(columns=num))
+    eager, lse = (decompose_attention(real_model, texts, attention=a) for a in ("eager", "lse"))
+    assert torch.equal(eager.sink_mask, lse.sink_mask)
+    scale = float((eager.sink + eager.content).abs().amax())
+    for x, y in ((eager.sink, lse.sink), (eager.content, lse.content)):
+        assert float((x - y).abs().max()) < 1e-5 * scale
