@@ -13,9 +13,17 @@ import nnsight
 import pandas as pd
 import pytest
 import torch
-from helpers import untouched
+from helpers import WIKITEXT_TEST, WIKITEXT_VALID, untouched
 
-from massive_lens import find_massive, layer_profile, load_model, perplexity, scan_corpus, tiny_model
+from massive_lens import (
+    find_massive,
+    layer_profile,
+    load_model,
+    perplexity,
+    run_interventions,
+    scan_corpus,
+    tiny_model,
+)
 from massive_lens.attention import find_sinks, sink_attention, sink_census
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import SinkRule
@@ -301,9 +309,10 @@ REAL_TEXTS = ["The history of the city begins in the Roman era, when a fort stoo
 @pytest.mark.parametrize("name", REAL)
 def test_real_models_same_numbers(name):
     """Every entry of find_massive (both texts in one padded batch), the layer profile, an edited
-    perplexity, sink_attention and the sink census (LSE path): the bridge's numbers on nnsight, to
-    1e-5 relative. The models are loaded
-    one after the other (Qwen takes about 7 GB in float32)."""
+    perplexity, sink_attention, the sink census (LSE path) and run_interventions' original, zero and
+    mean rows: the bridge's numbers on nnsight, to 1e-5 relative (the bootstrap intervals of two
+    sequences to 1e-4). The models are loaded one after the other (Qwen takes about 7 GB in float32;
+    its run_interventions took 36 s on the bridge, 18 s on nnsight, on 2 CPU cores)."""
     text = " ".join(REAL_TEXTS * 3)
     hooks = [("blocks.2.hook_resid_post", lambda x, hook: x * 0.9)]
     results, bos, tokens = [], None, None
@@ -315,10 +324,15 @@ def test_real_models_same_numbers(name):
         results.append((find_massive(model, REAL_TEXTS, prepend_bos=bos),
                         layer_profile(model, REAL_TEXTS, prepend_bos=bos).to_frame(),
                         perplexity(model, tokens, hooks=hooks, progress=False).perplexity, ModelView(model).name,
-                        sink_attention(model, REAL_TEXTS), sink_census(model, REAL_TEXTS)))
+                        sink_attention(model, REAL_TEXTS), sink_census(model, REAL_TEXTS),
+                        run_interventions(model, WIKITEXT_TEST, calibration=WIKITEXT_VALID, seq_len=24, n_seqs=2,
+                                          calibration_seqs=2, settings=["original", "zero", "mean"],
+                                          progress=False)))
         del model
         gc.collect()
-    (fa, pa, xa, na, sa, ca), (fb, pb, xb, nb, sb, cb) = results
+    (fa, pa, xa, na, sa, ca, ta), (fb, pb, xb, nb, sb, cb, tb) = results
+    same_table(ta, tb, interval_rtol=1e-4, stats=False)
+    assert ta.to_frame()["target_dims"].iloc[1] != ""  # the real massive dims were edited
     assert len(fa.to_frame()) > 0 and na == nb
     assert sa.attention == sb.attention == "lse" and torch.equal(sa.sinks.mask, sb.sinks.mask)
     pd.testing.assert_frame_equal(sa.to_frame(), sb.to_frame(), rtol=1e-5, atol=1e-7)
@@ -326,3 +340,108 @@ def test_real_models_same_numbers(name):
     same_entries(fa, fb)
     same_profile(pa, pb, ratio_rtol=1e-5)  # real models: the ratios too, to 1e-5
     assert xb == pytest.approx(xa, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- Table 3's residual-stream settings
+
+RESID_SETTINGS = ["original", "zero", "mean", "control", "zero_every", "mean_every"]
+RATIO_COLUMNS = ["perplexity", "ratio", "ratio_low", "ratio_high"]
+TARGET_COLUMNS = ["setting", "where", "acts_on", "targets_per_seq", "target_dims", "target_kinds", "edited_dims",
+                  "sinks_per_seq", "sink_kinds", "peak_layer", "back_layer", "rebuilt", "added", "n_seqs"]
+
+
+def untied_twins(family: str):
+    """:func:`twins` with the planted BOS value in the input embedding only (the tied output head
+    keeps the untouched row): in a tied model the plant makes BOS's logit hundreds of nats and every
+    perplexity a float32 rounding of that."""
+    hfs = []
+    for _ in range(2):
+        hf = hf_twin(family)
+        head = hf.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        hf.config.tie_word_embeddings = False
+        with torch.no_grad():
+            hf.get_input_embeddings().weight[BOS, 3] = 400.0
+        hfs.append(hf)
+    bridge = load_model(hfs[0], tokenizer=byte_tokenizer(), name=f"tiny-{family}")
+    return bridge, load_model(hfs[1], tokenizer=byte_tokenizer(), backend="nnsight", name=f"tiny-{family}")
+
+
+def bos_rows(text: str, n: int, width: int = 15) -> torch.Tensor:
+    """``n`` rows of BOS and ``width`` bytes of ``text`` (every family gets the planted BOS, Qwen2 too,
+    whose TransformerLens default prepends none)."""
+    data = text.encode()
+    return torch.tensor([[BOS, *data[i * width:(i + 1) * width]] for i in range(n)])
+
+
+def same_table(a, b, interval_rtol: float = 1e-5, stats: bool = True) -> None:
+    """Two intervention tables of the same weights: every setting's perplexity and ratio to 1e-5
+    relative (the bootstrap interval to ``interval_rtol``), the targets, sinks and checks equal;
+    with ``stats``, the calibrations' per-head sink statistics to 1e-4."""
+    fa, fb = a.to_frame(), b.to_frame()
+    pd.testing.assert_frame_equal(fa[TARGET_COLUMNS], fb[TARGET_COLUMNS])
+    pd.testing.assert_frame_equal(fa[RATIO_COLUMNS[:2]], fb[RATIO_COLUMNS[:2]], rtol=1e-5, atol=0)
+    pd.testing.assert_frame_equal(fa[RATIO_COLUMNS[2:]], fb[RATIO_COLUMNS[2:]], rtol=interval_rtol, atol=0)
+    pd.testing.assert_frame_equal(fa[["accuracy", "target_kept", "target_back", "sink_mass", "sink_mass_original"]],
+                                  fb[["accuracy", "target_kept", "target_back", "sink_mass", "sink_mass_original"]],
+                                  rtol=1e-4, atol=1e-6)
+    assert torch.equal(a.sinks.mask, b.sinks.mask)
+    ca, cb = a.calibration, b.calibration
+    assert ca.attn_layers == cb.attn_layers and ca.first_layer == cb.first_layer
+    assert torch.equal(ca.sinks.mask, cb.sinks.mask)
+    keys = ("sink_z", "sink_k", "sink_v", "sink_mass") if stats else ()  # on nnsight from the kernel's LSE
+    for key in keys:
+        torch.testing.assert_close(getattr(cb, key), getattr(ca, key), rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_run_interventions_same_as_bridge(family):
+    """Table 3's residual-stream settings on nnsight: the bridge's table over the same weights (the
+    calibration's sinks and sink statistics from the LSE path, the edits in the trace); the model
+    left as found."""
+    bridge, lm = untied_twins(family)
+    text = "The cat sat on the mat. A dog ran off to the park and back. " * 4
+    evaluate, calibration = bos_rows(text, 4), bos_rows(text[::-1].replace(".", "!"), 4)
+    hf = ModelView(lm).hf
+    kw = dict(calibration=calibration, settings=RESID_SETTINGS, progress=False)
+    a = run_interventions(bridge, evaluate, **kw)
+    with untouched(hf):
+        b = run_interventions(lm, evaluate, **kw)
+    assert list(b.to_frame()["setting"]) == RESID_SETTINGS
+    zero = b.to_frame().set_index("setting").loc["zero"]
+    assert zero["target_dims"] == "3" and zero["targets_per_seq"] == 1.0  # the planted entry, at BOS
+    same_table(a, b)
+    again = run_interventions(lm, evaluate, settings=["original", "zero"], calibration=b.calibration, progress=False)
+    pd.testing.assert_frame_equal(again.to_frame()[RATIO_COLUMNS], b.to_frame()[RATIO_COLUMNS].iloc[:2])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_attention_settings_refused_on_nnsight():
+    _, lm = twins("llama", plant=400.0)
+    text = "The cat sat on the mat. A dog ran off to the park and back. " * 4
+    for setting in ("sink_attention_removed", "sink_term_mean", "bias_surgery"):
+        with pytest.raises(MassiveLensError, match=f"nnsight model.*{setting}.*run_interventions.*backend='bridge'"):
+            run_interventions(lm, bos_rows(text, 2), calibration=bos_rows(text[::-1], 2),
+                              settings=["original", setting], progress=False)
+    from massive_lens.interventions import ablate_massive, calibrate, fix_sink_term
+
+    calib = calibrate(lm, bos_rows(text[::-1], 2), progress=False)
+    with pytest.raises(MassiveLensError, match="nnsight model.*fix_sink_term.*backend='bridge'"):
+        fix_sink_term(lm, calibration=calib)
+    iv = ablate_massive(lm, calibration=calib)
+    with pytest.raises(MassiveLensError, match="nnsight model.*zero .first layer. used as a context manager"):
+        with iv:
+            pass
+    assert perplexity(lm, bos_rows(text, 2), hooks=iv, progress=False).perplexity > 0  # as hooks= it runs
+    assert iv.record.edited == {3: 2}  # the planted entry of each sequence, edited in the trace
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_precision_check_refused_on_nnsight():
+    from massive_lens.handover import precision_check
+
+    _, lm = twins("llama")
+    with untouched(ModelView(lm).hf), pytest.raises(
+            MassiveLensError, match="nnsight model.*precision_check.*run_interventions.*backend='bridge'"):
+        precision_check(lm, "Some text to read. " * 20, seq_len=16, n_seqs=2)

@@ -221,6 +221,9 @@ def candidate_columns(view: ModelView, batch: Any) -> Tensor:
 
 def post_attention_norm(model: Any) -> bool:
     """Whether the model normalizes each attention output before adding it (Gemma 2/3)."""
+    view = ModelView(model)
+    if view.pattern_refusal():  # a view over the Hugging Face layers themselves (nnsight) reads their norms
+        return view.sandwich_norm()
     prefix = ModelView.block_hook(0, "ln1_post.")
     return any(name.startswith(prefix) for name in model.hook_dict)
 

@@ -55,7 +55,7 @@ __all__ = ["SUPPORTED_CALLS", "NnsightModel", "NnsightView", "is_nnsight_model",
 # the per-block sites served, in the order a block computes them
 SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
 SUPPORTED_CALLS = ("find_massive", "layer_profile", "scan_corpus", "perplexity", "find_sinks", "sink_attention",
-                   "sink_census")
+                   "sink_census", "calibrate", "run_interventions (the residual-stream settings)")
 _ATTN = ("self_attn", "attn", "attention", "self_attention")
 _MLP = ("mlp", "feed_forward", "ffn")
 _DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "fc_out", "w2")  # the MLP's output projection
@@ -94,6 +94,9 @@ class _Config:
     d_vocab: int | None
     model_name: str
     default_prepend_bos: bool = True  # TransformerLens's usual default; it turns it off for a few architectures
+    n_heads: int | None = None
+    d_head: int | None = None
+    n_key_value_heads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -163,8 +166,11 @@ class NnsightView(ModelView):
             raise MassiveLensError(f"{type(hf).__name__} is not a Hugging Face decoder the nnsight backend reads: it "
                                    "needs a config with num_hidden_layers and a list of that many decoder layers")
         name = getattr(config, "_name_or_path", None) or type(hf).__name__
+        heads = getattr(text, "num_attention_heads", None)
+        d_head = getattr(text, "head_dim", None) or (int(text.hidden_size) // heads if heads else None)
         cfg = _Config(int(n_layers), int(text.hidden_size), getattr(text, "max_position_embeddings", None),
-                      getattr(text, "vocab_size", None), readable_name(str(name)))
+                      getattr(text, "vocab_size", None), readable_name(str(name)), n_heads=heads, d_head=d_head,
+                      n_key_value_heads=getattr(text, "num_key_value_heads", None))
         _ADAPTERS[model] = adapter = NnsightModel(model, hf, cfg, layers_path)
         return adapter
 
@@ -231,6 +237,12 @@ class NnsightView(ModelView):
             return None
         module = self.hf.get_submodule(down)
         return module.weight.T if isinstance(module, torch.nn.Linear) else module.weight
+
+    def sandwich_norm(self) -> bool:
+        """Whether the blocks norm each sublayer's output before adding it (Gemma 2/3: a
+        ``post_feedforward_layernorm``), as TransformerLens's ``ln1_post`` says on a bridge."""
+        return any(_child(self.hf, f"{self.layers_path}.{layer}", _POST_NORMS) is not None
+                   for layer in range(self.n_layers))
 
     def pattern_refusal(self) -> str:
         return (f"{self.name} is an nnsight model, which cannot serve attention patterns, so attention='eager' "

@@ -270,7 +270,9 @@ def precision_check(
 
     Raises:
         MassiveLensError: for an unknown or repeated dtype name, no dtypes, a ``tolerance``
-            that is not a finite number >= 0, a model not in float32, or an unreadable corpus.
+            that is not a finite number >= 0, a model not in float32, an unreadable corpus, or
+            an nnsight model (its sites need TransformerLens's modules: load it with
+            ``backend="bridge"``).
     """
     names = [dtypes] if isinstance(dtypes, str) else list(dtypes)
     chosen = [dtype_of(n) for n in names]
@@ -280,6 +282,9 @@ def precision_check(
             or tolerance < 0:
         raise MassiveLensError(f"tolerance is a relative perplexity change >= 0 (0.01 = 1%), got {tolerance!r}")
     view = ModelView(model)
+    if view.pattern_refusal():  # nnsight: no q/k/v, attention-score or norm sites, no per-block casts
+        raise view.unsupported("precision_check (its q/k/v, attention-score and norm sites, and the runs with "
+                               "blocks cast to float16/bfloat16)")
     if view.dtype != torch.float32:
         raise MassiveLensError(f"{view.name} is in {view.dtype}; precision_check measures in float32: load it with "
                                "dtype=torch.float32 (massive_lens.load_model(..., dtype='float32'))")

@@ -30,7 +30,10 @@ def build_hooks(model: Any, calib: Calibration, state: HookState, *,
     targets, the online sinks, the residual edit (``fill(layer, dims)``: the value each of
     ``dims`` gets at ``layer``) and the record of what stays; then ``per_layer(view, layer,
     state)`` for every attention layer after the sinks appear, and the record of the
-    attention still on the sinks."""
+    attention still on the sinks (on a view that serves no pattern, nnsight, it is measured on
+    the LSE path: ``state.lse_layers`` names the layers for
+    :func:`~massive_lens.interventions.edits.measure_columns`, run inside the pass under
+    :func:`~massive_lens.core.lse.lse_run`)."""
     view = ModelView(model)
     hooks: list = [(view.hook_name(0, "resid_pre"), partial(reset, state=state))]
     first_layer = calib.first_layer
@@ -60,10 +63,13 @@ def build_hooks(model: Any, calib: Calibration, state: HookState, *,
             detect=layer == detect, last_first=layer == last_first, sticky=where == "every", control=control)
         hooks.append((view.hook_name(layer, "resid_post"),
                       partial(resid_step, state=state, dims=dims, plan=plan, criterion=calib.criterion)))
+    lse = bool(view.pattern_refusal())  # no pattern (nnsight): the attention is measured on the LSE path
     for layer in calib.attn_layers:
         if per_layer is not None:
             hooks += per_layer(view, layer, state)
-        if measure_attention:
+        if measure_attention and lse:
+            state.lse_layers[layer] = layer == calib.attn_layers[0]
+        elif measure_attention:
             hooks.append((view.hook_name(layer, "attn.hook_pattern"),
                           partial(measure_pattern, state=state, layer=layer, first=layer == calib.attn_layers[0])))
     return hooks

@@ -6,7 +6,9 @@ is massive, its mean value there) and the sinks of every calibration sequence, b
 rule of :class:`~massive_lens.core.criterion.SinkRule`: a position is a sink when it draws
 attention as one or carries a massive activation that persists across layers; a dim that
 crosses the criterion at one early layer makes no sink. A second pass measures, per layer
-and head, the mean sink term, sink key and sink value at those sinks.
+and head, the mean sink term, sink key and sink value at those sinks. On a model that serves
+no attention pattern (nnsight), both passes read attention from q, k, v and the fused kernel's
+log-sum-exp (:mod:`massive_lens.core.lse`) instead, inside the pass: the same numbers, to float rounding.
 
 During an intervention on new text the sinks must be known before the layers where they are
 used, so an intervention without ``sinks=`` finds them *online* with a rule fitted here:
@@ -41,6 +43,7 @@ from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, sinks_from
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_criterion, massive_mask
 from massive_lens.core.fmt import num, short
+from massive_lens.core.lse import lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outliers import OutlierTally, token_specific
 from massive_lens.core.render import sink_mass_axes
@@ -217,7 +220,8 @@ def calibrate(
     pass over all sequences; the sink keys, values and terms from a second.
 
     Args:
-        model: a TransformerLens-style model.
+        model: a TransformerLens-style model, or an nnsight model (the sink rule's attention and
+            the sink statistics then come from the kernel's log-sum-exp, :mod:`massive_lens.core.lse`).
         corpus: calibration text (a file, a string, strings, ``hf:`` name, a token tensor;
             None: the offline default text), or a :class:`Calibration`, returned unchanged
             (the other arguments are then ignored). Use other text than the evaluation text.
@@ -285,6 +289,7 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     entries: list[Tensor] = []  # token-specific entries, for the online sink rule
     gathered: list[tuple[SinkEvidence, Tensor]] = []
     tally = OutlierTally()  # the whole calibration text is one run: its outlier dimensions, decided once
+    lse = bool(view.pattern_refusal())  # a view that serves no pattern (nnsight): the sink rule on the LSE path
     for start, chunk in chunks:
         batch = view.full_batch(chunk)
         evidence = SinkEvidence(batch.mask, n_layers, rule, criterion, outliers=tally)
@@ -307,9 +312,15 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
 
         hooks = []
         for layer in range(n_layers):
-            hooks += [(view.hook_name(layer, "attn.hook_pattern"), on_pattern),
-                      (view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer))]
-        view.forward(batch, hooks, stop_after=hooks[-1][0])
+            if not lse:
+                hooks.append((view.hook_name(layer, "attn.hook_pattern"), on_pattern))
+            hooks.append((view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)))
+        if lse:  # the same key attention as the pattern's, from q, k and the kernel's log-sum-exp
+            with lse_run(view, lambda att, evidence=evidence, mask=batch.mask:
+                         evidence.add_key_attention(*att.band(mask))):
+                view.forward(batch, hooks, stop_after=hooks[-1][0])
+        else:
+            view.forward(batch, hooks, stop_after=hooks[-1][0])
         gathered.append((evidence, view.token_kinds(batch)))
         bar.update()
     scope = torch.stack([tally.at(layer) for layer in range(n_layers)])  # [layer d_model] outlier-dimension entries

@@ -21,6 +21,7 @@ from transformer_lens.patching import layer_pos_patch_setter
 
 from massive_lens.attention.sinks import sink_term
 from massive_lens.core.criterion import Criterion
+from massive_lens.core.lse import LayerAttention
 from massive_lens.interventions.calibration import massive_entries, online_sinks
 from massive_lens.interventions.state import HookState
 
@@ -105,6 +106,25 @@ def measure_pattern(pattern: Float[Tensor, "batch head_index query_pos key_pos"]
     if slot is not None and slot.shape[-1] == pattern.shape[-2]:
         state.record.add_mass(state.record.slot, layer, float(torch.einsum("bhq,bq->", slot.detach().float(), queries)),
                               n)
+
+
+def measure_columns(att: LayerAttention, *, state: HookState) -> None:
+    """:func:`measure_pattern` from one layer of the LSE path (a view that serves no pattern,
+    nnsight): the attention on the sink columns from q, k and the kernel's log-sum-exp, for the
+    layers of ``state.lse_layers``, in the passes its hooks run in (not a pass before them, such
+    as the perplexity's check of its output head, run with no hooks)."""
+    first = state.lse_layers.get(att.layer)
+    if first is None or not state.passes:
+        return
+    batch, heads, pos = att.q.shape[:3]
+    sinks = state.mask(batch, pos, att.q.device)
+    if first:
+        state.record.sinks.append(sinks.cpu())
+    cols = sinks.any(0).nonzero().flatten()
+    queries = (~sinks).to(torch.float32)
+    n = float(queries.sum()) * heads
+    total = torch.einsum("bhqc,bc,bq->", att.columns(cols).float(), sinks[:, cols].to(torch.float32), queries)
+    state.record.add_mass(state.record.mass, att.layer, float(total), n)
 
 
 def drop_sinks(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, state: HookState,

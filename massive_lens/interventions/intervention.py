@@ -112,6 +112,10 @@ class Intervention:
                 "attach its hooks twice and apply its edit twice. Use one with block, or build a second "
                 "intervention to stack two edits"
             )
+        view = ModelView(self.model)
+        if view.pattern_refusal():  # nnsight: hooks run inside a trace, never attached to the model
+            raise view.unsupported(f"{self.label} used as a context manager (with ...:), which attaches hooks "
+                                   "outside a forward pass; pass it as hooks= to perplexity or use run_interventions")
         ctx = self.model.hooks(fwd_hooks=self.fwd_hooks)
         ctx.__enter__()
         self._stack.append(ctx)

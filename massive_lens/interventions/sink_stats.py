@@ -13,6 +13,7 @@ from torch import Tensor
 
 from massive_lens.attention.sinks import sink_term
 from massive_lens.core.gather import LayerGather
+from massive_lens.core.lse import LayerAttention, lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions.access import attention_access
 
@@ -21,14 +22,27 @@ def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mas
                attn_layers: tuple[int, ...], bar: Any) -> dict[str, Tensor]:
     """Mean sink term (non-sink queries), sink key and value, and attention to the sinks, per
     layer and head. Read in whatever order the bridge fires the hooks; a quantity whose hooks
-    the bridge does not give per head (see :mod:`~massive_lens.interventions.access`) is NaN."""
-    access = attention_access(model)
+    the bridge does not give per head (see :mod:`~massive_lens.interventions.access`) is NaN.
+    On a view that serves no attention pattern (nnsight), all four come from q, k, v and the
+    fused kernel's log-sum-exp (:mod:`massive_lens.core.lse`), inside the pass."""
     sums: dict[tuple[str, int], Tensor] = {}
     counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
 
     def add(key: str, layer: int, value: Tensor) -> None:
         value = value.double().cpu()
         sums[key, layer] = sums[key, layer] + value if (key, layer) in sums else value
+
+    if view.pattern_refusal():  # a view that serves no per-head hooks or patterns (nnsight): the LSE path
+        for start, chunk in chunks:
+            sinks = mask[start:start + len(chunk)]
+            counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
+            if attn_layers:
+                with lse_run(view, partial(_lse_layer, add=add, sinks=sinks, layers=set(attn_layers))):
+                    view.forward(view.full_batch(chunk), [],
+                                 stop_after=view.hook_name(attn_layers[-1], "resid_post"))
+            bar.update()
+        return _stacked(view, model, sums, counts, attn_layers)
+    access = attention_access(model)
 
     def on_act(act: Tensor, hook: Any, layer: int, kind: str, sinks: Tensor) -> None:
         sinks = sinks.to(act.device)
@@ -60,6 +74,28 @@ def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mas
         if hooks:
             view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(attn_layers[-1], "resid_post"))
         bar.update()
+    return _stacked(view, model, sums, counts, attn_layers)
+
+
+def _lse_layer(att: LayerAttention, *, add: Any, sinks: Tensor, layers: set[int]) -> None:
+    """One layer's sums of :func:`sink_pass` from q, k, v and the kernel's log-sum-exp: the
+    attention on the sink columns only (keys after rotary, as the kernel gets them)."""
+    if att.layer not in layers:
+        return
+    s = sinks.to(att.q.device)
+    cols = s.any(0).nonzero().flatten()
+    p = att.columns(cols).double()  # [batch head query col]
+    at, queries = s[:, cols].double(), (~s).double()
+    v = att.v[:, :, cols].double().repeat_interleave(att.group, 1)  # [batch head col d_head]
+    add("mass", att.layer, torch.einsum("bhqc,bc,bq->h", p, at, queries))
+    add("k", att.layer, torch.einsum("bhkd,bk->hd", att.k.double(), s.double()))
+    add("v", att.layer, torch.einsum("bhkd,bk->hd", att.v.double(), s.double()))
+    add("z", att.layer, torch.einsum("bhqc,bc,bhcd,bq->hd", p, at, v, queries))
+
+
+def _stacked(view: ModelView, model: Any, sums: dict[tuple[str, int], Tensor], counts: Tensor,
+             attn_layers: tuple[int, ...]) -> dict[str, Tensor]:
+    """The means of :func:`sink_pass`, stacked ``[layer ...]`` (NaN where not measured)."""
     scale = {"z": counts[0], "mass": counts[0], "k": counts[1], "v": counts[1]}
     widest: dict[str, tuple[int, ...]] = {}
     for (key, _), t in sums.items():  # layers may differ in heads or head width (e.g. local and global layers)
@@ -94,7 +130,7 @@ def unpad(value: Tensor) -> Tensor:
 def _shapes(model: Any, seen: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The per-layer shape of each sink quantity (the widest layer's): as measured, else from
     the other quantities or the model's config (that quantity is then NaN)."""
-    cfg = model.cfg
+    cfg = ModelView(model).cfg
     heads = seen["mass"][0] if "mass" in seen else int(cfg.n_heads)
     kv = seen.get("v") or seen.get("k") or (int(getattr(cfg, "n_key_value_heads", None) or heads), int(cfg.d_head))
     return {"mass": (heads,), "k": seen.get("k") or kv, "v": seen.get("v") or kv,

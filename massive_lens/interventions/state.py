@@ -31,9 +31,12 @@ class HookState:
         self.targets: Tensor | None = None  # [batch pos n_dims] where each dim was massive at its first layer
         self.stash: dict[str, Tensor] = {}
         self.record = Record()
+        self.lse_layers: dict[int, bool] = {}  # layer -> first: the sink attention measured on the LSE path
+        self.passes = 0  # forward passes with its hooks so far (reset() starts one)
 
     def reset(self) -> None:
         self.sinks, self.targets = None, None
+        self.passes += 1
         self.stash.clear()
 
     def mask(self, batch: int, pos: int, device: torch.device) -> Bool[Tensor, "batch pos"]:

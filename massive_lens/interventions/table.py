@@ -18,9 +18,11 @@ which removes the value at every layer where it is massive, is added to the tabl
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -32,15 +34,19 @@ from massive_lens.attention.sinks import LEVEL, SinkSet, sinks_of
 from massive_lens.core.budget import logit_batches
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import ratio as _num
+from massive_lens.core.lse import lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import intervention_bars
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.calibration import Calibration, calibrate, describe_source
 from massive_lens.interventions.checks import Record, downstream, reading
-from massive_lens.interventions.registry import EVERY, REGISTRY, SETTINGS
+from massive_lens.interventions.edits import measure_columns
+from massive_lens.interventions.registry import ATTN, EVERY, REGISTRY, SETTINGS
 from massive_lens.metrics import bootstrap_mean, perplexity
 
+# the settings that run on an nnsight model (they edit the residual stream, or nothing)
+NNSIGHT_SETTINGS = ("original", "zero", "mean", "control", "zero_every", "mean_every")
 CHECK_COLUMNS = ["where", "acts_on", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_dims", "target_kinds",
                  "target_kept", "peak_layer", "target_back", "back_layer", "sink_mass", "sink_mass_original", "rebuilt",
                  "added", "check"]
@@ -144,7 +150,12 @@ def _evaluate(model: Any, setting: str, calib: Calibration, batches: list[tuple[
     for chunk, sinks in batches:
         iv = REGISTRY[setting].build(model, calib, sinks=sinks)
         first = first or iv
-        res = perplexity(model, chunk, batch_size=len(chunk), hooks=iv, progress=False)
+        state = iv._state
+        # on a view that serves no pattern (nnsight) the attention on the sinks is measured on the LSE path
+        measure = lse_run(ModelView(model), partial(measure_columns, state=state)) if state.lse_layers \
+            else contextlib.nullcontext()
+        with measure:
+            res = perplexity(model, chunk, batch_size=len(chunk), hooks=iv, progress=False)
         losses.append(res.per_seq)
         accs.append(res.accuracy_per_seq)
         record.merge(iv.record)
@@ -225,7 +236,9 @@ def run_interventions(
     variant is evaluated and added as a row.
 
     Args:
-        model: a TransformerLens-style model.
+        model: a TransformerLens-style model, or an nnsight model with the settings that edit
+            the residual stream (``original``, ``zero``, ``mean``, ``control``, ``zero_every``,
+            ``mean_every``; the attention on the sinks read from the kernel's log-sum-exp).
         corpus: the evaluation text (a file, text, ``hf:`` name, token tensor; None: the
             offline default text).
         calibration: where means are measured (a corpus, None for the offline default
@@ -253,7 +266,8 @@ def run_interventions(
         then any added ``_every`` rows).
 
     Raises:
-        MassiveLensError: if ``settings`` is empty or names an unknown setting, a setting
+        MassiveLensError: if ``settings`` is empty or names an unknown setting (or, on an
+            nnsight model, a setting that acts on attention), a setting
             that edits massive activations (``zero``, ``mean``, ``control``) finds none in the
             calibration text, the calibration text shares a sequence with ``corpus``, or the
             model or a corpus is unusable (see :func:`~massive_lens.perplexity`).
@@ -271,6 +285,11 @@ def run_interventions(
     if batch_size is not None and batch_size < 1:
         raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
     view = ModelView(model)
+    if view.pattern_refusal():  # nnsight: the settings that edit the residual stream only
+        refused = [s for s in settings if REGISTRY[s].acts_on == ATTN or REGISTRY[s].name not in NNSIGHT_SETTINGS]
+        if refused:
+            raise view.unsupported(f"the setting(s) {', '.join(refused)} of run_interventions (on nnsight it runs "
+                                   f"the settings that edit the residual stream: {', '.join(NNSIGHT_SETTINGS)})")
     tokens = sequences(view, corpus, seq_len, n_seqs)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise MassiveLensError(f"token tensor must be [seq, pos] with pos >= 2, got {tuple(tokens.shape)}")
@@ -281,7 +300,7 @@ def run_interventions(
         _check_disjoint(tokens, calib_tokens)
         calib = replace(calibrate(model, calib_tokens, outliers=outliers, progress=progress),
                         source=describe_source(calibration))
-    chunks = logit_batches(model, tokens, batch_size)
+    chunks = logit_batches(view.model, tokens, batch_size)  # the model itself, or nnsight's adapter
     order = list(dict.fromkeys(["original", *settings]))
     bar = tqdm(total=len(chunks) * (len(order) + 1), desc="interventions", disable=not progress, leave=False)
     found = []
