@@ -80,7 +80,8 @@ class AttentionDecomposition(Result):
     @property
     def reconstruction_error(self) -> float:
         """Largest relative error ||sink + content + b_O - attn_out|| / ||attn_out|| over the layers (a
-        bound: the output's distance from the heads' outputs through W_O, plus the terms' from those)."""
+        bound: the output's distance from the heads' outputs through W_O, plus the terms' from those,
+        measured on up to 256 evenly spaced query positions)."""
         return float(self.errors["rel_error"].max())
 
     def to_frame(self) -> pd.DataFrame:
@@ -225,10 +226,14 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
 def _output_check(view: ModelView, layer: int, z: Tensor, weights: tuple[Tensor, Tensor | None], attn_out: Tensor,
                   valid: Tensor) -> tuple[float, float]:
     """How far the heads' outputs ``z [batch query head d_head]`` through ``W_O`` (+ ``b_O``) are
-    from the attention output, relative, over the real positions; and that output's norm."""
+    from the attention output, relative, over the real positions of :func:`check_rows`; and that
+    output's norm there. (What it catches, an output that is not ``z W_O + b_O``, such as a gate or
+    a norm after the heads, shows at every row.)"""
     W_O, b_O = weights
-    real = valid.to(attn_out.device)[..., None]
-    rebuilt = z.to(attn_out).flatten(2) @ W_O.to(attn_out).flatten(0, 1)
+    rows = check_rows(z.shape[1], attn_out.device)
+    attn_out = attn_out[:, rows]
+    real = valid.to(attn_out.device)[:, rows, None]
+    rebuilt = z[:, rows].to(attn_out).flatten(2) @ W_O.to(attn_out).flatten(0, 1)
     if b_O is not None:
         rebuilt = rebuilt + b_O.to(attn_out)
     norm = float((attn_out * real).norm())
@@ -275,7 +280,7 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, c
     sink's value through ``W_O``, weighted; the content term is the rest of the heads' outputs
     through ``W_O``; summed over heads (the per-head terms are read only through their factors).
     ``check``: :func:`_output_check`'s error and output norm; the reconstruction error recorded is
-    that error plus the terms' relative distance from ``z W_O`` (on ``CHECK_ROWS`` query rows),
+    that error plus the terms' relative distance from ``z W_O`` (both on :func:`check_rows`),
     which bounds ``||sink + content + b_O - attn_out||`` (relative) by the triangle inequality."""
     W_O, b_O = weights
     device = z.device
@@ -296,9 +301,9 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, c
     bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
     real = valid.to(device)[..., None]
     # sink + content against z W_O, which they split: the same sum in two orders, so they differ only by
-    # rounding; measured on up to CHECK_ROWS evenly spaced query rows (all of them would cost one more
-    # [pos, d_model] x [d_model, d_model] product a layer, a tenth of the layer's own matmuls)
-    rows = torch.linspace(0, z.shape[1] - 1, min(z.shape[1], CHECK_ROWS), device=device).long().unique()
+    # rounding; measured on the check rows (all of them would cost one more [pos, d_model] x [d_model,
+    # d_model] product a layer, a tenth of the layer's own matmuls)
+    rows = check_rows(z.shape[1], device)
     whole, on = z[:, rows].flatten(2) @ W_O.flatten(0, 1), real[:, rows]
     split = float(((sink[:, rows] + content[:, rows] - whole) * on).norm()) / max(float((whole * on).norm()), 1e-12)
     err = check[0] + split
@@ -312,8 +317,13 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, c
     terms.bias.append(bias.cpu())
 
 
-# query rows (evenly spaced) on which each layer's split is checked against the heads' outputs through W_O
+# query rows (evenly spaced) on which each layer's output and split are checked against z W_O (+ b_O)
 CHECK_ROWS = 256
+
+
+def check_rows(n: int, device: torch.device | str) -> Tensor:
+    """Up to ``CHECK_ROWS`` evenly spaced query positions of ``n``, first and last included."""
+    return torch.linspace(0, n - 1, min(n, CHECK_ROWS), device=device).round().long().unique()
 
 # relative error of sink + content + b_O above which a decomposition is refused, by dtype
 RECONSTRUCTION_TOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
