@@ -52,6 +52,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from massive_lens import MassiveLensError, decompose_attention, find_massive, perplexity, sink_attention, trace_origin
 from massive_lens.core.criterion import Criterion, massive_mask
+from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import (
     ablate_massive,
     bias_surgery,
@@ -467,8 +468,17 @@ def check_sink_attention(b: Built) -> str | None:
     with torch.no_grad():
         attentions = b.ref(b.tokens, output_attentions=True).attentions
     frame = result.to_frame()
-    assert sorted(frame.layer.unique()) == list(range(b.model.cfg.n_layers))
-    for layer, pattern in enumerate(attentions):
+    # one row set per layer that attends (a hybrid's linear-attention or state-space layers have none;
+    # transformers then gives the attending layers' patterns only, or None for the others)
+    view = ModelView(b.model)
+    attending = [layer for layer in range(view.n_layers) if view.has_hook(layer, "attn.hook_pattern")]
+    if len(attentions) != view.n_layers:
+        assert len(attentions) == len(attending)
+        attentions = dict(zip(attending, attentions, strict=True))
+    else:
+        attentions = dict(enumerate(attentions))
+    assert sorted(frame.layer.unique()) == [layer for layer in attending if attentions[layer] is not None]
+    for layer, pattern in attentions.items():
         if pattern is None:
             continue
         mass = pattern[0, :, 1:, 0].float().mean(-1)  # non-sink queries' attention to position 0
