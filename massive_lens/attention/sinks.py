@@ -194,13 +194,20 @@ def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criter
     """The sinks of an already tokenized ``batch`` (what :func:`find_sinks` does after tokenizing)."""
     path = choose_path(view, attention)
     evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-    hooks = sink_hooks(view, evidence, patterns=path != LSE)
+    evidence_pass(view, batch, sink_hooks(view, evidence, patterns=path != LSE), evidence, path)
+    return sinks_from(evidence, view.token_kinds(batch), path)
+
+
+def evidence_pass(view: ModelView, batch: Batch, hooks: list[tuple[str, Any]], evidence: SinkEvidence,
+                  path: str) -> None:
+    """One forward with ``hooks`` up to the last of them; on the LSE path each layer's key
+    attention (the sink rule's band) goes to ``evidence`` from the kernel, where the eager path's
+    hooks read it from the pattern."""
     if path == LSE:
         with lse_run(view, lambda att: evidence.add_key_attention(*att.band(batch.mask))):
             view.forward(batch, hooks, stop_after=hooks[-1][0])
     else:
         view.forward(batch, hooks, stop_after=hooks[-1][0])
-    return sinks_from(evidence, view.token_kinds(batch), path)
 
 
 # at most this many key columns are kept per layer while the sinks are found in the same pass
@@ -221,11 +228,7 @@ def candidate_columns(view: ModelView, batch: Any) -> Tensor:
 
 def post_attention_norm(model: Any) -> bool:
     """Whether the model normalizes each attention output before adding it (Gemma 2/3)."""
-    view = ModelView(model)
-    if view.pattern_refusal():  # a view over the Hugging Face layers themselves (nnsight) reads their norms
-        return view.sandwich_norm()
-    prefix = ModelView.block_hook(0, "ln1_post.")
-    return any(name.startswith(prefix) for name in model.hook_dict)
+    return ModelView(model).sandwich_norm()
 
 
 def sink_mask(model: Any, batch: Batch, sinks: Sinks, attention: str = "auto") -> SinkSet:

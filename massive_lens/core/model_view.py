@@ -203,6 +203,12 @@ class ModelView:
         w = getattr(getattr(self.block(layer), "mlp", None), "W_out", None)
         return w if isinstance(w, Tensor) and w.ndim == 2 else None
 
+    def sandwich_norm(self) -> bool:
+        """Whether the blocks norm each attention output before adding it (Gemma 2/3's
+        ``ln1_post``)."""
+        prefix = self.block_hook(0, "ln1_post.")
+        return any(name.startswith(prefix) for name in self.model.hook_dict)
+
     def pattern_refusal(self) -> str | None:
         """Why this view cannot serve attention patterns (``attn.hook_pattern``) at all, with what
         to do instead; None where it can (or has none for another reason: a recurrent model)."""

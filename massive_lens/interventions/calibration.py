@@ -39,11 +39,11 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, sinks_from
+from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, evidence_pass, sinks_from
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_criterion, massive_mask
 from massive_lens.core.fmt import num, short
-from massive_lens.core.lse import lse_run
+from massive_lens.core.lse import EAGER, LSE
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outliers import OutlierTally, token_specific
 from massive_lens.core.render import sink_mass_axes
@@ -315,12 +315,7 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
             if not lse:
                 hooks.append((view.hook_name(layer, "attn.hook_pattern"), on_pattern))
             hooks.append((view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)))
-        if lse:  # the same key attention as the pattern's, from q, k and the kernel's log-sum-exp
-            with lse_run(view, lambda att, evidence=evidence, mask=batch.mask:
-                         evidence.add_key_attention(*att.band(mask))):
-                view.forward(batch, hooks, stop_after=hooks[-1][0])
-        else:
-            view.forward(batch, hooks, stop_after=hooks[-1][0])
+        evidence_pass(view, batch, hooks, evidence, LSE if lse else EAGER)
         gathered.append((evidence, view.token_kinds(batch)))
         bar.update()
     scope = torch.stack([tally.at(layer) for layer in range(n_layers)])  # [layer d_model] outlier-dimension entries
