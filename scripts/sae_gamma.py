@@ -139,7 +139,7 @@ def main() -> None:
     train_tok = sequences(view, args.corpus, args.seq_len, args.n_train_seqs)
     eval_tok = sequences(view, args.eval_corpus, args.seq_len, args.n_eval_seqs)
     if args.cache and Path(args.cache).exists():
-        train, train_keep, held, held_keep = torch.load(args.cache)
+        train, train_keep, held, held_keep = torch.load(args.cache, weights_only=True)
     else:
         train, train_keep = activations(model, train_tok, layers, args.chunk)
         held, held_keep = activations(model, eval_tok, layers, args.chunk)
