@@ -13,7 +13,7 @@ import nnsight
 import pandas as pd
 import pytest
 import torch
-from helpers import WIKITEXT_TEST, WIKITEXT_VALID, untouched
+from helpers import untouched
 
 from massive_lens import (
     find_massive,
@@ -325,7 +325,7 @@ def test_real_models_same_numbers(name):
                         layer_profile(model, REAL_TEXTS, prepend_bos=bos).to_frame(),
                         perplexity(model, tokens, hooks=hooks, progress=False).perplexity, ModelView(model).name,
                         sink_attention(model, REAL_TEXTS), sink_census(model, REAL_TEXTS),
-                        run_interventions(model, WIKITEXT_TEST, calibration=WIKITEXT_VALID, seq_len=24, n_seqs=2,
+                        run_interventions(model, None, calibration=text, seq_len=24, n_seqs=2,  # offline default text
                                           calibration_seqs=2, settings=["original", "zero", "mean"],
                                           progress=False)))
         del model
