@@ -73,7 +73,7 @@ class Calibration(Result):
     ``sink_mass [layer head]``. The online sink rule: ``sink_first`` (the first token is a
     sink), ``sink_dims``/``sink_gate`` at ``sink_layer`` (later positions; -1: none), and
     ``online_missed``/``online_extra``: sink positions of the calibration text it misses or
-    adds, compared with the full rule. ``outlier_dims``: dims that are outlier dimensions
+    adds, compared with the full rule (None: not measured). ``outlier_dims``: dims that are outlier dimensions
     (massive at most tokens of a layer) somewhere in the calibration text; whether their
     entries are among ``dims`` and edited is ``criterion.outliers`` (``"exclude"`` by
     default: the interventions never target them). They never make a position a sink.
@@ -104,8 +104,8 @@ class Calibration(Result):
     sink_dims: Tensor = field(default_factory=_long)
     sink_gate: Tensor = field(default_factory=lambda: torch.zeros(0))
     sink_layer: int = -1
-    online_missed: int = 0
-    online_extra: int = 0
+    online_missed: int | None = None  # None: not measured (a Calibration built without the online rule's check)
+    online_extra: int | None = None
     outlier_dims: Tensor = field(default_factory=_long)
     model_name: str = ""
     d_model: int = 0
@@ -174,8 +174,9 @@ class Calibration(Result):
         return (f"calibration on {self.source} ({self.n_seqs} sequences, {self.criterion}): {found}; sinks "
                 f"(positions that draw attention as sinks or carry persistent massive activations; {LEVEL}) {sinks}; "
                 f"mean attention to the sinks after them {mass:.2f}. Online sink rule (interventions without "
-                f"sinks=): {self.online_rule()}; on this text it misses {self.online_missed} and adds "
-                f"{self.online_extra} sink positions")
+                f"sinks=): {self.online_rule()}; " + (
+                    "its misses on this text not measured" if self.online_missed is None or self.online_extra is None
+                    else f"on this text it misses {self.online_missed} and adds {self.online_extra} sink positions"))
 
     def plot(self, ax: Any = None) -> Any:
         """Mean attention of non-sink queries to the sinks, per layer (range over heads)."""

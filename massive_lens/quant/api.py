@@ -214,14 +214,19 @@ class _Run:
         gap = float(diff.mean())
         low, high = bootstrap_mean(diff) if math.isfinite(gap) else (gap, gap)
         seen = sim.seen
+        # no residual reader seen (a model without structured sites): the quantizer's view was not
+        # measured, so NaN ("not measured"), never the accumulators' starting values
+        measured = seen.rows > 0
         full = 16
         return dict(setting=setting.name, weights=bits.weights or full, activations=bits.activations or full,
                     kv=bits.kv or full, granularity=bits.granularity, symmetric=bits.symmetric,
                     rotation=setting.rotation or "none", keep_sinks=setting.keep_sinks or "none",
                     loss=float(per_seq.mean()), gap=gap, gap_low=low, gap_high=high,
                     perplexity=math.exp(min(float(per_seq.mean()), 700.0)), ppl_ratio=math.exp(min(gap, 700.0)),
-                    max_abs=seen.max_abs, kurtosis=seen.kurtosis_sum / max(seen.rows, 1),
-                    top1_median=seen.top1_median, rotation_error=self.exactness.get(setting.rotation, 0.0),
+                    max_abs=seen.max_abs if measured else math.nan,
+                    kurtosis=seen.kurtosis_sum / seen.rows if measured else math.nan,
+                    top1_median=seen.top1_median if measured else math.nan,
+                    rotation_error=self.exactness[setting.rotation] if setting.rotation else 0.0,  # none: the model itself
                     n_seqs=len(per_seq))
 
 
@@ -279,7 +284,8 @@ def quantize_grid(
 
     Raises:
         MassiveLensError: for a bad setting or option, when no setting can run on this model (the
-            message names each and why), or as ``measure_outliers``.
+            message names each and why), for an nnsight model (load it with ``backend="bridge"``),
+            or as ``measure_outliers``.
 
     >>> from massive_lens import tiny_model
     >>> grid = quantize_grid(tiny_model("llama"), "One. Two. Three. " * 40, settings=["W8A8", "W4A4+hadamard"],
@@ -297,6 +303,9 @@ def quantize_grid(
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise MassiveLensError(f"group_size must be a positive integer, got {group_size!r}")
     view = ModelView(model)
+    if view.pattern_refusal():  # nnsight: its hooks run inside a trace; the readers' inputs cannot be seen
+        raise view.unsupported("quantize and quantize_grid (the quantizer's hooks on each linear layer, and what "
+                               "it sees at the layers that read the residual stream)")
     planned = [(s, _bits(s, granularity, symmetric, group_size)) for s in specs]
     planned, skipped = runnable(view, None, planned, include_head)  # the structure: before any pass
     none_runs(view, planned, skipped)

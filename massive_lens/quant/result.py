@@ -120,7 +120,9 @@ class Quantization(LowBitGrid):
     activation quantization error ``|q(x) - x| / |x|`` of the residual readers' inputs, per token
     group), ``max_abs``, ``kurtosis``, ``top1_median`` (what the activation quantizer sees: the
     largest ``|x|``, the mean non-excess kurtosis per token, the largest top-1/median of one input),
-    ``n_seqs``, ``rotation_error`` (the rotated model's largest relative logit error before quantization).
+    ``n_seqs``, ``rotation_error`` (the rotated model's largest relative logit error before quantization;
+    0 without a rotation). ``max_abs``, ``kurtosis``, ``top1_median`` and the ``err_*`` columns are NaN
+    (not measured) on a model whose layers reading the residual stream cannot be told apart.
     :attr:`tokens` is the per-token table: ``setting``, ``seq``, ``pos``, ``group``
     (``sink``, ``massive`` or ``other``), ``error``.
     """
@@ -132,9 +134,10 @@ class Quantization(LowBitGrid):
         parts = []
         for r in self.frame.itertuples():
             sink = "" if math.isnan(r.err_sink) else f", error at sinks {r.err_sink:.2f} vs other {r.err_other:.2f}"
+            sees = ("quantizer's inputs not measured (no layer reading the residual stream found)"
+                    if math.isnan(r.max_abs) else f"quantizer sees max |x| {r.max_abs:.3g}, kurtosis {r.kurtosis:.1f}")
             parts.append(f"  {r.setting}: loss {r.loss:.3f} (gap {r.gap:+.3f} [{r.gap_low:+.3f}, {r.gap_high:+.3f}], "
-                         f"perplexity x{r.ppl_ratio:.2f}); quantizer sees max |x| {r.max_abs:.3g}, kurtosis "
-                         f"{r.kurtosis:.1f}{sink}")
+                         f"perplexity x{r.ppl_ratio:.2f}); {sees}{sink}")
         n = int(self.frame.n_seqs.iloc[0]) if len(self.frame) else 0
         parts += [f"  {name}: not run: {why}" for name, why in self.skipped]
         return (f"{self.model_name}: loss {self.fp_loss:.3f} in full precision over {n} sequences; round-to-nearest "

@@ -88,7 +88,7 @@ class TrainRun(Result):
     model: MassiveLM
     config: TrainConfig
     history: list[dict[str, Any]] = field(default_factory=list)
-    steps: int = 0
+    steps: int  # the steps run (required: a default would read as a measurement)
     out_dir: str | None = None
     per_step: pd.DataFrame = field(default_factory=pd.DataFrame)
 
