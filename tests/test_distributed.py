@@ -30,5 +30,5 @@ def test_scan_corpus_all_reduces_across_ranks(tmp_path):
         assert got["n_sequences"] == alone.n_sequences > 2 and got["n_tokens"] == alone.n_tokens
         pd.testing.assert_frame_equal(pd.DataFrame(got["frequency"]), alone.frequency, check_dtype=False)
         pd.testing.assert_frame_equal(pd.DataFrame(got["profile"]), alone.profile,
-                                      check_dtype=False, rtol=1e-6)
+                                      check_dtype=False, rtol=1e-5)  # float32 activations, other batches
     assert not alone.frequency.empty

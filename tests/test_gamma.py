@@ -15,6 +15,8 @@ from planting import SINK_DIM, TEXT, bos_tokens, plant_sink
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.handover import DeadShareFit, fit_dead_share, gamma_of, outlier_severity, sae_check, spearman_interval
 
+F32_REL = 16 * torch.finfo(torch.float32).eps  # a few float32 ulps
+
 
 def _independent_gamma(model, tokens, hook, keep=None):
     """γ from plain TransformerLens hooks and numpy (independent of massive_lens)."""
@@ -36,11 +38,12 @@ def test_a_massive_first_token_lowers_gamma_and_the_mask_takes_it_out():
     assert set(frame["hook"]) == {"resid_post", "attn_out", "mlp_out"} and len(frame) == 3 * model.cfg.n_layers
     last = model.cfg.n_layers - 1
     hook = f"blocks.{last}.hook_resid_post"
-    assert sev.gamma(last) == pytest.approx(_independent_gamma(model, tokens, hook), rel=1e-6)
+    # float32 activations of two forward passes, the moments in float64: a few float32 ulps
+    assert sev.gamma(last) == pytest.approx(_independent_gamma(model, tokens, hook), rel=F32_REL)
     keep = torch.ones(tokens.shape, dtype=torch.bool)
     keep[:, 0] = False  # the planted BOS: the only massive position
     assert sev.mask.equal(~keep)
-    assert sev.gamma(last, kept=True) == pytest.approx(_independent_gamma(model, tokens, hook, keep), rel=1e-6)
+    assert sev.gamma(last, kept=True) == pytest.approx(_independent_gamma(model, tokens, hook, keep), rel=F32_REL)
     # one position in 16 carrying 3,000: γ ≈ sqrt(p / (1 - p)), far below the kept positions' γ
     p = 1 / tokens.shape[1]
     assert sev.gamma(last) == pytest.approx(math.sqrt(p / (1 - p)), rel=0.05)

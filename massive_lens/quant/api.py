@@ -226,7 +226,7 @@ class _Run:
                     max_abs=seen.max_abs if measured else math.nan,
                     kurtosis=seen.kurtosis_sum / seen.rows if measured else math.nan,
                     top1_median=seen.top1_median if measured else math.nan,
-                    rotation_error=self.exactness[setting.rotation] if setting.rotation else 0.0,  # none: the model itself
+                    rotation_error=self.exactness[setting.rotation] if setting.rotation else 0.0,  # none: the model
                     n_seqs=len(per_seq))
 
 
