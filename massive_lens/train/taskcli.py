@@ -7,10 +7,15 @@
     python -m massive_lens.train.taskcli run --root docs/sinktasks/long --tasks bigram_backcopy \
         --settings softmax-pre,relu-pre --steps 2000 --eval-every 100 --seeds 0,1
     python -m massive_lens.train.taskcli page --root docs/sinktasks/long --page docs/sinktasks_long.md
+    python -m massive_lens.train.taskcli refresh --root docs/sinktasks/runs   # stale records rewritten
 
 ``run`` trains every unfinished run of :func:`massive_lens.train.taskgrid.grid_settings` on one thread
 (skipping runs whose ``result.json`` exists, so the same command resumes an interrupted grid); ``page``
-regenerates the page from whatever runs have finished (:mod:`massive_lens.train.taskpage`).
+regenerates the page from whatever runs have finished (:mod:`massive_lens.train.taskpage`), every
+derived value recomputed from the runs' raw records; ``refresh`` rewrites the stored derived fields of
+every finished run from its raw records with the current definitions
+(:func:`massive_lens.train.taskrecord.refresh_runs`). Bad input, an unusable folder or a damaged run
+prints one line and exits 2; Ctrl-C prints one line and exits 130.
 
 >>> main(["page", "--root", "no/such/folder", "--page", "no/such/page.md"])
 2
@@ -26,6 +31,7 @@ from collections.abc import Sequence
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.taskgrid import DEFAULT_ROOT, SETTINGS, TASK_SETTINGS, grid_settings, run_grid
 from massive_lens.train.taskpage import write_page
+from massive_lens.train.taskrecord import refresh_runs
 
 HELP = "train the sink-forcing tasks under every attention variant and norm placement, and write the answer page"
 
@@ -59,7 +65,7 @@ def _grid(args: argparse.Namespace) -> list:
 def main(argv: Sequence[str] | None = None) -> int:
     """``run`` the grid or write (``--check``: compare) the page; 2 on bad input, with the reason."""
     parser = argparse.ArgumentParser(prog="python -m massive_lens.train.taskcli", description=HELP)
-    parser.add_argument("command", choices=["run", "page"])
+    parser.add_argument("command", choices=["run", "page", "refresh"])
     parser.add_argument("--root", default=DEFAULT_ROOT, help=f"the run folders (default {DEFAULT_ROOT})")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="run: comma-separated seeds (default 0-4)")
     parser.add_argument("--threads", type=int, default=1, help="run: torch threads (default 1)")
@@ -76,10 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             run_grid(args.root, _grid(args), threads=args.threads)
             return 0
+        if args.command == "refresh":
+            logging.getLogger(__name__).info("%d run(s) rewritten", refresh_runs(args.root))
+            return 0
         return write_page(args.root, args.page, check=args.check)
     except MassiveLensError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, as massive-lens prints
+        print(f"taskcli {args.command}: interrupted (finished runs are kept; the same command resumes)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 Every run lives in ``<root>/<task>/<variant>-<norm>/seed<s>/`` (:mod:`massive_lens.train.taskrun`);
 a run whose ``result.json`` exists is finished and skipped, so running the grid again resumes an
-interrupted one. The order puts seeds 0 and 1 of every setting before any seed 2+, so a partial
+interrupted one. A finished run is read back first (:func:`massive_lens.train.taskrecord.read_run`): one
+written with older definitions has its derived fields rewritten from its raw records, and one that is
+damaged or holds other settings than the grid asks for stops the grid before anything trains. The
+order puts seeds 0 and 1 of every setting before any seed 2+, so a partial
 grid still pairs every setting with the baseline.
 
     python -m massive_lens.train.taskcli run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
@@ -16,6 +19,7 @@ grid still pairs every setting with the baseline.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +27,8 @@ from typing import Any
 
 import torch
 
+from massive_lens.errors import MassiveLensError
+from massive_lens.train.taskrecord import read_run, refresh_run, run_folder
 from massive_lens.train.taskrun import RESULT, TaskSettings, check_settings, train_task
 
 log = logging.getLogger(__name__)
@@ -72,17 +78,35 @@ def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] =
     return runs
 
 
-def run_folder(root: str | Path, settings: TaskSettings) -> Path:
-    """Where one run's records go.
+def check_root(root: str | Path) -> None:
+    """Refuse a grid folder that is not a writable folder (made if missing), before anything trains."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MassiveLensError(f"cannot use {root} as the grid's folder ({type(exc).__name__}: {exc}); pass a "
+                               "writable folder as --root") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise MassiveLensError(f"cannot write into {root}; pass a writable folder as --root")
 
-    Args:
-        root: the grid's folder.
-        settings: the run.
 
-    Returns:
-        ``<root>/<task>/<variant>-<norm>/seed<s>``.
-    """
-    return Path(root) / settings.task / settings.name / f"seed{settings.seed}"
+def resume_check(root: str | Path, runs: Sequence[TaskSettings]) -> int:
+    """Read back every finished run of ``runs``: refuse one that is damaged or holds other settings, rewrite
+    the derived fields of a stale one from its raw records (never skip it as it is); the number rewritten."""
+    rewritten = 0
+    for settings in runs:
+        folder = run_folder(root, settings)
+        if not (folder / RESULT).exists():
+            continue
+        found = read_run(folder, stale="recompute").settings
+        if found != settings:
+            other = {k: (v, getattr(settings, k)) for k, v in found.__dict__.items() if getattr(settings, k) != v}
+            raise MassiveLensError(f"{folder} holds a finished run with other settings than the grid asks for "
+                                   f"(stored, asked: {other}); use another --root, or delete it to retrain")
+        if refresh_run(folder):
+            rewritten += 1
+            log.info("%s: derived fields rewritten from the raw records (stale definitions)", folder)
+    return rewritten
 
 
 def pending(root: str | Path, runs: Sequence[TaskSettings]) -> Iterator[TaskSettings]:
@@ -92,7 +116,8 @@ def pending(root: str | Path, runs: Sequence[TaskSettings]) -> Iterator[TaskSett
 
 def run_grid(root: str | Path, runs: Sequence[TaskSettings], threads: int | None = 1) -> int:
     """Run every unfinished run of ``runs`` into ``root`` (finished runs, with a result file, are
-    skipped, so an interrupted grid resumes); every run's settings are checked before the first.
+    skipped, so an interrupted grid resumes); every run's settings are checked, and every finished run read
+    back (:func:`resume_check`), before the first.
 
     Args:
         root: the grid's folder.
@@ -101,9 +126,17 @@ def run_grid(root: str | Path, runs: Sequence[TaskSettings], threads: int | None
 
     Returns:
         The number of runs trained by this call.
+
+    Raises:
+        MassiveLensError: for bad settings, an unusable ``root`` or ``threads``, or a finished run that
+            cannot be resumed from (:func:`resume_check`).
     """
     for settings in runs:
         check_settings(settings)  # a typo fails now, not an hour in
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise MassiveLensError(f"threads must be a whole number >= 1 (or None: torch's setting), got {threads!r}")
+    check_root(root)
+    resume_check(root, runs)
     if threads:
         torch.set_num_threads(threads)
     done = 0

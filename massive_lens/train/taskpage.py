@@ -2,8 +2,9 @@
 
 Every finished run (``result.json`` and ``evals.parquet`` under ``<root>/<task>/<setting>/seed<s>/``,
 see :mod:`massive_lens.train.taskgrid`) gives one row of end values per (task, setting, seed); the
-evaluation steps give the curves. ``sink_step`` is recomputed from the curves with the package's sink
-threshold (:data:`massive_lens.core.criterion.SINK_THRESHOLD`).
+evaluation steps give the curves. Every derived value (the end values, ``sink_step`` on the package's sink
+threshold :data:`massive_lens.core.criterion.SINK_THRESHOLD`, the largest head's columns) is recomputed
+from the raw records (:mod:`massive_lens.train.taskrecord`); stored summaries are only checked.
 
 Intervals are 95% Student-t intervals over seeds (:func:`massive_lens.train.stability.t_interval`).
 A difference between two settings is paired by seed (one seed: the same initial weights where the
@@ -16,7 +17,6 @@ every statement says how many seeds it rests on.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -29,7 +29,7 @@ from massive_lens.core.render import close_figure, new_figure, save_figure
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.stability import t_interval
 from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS
-from massive_lens.train.taskrun import RESULT, sink_step
+from massive_lens.train.taskrecord import read_runs
 
 BASE = "softmax-pre"
 ORDER = [f"{v}-{n}" for v, n in SETTINGS]
@@ -46,16 +46,18 @@ FIGURE = "curves"
 
 def load_runs(root: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(ends, curves)``: one row per finished run (task, setting, seed, end values, ``sink_step``,
-    ``seconds``) and one per evaluation step of each (task, setting, seed, step, the step's record)."""
+    ``seconds``) and one per evaluation step of each (task, setting, seed, step, the step's record).
+
+    Every derived value is recomputed from the run's raw records with the current definitions
+    (:func:`massive_lens.train.taskrecord.read_runs`: stale stored fields are recomputed and logged, copied
+    or misplaced run folders refused), never read from what ``result.json`` stored.
+    """
     ends, curves = [], []
-    for path in sorted(Path(root).glob(f"*/*/seed*/{RESULT}")):
-        result = json.loads(path.read_text())
-        s = result["settings"]
-        evals = pd.read_parquet(path.parent / "evals.parquet")
-        keys = dict(task=s["task"], setting=f"{s['variant']}-{s['norm']}", seed=int(s["seed"]))
-        ends.append({**keys, **{k: v for k, v in result.items() if k != "settings"},
-                     "sink_step": sink_step(evals), "eval_every": int(s["eval_every"]),
-                     "start_resid_ratio": float(evals["resid_ratio"].iloc[0]),
+    for record in read_runs(root):
+        s, evals = record.settings, record.evals
+        keys = dict(task=s.task, setting=s.name, seed=s.seed)
+        ends.append({**keys, **{k: v for k, v in record.result.items() if k != "definitions"},
+                     "eval_every": s.eval_every, "start_resid_ratio": float(evals["resid_ratio"].iloc[0]),
                      "start_resid_norm_ratio": float(evals["resid_norm_ratio"].iloc[0])})
         curves.append(evals.assign(**keys))
     if not ends:

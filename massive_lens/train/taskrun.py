@@ -46,14 +46,21 @@ from massive_lens.core.criterion import SINK_THRESHOLD, first_norm_ratio
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant import fake_quantized
-from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.layers import NORM_PLACEMENTS, MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import TrainConfig
 from massive_lens.train.tasks import TaskBatch, make_task
 from massive_lens.train.trainer import lr_at, make_optimizer
+from massive_lens.train.variants import VARIANTS
 
 RESULT = "result.json"
+# the version of the definitions of the derived fields (head_summary, sink_step with SINK_THRESHOLD,
+# derived_fields): records carry the one they were written with, and readers recompute or refuse older ones.
+# 0: records written before it existed (their sink_step may use a threshold other than 0.3)
+DEFINITIONS_VERSION = 1
+DERIVED_EVALS = ("sink_mass", "sink_layer", "sink_head", "value_ratio", "max_logit")  # read off heads.parquet
 INITS = ("massive_lm", "torch")
+STYLES = ("llama", "gpt2")
 # fan-in of each matrix from its shape: [in, out], W_Q/K/V [head, d_model, d_head], W_O [head, d_head, d_model]
 _FAN_IN = {"W_Q": lambda s: s[1], "W_K": lambda s: s[1], "W_V": lambda s: s[1], "W_O": lambda s: s[0] * s[1],
            "W_in": lambda s: s[0], "W_gate": lambda s: s[0], "W_out": lambda s: s[0], "W_U": lambda s: s[0]}
@@ -111,19 +118,22 @@ class TaskRun:
 
 
 def build_model(settings: TaskSettings) -> MassiveLM:
-    """The run's model, initialised from its seed (the global RNG left as it was)."""
-    task = make_task(settings.task, **settings.task_options)
-    cfg = MassiveLMConfig(n_layers=settings.n_layers, d_model=settings.d_model, n_heads=settings.n_heads,
-                          n_ctx=task.seq_len + 1, d_vocab=task.n_tokens, attention=settings.variant,
-                          norm=settings.norm, style=settings.style)
-    if settings.init not in INITS:
-        raise MassiveLensError(f"init must be one of {', '.join(INITS)}; got {settings.init!r}")
+    """The run's model, initialised from its seed (the global RNG left as it was); the settings are
+    checked first (:func:`check_settings`)."""
+    task = check_settings(settings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        model = MassiveLM(cfg, task.tokenizer())
+        model = MassiveLM(model_config(settings, task), task.tokenizer())
         if settings.init == "torch":
             torch_init(model)
         return model
+
+
+def model_config(settings: TaskSettings, task: Any) -> MassiveLMConfig:
+    """The :class:`~massive_lens.train.layers.MassiveLMConfig` of a run on ``task``."""
+    return MassiveLMConfig(n_layers=settings.n_layers, d_model=settings.d_model, n_heads=settings.n_heads,
+                           n_ctx=task.seq_len + 1, d_vocab=task.n_tokens, attention=settings.variant,
+                           norm=settings.norm, style=settings.style)
 
 
 @torch.no_grad()
@@ -152,7 +162,7 @@ def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None)
     Raises:
         MassiveLensError: for an unknown task, variant or norm placement, or bad task options.
     """
-    task = make_task(settings.task, **settings.task_options)
+    task = check_settings(settings)
     model = build_model(settings)
     schedule = TrainConfig(steps=settings.steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
                            weight_decay=settings.weight_decay, min_lr_ratio=settings.min_lr_ratio,
@@ -180,8 +190,8 @@ def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None)
     model.eval()
     seconds = time.perf_counter() - t0
     evals_frame, heads_frame = pd.DataFrame(evals), pd.DataFrame(heads)
-    result = {**evals[-1], **lowbit_gaps(model, task, held_out), "sink_step": sink_step(evals_frame),
-              "seconds": seconds, "settings": asdict(settings)}
+    result = {**derived_fields(evals_frame), **lowbit_gaps(model, task, held_out), "seconds": seconds,
+              "settings": asdict(settings)}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -195,8 +205,39 @@ def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None)
 
 def sink_step(evals: pd.DataFrame, threshold: float = SINK_THRESHOLD) -> float:
     """The first evaluation step whose ``sink_mass`` exceeds ``threshold`` (NaN if none)."""
-    hit = evals.loc[evals["sink_mass"] > threshold, "step"]
+    hit = evals.sort_values("step").loc[lambda f: f["sink_mass"] > threshold, "step"]
     return float(hit.iloc[0]) if len(hit) else math.nan
+
+
+def head_summary(heads: pd.DataFrame) -> pd.DataFrame:
+    """The evaluation record's columns read off its per-head rows, one row per ``step`` (the index):
+    ``sink_mass`` (the largest head's; among equal heads the first in layer, head order), its ``sink_layer``,
+    ``sink_head`` and ``value_ratio``, and ``max_logit`` (the largest over heads). A definition: changing it
+    raises :data:`DEFINITIONS_VERSION`.
+
+    >>> heads = pd.DataFrame(dict(step=0, layer=[0, 0, 1], head=[0, 1, 0], sink_mass=[0.2, 0.5, 0.5],
+    ...                           max_logit=[3.0, 1.0, 2.0], value_ratio=[1.0, 0.5, 0.25]))
+    >>> head_summary(heads).iloc[0].tolist()
+    [0.5, 0.0, 1.0, 0.5, 3.0]
+    """
+    ordered = heads.sort_values(["step", "layer", "head"], kind="stable").reset_index(drop=True)
+    top = ordered.loc[ordered.groupby("step")["sink_mass"].idxmax()].set_index("step")
+    out = top[["sink_mass", "layer", "head", "value_ratio"]].set_axis(list(DERIVED_EVALS[:4]), axis=1)
+    return out.assign(max_logit=ordered.groupby("step")["max_logit"].max())
+
+
+def derive_evals(evals: pd.DataFrame, heads: pd.DataFrame) -> pd.DataFrame:
+    """``evals`` with its :data:`DERIVED_EVALS` columns recomputed from ``heads`` (:func:`head_summary`)."""
+    summary = head_summary(heads).reindex(evals["step"].to_numpy())
+    return evals.assign(**{c: summary[c].to_numpy() for c in DERIVED_EVALS})
+
+
+def derived_fields(evals: pd.DataFrame) -> dict[str, Any]:
+    """The derived fields of ``result.json``: the last evaluation's values, ``sink_step`` (:func:`sink_step`)
+    and ``definitions``, the :data:`DEFINITIONS_VERSION` they follow."""
+    last = evals.sort_values("step").iloc[-1:]
+    return {**{c: last[c].iloc[0].item() for c in evals}, "sink_step": sink_step(evals),
+            "definitions": DEFINITIONS_VERSION}
 
 
 @torch.no_grad()
@@ -224,10 +265,10 @@ def evaluate(model: MassiveLM, task: Any, batch: TaskBatch) -> tuple[dict[str, f
         median = x.abs().flatten().median().clamp(min=1e-12)
         resid_ratio = max(resid_ratio, float(x[:, 0].abs().amax(-1).mean() / median))
         norm_ratio = max(norm_ratio, float(first_norm_ratio(x.norm(dim=-1)).mean()))
-    top = max(per_head, key=lambda h: h["sink_mass"])
-    row = dict(loss=float(task.loss(logits, batch)), **task.accuracy(logits, batch), sink_mass=top["sink_mass"],
-               sink_layer=top["layer"], sink_head=top["head"], value_ratio=top["value_ratio"],
-               max_logit=max(h["max_logit"] for h in per_head), resid_ratio=resid_ratio, resid_norm_ratio=norm_ratio)
+    top = head_summary(pd.DataFrame(per_head).assign(step=0))
+    row = dict(loss=float(task.loss(logits, batch)), **task.accuracy(logits, batch),
+               **{c: top[c].iloc[0].item() for c in DERIVED_EVALS}, resid_ratio=resid_ratio,
+               resid_norm_ratio=norm_ratio)
     return row, per_head
 
 
@@ -245,8 +286,55 @@ def lowbit_gaps(model: MassiveLM, task: Any, batch: TaskBatch) -> dict[str, floa
     return out
 
 
-def check_settings(settings: TaskSettings) -> None:
-    """Fail early, before training, on a bad task, variant or norm placement."""
-    if settings.steps < 1 or settings.eval_every < 1 or settings.batch_size < 1 or settings.eval_seqs < 1:
-        raise MassiveLensError(f"steps, eval_every, batch_size and eval_seqs must be positive; got {settings}")
-    build_model(settings)
+def check_settings(settings: TaskSettings) -> Any:
+    """The one check of a run's settings, used by every entry (:func:`train_task`, :func:`build_model`, the
+    grid, the command line, a run folder's stored settings): whole numbers where counts are meant (steps,
+    sizes, seed), finite rates in their ranges, a known task with valid options, variant, norm placement,
+    style and init. Nothing is built or trained.
+
+    Args:
+        settings: the run.
+
+    Returns:
+        The run's task (:func:`~massive_lens.train.tasks.make_task`).
+
+    Raises:
+        MassiveLensError: naming every bad field and what it must be.
+
+    >>> check_settings(TaskSettings("bigram_backcopy", steps=0))
+    Traceback (most recent call last):
+    ...
+    massive_lens.errors.MassiveLensError: bad sink-task settings: steps=0 (a whole number >= 1)
+    """
+    if not isinstance(settings, TaskSettings):
+        raise MassiveLensError(f"expected TaskSettings, got {type(settings).__name__}")
+    bad = [f"{k}={getattr(settings, k)!r} (a whole number >= {low})" for k, low in _COUNTS.items()
+           if not _whole(getattr(settings, k), low)]
+    for k, (low, high, low_open, high_open) in _RATES.items():
+        v = getattr(settings, k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or (v <= low if low_open else v < low) or (v >= high if high_open else v > high):
+            span = f"> {low:g}" if high == math.inf and low_open else ">= 0" if high == math.inf else \
+                f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            bad.append(f"{k}={v!r} (a finite number {span})")
+    for k, choices in (("variant", VARIANTS), ("norm", NORM_PLACEMENTS), ("style", STYLES), ("init", INITS)):
+        if getattr(settings, k) not in choices:
+            bad.append(f"{k}={getattr(settings, k)!r} (one of {', '.join(choices)})")
+    if not isinstance(settings.task_options, dict) or not all(isinstance(k, str) for k in settings.task_options):
+        bad.append(f"task_options={settings.task_options!r} (a dict of the task's options by name)")
+    if bad:
+        raise MassiveLensError(f"bad sink-task settings: {'; '.join(bad)}")
+    task = make_task(settings.task, **settings.task_options)
+    model_config(settings, task)  # d_model divisible by n_heads
+    return task
+
+
+def _whole(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+# the settings' whole numbers and their minimum; their rates as (low, high, low open, high open)
+_COUNTS = dict(seed=0, steps=1, batch_size=1, warmup_steps=0, n_layers=1, d_model=1, n_heads=1, eval_every=1,
+               eval_seqs=1)
+_RATES = dict(lr=(0, math.inf, True, False), weight_decay=(0, math.inf, False, False),
+              min_lr_ratio=(0, 1, False, False), beta2=(0, 1, False, True), grad_clip=(0, math.inf, False, False))

@@ -45,6 +45,7 @@ every seed learns the same language.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -82,6 +83,24 @@ class TaskBatch:
     target: Tensor
 
 
+def _check_options(task: Any, counts: dict[str, int], ranges: dict[str, tuple[float, float, bool]]) -> None:
+    """Refuse option values the task cannot run with: ``counts`` are whole numbers and at least the given
+    minimum; ``ranges`` maps a name to ``(low, high, low_open)``: a finite number in ``[low, high]``
+    (``(low, high]`` when ``low_open``)."""
+    bad = [f"{k}={getattr(task, k)!r} (a whole number >= {low})" for k, low in counts.items()
+           if isinstance(getattr(task, k), bool) or not isinstance(getattr(task, k), (int, np.integer))
+           or getattr(task, k) < low]
+    for k, (low, high, low_open) in ranges.items():
+        v = getattr(task, k)
+        ok = isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(v) \
+            and (v > low if low_open else v >= low) and v <= high
+        if not ok:
+            span = f"> {low:g}" if high == math.inf else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+            bad.append(f"{k}={v!r} (a finite number {span})")
+    if bad:
+        raise MassiveLensError(f"bad option for task {task.name!r}: {'; '.join(bad)}")
+
+
 def _rng(seed: int, step: int) -> np.random.Generator:
     if seed < 0 and step:
         raise MassiveLensError("held-out batches use a negative seed and step 0")
@@ -114,6 +133,10 @@ class TriggerConditional:
     trigger_prob: float = 0.15
     alpha: float = 0.5
     name: str = "trigger_conditional"
+
+    def __post_init__(self) -> None:
+        _check_options(self, dict(n_values=1, seq_len=2), dict(trigger_prob=(0.0, 1.0, False),
+                                                               alpha=(0.0, math.inf, True)))
 
     @property
     def trigger_id(self) -> int:
@@ -183,6 +206,12 @@ class BigramBackcopy:
     name: str = "bigram_backcopy"
 
     def __post_init__(self) -> None:
+        _check_options(self, dict(n_triggers=1, seq_len=2, language_seed=0), dict(alpha=(0.0, math.inf, True)))
+        if self.n_vocab is not None:
+            _check_options(self, dict(n_vocab=2), {})
+        if self.text is not None and not isinstance(self.text, str):
+            raise MassiveLensError(f"bad option for task {self.name!r}: text={self.text!r} (a file path or a name "
+                                   "under the shared data folder)")
         if self.text is not None and self.n_vocab is not None:
             raise MassiveLensError("bigram_backcopy takes n_vocab or text, not both: with text the vocabulary "
                                    "is the text's distinct characters")
@@ -328,7 +357,7 @@ def make_task(name: str, **options: Any) -> Task:
     >>> make_task("trigger_conditional", n_values=8).n_tokens
     10
     """
-    if name not in _CLASSES:
+    if not isinstance(name, str) or name not in _CLASSES:
         raise MassiveLensError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     try:
         return _CLASSES[name](**{**_PRESETS.get(name, {}), **options})
