@@ -74,10 +74,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--detail-seqs", type=int, default=4, help="sequences for the census, tracer and writer split")
     ap.add_argument("--shifts", default="1,2,8,32,64", help="rotary positions given to the first token")
+    ap.add_argument("--settings", default="none,all,early,late,first_half,second_half",
+                    help="where to plant (none is the untouched model; always measured)")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (faster on these CPUs)")
     ap.add_argument("--out", default="docs/planted_sink")
     args = ap.parse_args()
     t0 = time.time()
-    model = load_model() if args.model == "smollm2" else load_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    model = load_model(dtype=dtype) if args.model == "smollm2" else load_model(args.model, dtype=dtype)
     view = ModelView(model)
     name = view.name
     out = Path(args.out) / name
@@ -97,8 +101,10 @@ def main() -> None:
 
     # claim 1: planted sink strength, early vs late
     half = view.n_layers // 2
-    settings = {"none": None, "all": list(range(view.n_layers)), "early": early, "late": late,
-                "first_half": list(range(half)), "second_half": list(range(half, view.n_layers))}
+    every = {"none": None, "all": list(range(view.n_layers)), "early": early, "late": late,
+             "first_half": list(range(half)), "second_half": list(range(half, view.n_layers))}
+    wanted = {"none", "all", "early", *args.settings.split(",")}
+    settings = {k: v for k, v in every.items() if k in wanted}
     rows, per = [], {}
     for setting, layers in settings.items():
         got = measure(model, whole, [0, pos], force_self_attention(model, pos, layers) if layers else None,
@@ -117,20 +123,22 @@ def main() -> None:
     strength.to_csv(out / "strength.csv", index=False)
     none = per["none"][pos][0]
     shares = {k: ratio_interval(per[k][pos][0] - none, per["all"][pos][0] - none)
-              for k in ("early", "late", "first_half", "second_half")}
+              for k in settings if k not in ("none", "all")}
     # the planted sink's strength relative to the untouched model's own first-token sink (paired per sequence)
     relative = {k: ratio_interval(per[k][pos][0], per["none"][0][0]) for k in settings}
 
     # claim 2: the first token's rotary position
     shifts = [int(s) for s in args.shifts.split(",") if int(s) < whole.tokens.shape[1]]
-    base0 = per["none"][0][0]
+    base0, base_mass = per["none"][0]
     rot_rows = []
     for to in shifts:
-        got = measure(model, whole, [0], shift_rotary_position(model, 0, to), args.batch_size)[0][0]
+        got, got_mass = measure(model, whole, [0], shift_rotary_position(model, 0, to), args.batch_size)[0]
         m, lo, hi = interval(got - base0)
         rel = ratio_interval(got - base0, base0)
         rot_rows.append(dict(to=to, strength=float(got.mean()), change=m, change_low=lo, change_high=hi,
-                             relative=rel[0], relative_low=rel[1], relative_high=rel[2]))
+                             relative=rel[0], relative_low=rel[1], relative_high=rel[2],
+                             **dict(zip(("mass_relative", "mass_relative_low", "mass_relative_high"),
+                                        ratio_interval(got_mass - base_mass, base_mass), strict=True))))
         log(f"first token at rotary position {to}: strength {got.mean():.3f}, relative change {rel[0]:+.3%} "
             f"[{rel[1]:+.3%}, {rel[2]:+.3%}]")
     rotary = pd.DataFrame(rot_rows)
