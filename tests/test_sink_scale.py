@@ -46,7 +46,7 @@ def test_the_edited_pattern_is_the_renormalised_formula(model, gamma):
         before, after = _patterns(model, scale_sink_attention(model, gamma).fwd_hooks)
     for layer, p in before.items():
         p0 = p[..., 0]
-        denom = 1 + (gamma - 1) * p0
+        denom = (1 - p0) + gamma * p0
         assert torch.allclose(after[layer][..., 0], gamma * p0 / denom, atol=1e-6)
         assert torch.allclose(after[layer][..., 1:], p[..., 1:] / denom[..., None], atol=1e-6)
         assert torch.allclose(after[layer].sum(-1), torch.ones_like(p0), atol=1e-5)

@@ -19,6 +19,10 @@ exceptions included. :func:`lse_support` says why a model cannot (a HookedTransf
 model trained here computes its own pattern; soft caps, learned sink logits and position biases
 are refused by name); analyses then read the eager pattern instead and say so.
 
+The kernel bypasses the bridge's eager attention: hooks on its scores, pattern and rotary never
+fire, and ``z`` is read before ``hook_z``. With a hook attached there (:func:`attached_attention_edits`)
+:func:`choose_path` takes the eager path under ``"auto"`` and refuses ``"lse"``: an edit is always read.
+
 >>> from massive_lens import tiny_model
 >>> from massive_lens.core.model_view import ModelView
 >>> view = ModelView(tiny_model("llama"))
@@ -32,6 +36,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import types
 import weakref
@@ -46,6 +51,8 @@ from torch import Tensor
 from massive_lens.core.criterion import SINK_QUERIES
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.errors import MassiveLensError
+
+log = logging.getLogger(__name__)
 
 LSE = "lse"  # attention from q, k and the kernel's log-sum-exp, the model run on SDPA
 EAGER = "eager"  # attention read from the eager pattern (hook_pattern)
@@ -134,6 +141,7 @@ def _softmax_entries(scores: Tensor, lse: Tensor) -> Tensor:
 _ACTIVE: dict[int, tuple[int, Callable[[LayerAttention], None] | None, set[int]]] = {}  # id(hf module) -> route
 _ACTIVE_GUARD = threading.Lock()
 _SUPPORT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason (None: supported)
+_BYPASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(name, weakref to hook point)]
 
 
 class _Refused(Exception):
@@ -297,10 +305,17 @@ def lse_support(view: ModelView) -> str | None:
         return reason
     modules, reason = _attention_modules(view)
     if reason is None:
-        tokens = torch.zeros(1, 4, dtype=torch.long)
+        batch = view.full_batch(torch.zeros(1, 4, dtype=torch.long))
+        points, on_eager, on_lse = _hook_points(view.model.hook_dict), set(), set()
         try:
-            with lse_run(view) as seen:
-                view.forward(view.full_batch(tokens), [], check_finite=False)
+            with model_lock(view.model), _firing(points, on_lse), lse_run(view) as seen:
+                view.forward(batch, [], check_finite=False)
+            with contextlib.suppress(Exception), model_lock(view.model), _firing(points, on_eager):
+                view.forward(batch, [], check_finite=False)  # failed (a user's hook): every hooked point counts
+            z = {id(hp) for name, hp in view.model.hook_dict.items() if name.endswith("attn.hook_z")}
+            if on_eager and _weakrefable(view.model):  # honoured: fires on both paths, and not z (read before hook_z)
+                _BYPASSED[view.model] = [(name, weakref.ref(hp)) for key, (name, hp) in points.items()
+                                         if key not in on_eager & on_lse or key in z]
             missing = sorted({layer for layer, _, _ in modules} - seen)
             if missing:
                 reason = (f"layer {missing[0]}'s attention does not dispatch through transformers' attention "
@@ -322,9 +337,59 @@ def _weakrefable(model: Any) -> bool:
     return True
 
 
+def _hook_points(hook_dict: dict[str, Any]) -> dict[int, tuple[str, Any]]:
+    """Each distinct hook point (a bridge lists one under several names) by ``id``: its shortest
+    name (TransformerLens's ``blocks.1.attn.hook_z`` before ``blocks.1.attn.o.hook_in``) and itself."""
+    points: dict[int, tuple[str, Any]] = {}
+    for name, hp in sorted(hook_dict.items(), key=lambda item: (len(item[0]), item[0]), reverse=True):
+        points[id(hp)] = (name, hp)
+    return points
+
+
+@contextlib.contextmanager
+def _firing(points: dict[int, tuple[str, Any]], fired: set[int]) -> Iterator[None]:
+    """Record in ``fired`` the ``id`` of every hook point of ``points`` that runs in the block (plain
+    torch hooks, removed on exit)."""
+    with contextlib.ExitStack() as stack:
+        for key, (_, hp) in points.items():
+            stack.callback(hp.register_forward_hook(lambda *_, key=key: fired.add(key)).remove)
+        yield
+
+
+def _attached(hp: Any) -> bool:
+    """Whether a hook point holds a forward hook now (TransformerLens keeps its hooks as torch's)."""
+    return bool(getattr(hp, "_forward_hooks", None) or getattr(hp, "_forward_pre_hooks", None))
+
+
+def attached_attention_edits(view: ModelView) -> list[str]:
+    """The hook points holding a hook now (a user's ``add_hook`` or ``model.hooks(...)``, an entered
+    intervention) that the LSE path would not honour: those that do not fire on both paths
+    (``hook_attn_scores``, ``hook_pattern``, the rotary hooks; measured once per model by
+    :func:`lse_support`) and ``hook_z``, whose input the LSE path reads from the kernel. On a model
+    without the LSE path every hooked point counts; an nnsight model has none (it edits in a trace).
+
+    >>> from massive_lens import tiny_model
+    >>> from massive_lens.core.model_view import ModelView
+    >>> model = tiny_model("llama")
+    >>> with model.hooks(fwd_hooks=[("blocks.1.attn.hook_pattern", lambda x, hook: x),
+    ...                             ("blocks.1.hook_resid_post", lambda x, hook: x)]):
+    ...     attached_attention_edits(ModelView(model))
+    ['blocks.1.attn.hook_pattern']
+    """
+    if view.pattern_refusal():  # nnsight: no hook points
+        return []
+    with model_lock(view.model):  # another thread's analysis holds its own hooks only while it holds the lock
+        bypassed = _BYPASSED.get(view.model) if lse_support(view) is None and _weakrefable(view.model) else None
+        if bypassed is None:
+            return sorted(name for name, hp in _hook_points(view.model.hook_dict).values() if _attached(hp))
+        return sorted(name for name, ref in bypassed if (hp := ref()) is not None and _attached(hp))
+
+
 def choose_path(view: ModelView, attention: str) -> str:
     """``"lse"`` or ``"eager"`` for ``attention`` (``"auto"``: the LSE path where the model supports
-    it); ``"lse"`` on a model that cannot is a :class:`MassiveLensError` naming why."""
+    it and no hook the LSE path would skip is attached, see :func:`attached_attention_edits`);
+    ``"lse"`` where it cannot run, or would skip an attached edit, is a :class:`MassiveLensError`
+    naming why."""
     if attention not in PATHS:
         raise MassiveLensError(f"attention must be one of {PATHS} ('auto': the fused kernel's log-sum-exp where the "
                                f"model supports it, else the eager pattern), got {attention!r}")
@@ -335,7 +400,18 @@ def choose_path(view: ModelView, attention: str) -> str:
         return EAGER
     reason = lse_support(view)
     if reason is None:
-        return LSE
+        edits = attached_attention_edits(view)
+        if not edits:
+            return LSE
+        if attention == LSE:
+            more = f" and {len(edits) - 3} more" if len(edits) > 3 else ""
+            raise MassiveLensError(
+                f"{view.name} has hooks attached at {', '.join(edits[:3])}{more}, which the LSE path does not run "
+                "(it runs the attention on the fused kernel, where score, pattern and rotary hooks never fire and "
+                "the heads' output is read before hook_z), so it would measure the unedited model; use "
+                "attention='eager' or 'auto' (which read the edited pattern while such hooks are attached)")
+        log.info("%s: hooks at %s edit the attention; reading the eager pattern", view.name, ", ".join(edits))
+        return EAGER
     if refusal:
         raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
                                f"and the eager pattern does not run either: {refusal.split('; ', 1)[0]}")

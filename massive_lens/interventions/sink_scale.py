@@ -2,8 +2,10 @@
 
 ZeroTuning multiplies a head's attention to the first token by ``γ`` and renormalises the row:
 for a query whose attention to the first token is ``p0``, the first token gets
-``γ p0 / (1 + (γ - 1) p0)`` and every other key ``p_j / (1 + (γ - 1) p0)``, so the row still sums to
-one and ``γ = 1`` is the untouched model. It needs no training: ``γ > 1`` gives the sink more,
+``γ p0 / ((1 - p0) + γ p0)`` and every other key ``p_j / ((1 - p0) + γ p0)``, so the row still sums
+to one and ``γ = 1`` is the untouched model (written so, not ``1 + (γ - 1) p0``, which rounds to 0
+in float32 for a tiny ``γ`` where ``p0`` is 1; computed in float32 at least).
+It needs no training: ``γ > 1`` gives the sink more,
 ``γ < 1`` hands its attention to the other keys in proportion to what they already had (removing
 it outright is :func:`~massive_lens.interventions.remove_sink_attention`). The edit is made on
 each chosen layer's pattern (``blocks.{l}.attn.hook_pattern``), so the model runs its eager
@@ -32,17 +34,20 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.assemble import acts_on
 from massive_lens.interventions.intervention import Intervention
 
+FLOAT32 = torch.finfo(torch.float32)
 Gamma = Any  # a float, or {(layer, head): float}; checked by gamma_per_head with a clear error
 
 
 def _scaled(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *,
             gamma: Float[Tensor, " head_index"]) -> Tensor:
-    g = gamma.to(pattern.device, pattern.dtype)[None, :, None]  # [1 head 1]
-    p0 = pattern[..., 0]
-    denom = 1 + (g - 1) * p0  # > 0 for γ >= 0 and p0 in [0, 1]
-    out = pattern / denom[..., None]
+    work = torch.promote_types(pattern.dtype, torch.float32)
+    g = gamma.to(pattern.device, work)[None, :, None]  # [1 head 1]
+    p = pattern.to(work)
+    p0 = p[..., 0]
+    denom = (1 - p0) + g * p0  # > 0 for γ > 0 and p0 in [0, 1]; exactly γ on the first token's own row
+    out = p / denom[..., None]
     out[..., 0] = g * p0 / denom
-    return out
+    return out.to(pattern.dtype)
 
 
 def gamma_per_head(view: ModelView, gamma: Gamma) -> dict[int, Tensor]:
@@ -58,6 +63,10 @@ def gamma_per_head(view: ModelView, gamma: Gamma) -> dict[int, Tensor]:
             raise MassiveLensError(f"scale_sink_attention: γ must be a finite number > 0 (γ = 0 would leave a head "
                                    f"with no sink attention at all: use remove_sink_attention), got {g!r} for "
                                    f"layer {layer}, head {head}")
+        if not FLOAT32.tiny <= g <= FLOAT32.max:  # the pattern is rescaled in float32 (at least)
+            raise MassiveLensError(f"scale_sink_attention: γ = {g!r} for layer {layer}, head {head} is outside "
+                                   f"float32's range [{FLOAT32.tiny:.3g}, {FLOAT32.max:.3g}], where the rescaled "
+                                   "pattern is computed; for no sink attention at all use remove_sink_attention")
         if not 0 <= int(head) < view.cfg.n_heads:
             raise MassiveLensError(f"head {head} out of range: {view.name} has {view.cfg.n_heads} heads per layer")
         layer = view.chosen_layers(int(layer))[0]
@@ -80,8 +89,8 @@ def scale_sink_attention(model: Any, gamma: Gamma = 0.5, *, calibration: Any = N
         vectors over the heads.
 
     Raises:
-        MassiveLensError: for ``γ <= 0``, a non-finite or non-numeric ``γ``, an empty mapping, or a
-            layer or head out of range.
+        MassiveLensError: for ``γ <= 0``, a non-finite or non-numeric ``γ``, a ``γ`` outside float32's
+            range, an empty mapping, or a layer or head out of range.
 
     >>> from massive_lens import tiny_model
     >>> iv = scale_sink_attention(tiny_model("llama"), {(1, 0): 2.0})
