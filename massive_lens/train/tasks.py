@@ -45,6 +45,7 @@ every seed learns the same language.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -228,18 +229,7 @@ class BigramBackcopy:
             triggers = np.arange(n - self.n_triggers, n)
             first = np.where(np.arange(n) < n - self.n_triggers, 1.0, 0.0)
             return chain, first / first.sum(), triggers
-        ids = np.frombuffer(_read_text(self.text).encode("utf-32-le"), dtype=np.uint32)
-        alphabet, codes = np.unique(ids, return_inverse=True)
-        n = len(alphabet)
-        _check_triggers(self.n_triggers, n)
-        counts = np.zeros((n, n))
-        np.add.at(counts, (codes[:-1], codes[1:]), 1)
-        counts[counts.sum(1) == 0] = 1  # a character seen only at the very end: uniform
-        freq = np.bincount(codes, minlength=n).astype(float)
-        triggers = np.sort(np.argsort(-freq, kind="stable")[: self.n_triggers])
-        first = freq.copy()
-        first[triggers] = 0
-        return counts / counts.sum(1, keepdims=True), first / first.sum(), triggers
+        return _text_language(self.text, self.n_triggers)
 
     @property
     def n_symbols(self) -> int:
@@ -319,6 +309,27 @@ def _check_triggers(n_triggers: int, n: int) -> None:
     if not 0 < n_triggers < n:
         raise MassiveLensError(f"n_triggers must be between 1 and {n - 1} (the tokens other than BOS, less one); "
                                f"got {n_triggers}")
+
+
+@functools.lru_cache(maxsize=8)
+def _text_language(text: str, n_triggers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A text's character chain, first-token distribution and triggers (read once per process: a grid
+    checks every run's task before the first trains)."""
+    ids = np.frombuffer(_read_text(text).encode("utf-32-le"), dtype=np.uint32)
+    alphabet, codes = np.unique(ids, return_inverse=True)
+    n = len(alphabet)
+    _check_triggers(n_triggers, n)
+    counts = np.zeros((n, n))
+    np.add.at(counts, (codes[:-1], codes[1:]), 1)
+    counts[counts.sum(1) == 0] = 1  # a character seen only at the very end: uniform
+    freq = np.bincount(codes, minlength=n).astype(float)
+    triggers = np.sort(np.argsort(-freq, kind="stable")[:n_triggers])
+    first = freq.copy()
+    first[triggers] = 0
+    out = counts / counts.sum(1, keepdims=True), first / first.sum(), triggers
+    for array in out:
+        array.flags.writeable = False  # shared between tasks
+    return out
 
 
 def _read_text(text: str) -> str:
