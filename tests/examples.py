@@ -8,7 +8,7 @@ import pkgutil
 from types import SimpleNamespace
 
 import torch
-from planting import plant_sink
+from planting import SINK_DIM, bos_tokens, plant_misranked, plant_sink
 
 import massive_lens
 from massive_lens import (
@@ -41,6 +41,7 @@ from massive_lens.handover import (
     sae_check,
 )
 from massive_lens.interventions import head_curve, sink_scale_sweep
+from massive_lens.origin import verify_super_weights
 from massive_lens.quant import lowbit_grid, quantize_grid
 from massive_lens.train import compare_variants, retrofit, train_model, training_stability
 from massive_lens.train.layers import MassiveLMConfig
@@ -51,7 +52,8 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "TrainRun", "Comparison", "Retrofit", "LowBitGrid", "SinkCensus", "SinkKV", "DormantHeads",
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
                 "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization",
-                "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity", "SinkScaleSweep"]
+                "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity", "SinkScaleSweep",
+                "SuperWeightCheck"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -113,7 +115,15 @@ def result_examples() -> dict[str, object]:
         "OutlierSeverity": outlier_severity(_planted(), TEXT, seq_len=16, n_seqs=2),
         "SinkScaleSweep": sink_scale_sweep(model, TEXT, gammas=(0.5,), seq_len=16, n_seqs=2, repeat_len=4,
                                            repeat_seqs=2),
+        "SuperWeightCheck": _super_weights(),
     }
+
+
+def _super_weights():
+    planted = plant_misranked(tiny_model("llama"))
+    tokens = bos_tokens(planted, TEXT, 16, 4)
+    trace = trace_origin(planted, tokens[:1], dim=SINK_DIM, pos=0)
+    return verify_super_weights(planted, trace, tokens, progress=False)
 
 
 class StandInSAE:

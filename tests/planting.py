@@ -199,3 +199,71 @@ def plant_dip(model: Any) -> Any:
         wire_neuron(model.blocks[DIP_LAYER].mlp, DIPPER, DIP_TRIGGER, gain=3.0 * OUTLIER_VALUE)
     scale_write(model, DIP_LAYER, DIPPER, OUTLIER_DIM, -OUTLIER_VALUE, _probe(model), 1)
     return model
+
+
+SHARED_TRIGGER, DECOY, CULPRIT = 19, 17, 29  # plant_misranked: the detector's top neuron and the damaging one
+DECOY_VALUE, CULPRIT_VALUE = 5000.0, 1000.0  # their writes into SINK_DIM at BOS (MLP 0)
+
+
+def plant_misranked(model: Any, boost: float = 4.0) -> Any:
+    """A sink whose detector ranks the harmless weight first (pre-norm families): at BOS, MLP 0's
+    ``DECOY`` writes ``DECOY_VALUE`` and ``CULPRIT`` ``CULPRIT_VALUE`` into the clean ``SINK_DIM``,
+    so the detector (``|contribution|`` at BOS) ranks ``DECOY`` first. ``CULPRIT`` reads a trigger
+    that ``WORD`` carries too, so it also writes a massive value at every ``WORD`` token, and the
+    unembedding reads ``SINK_DIM`` as ``boost`` nats for the token that most often follows
+    ``WORD`` in ``TEXT``: zeroing ``CULPRIT``'s weight takes that prediction away (the loss
+    rises), while zeroing ``DECOY``'s leaves BOS's residual pointing the same way (1,000 still
+    dwarfs the rest), which every RMSNorm reads alike, so the loss barely moves. Returns the
+    model, edited in place."""
+    assert not post_norm(model), "plant_misranked: a pre-norm family"
+    bos = model.tokenizer.bos_token_id
+    set_trigger(model, bos, BOS_TRIGGER)
+    set_trigger(model, WORD, SHARED_TRIGGER)
+    clean_dim(model, SHARED_TRIGGER)
+    clean_dim(model, SINK_DIM)
+    with torch.no_grad():
+        model.W_E[[bos, WORD], SHARED_TRIGGER] = 1.0
+    wire(model, 0, DECOY, BOS_TRIGGER, SINK_DIM)
+    wire(model, 0, CULPRIT, SHARED_TRIGGER, SINK_DIM)
+    probe = _probe(model)
+    scale_write(model, 0, DECOY, SINK_DIM, DECOY_VALUE, probe, 0)
+    scale_write(model, 0, CULPRIT, SINK_DIM, CULPRIT_VALUE, probe, 0)
+    with torch.no_grad():
+        model.W_U[SINK_DIM] = 0.0
+        model.W_U[SINK_DIM, word_successor(model)] = boost / model.cfg.d_model ** 0.5
+    return model
+
+
+def word_successor(model: Any) -> int:
+    """The token that most often follows ``WORD`` in ``TEXT``."""
+    ids = model.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    after = [b for a, b in zip(ids, ids[1:], strict=False) if a == WORD]
+    return max(set(after), key=after.count)
+
+
+CHANNEL_DIM, COMMA_TRIGGER, SPIKER, UNSPIKER = 21, 27, 45, 46  # plant_channel_spike
+CHANNEL_VALUE, SPIKE = 60.0, 200.0  # the channel at every token but BOS (under the 100 bar); the spike added at commas
+COMMA = byte_tokenizer()(",", add_special_tokens=False)["input_ids"][0]
+
+
+def plant_channel_spike(model: Any) -> Any:
+    """:func:`plant_sink` (BOS's token-specific massive activation), and a *channel*:
+    ``CHANNEL_DIM`` carries ``CHANNEL_VALUE`` at every token but BOS from the embedding on,
+    large but under the massive bar, and MLP 0 adds ``SPIKE`` at every ``COMMA``, which MLP 1
+    takes away: at layer 0 the channel passes the massive rule at the commas only, an ordinary
+    token. It is the channel's tail, not a token that stands out. Pre-norm families; returns
+    the model, edited in place."""
+    assert not post_norm(model), "plant_channel_spike: a pre-norm family"
+    plant_sink(model)
+    set_trigger(model, COMMA, COMMA_TRIGGER)
+    clean_dim(model, CHANNEL_DIM)
+    with torch.no_grad():
+        model.W_E[:, CHANNEL_DIM] = CHANNEL_VALUE
+        model.W_E[model.tokenizer.bos_token_id, CHANNEL_DIM] = 0.0
+    probe = torch.tensor([[model.tokenizer.bos_token_id, 84, COMMA, 32, 98, COMMA]])
+    for layer, neuron, sign in ((0, SPIKER, 1.0), (1, UNSPIKER, -1.0)):
+        wire(model, layer, neuron, COMMA_TRIGGER, CHANNEL_DIM, sign=sign)
+        with torch.no_grad():  # the trigger is small beside the channel under the pre-norm: read it louder
+            wire_neuron(model.blocks[layer].mlp, neuron, COMMA_TRIGGER, gain=3.0 * CHANNEL_VALUE)
+        scale_write(model, layer, neuron, CHANNEL_DIM, sign * SPIKE, probe, 2)
+    return model
