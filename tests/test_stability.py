@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -19,6 +22,7 @@ from massive_lens.train.checkpoint import STEPS
 from massive_lens.train.recorder import STEP_COLUMNS
 from massive_lens.train.stability import find_spikes, spike_table
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(data="One. Two, three.\n" * 300, model=dict(n_layers=2, d_model=16, n_ctx=16), progress=False,
             log_every=3, eval_every=4)
 
@@ -118,19 +122,19 @@ def _record(n: int = 120, loss: float = 3.0) -> pd.DataFrame:
     return frame.assign(step=np.arange(1, n + 1), loss=loss, max_act=10.0, act_ratio=5.0, first_attn=0.2)
 
 
-def _write_run(folder, steps: pd.DataFrame, seed=0, attention="softmax"):
+def _write_run(folder, steps: pd.DataFrame, seed=0, attention="softmax", **config):
     folder.mkdir(parents=True)
     steps.to_parquet(folder / STEPS, index=False)
-    (folder / "run.json").write_text(json.dumps(dict(config=dict(seed=seed, model=dict(attention=attention)))))
+    config = dict(seed=seed, model=dict(attention=attention), **config)
+    (folder / "run.json").write_text(json.dumps(dict(config=config)))
 
 
 def test_two_experiments_with_one_variant_and_seed_stay_two_runs(tmp_path):
     """Issue 37: runs were keyed by (variant, seed), so two experiments under one folder became one
     series whose 'spikes' were the jumps between their two loss curves."""
-    _write_run(tmp_path / "first" / "run", _record(loss=3.0))
-    _write_run(tmp_path / "second" / "run", _record(loss=6.0))
-    (tmp_path / "third").mkdir()
-    _record(loss=4.0).to_parquet(tmp_path / "third" / STEPS, index=False)  # no run.json: softmax, seed 0 as well
+    _write_run(tmp_path / "first" / "run", _record(loss=3.0), lr=1e-3)
+    _write_run(tmp_path / "second" / "run", _record(loss=6.0), lr=3e-3)
+    _write_run(tmp_path / "third", _record(loss=4.0), lr=1e-2)
     result = training_stability(tmp_path)
     runs = result.to_frame()
     assert runs["run"].tolist() == ["first/run", "second/run", "third"]
@@ -173,3 +177,50 @@ def test_a_damaged_run_record_is_a_clear_error(tmp_path, damage, match):
     with pytest.raises(MassiveLensError, match=match) as info:
         training_stability(tmp_path)
     assert str(tmp_path / "run") in str(info.value)
+
+
+def test_two_copies_of_one_run_are_refused_not_counted_as_two_seeds(tmp_path):
+    """Issue 48: a copied run folder (or one record given twice) became "2 seeds"."""
+    _write_run(tmp_path / "softmax_seed0", _record(loss=3.0))
+    _write_run(tmp_path / "softmax_seed1", _record(loss=3.5), seed=1)
+    assert training_stability(tmp_path).table()["seeds"].tolist() == [2]
+    shutil.copytree(tmp_path / "softmax_seed0", tmp_path / "softmax_seed0.bak")
+    with pytest.raises(MassiveLensError, match=r"softmax_seed0 and .*softmax_seed0.bak hold the same run"):
+        training_stability(tmp_path)
+    shutil.rmtree(tmp_path / "softmax_seed0.bak")
+    record = _record().assign(variant="softmax", seed=0)
+    with pytest.raises(MassiveLensError, match="copies of one run"):
+        training_stability([record, record])
+    assert training_stability([record, record.assign(seed=1)]).table()["seeds"].tolist() == [2]
+
+
+def test_a_record_without_run_json_is_refused_not_labelled_softmax_seed_0(tmp_path):
+    _write_run(tmp_path / "kv_bias_seed3", _record(), seed=3, attention="kv_bias")
+    (tmp_path / "orphan").mkdir()
+    _record(loss=4.0).to_parquet(tmp_path / "orphan" / STEPS, index=False)
+    with pytest.raises(MassiveLensError, match=r"orphan has a steps.parquet but no run.json.*not read as softmax"):
+        training_stability(tmp_path)
+
+
+def test_key_columns_inside_a_steps_file_must_agree_with_its_run_json(tmp_path):
+    _write_run(tmp_path / "a", _record().assign(variant="kv_bias", seed=3), seed=3, attention="kv_bias")
+    runs = training_stability(tmp_path).to_frame()  # agreeing columns: dropped, read as the run.json says
+    assert runs[["run", "variant", "seed"]].values.tolist() == [["a", "kv_bias", 3]]
+    _write_run(tmp_path / "b", _record().assign(variant=["softmax", "relu"] * 60, seed=0))
+    with pytest.raises(MassiveLensError, match=r"carries its own \['variant'\] column.*saved frame of several runs"):
+        training_stability(tmp_path)
+
+
+def test_act_ratio_is_recomputed_from_the_raw_columns_of_a_folder(tmp_path, caplog):
+    _write_run(tmp_path / "a", _record().assign(max_act=12.0, median_act=3.0, act_ratio=99.0))
+    with caplog.at_level(logging.WARNING, logger="massive_lens.train.steprecords"):
+        runs = training_stability(tmp_path).to_frame()
+    assert runs["act_ratio_end"].tolist() == [4.0] and "act_ratio differs" in caplog.text
+
+
+def test_the_committed_runs_read_clean_and_give_the_documented_summary(caplog):
+    with caplog.at_level(logging.WARNING):
+        result = training_stability(ROOT / "docs/training_stability", until_step=300)
+    assert not caplog.text  # no stored act_ratio disagrees with its raw columns
+    documented = set((ROOT / "docs/training.md").read_text().splitlines())
+    assert set(result.summary().splitlines()) <= documented  # the same lines (variants in folder order)

@@ -43,14 +43,10 @@ import pandas as pd
 
 from massive_lens.core.render import ensure_axes, new_figure
 from massive_lens.core.results import Result
-from massive_lens.core.store import read_json
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.checkpoint import STEPS
+from massive_lens.train.steprecords import KEYS, NEEDED, read_step_folder
 
 WINDOW, LOSS_FACTOR, GRAD_FACTOR, AROUND = 50, 1.2, 3.0, 10
-KEYS = ("run", "variant", "seed")  # ``run`` tells runs apart; variant and seed describe them
-NEEDED = ("step", "loss", "grad_norm")  # the per-step columns spikes are found in
-MAX_RUN_JSON = 64 << 20  # bytes: a run.json is kilobytes (more only when its config holds the text)
 END_METRICS = ("loss", "max_act", "act_ratio", "first_attn", "first_attn_top")
 PANELS = (("loss", "training loss", False), ("grad_norm", "gradient norm", True),
           ("max_act", "largest |activation|", True), ("first_attn", "attention on the first token", False))
@@ -283,7 +279,8 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
         runs: a :class:`~massive_lens.train.Comparison`, a :class:`~massive_lens.train.TrainRun`, a
             list of them, a per-step frame with ``variant`` and ``seed`` columns (and ``run``, where
             runs share both), or a folder (``train-compare``'s ``out_dir``: every ``steps.parquet``
-            under it, with its ``run.json``; each run is labelled by its folder).
+            under it, with its ``run.json``; each run is labelled by its folder; read and checked by
+            :func:`massive_lens.train.steprecords.read_step_folder`).
         window: steps of the rolling median a step is compared with (default 50).
         loss_factor: a loss above this many times the median is a spike (default 1.2).
         grad_factor: a gradient norm above this many times the median is a spike (default 3.0).
@@ -298,7 +295,8 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
     Raises:
         MassiveLensError: if no run has a per-step record (trained with ``record=False``, or a
             folder without ``steps.parquet``), a ``steps.parquet`` or ``run.json`` in the folder
-            cannot be read or lacks what it should hold, or window / factors are invalid.
+            cannot be read or lacks what it should hold, a run is given twice (two copies of one folder, or
+            one record passed twice), or window / factors are invalid.
 
     >>> import numpy as np
     >>> steps = pd.DataFrame(dict(variant="softmax", seed=0, step=np.arange(1, 101), loss=3.0, grad_norm=1.0,
@@ -314,6 +312,7 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
                                "or point at a folder holding runs' steps.parquet")
     if around < 1:
         raise MassiveLensError(f"around must be a positive number of steps, got {around}")
+    _refuse_copies(per_step)
     tables = []
     for (label, variant, seed), run in per_step.groupby(list(KEYS), sort=False):
         found = spike_table(run, window=window, loss_factor=loss_factor, grad_factor=grad_factor, around=around)
@@ -326,9 +325,23 @@ def training_stability(runs: Any, *, window: int = WINDOW, loss_factor: float | 
                              grad_factor=float(grad_factor), around=around)
 
 
+def _refuse_copies(per_step: pd.DataFrame) -> None:
+    """Two runs with one variant and seed and the same per-step record are one run given twice (a copied
+    folder, the same TrainRun passed twice): refused, since counting both would count one seed twice."""
+    seen: dict[tuple, str] = {}
+    for (label, variant, seed), run in per_step.groupby(list(KEYS), sort=False):
+        record = run.drop(columns=list(KEYS)).sort_values("step")
+        key = (variant, seed, int(pd.util.hash_pandas_object(record, index=False).sum()))
+        if key in seen:
+            raise MassiveLensError(f"the runs {seen[key]!r} and {label!r} are copies of one run ({variant}, seed "
+                                   f"{seed}, the same per-step record): counting both would count one seed twice; "
+                                   "give each run once")
+        seen[key] = label
+
+
 def _per_step(runs: Any) -> pd.DataFrame:
     if isinstance(runs, (str, os.PathLike)):
-        return _from_folder(Path(runs))
+        return read_step_folder(Path(runs))
     if isinstance(runs, pd.DataFrame):
         missing = {"variant", "seed", *NEEDED} - set(runs)
         if missing:
@@ -349,50 +362,3 @@ def _per_step(runs: Any) -> pd.DataFrame:
     variant, seed = runs.model.cfg.attention.name, runs.config.seed
     label = str(runs.out_dir) if getattr(runs, "out_dir", None) else f"{variant} seed {seed}"
     return frame.assign(run=label, variant=variant, seed=seed)[[*KEYS, *frame.columns]]
-
-
-def _from_folder(folder: Path) -> pd.DataFrame:
-    if not folder.is_dir():
-        raise MassiveLensError(f"{folder} is not a folder of training runs")
-    frames = []
-    for path in sorted(folder.rglob(STEPS)):
-        variant, seed = _run_config(path.parent / "run.json")
-        frame = _read_steps(path)
-        frames.append(frame.assign(run=path.parent.relative_to(folder).as_posix(), variant=variant, seed=seed)[
-            [*KEYS, *frame.columns]])
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
-def _read_steps(path: Path) -> pd.DataFrame:
-    """One run's ``steps.parquet``, checked: readable, with numeric ``step``, ``loss`` and ``grad_norm``."""
-    try:
-        frame = pd.read_parquet(path)
-    except Exception as exc:  # noqa: BLE001 - pyarrow's errors share no base class with ours: say which file
-        raise MassiveLensError(f"{path} is not a readable per-step record ({type(exc).__name__}: {exc}); "
-                               "delete it, or re-run the training with record=True to write it again") from exc
-    missing = [c for c in NEEDED if c not in frame]
-    wrong = [c for c in NEEDED if c in frame and not pd.api.types.is_numeric_dtype(frame[c])]
-    if missing or wrong:
-        raise MassiveLensError(f"{path} is not a per-step record of massive_lens.train: "
-                               + (f"it lacks the columns {missing}" if missing else f"the columns {wrong} are not "
-                                  "numbers") + "; delete it, or re-run the training to write it again")
-    return frame
-
-
-def _run_config(path: Path) -> tuple[str, int]:
-    """The variant and seed in a run's ``run.json`` (``softmax`` and 0 without one)."""
-    if not path.is_file():
-        return "softmax", 0
-    problem = f"{path} is not a run.json written by massive_lens.train"
-    data = read_json(path, max_bytes=MAX_RUN_JSON, what="a run.json", fix="delete or replace it")
-    config = data.get("config") if isinstance(data, dict) else None
-    if not isinstance(config, dict):
-        raise MassiveLensError(f"{problem}: it holds no \"config\" object; delete or replace it")
-    model = config.get("model", {})
-    attention = model.get("attention", "softmax") if isinstance(model, dict) else None
-    attention = attention.get("name", "softmax") if isinstance(attention, dict) else attention
-    seed = config.get("seed", 0)
-    if not isinstance(attention, str) or isinstance(seed, bool) or not isinstance(seed, int):
-        raise MassiveLensError(f"{problem}: its config needs an attention name and an integer seed, got "
-                               f"attention={attention!r}, seed={seed!r}; delete or replace it")
-    return attention, seed
