@@ -15,7 +15,18 @@ import pandas as pd
 import pytest
 import torch
 from helpers import untouched
-from planting import BRIEF_DIM, SINK_DIM, TEXT, WORD, plant_brief, plant_sink, plant_story
+from planting import (
+    BRIEF_DIM,
+    CHANNEL_DIM,
+    COMMA,
+    SINK_DIM,
+    TEXT,
+    WORD,
+    plant_brief,
+    plant_channel_spike,
+    plant_sink,
+    plant_story,
+)
 
 import massive_lens
 from massive_lens import MassiveLensError, find_massive, load_model, sink_census, tiny_model
@@ -88,6 +99,40 @@ def test_outlier_dims_mark_no_position_unless_asked(story):
     every = exclusion_mask(story, text, outliers="include")
     assert bool(every.mask[every.valid].all())
     assert set(every.to_frame()["reason"]) == {"massive", "massive (outlier dim)"}
+
+
+@pytest.fixture(scope="module")
+def channel():
+    """BOS: a token-specific massive activation; CHANNEL_DIM: a channel at 60 at every token but BOS
+    that passes the massive rule at the commas of layer 0 only (issue 48)."""
+    return plant_channel_spike(tiny_model("llama"))
+
+
+def test_a_channel_spike_at_ordinary_tokens_marks_no_position(channel):
+    """Issue 48: a one-layer spike at a few commas of a channel large at every token is the outlier
+    dimension's, not a massive activation of the commas: no comma is left out or handed over."""
+    texts = ["Hi, home.", "Go out, now.", "A cat, a dog, a bird."]
+    with untouched(channel):
+        ex = exclusion_mask(channel, texts)
+    spikes = find_massive(channel, texts).to_frame().query("dim == @CHANNEL_DIM")
+    assert len(spikes) == 4 and set(spikes.layer) == {0}  # the plant: every comma, at layer 0 only
+    assert (ex.tokens[spikes.seq.tolist(), spikes.pos.tolist()] == COMMA).all()
+    assert set(spikes.scope) == {"outlier_dim"}
+    bos = channel.tokenizer.bos_token_id
+    assert ex.mask.nonzero()[:, 1].tolist() == [0, 0, 0] and ex.token_ids() == [bos]
+    assert ex.outlier_dims == (CHANNEL_DIM,) and f"outlier dim {CHANNEL_DIM} excluded" in ex.summary()
+    every = exclusion_mask(channel, texts, outliers="include")  # asked for: the commas are marked, and say why
+    commas = every.to_frame().query("pos > 0")
+    assert len(commas) == 4 and set(commas.reason) == {"massive (outlier dim)"} and set(commas.dim) == {CHANNEL_DIM}
+
+
+def test_the_channel_is_decided_over_all_the_texts(channel):
+    """Each text has too few tokens to show a channel; together they do (issue 48: over the batch)."""
+    texts = ["a,", "b,", "c,"]
+    ex = exclusion_mask(channel, texts)
+    assert ex.mask.nonzero()[:, 1].tolist() == [0, 0, 0] and COMMA not in ex.token_ids()
+    alone = exclusion_mask(channel, texts[0])  # one text alone is too little evidence: its comma stands out
+    assert COMMA in alone.token_ids() and alone.outlier_dims == ()
 
 
 def test_sink_levels_come_from_the_census():

@@ -12,6 +12,17 @@ median is tiny: it is a property of the dim, not of a token. The rule has two st
   dimension at *any* layer of the run is one at *every* layer of the run where it is massive
   at >= ``OUTLIER_DIM_MIN_TOKENS`` tokens of a sequence.
 
+A third case needs the magnitudes, not only the mask (:func:`channel_dims`): a *channel* that
+is large at most tokens of a layer, and passes the rule at only a few of them (a spike at a
+few commas of an early layer, at 1,200-2,100 where the channel sits at hundreds). Counted
+alone, those few entries look token-specific, and a hand-over mask would leave ordinary
+tokens out. A massive entry stands out from its own dim: a token-specific one is far above
+the dim's value at the other tokens (SmolLM2's massive dims sit at 0.3-4% of their massive
+value at the median token). So a dim whose ``|value|``, over the batch's real tokens (every
+sequence together), reaches ``CHANNEL_SHARE`` (a tenth) of its massive entries' median at
+>= ``OUTLIER_DIM_SHARE`` of them is an outlier dimension at that layer, and, by the run rule,
+wherever else it spreads.
+
 Why the second step. Decided layer by layer, a dim that is massive at most tokens of its
 early layers but dips just under the share at one (massive at 40% of the tokens, say) would
 count as token-specific there, and the masks, the interventions and trace_origin would then
@@ -41,11 +52,12 @@ single layer (an edit inside a forward pass, a candidate search).
 from __future__ import annotations
 
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 OUTLIER_DIM_SHARE = 0.5  # a dim massive at >= half of a sequence's real tokens at one layer is an outlier dimension ...
 OUTLIER_DIM_MIN_TOKENS = 4  # ... if that is at least 4 tokens (BOS and a delimiter in a 3-token text are not one)
+CHANNEL_SHARE = 0.1  # a dim at >= a tenth of its massive entries' median at most tokens is a channel, not a token
 SCOPES = ("token", "outlier_dim")  # the two scopes of a massive entry, token-specific first
 
 
@@ -79,6 +91,31 @@ def outlier_dims(count: Int[Tensor, "batch d_model"], n_tokens: Int[Tensor, " ba
     count = count.float()
     n = n_tokens.to(count.device, torch.float32)[:, None]
     return (count >= OUTLIER_DIM_SHARE * n) & (count >= OUTLIER_DIM_MIN_TOKENS)
+
+
+def channel_dims(mag: Float[Tensor, "batch pos d_model"], massive: Bool[Tensor, "batch pos d_model"],
+                 valid: Bool[Tensor, "batch pos"] | None = None) -> Bool[Tensor, " d_model"]:
+    """Which dims massive somewhere at this layer are *channels* large at most of the batch's
+    tokens: ``|value| >= CHANNEL_SHARE`` x the median ``|value|`` of the dim's massive entries
+    at >= ``OUTLIER_DIM_SHARE`` of the real tokens of every sequence together (and at least
+    ``OUTLIER_DIM_MIN_TOKENS`` of them). Their massive entries are the channel's tail, not
+    tokens that stand out (see the module docstring). ``mag`` is ``|x|``.
+
+    >>> mag = torch.full((1, 8, 2), 0.5); mag[0, :, 0] = 300.0; mag[0, 2, 0] = 2000.0; mag[0, 0, 1] = 5000.0
+    >>> massive = mag > 1000
+    >>> channel_dims(mag, massive).tolist()  # dim 0 spikes once on a channel at 300; dim 1 stands out
+    [True, False]
+    """
+    dims = massive.flatten(0, 1).any(0).nonzero().flatten()
+    out = torch.zeros(mag.shape[-1], dtype=torch.bool)
+    if not len(dims):
+        return out
+    real = torch.ones(mag.shape[:2], dtype=torch.bool, device=mag.device) if valid is None else valid.to(mag.device)
+    x, hit = mag[..., dims][real], massive[..., dims][real]  # [n_tokens k]
+    spikes = x.masked_fill(~hit, float("nan")).nanmedian(0).values  # the median massive |value| of each dim
+    large = (x >= CHANNEL_SHARE * spikes).sum(0)
+    out[dims.cpu()] = ((large >= OUTLIER_DIM_SHARE * len(x)) & (large >= OUTLIER_DIM_MIN_TOKENS)).cpu()
+    return out
 
 
 def outlier_scope(outlier: Bool[Tensor, "layer d_model"], spread: Bool[Tensor, "layer d_model"]
@@ -117,12 +154,17 @@ class OutlierTally:
         self.outlier: dict[int, Tensor] = {}  # layer -> bool [d_model]: an outlier dimension there (some sequence)
         self.spread: dict[int, Tensor] = {}  # layer -> bool [d_model]: massive at >= MIN_TOKENS tokens of a sequence
 
-    def add(self, layer: int, massive: Bool[Tensor, "batch pos d_model"], valid: Bool[Tensor, "batch pos"] | None = None
-            ) -> Bool[Tensor, "batch d_model"]:
+    def add(self, layer: int, massive: Bool[Tensor, "batch pos d_model"],
+            valid: Bool[Tensor, "batch pos"] | None = None,
+            mag: Float[Tensor, "batch pos d_model"] | None = None) -> Bool[Tensor, "batch d_model"]:
         """Count one layer's massive entries (all of them, pads already left out); returns the
-        dims that are outlier dimensions at this layer, per sequence (:func:`outlier_dims`)."""
+        dims that are outlier dimensions at this layer, per sequence (:func:`outlier_dims`),
+        and, given the magnitudes ``mag`` (``|x|``), in every sequence the channels large at
+        most of the batch's tokens (:func:`channel_dims`)."""
         count = massive.sum(1)
         flags = outlier_dims(count, _n_tokens(massive, valid))
+        if mag is not None:
+            flags = flags | channel_dims(mag, massive, valid).to(flags.device)[None, :]
         for table, now in ((self.outlier, flags.any(0)), (self.spread, (count >= OUTLIER_DIM_MIN_TOKENS).any(0))):
             now = now.cpu()
             table[layer] = table[layer] | now if layer in table else now

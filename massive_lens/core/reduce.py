@@ -62,7 +62,7 @@ class ResidualReducer:
         if padded:
             massive &= valid[..., None]
         count, n_tokens = massive.sum(1), valid.sum(1)
-        self.outlier[layer] = self.tally.add(layer, massive, valid).cpu()
+        self.outlier[layer] = self.tally.add(layer, massive, valid, mag).cpu()  # mag: channels too (issue 48)
         self.share[layer] = (count / n_tokens.clamp(min=1)[:, None]).float().cpu()
         if self.want_entries:
             idx = massive.nonzero()

@@ -11,11 +11,13 @@ A position is left out when
 
 - it carries a **token-specific massive activation** at some layer (an entry of
   :func:`~massive_lens.find_massive` with ``scope == "token"``). Entries of *outlier
-  dimensions* (a dim massive at most tokens of a layer, see
-  :func:`~massive_lens.core.criterion.outlier_dims`) mark no position by default, since they
-  would mark most of the text: they are a property of the dim, for
+  dimensions* (a dim massive at most tokens of a layer, or a channel large at most tokens
+  that passes the rule at a few, see :mod:`massive_lens.core.outliers`) mark no position by
+  default, since they would mark ordinary tokens: they are a property of the dim, for
   :func:`~massive_lens.handover.massive_dims` to keep out of a direction
-  (``outliers="include"`` marks their positions too);
+  (``outliers="include"`` marks their positions too). Which dims those are is decided once
+  over all the texts given and every layer, so a spike at a few commas of one short text is
+  judged against the channel's values in all of them;
 - it is an **attention sink** of one of the chosen ``levels`` of
   :func:`~massive_lens.sink_census` (``"primary"``: the first token and every position the
   sink rule counts; ``"secondary"``; ``"transient"``). The census lists the positions that
@@ -54,13 +56,13 @@ from torch import Tensor
 
 from massive_lens.attention.census import LEVELS, sink_census
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import OUTLIER_CHOICES, Criterion, SinkRule
+from massive_lens.core.criterion import OUTLIER_CHOICES, Criterion, SinkRule, as_criterion
 from massive_lens.core.fmt import pct
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS
-from massive_lens.detect.find import RESIDUAL_HOOKS, find_massive
+from massive_lens.detect.find import RESIDUAL_HOOKS, find_in_batch, find_massive
 from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 
@@ -87,6 +89,7 @@ class ExclusionMask(Result):
     levels: tuple[str, ...]
     outliers: str
     criterion: Criterion
+    outlier_dims: tuple[int, ...] = ()  # the outlier dimensions found in these texts (any layer)
 
     @property
     def keep(self) -> Bool[Tensor, "batch pos"]:
@@ -97,9 +100,9 @@ class ExclusionMask(Result):
         """Token ids for SAELens's ``exclude_special_tokens``.
 
         Args:
-            every: only ids left out at *every* one of their occurrences (the default: BOS,
-                not a ``"."`` that is a sink once but ordinary elsewhere, which a token list
-                would drop everywhere); False: every id left out anywhere.
+            every: only ids left out at *every* one of their occurrences in the texts given
+                (the default: BOS, not a ``"."`` that is a sink once but ordinary elsewhere,
+                which a token list would drop everywhere); False: every id left out anywhere.
 
         Returns:
             Sorted distinct token ids.
@@ -119,8 +122,15 @@ class ExclusionMask(Result):
         ids = self.token_ids()
         kinds = ", ".join(f"{k} {c}" for k, c in f["token_kind"].value_counts().items())
         return (f"{self.model_name}: {n} of {total} positions left out ({pct(n / max(total, 1))}; {kinds or 'none'}): "
-                f"{why}. Sink levels {', '.join(self.levels) or 'none'}; outlier dims {self.outliers}d. "
+                f"{why}. Sink levels {', '.join(self.levels) or 'none'}; {self._outlier_line()}. "
                 f"Token ids left out at every occurrence: {ids}")
+
+    def _outlier_line(self) -> str:
+        if not self.outlier_dims:
+            return "no outlier dim in these texts"
+        dims = ", ".join(map(str, self.outlier_dims[:8])) + (" ..." if len(self.outlier_dims) > 8 else "")
+        return (f"outlier dim{'s' if len(self.outlier_dims) > 1 else ''} {dims} {self.outliers}d (massive at most "
+                "tokens of a layer, or a channel large at most tokens: not a token's)")
 
     def plot(self, ax: Any = None) -> Any:
         """The mask, sequences by positions (pads grey)."""
@@ -191,7 +201,7 @@ def exclusion_mask(
     chosen = _levels(levels)
     if outliers not in OUTLIER_CHOICES:
         raise MassiveLensError(f"outliers must be one of {OUTLIER_CHOICES}, got {outliers!r}")
-    criterion = criterion or Criterion()
+    criterion = as_criterion(criterion)
     view = ModelView(model)
     view.require_text()  # positions of text: a vision model has no token ids to hand over
     batch = view.tokenize(text, prepend_bos)
@@ -200,20 +210,17 @@ def exclusion_mask(
     massive = torch.zeros_like(batch.mask)
     level = [[""] * batch.tokens.shape[1] for _ in range(len(batch.tokens))]
     top: dict[tuple[int, int], tuple[int, float, int, str]] = {}
-    strings: list[list[str]] = [[] for _ in range(len(batch.tokens))]
+    found = find_in_batch(view, batch, criterion, view.chosen_layers(None))  # one run: scopes decided over the batch
+    strings = [list(t) for t in found.tokens]
+    every = found.to_frame()
+    entries = every[every["scope"].isin(scopes)]
+    for (b, p), group in entries.groupby(["seq", "pos"]):
+        massive[int(b), int(p)] = True
+        peak = group.loc[group["value"].abs().idxmax()]
+        top[(int(b), int(p))] = (int(peak["dim"]), float(peak["value"]), int(group["layer"].nunique()),
+                                 "massive" if (group["scope"] == "token").any() else "massive (outlier dim)")
     for rows, length in _parts(batch.mask):
         ids = batch.tokens[rows, :length]
-        found = find_massive(model, ids, criterion=criterion)
-        for b, row in enumerate(rows):
-            strings[row] = list(found.tokens[b])
-        entries = found.to_frame()
-        entries = entries[entries["scope"].isin(scopes)]
-        for (b, p), group in entries.groupby(["seq", "pos"]):
-            row = rows[int(b)]
-            massive[row, int(p)] = True
-            peak = group.loc[group["value"].abs().idxmax()]
-            top[(row, int(p))] = (int(peak["dim"]), float(peak["value"]), int(group["layer"].nunique()),
-                                  "massive" if (group["scope"] == "token").any() else "massive (outlier dim)")
         if chosen:
             census = sink_census(model, ids, rule=rule, criterion=criterion).to_frame()
             for r in census[census["level"].isin(chosen)].itertuples():
@@ -228,7 +235,9 @@ def exclusion_mask(
                         dim, value, n_layers))
     frame = pd.DataFrame(records, columns=COLUMNS)
     return ExclusionMask(mask=mask, valid=batch.mask.clone(), tokens=batch.tokens.clone(), frame=frame,
-                         model_name=view.name, levels=chosen, outliers=outliers, criterion=criterion)
+                         model_name=view.name, levels=chosen, outliers=outliers, criterion=criterion,
+                         outlier_dims=tuple(sorted(int(d) for d in every.loc[every["scope"] == "outlier_dim", "dim"]
+                                                   .unique())))
 
 
 # --------------------------------------------------------------------------- norm thresholds
@@ -353,7 +362,7 @@ def norm_thresholds(
         raise MassiveLensError(f"outliers must be one of {OUTLIER_CHOICES}, got {outliers!r}")
     view = ModelView(model)
     tokens = sequences(view, corpus, seq_len, n_seqs)
-    entries = find_massive(model, tokens, criterion=criterion or Criterion(), hook=hook).to_frame()
+    entries = find_massive(model, tokens, criterion=as_criterion(criterion), hook=hook).to_frame()
     if outliers == "exclude":
         entries = entries[entries["scope"] == "token"]
     norms: dict[int, Tensor] = {}
