@@ -29,8 +29,9 @@ from massive_lens.attention import decompose_attention, dormant_heads, find_sink
 from massive_lens.core.lse import EAGER, LSE, attached_attention_edits, lse_run, lse_support
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import byte_tokenizer
-from massive_lens.interventions import force_self_attention, scale_sink_attention, zero_dormant_heads
+from massive_lens.interventions import Intervention, force_self_attention, scale_sink_attention, zero_dormant_heads
 from massive_lens.metrics import perplexity
+from massive_lens.models.tiny import tiny_config
 
 TEXT = ["The cat sat on the mat, and then the dog ran. Birds flew over the old house.",
         "A new line starts here; the river runs past the mill and into the sea."]
@@ -284,10 +285,14 @@ def test_nnsight_refuses_attention_edits_by_name():
     """nnsight has no eager path: an attention edit cannot be built for it, and an entered
     intervention (hooks outside a trace) is refused rather than ignored."""
     pytest.importorskip("nnsight")
-    bridge = tiny_model("llama")
-    lm = load_model(bridge.original_model, tokenizer=byte_tokenizer(), backend="nnsight", name="tiny-llama")
+    cls, config = tiny_config("llama", byte_tokenizer(), {})
+    lm = load_model(cls(config).eval(), tokenizer=byte_tokenizer(), backend="nnsight", name="tiny-llama")
     with pytest.raises(MassiveLensError, match="nnsight"):
         scale_sink_attention(lm, 0.25)
     with pytest.raises(MassiveLensError, match="nnsight"):
         force_self_attention(lm, 3)
+    user = Intervention(lm, "user_edit", [("blocks.1.hook_resid_post", lambda x, hook: x * 2)])
+    with pytest.raises(MassiveLensError, match="nnsight.*with"), user:
+        pass
     assert attached_attention_edits(ModelView(lm)) == []
+    assert sink_attention(lm, TEXT).attention == LSE

@@ -306,13 +306,15 @@ def lse_support(view: ModelView) -> str | None:
     modules, reason = _attention_modules(view)
     if reason is None:
         batch = view.full_batch(torch.zeros(1, 4, dtype=torch.long))
-        points, on_eager, on_lse = _hook_points(view.model.hook_dict), set(), set()
+        hook_dict = {} if view.pattern_refusal() else view.model.hook_dict  # nnsight: no hook points
+        points, on_eager, on_lse = _hook_points(hook_dict), set(), set()
         try:
             with model_lock(view.model), _firing(points, on_lse), lse_run(view) as seen:
                 view.forward(batch, [], check_finite=False)
             with contextlib.suppress(Exception), model_lock(view.model), _firing(points, on_eager):
-                view.forward(batch, [], check_finite=False)  # failed (a user's hook): every hooked point counts
-            z = {id(hp) for name, hp in view.model.hook_dict.items() if name.endswith("attn.hook_z")}
+                if points:  # failed (a user's hook): every hooked point counts
+                    view.forward(batch, [], check_finite=False)
+            z = {id(hp) for name, hp in hook_dict.items() if name.endswith("attn.hook_z")}
             if on_eager and _weakrefable(view.model):  # honoured: fires on both paths, and not z (read before hook_z)
                 _BYPASSED[view.model] = [(name, weakref.ref(hp)) for key, (name, hp) in points.items()
                                          if key not in on_eager & on_lse or key in z]
