@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +122,13 @@ def as_hooks(hooks: Any) -> list[tuple[str, Any]]:
             "already; passing it as hooks= too would apply its edit twice. Pass it in one place only"
         )
     hooks = getattr(hooks, "fwd_hooks", hooks)
-    hooks = list(hooks() if callable(hooks) else hooks)
+    hooks = hooks() if callable(hooks) else hooks
+    if hooks is None:  # no hooks, as hooks=() says
+        return []
+    if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Iterable):
+        raise MassiveLensError(f"hooks must be a list of (hook_name, function) pairs, an intervention or None, got "
+                               f"{type(hooks).__name__} {hooks!r:.60}")
+    hooks = list(hooks)
     for item in hooks:
         if not (isinstance(item, tuple) and len(item) == 2 and callable(item[1])):
             raise MassiveLensError(

@@ -99,7 +99,7 @@ def test_the_folder_is_the_documented_format(examples, tmp_path):
     assert (manifest["type"], manifest["module"]) == ("OriginTrace", "massive_lens.origin.trace")
     assert manifest["library_version"] == massive_lens.__version__
     assert manifest["summary"] == trace.summary()
-    assert manifest["fields"]["ledger"] == {"$frame": "frames/ledger.parquet"}
+    assert manifest["fields"]["ledger"] == {"$frame": "frames/ledger.parquet", "columns": list(trace.ledger.columns)}
     assert manifest["fields"]["n_tokens"] == trace.n_tokens
     pd.testing.assert_frame_equal(pd.read_parquet(folder / "frames" / "ledger.parquet"), trace.ledger)
     assert sorted(manifest["files"]["frames"]) == sorted(str(p.relative_to(folder)) for p in folder.glob("frames/*"))

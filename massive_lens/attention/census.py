@@ -41,7 +41,7 @@ from torch import Tensor
 from massive_lens.attention.sinks import sink_hooks
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import sequences
-from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, key_attention
+from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_rule, key_attention
 from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
@@ -290,7 +290,7 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     >>> set(census.to_frame()["level"]) <= {"primary", "secondary", "transient"}
     True
     """
-    rule = rule or SinkRule()
+    rule = as_rule(rule)
     min_layers = rule.min_layers if min_layers is None else min_layers
     if isinstance(min_layers, bool) or not isinstance(min_layers, int) or min_layers < 1 or batch_size < 1:
         raise MassiveLensError(f"min_layers and batch_size must be integers >= 1, got {min_layers!r}, {batch_size!r}")

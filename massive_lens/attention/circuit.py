@@ -32,8 +32,9 @@ import pandas as pd
 import torch
 
 from massive_lens.attention.circuit_causal import CAUSAL_COLUMNS, causal_check, removal_line
-from massive_lens.attention.circuit_split import CircuitCapture, split_layer
-from massive_lens.core.criterion import Criterion, SinkRule
+from massive_lens.attention.circuit_split import TOL, CircuitCapture, split_layer
+from massive_lens.core.checks import as_int, as_pair, as_seconds, full_precision
+from massive_lens.core.criterion import Criterion, SinkRule, as_criterion, as_rule
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -205,8 +206,7 @@ def chosen_heads(view: ModelView, cap: CircuitCapture, heads: Any, n_heads: int,
         return sorted(key for _, key in ranked[:n_heads])
     out = []
     for item in heads:
-        if not (isinstance(item, Sequence) and len(item) == 2 and all(isinstance(i, int) for i in item)):
-            raise MassiveLensError(f"heads must be (layer, head) pairs of ints, got {item!r}")
+        item = as_pair(item, "heads")  # a bool is no layer, a float no head
         if (item[0], item[1]) not in mass:
             raise MassiveLensError(f"{view.name}: head {tuple(item)} is out of range (layers {sorted(cap.keep)}, "
                                    f"{view.model.cfg.n_heads} heads)")
@@ -255,12 +255,17 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
     (True, ['key', 'query'])
     """
     view = ModelView(model)
-    rule = rule or SinkRule()
+    full_precision(view.dtype, view.name, "sink_circuit", TOL)  # before any pass: half precision fails its checks
+    rule, criterion = as_rule(rule), as_criterion(criterion)
+    n_heads, max_seconds = as_int(n_heads, "n_heads", low=1), as_seconds(max_seconds)
+    if heads is not None and (isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence) or not heads):
+        raise MassiveLensError(f"heads must be a non-empty list of (layer, head) pairs, or None to pick the top "
+                               f"n_heads sink heads; got {heads!r}")
     chosen = view.chosen_layers(layers)
     batch = view.tokenize(text)
     if int(batch.lengths.min()) < 2:
         raise MassiveLensError("sink_circuit needs at least one query after the first token; give a longer text")
-    cap = CircuitCapture(view, batch, chosen, criterion or Criterion())
+    cap = CircuitCapture(view, batch, chosen, criterion)
     start = time.perf_counter()
     view.forward(batch, cap.hooks(), stop_after=view.hook_name(max(chosen), "attn.hook_pattern"))
     token_seconds = (time.perf_counter() - start) / batch.tokens.numel()
@@ -274,7 +279,7 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
         infos.append(info)
     head_frame = pd.DataFrame(infos, columns=HEAD_COLUMNS)
     causal = (causal_check(view, head_frame, corpus, n_seqs=n_seqs, seq_len=seq_len,
-                           criterion=criterion or Criterion(), threshold=rule.threshold,
+                           criterion=criterion, threshold=rule.threshold,
                            token_seconds=token_seconds, max_seconds=max_seconds)
               if corpus is not None else pd.DataFrame(columns=CAUSAL_COLUMNS))
     token = view.str_tokens(batch)[0][0] if batch.pixel_values is None else "[first]"

@@ -182,8 +182,8 @@ def read_norm(module: Any, x: Tensor, scale: Tensor, out: Tensor, where: str) ->
                 return m
             best = err if best is None else min(best, err)
     raise MassiveLensError(f"{where}: the norm's output is not (x or x - mean(x)) * w / scale + b at its measured "
-                           f"scale (closest form off by {best:.1e} relative); sink_circuit cannot split the key "
-                           "through it")
+                           f"scale (closest form off by {best:.1e} relative), so it cannot be made linear at that "
+                           "scale and nothing can be split through it")
 
 
 def rotate(v: Tensor, cos: Tensor | None, sin: Tensor | None) -> Tensor:

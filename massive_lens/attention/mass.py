@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_hooks, sink_mask, sinks_from
+from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, SinkEvidence, first_token_mass, sink_metric
 from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
@@ -91,6 +92,7 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
     >>> list(result.to_frame().columns), 0 <= result.sink_metric <= 1
     (['layer', 'head', 'sink_mass', 'first_token_mass'], True)
     """
+    threshold = as_number(threshold, "threshold", above=0)
     if not 0 < threshold < 1:
         raise MassiveLensError(f"threshold is an attention share in (0, 1), got {threshold}")
     view = ModelView(model)

@@ -26,8 +26,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from massive_lens.attention.circuit_split import read_norm
-from massive_lens.core.criterion import Criterion, massive_mask
+from massive_lens.attention.circuit_split import TOL, read_norm
+from massive_lens.core.checks import full_precision
+from massive_lens.core.criterion import Criterion, as_criterion, massive_mask
 from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
@@ -126,7 +127,8 @@ def norm_roles(model: Any, text: Any, *, criterion: Criterion | None = None) -> 
     ['layer', 'n_tokens', 'top_k']
     """
     view = ModelView(model)
-    crit = criterion or Criterion()
+    full_precision(view.dtype, view.name, "norm_roles", TOL)  # the norm's form is read to TOL: not in half precision
+    crit = as_criterion(criterion)
     batch = view.tokenize(text)
     tokens = view.str_tokens(batch)
     rows: list[dict[str, Any]] = []

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
@@ -103,6 +103,10 @@ def iter_texts(corpus: Any = None) -> Iterator[str]:
     elif isinstance(corpus, (bytes, bytearray)):
         raise MassiveLensError("the corpus is bytes, not text; decode it first (data.decode('utf-8')) "
                                "or pass the file's path")
+    elif not isinstance(corpus, Iterable) or isinstance(corpus, Mapping):
+        raise MassiveLensError(f"the corpus must be None (the offline default text), a text, a file path, "
+                               f"'hf:NAME', a list of strings or a token tensor; got {type(corpus).__name__} "
+                               f"{corpus!r:.60}")
     else:
         for text in corpus:
             if not isinstance(text, str):

@@ -124,6 +124,20 @@ def as_criterion(criterion: Any) -> Criterion:
     return criterion
 
 
+def as_rule(rule: Any) -> SinkRule:
+    """``rule`` itself, or ``SinkRule()`` for None; anything else (a name, a number) is an error.
+
+    >>> as_rule(None) == SinkRule()
+    True
+    """
+    if rule is None:
+        return SinkRule()
+    if not isinstance(rule, SinkRule):
+        raise MassiveLensError(f"rule must be a massive_lens SinkRule (e.g. SinkRule(threshold=0.3)) or None for "
+                               f"the default, got {type(rule).__name__} {rule!r}")
+    return rule
+
+
 def median_scale(
     mag: Float[Tensor, "batch pos d_model"], criterion: Criterion, valid: Bool[Tensor, "batch pos"] | None = None,
 ) -> tuple[Float[Tensor, "batch _ _"], Float[Tensor, " batch"]]:
@@ -304,7 +318,7 @@ class SinkEvidence:
     def __init__(self, valid: Bool[Tensor, "batch pos"], n_layers: int, rule: SinkRule | None = None,
                  criterion: Criterion | None = None, outliers: OutlierTally | None = None):
         self.valid, self.n_layers = valid.cpu(), n_layers
-        self.rule, self.criterion = rule or SinkRule(), criterion or Criterion()
+        self.rule, self.criterion = as_rule(rule), as_criterion(criterion)
         self.outliers = outliers or OutlierTally()  # the run's outlier dimensions (shared by a caller's batches)
         batch, pos = valid.shape
         self.sink_heads = torch.zeros(batch, pos)  # heads (over all layers) that are sink heads for the key

@@ -20,7 +20,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
 
@@ -252,6 +252,9 @@ class ModelView:
             return self.full_batch(tokens)
         if isinstance(inputs, (bytes, bytearray)):
             raise MassiveLensError("got bytes, not text; decode them first (data.decode('utf-8'))")
+        if not isinstance(inputs, Iterable) or isinstance(inputs, Mapping):  # None, a number, a dict: no text
+            raise MassiveLensError(f"text must be a string, a list of strings or a token tensor [batch, pos], got "
+                                   f"{type(inputs).__name__} {inputs!r:.60}")
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
         wrong = next((t for t in texts if not isinstance(t, str)), None)
         if wrong is not None:

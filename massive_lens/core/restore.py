@@ -103,7 +103,12 @@ def _decode(value: Any, reader: _Reader) -> Any:
     if "$ndarray" in value:
         return reader.tensor(value["$ndarray"]).numpy()
     if "$frame" in value:
-        return reader.frame(value["$frame"])
+        frame = reader.frame(value["$frame"])
+        want = value.get("columns")  # absent in a result saved before they were kept
+        if want is not None and [str(c) for c in frame.columns] != want:
+            raise MassiveLensError(f"{reader.folder / str(value['$frame'])} has the columns {list(frame.columns)}, not "
+                                   f"{want} as saved: another table is in its place; the saved result is damaged")
+        return frame
     if "$series" in value:
         return reader.frame(value["$series"])["value"].rename(_decode(value.get("name"), reader))
     if "$float" in value:

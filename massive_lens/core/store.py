@@ -221,8 +221,8 @@ def _encode(value: Any, key: str, writer: _Writer) -> Any:
         return {"$tensor": writer.tensor(key, value)}
     if isinstance(value, np.ndarray) and value.dtype != object:
         return {"$ndarray": writer.tensor(key, torch.from_numpy(np.ascontiguousarray(value)))}
-    if isinstance(value, pd.DataFrame):
-        return {"$frame": writer.frame(key, value)}
+    if isinstance(value, pd.DataFrame):  # its columns kept beside it: a table swapped for another is refused at load
+        return {"$frame": writer.frame(key, value), "columns": [str(c) for c in value.columns]}
     if isinstance(value, pd.Series):
         name = value.name
         return {"$series": writer.frame(key, value.to_frame("value")), "name": _encode(name, key + ".name", writer)}
@@ -339,8 +339,12 @@ def save_result(result: Any, path: str | os.PathLike, *, overwrite: bool = False
     """
     target = Path(path)
     _check_target(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _fresh(target, "saving")
+    try:  # a folder that cannot be created or written (/proc, read-only, a file on the way): said as such
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _fresh(target, "saving")
+    except OSError as exc:
+        raise MassiveLensError(f"cannot save to {target}: {exc.strerror or exc}; choose a folder you can "
+                               "write") from None
     old = None
     try:
         _write(result, tmp)
@@ -351,10 +355,13 @@ def save_result(result: Any, path: str | os.PathLike, *, overwrite: bool = False
             else:
                 target.rmdir()
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not target.exists():
             os.replace(old / "result", target)
+        if isinstance(exc, OSError):  # a full disk, a folder made read-only meanwhile
+            raise MassiveLensError(f"cannot save to {target}: {exc.strerror or exc}; nothing was left "
+                                   "half-written; choose a folder you can write") from None
         raise
     finally:
         if old is not None:

@@ -17,7 +17,7 @@ census which ``k`` the model's primary sinks predict (one past the last primary 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,9 @@ def streaming_window(model: Any, text: Corpus = None, *, window: int = 256, sink
     [1.0, 1.0, 1.0]
     """
     view = ModelView(model)
+    if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):  # sinks=3: say it is a list of counts
+        raise MassiveLensError(f"sinks must be a non-empty sequence of integers >= 0 (how many first tokens each run "
+                               f"keeps, e.g. sinks=({sinks!r},) or (0, 1, 2, 4)), got {sinks!r}")
     ks = list(sinks)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise MassiveLensError(f"window must be an integer >= 1, got {window!r}")

@@ -189,7 +189,14 @@ class MassiveDims(Result):
             path.parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as exc:
             raise MassiveLensError(f"cannot write {path}: a part of {path.parent} is a file, not a folder") from exc
-        path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise MassiveLensError(f"cannot write {path}: {exc.strerror or exc}; choose a folder you can "
+                                   "write") from None
+        try:
+            path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        except OSError as exc:  # /proc, a read-only folder, a full disk
+            raise MassiveLensError(f"cannot write {path}: {exc.strerror or exc}; choose a folder you can "
+                                   "write") from None
         return path
 
 

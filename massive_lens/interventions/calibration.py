@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, evidence_pass, sinks_from
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_criterion, massive_mask
+from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_criterion, as_rule, massive_mask
 from massive_lens.core.fmt import num, short
 from massive_lens.core.lse import EAGER, LSE
 from massive_lens.core.model_view import ModelView
@@ -251,7 +251,7 @@ def calibrate(
     """
     if isinstance(corpus, Calibration):
         return _of_this_model(model, corpus)
-    view, rule = ModelView(model), rule or SinkRule()
+    view, rule = ModelView(model), as_rule(rule)
     criterion = replace(as_criterion(criterion), outliers=outliers)  # checks the choice
     tokens = sequences(view, corpus, seq_len, n_seqs)
     chunks = [(start, tokens[start:start + batch_size]) for start in range(0, len(tokens), batch_size)]

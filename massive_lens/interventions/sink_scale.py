@@ -21,14 +21,17 @@ formula itself.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from massive_lens.core.checks import as_pair
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.assemble import acts_on
@@ -58,8 +61,9 @@ def gamma_per_head(view: ModelView, gamma: Gamma) -> dict[int, Tensor]:
     if not items:
         raise MassiveLensError("scale_sink_attention: gamma names no head; give a float or {(layer, head): γ, ...}")
     out: dict[int, Tensor] = {}
-    for (layer, head), g in items.items():
-        if not isinstance(g, (int, float)) or isinstance(g, bool) or not math.isfinite(g) or g <= 0:
+    for key, g in items.items():
+        layer, head = as_pair(key, "scale_sink_attention: gamma's keys", "(layer, head)")  # no bool, no float
+        if isinstance(g, (bool, np.bool_)) or not isinstance(g, numbers.Real) or not math.isfinite(g) or g <= 0:
             raise MassiveLensError(f"scale_sink_attention: γ must be a finite number > 0 (γ = 0 would leave a head "
                                    f"with no sink attention at all: use remove_sink_attention), got {g!r} for "
                                    f"layer {layer}, head {head}")
@@ -70,7 +74,7 @@ def gamma_per_head(view: ModelView, gamma: Gamma) -> dict[int, Tensor]:
         if not 0 <= int(head) < view.cfg.n_heads:
             raise MassiveLensError(f"head {head} out of range: {view.name} has {view.cfg.n_heads} heads per layer")
         layer = view.chosen_layers(int(layer))[0]
-        out.setdefault(layer, torch.ones(view.cfg.n_heads))[int(head)] = float(g)
+        out.setdefault(layer, torch.ones(view.cfg.n_heads))[head] = float(g)  # a numpy float of any width too
     return out
 
 

@@ -44,7 +44,7 @@ from torch import Tensor
 from massive_lens.attention.sinks import sinks_of
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import Corpus
-from massive_lens.core.criterion import Criterion, massive_mask
+from massive_lens.core.criterion import Criterion, as_criterion, massive_mask
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.errors import MassiveLensError
@@ -310,7 +310,7 @@ def quantize_grid(
     planned, skipped = runnable(view, None, planned, include_head)  # the structure: before any pass
     none_runs(view, planned, skipped)
     tokens, calib = eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
-    run = _Run(view, tokens, calib, criterion or Criterion(), include_head, seed)
+    run = _Run(view, tokens, calib, as_criterion(criterion), include_head, seed)
     planned, late = runnable(view, run, planned, include_head)  # the rotations' exactness: before any setting
     skipped += late
     none_runs(view, planned, skipped)
