@@ -14,8 +14,9 @@ from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import PRESETS, TrainConfig, get_preset
 from massive_lens.train.retrofit import Retrofit, retrofit
 from massive_lens.train.stability import TrainingStability, find_spikes, training_stability
-from massive_lens.train.taskgrid import grid_settings, run_folder, run_grid
+from massive_lens.train.taskgrid import grid_settings, run_grid
 from massive_lens.train.taskpage import task_answer
+from massive_lens.train.taskrecord import run_folder
 from massive_lens.train.taskrun import TaskRun, TaskSettings, train_task
 from massive_lens.train.tasks import TASKS, make_task
 from massive_lens.train.trainer import TrainRun, load_run, train_model

@@ -12,8 +12,9 @@ import torch
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.taskcli import main as taskcli
-from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS, grid_settings, pending, run_folder, run_grid
+from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS, grid_settings, pending, run_grid
 from massive_lens.train.taskpage import fill, load_runs, paired, shown, write_page
+from massive_lens.train.taskrecord import run_folder
 from massive_lens.train.taskrun import RESULT, TaskSettings, build_model, evaluate, lowbit_gaps, sink_step, train_task
 from massive_lens.train.tasks import make_task
 
