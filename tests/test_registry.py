@@ -58,7 +58,8 @@ def test_every_row_is_complete_and_builds_an_intervention_that_runs(planted, nam
 
 def test_the_derived_tables_come_from_the_rows():
     assert SETTINGS[0] == "original" and set(SETTINGS) == {r for r, row in REGISTRY.items() if row.in_table3}
-    assert EVERY == {"zero": "zero_every", "mean": "mean_every", "bias_surgery": "bias_surgery_every"}
+    assert EVERY == {"zero": "zero_every", "mean": "mean_every", "resample": "resample_every", "noise": "noise_every",
+                     "bias_surgery": "bias_surgery_every"}
 
 
 def test_an_incomplete_row_is_caught():

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -70,6 +70,9 @@ class SinkCensus(Result):
     over the sequences, how often it became a secondary sink and at which layers; ``.by_layer``:
     per layer and level, the sinks acting there. ``attention``: ``"lse"`` (each key's attention
     from q, k and the SDPA kernel's log-sum-exp, no pattern) or ``"eager"`` (the pattern).
+    ``dependence``: a :class:`~massive_lens.interventions.dependence.SinkDependence` attached with
+    :meth:`with_dependence` (None: not measured, and the summary says so: a head's attention to
+    a sink is not its dependence on it).
     """
 
     frame: pd.DataFrame
@@ -81,9 +84,21 @@ class SinkCensus(Result):
     rule: SinkRule = field(default_factory=SinkRule)
     min_layers: int = 2
     attention: str = EAGER
+    dependence: Result | None = None
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
+
+    def with_dependence(self, dependence: Result) -> SinkCensus:
+        """This census with ``dependence`` (``sink_dependence(model, text)`` on the same text), which
+        its summary then reports beside the sink mass.
+
+        >>> from massive_lens import tiny_model
+        >>> census = sink_census(tiny_model("llama"), "Hello there, world. " * 4)
+        >>> "dependence was not measured" in census.summary()
+        True
+        """
+        return replace(self, dependence=dependence)
 
     def level(self, name: str) -> pd.DataFrame:
         """The rows of one level.
@@ -119,8 +134,13 @@ class SinkCensus(Result):
             parts.append("no secondary sinks")
         n_tr = int((f["level"] == "transient").sum())
         parts.append(f"{n_tr} transient (sink-like attention in fewer than {self.min_layers} layers)")
-        return (f"{self.model_name}, {self.n_seqs} sequence(s), sink = a head gives it > {self.rule.threshold:g} "
+        text = (f"{self.model_name}, {self.n_seqs} sequence(s), sink = a head gives it > {self.rule.threshold:g} "
                 "of its attention: " + "; ".join(parts) + f" ({path_text(self.attention)})")
+        if self.dependence is None:
+            return text + (". Peak mass is where heads look, not what they need: dependence was not measured "
+                           "(massive_lens.interventions.sink_dependence: the loss change without each sink head's "
+                           "sink attention, and its no-op / broadcast label; census.with_dependence(...))")
+        return text + "\n" + self.dependence.summary()
 
     def plot(self, ax: Any = None) -> Any:
         """Per layer: the share of sequences with a sink of each level acting there."""

@@ -23,6 +23,7 @@ from massive_lens.interventions.builders import (
 )
 from massive_lens.interventions.calibration import Calibration, calibrate
 from massive_lens.interventions.checks import REBUILT
+from massive_lens.interventions.dependence import SinkDependence, sink_dependence
 from massive_lens.interventions.head_curve import HeadCurve, head_curve
 from massive_lens.interventions.heads import zero_dormant_heads
 from massive_lens.interventions.intervention import Intervention
@@ -39,8 +40,8 @@ from massive_lens.interventions.table import InterventionTable, run_intervention
 
 __all__ = [
     "EVERY", "REBUILT", "REGISTRY", "SETTINGS", "Calibration", "HeadCurve", "Intervention", "InterventionSetting",
-    "InterventionTable", "SinkScaleSweep", "ablate_massive", "bias_surgery", "calibrate", "fix_sink_term",
-    "force_self_attention", "head_curve", "observe", "patch_sink_from", "planted_writers", "register",
-    "remove_sink_attention", "run_interventions", "scale_sink_attention", "shift_rotary_position", "sink_scale_sweep",
-    "sink_strength", "zero_dormant_heads",
+    "InterventionTable", "SinkDependence", "SinkScaleSweep", "ablate_massive", "bias_surgery", "calibrate",
+    "fix_sink_term", "force_self_attention", "head_curve", "observe", "patch_sink_from", "planted_writers", "register",
+    "remove_sink_attention", "run_interventions", "scale_sink_attention", "shift_rotary_position", "sink_dependence",
+    "sink_scale_sweep", "sink_strength", "zero_dormant_heads",
 ]

@@ -60,17 +60,19 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention import find_sinks
-from massive_lens.attention.sinks import Sinks
+from massive_lens.attention.sinks import Sinks, SinkSet
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import TOKEN_KINDS
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.access import attention_access, require
+from massive_lens.interventions.arm_stats import ARMS, arm_fill, refuse_old, template_hooks
 from massive_lens.interventions.assemble import acts_on, build_hooks, calibration_of, observe, observer
 from massive_lens.interventions.edits import (
     add_slot_value,
     drop_sinks,
     keep,
     patch_positions,
+    put_template,
     replace_sink_term,
     slot_pattern,
 )
@@ -80,11 +82,13 @@ from massive_lens.interventions.state import HookState, stash
 
 __all__ = ["Intervention", "ablate_massive", "bias_surgery", "fix_sink_term", "observe", "patch_sink_from",
            "remove_sink_attention"]
+MODES = ("zero", "mean", *ARMS)  # ablate_massive's named modes
 
 
 def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any = None,
-                   control: bool = False, where: str = "first") -> Intervention:
-    """Set the massive activations to ``"zero"``, their calibration ``"mean"`` or a number, at
+                   control: bool = False, where: str = "first", seed: int = 0, sinks: Sinks = None) -> Intervention:
+    """Set the massive activations to ``"zero"``, their calibration ``"mean"``, a control arm
+    (``"resample"``, ``"noise"``, ``"template"``: :mod:`~massive_lens.interventions.arm_stats`) or a number, at
     the layer where each dim first appears (``where="first"``) or at every layer where it is
     massive in calibration (``where="every"``). ``control=True``: zero as many
     median-magnitude activations instead (same layers, same count per sequence).
@@ -97,22 +101,29 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
     Args:
         model: a TransformerLens-style model.
         mode: ``"zero"`` (default), ``"mean"`` (each dim's calibration mean at its massive
-            entries of that layer) or a number every massive entry is set to.
+            entries of that layer), ``"resample"`` (a calibration value of that dim, layer and
+            token kind), ``"noise"`` (a Gaussian draw with its calibration mean and variance),
+            ``"template"`` (zeroed, and every later norm's output at the targeted positions set to
+            the calibrated post-norm vector) or a number every massive entry is set to.
         calibration: calibration text (a corpus; None: the offline default text) or a
             :class:`~massive_lens.interventions.Calibration` from
             :func:`~massive_lens.calibrate`; use other text than the evaluation text.
         control: zero the same number of median-magnitude, non-massive activations per
             sequence instead (needs ``mode="zero"``).
-        where: ``"first"`` (default) or ``"every"``.
+        where: ``"first"`` (default) or ``"every"`` (not with ``"template"``, which restores every later layer).
+        seed: the seed of the ``resample`` and ``noise`` draws.
+        sinks: a :class:`~massive_lens.attention.SinkSet` of the tokens it runs on (as
+            :func:`~massive_lens.run_interventions` passes): ``resample`` matches its token kinds
+            (None: the first token ``bos``, the rest ``other``); otherwise unused.
 
     Returns:
-        An :class:`Intervention` named ``"zero"``, ``"mean"``, ``"value=<mode>"`` or
+        An :class:`Intervention` named after ``mode`` (``"zero"``, ``"resample"``, ...), ``"value=<mode>"`` or
         ``"control"`` (with ``_every`` appended for ``where="every"``).
 
     Raises:
         MassiveLensError: if the calibration text has no massive activations, ``mode`` (a
-            non-finite number included) or ``where`` is none of the above, or
-            ``control=True`` with a ``mode`` other than ``"zero"``.
+            non-finite number included) or ``where`` is none of the above, ``control=True`` with a
+            ``mode`` other than ``"zero"``, or the Calibration predates the arm's statistics.
 
     >>> from massive_lens import tiny_model
     >>> ablate_massive(tiny_model("llama"), calibration="No massive activations here. " * 5)
@@ -124,8 +135,10 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
         raise MassiveLensError(f"where must be 'first' (the layer where each dim first appears) or 'every' "
                                f"(every layer where it is massive), got {where!r}")
     number = isinstance(mode, (int, float)) and not isinstance(mode, bool)
-    if not (mode in ("zero", "mean") if isinstance(mode, str) else number and math.isfinite(mode)):
-        raise MassiveLensError(f"mode must be 'zero', 'mean' or a finite number, got {mode!r}")
+    if not (mode in MODES if isinstance(mode, str) else number and math.isfinite(mode)):
+        raise MassiveLensError(f"mode must be one of {', '.join(map(repr, MODES))} or a finite number, got {mode!r}")
+    if mode == "template" and where != "first":
+        raise MassiveLensError("mode='template' restores the post-norm vector at every later layer: use where='first'")
     if control and mode != "zero":
         raise MassiveLensError("the control zeroes median-magnitude activations: use mode='zero' with control=True")
     calib = calibration_of(model, calibration)
@@ -137,19 +150,25 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
             f"{ModelView(model).name} has no token-specific massive activations in the calibration text "
             f"({calib.source}, criterion {calib.criterion}){excluded}; nothing to ablate. Use more or other "
             "calibration text, or a looser Criterion")
+    old = refuse_old(calib, mode, ModelView(model).name) if isinstance(mode, str) else None
+    if old:
+        raise MassiveLensError(old)
+    kinds = sinks.kinds if isinstance(sinks, SinkSet) else None
 
-    def fill(layer: int, dims: list[int]) -> Tensor:
-        if mode == "mean":
-            at = calib.dims_at[layer].tolist()
-            return calib.means_at[layer][[at.index(d) for d in dims]]
-        return torch.full((len(dims),), 0.0 if mode == "zero" else float(mode))
+    def fill(layer: int, dims: list[int]) -> Tensor | Any:
+        if isinstance(mode, str):
+            return arm_fill(calib, mode, layer, dims, seed=seed, kinds=kinds)
+        return torch.full((len(dims),), float(mode))
 
     name = "control" if control else (mode if isinstance(mode, str) else f"value={mode:g}")
     name += "_every" if where == "every" else ""
     state = HookState(calib)
     hooks = build_hooks(model, calib, state, fill=fill, where=where, control=control, measure_massive=True)
+    if mode == "template":  # the norms of every layer after the last first-massive layer read the template
+        hooks += template_hooks(ModelView(model), calib.template, after=max(calib.dims),
+                                put=partial(put_template, state=state))
     layers = calib.dims if where == "first" else calib.dims_at
-    removes = not control and (mode == "zero" or (not isinstance(mode, str) and float(mode) == 0.0))
+    removes = not control and (mode in ("zero", "template") or (not isinstance(mode, str) and float(mode) == 0.0))
     return Intervention(model, name, hooks, state=state, acts_on=acts_on(model, resid=list(layers)), where=where,
                         removes=removes, edits_massive=True, observer=observer(model, calib, None))
 

@@ -49,6 +49,7 @@ from massive_lens.core.outliers import OutlierTally, token_specific
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
+from massive_lens.interventions.arm_stats import TemplateTally, build_pool, empty_pool
 from massive_lens.interventions.sink_stats import sink_pass as _sink_pass
 
 ONLINE_GATE = 0.5  # online, a later sink's dim must reach half its calibration median at the sink layer
@@ -80,6 +81,9 @@ class Calibration(Result):
 
     ``model_name`` and ``d_model``: the model it was measured on; every consumer refuses a
     Calibration of another model (``""`` and 0 in one saved before they were kept: sizes only).
+    The arms' (:mod:`~massive_lens.interventions.arm_stats`): ``vars_at`` (variances beside ``means_at``),
+    ``pool`` (token-specific massive entries: layer, seq, kind, dim, value), ``template [layer+1 norm
+    d_model]`` (post-norm vectors of spike-carrying tokens); empty in an older save (the arms refuse it).
 
     ``to_frame()``: one row per fact, ``kind`` (``massive_mean``: ``layer``, ``dim``,
     ``value`` at the first massive layer; ``massive_mean_at``: the same at every massive
@@ -109,6 +113,9 @@ class Calibration(Result):
     outlier_dims: Tensor = field(default_factory=_long)
     model_name: str = ""
     d_model: int = 0
+    vars_at: dict[int, Tensor] = field(default_factory=dict)
+    pool: Tensor = field(default_factory=empty_pool)
+    template: Tensor = field(default_factory=lambda: torch.zeros(0))
 
     @property
     def detect_layer(self) -> int | None:
@@ -258,9 +265,11 @@ def calibrate(
     bar = tqdm(total=2 * len(chunks), desc="calibrate", disable=not progress, leave=False)
     massive = _massive_pass(view, chunks, criterion, rule, bar)
     sinks, entries, first_massive = massive["sinks"], massive["entries"], massive["first_massive"]
-    counts, sums = massive["counts"], massive["sums"]
+    counts, sums, squares = massive["counts"], massive["sums"], massive["squares"]
     dims_at = {layer: counts[layer].nonzero().flatten() for layer in range(view.n_layers) if bool(counts[layer].any())}
     means_at = {layer: (sums[layer, d] / counts[layer, d]).float() for layer, d in dims_at.items()}
+    vars_at = {layer: (squares[layer, d] / counts[layer, d] - (sums[layer, d] / counts[layer, d]) ** 2).clamp(min=0)
+               .float() for layer, d in dims_at.items()}
     first: dict[int, int] = {}
     for layer, d in sorted(dims_at.items()):
         for dim in d.tolist():
@@ -277,7 +286,8 @@ def calibrate(
     return Calibration(
         source=describe_source(corpus), dims=dims, means=means, attn_layers=attn_layers, criterion=criterion,
         n_seqs=len(tokens), dims_at=dims_at, means_at=means_at, sinks=sinks, rule=rule, **stats, **online,
-        outlier_dims=massive["outlier_dims"], model_name=view.name, d_model=view.d_model,
+        outlier_dims=massive["outlier_dims"], model_name=view.name, d_model=view.d_model, vars_at=vars_at,
+        pool=build_pool(entries, massive["kinds"]), template=massive["template"],
     )
 
 
@@ -287,6 +297,8 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     n_layers, d_model = view.n_layers, view.d_model
     sums = torch.zeros(n_layers, d_model, dtype=torch.float64)
     counts = torch.zeros(n_layers, d_model, dtype=torch.float64)
+    squares = torch.zeros(n_layers, d_model, dtype=torch.float64)
+    template = TemplateTally(n_layers, d_model)  # the post-norm vectors of spike-carrying tokens
     entries: list[Tensor] = []  # token-specific entries, for the online sink rule
     gathered: list[tuple[SinkEvidence, Tensor]] = []
     tally = OutlierTally()  # the whole calibration text is one run: its outlier dimensions, decided once
@@ -294,6 +306,7 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     for start, chunk in chunks:
         batch = view.full_batch(chunk)
         evidence = SinkEvidence(batch.mask, n_layers, rule, criterion, outliers=tally)
+        template.start(batch.mask)
 
         def on_resid(resid: Tensor, hook: Any, layer: int, start: int = start,
                      evidence: SinkEvidence = evidence) -> None:
@@ -302,7 +315,10 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
             values = resid.detach().double() * every
             sums[layer] += values.sum((0, 1)).cpu()
             counts[layer] += every.sum((0, 1)).double().cpu()
-            idx = token_specific(every).nonzero()  # the run's outlier dims are left out below
+            squares[layer] += (values * values).sum((0, 1)).cpu()
+            specific = token_specific(every)
+            template.carry(specific)
+            idx = specific.nonzero()  # the run's outlier dims are left out below
             if len(idx):
                 value = resid[idx[:, 0], idx[:, 1], idx[:, 2]].double()
                 entries.append(torch.stack([torch.full_like(value, layer), idx[:, 0].double() + start,
@@ -316,12 +332,13 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
             if not lse:
                 hooks.append((view.hook_name(layer, "attn.hook_pattern"), on_pattern))
             hooks.append((view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)))
+        hooks += template.hooks(view)
         evidence_pass(view, batch, hooks, evidence, LSE if lse else EAGER)
         gathered.append((evidence, view.token_kinds(batch)))
         bar.update()
     scope = torch.stack([tally.at(layer) for layer in range(n_layers)])  # [layer d_model] outlier-dimension entries
     if criterion.outliers == "exclude":
-        sums[scope], counts[scope] = 0.0, 0.0
+        sums[scope], counts[scope], squares[scope] = 0.0, 0.0, 0.0
     entries = [e[~scope[e[:, 0].long(), e[:, 3].long()]] for e in entries]
     found = [sinks_from(evidence, kinds) for evidence, kinds in gathered]
     first = [evidence.first_massive for evidence, _ in gathered]
@@ -330,7 +347,8 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     source = FOUND + (f"; the first token in {fallback} sequence(s) with none" if fallback else "")
     sinks = SinkSet(torch.cat([f.mask for f in found]), torch.cat([f.kinds for f in found]), source,
                     torch.cat([f.by_attention for f in found]), torch.cat([f.by_massive for f in found]))
-    return dict(sums=sums, counts=counts, sinks=sinks, first_massive=torch.cat(first),
+    return dict(sums=sums, counts=counts, squares=squares, sinks=sinks, first_massive=torch.cat(first),
+                kinds=torch.cat([kinds for _, kinds in gathered]), template=template.template(),
                 entries=torch.cat(entries) if entries else torch.zeros(0, 5, dtype=torch.float64),
                 outlier_dims=scope.any(0).nonzero().flatten())
 

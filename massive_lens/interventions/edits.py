@@ -11,6 +11,7 @@ slot) and the residual patch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ class ResidPlan:
     layer: int
     first: Tensor  # dims first massive here: their targets are set here
     edit: Tensor  # dims edited here
-    fill: Tensor | None  # the value each edited dim gets (None: no edit)
+    fill: Tensor | Callable | None  # the value each edited dim gets, or a draw of them (None: no edit)
     measure: Tensor  # dims whose targets' |value| is recorded here
     detect: bool  # find the later sinks online here
     last_first: bool  # the last layer where targets are set (record them)
@@ -69,7 +70,8 @@ def resid_step(resid: Float[Tensor, "batch pos d_model"], hook: Any, *, state: H
             zero_median_entries(out, where.sum((1, 2)), massive=massive)
         else:
             cols = dims[plan.edit].to(resid.device)
-            out[..., cols] = torch.where(where, plan.fill.to(out), out[..., cols])
+            fill = plan.fill(tuple(resid.shape[:2])) if callable(plan.fill) else plan.fill
+            out[..., cols] = torch.where(where, fill.to(out), out[..., cols])
             for dim, n in zip(dims[plan.edit].tolist(), where.sum((0, 1)).tolist(), strict=True):
                 if n:
                     state.record.edited[dim] = state.record.edited.get(dim, 0) + int(n)
@@ -164,6 +166,14 @@ def add_slot_value(z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *
     group = z.shape[2] // value.shape[0]
     share = state.stash["slot"]  # [batch head query]
     return z + torch.einsum("bhq,hd->bqhd", share.to(z), value.to(z).repeat_interleave(group, 0))
+
+
+def put_template(act: Float[Tensor, "batch pos d_model"], hook: Any, *, state: HookState, vector: Tensor) -> Tensor:
+    """A norm's output at the targeted positions set to the calibrated post-norm ``vector``."""
+    if state.targets is None or tuple(state.targets.shape[:2]) != tuple(act.shape[:2]):
+        return act
+    where = state.targets.any(-1).to(act.device)
+    return torch.where(where[..., None], vector.to(act), act)
 
 
 def keep(act: Tensor, hook: Any, *, cache: dict[str, Tensor], name: str) -> None:

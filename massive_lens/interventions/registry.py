@@ -95,6 +95,15 @@ ROWS: tuple[InterventionSetting, ...] = (
         acts_on=RESID, needs_massive=True, every="zero_every", takes_sinks=False, options=dict(mode="zero")),
     Row(name="mean", builder=ablate_massive, description="massive activations set to their calibration mean",
         acts_on=RESID, needs_massive=True, every="mean_every", takes_sinks=False, options=dict(mode="mean")),
+    Row(name="resample", builder=ablate_massive,
+        description="massive activations set to a calibration value of the same dim, layer and token kind",
+        acts_on=RESID, needs_massive=True, every="resample_every", options=dict(mode="resample")),
+    Row(name="noise", builder=ablate_massive,
+        description="massive activations set to Gaussian noise with their calibration mean and variance",
+        acts_on=RESID, needs_massive=True, every="noise_every", takes_sinks=False, options=dict(mode="noise")),
+    Row(name="template", builder=ablate_massive,
+        description="massive activations zeroed; every later norm's output there set to the calibrated "
+        "post-norm vector", acts_on=RESID, needs_massive=True, takes_sinks=False, options=dict(mode="template")),
     Row(name="control", builder=ablate_massive, description="as many median-magnitude activations set to zero",
         acts_on=RESID, needs_massive=True, takes_sinks=False, options=dict(mode="zero", control=True)),
     Row(name="sink_term_mean", builder=fix_sink_term,
@@ -114,6 +123,14 @@ ROWS: tuple[InterventionSetting, ...] = (
         description="massive activations set to their calibration mean at every layer where they are massive",
         acts_on=RESID, needs_massive=True, in_table3=False, takes_sinks=False,
         options=dict(mode="mean", where="every")),
+    Row(name="resample_every", builder=ablate_massive,
+        description="massive activations set to a calibration value of the same dim, layer and token kind at "
+        "every layer where they are massive", acts_on=RESID, needs_massive=True, in_table3=False,
+        options=dict(mode="resample", where="every")),
+    Row(name="noise_every", builder=ablate_massive,
+        description="massive activations set to Gaussian noise with their calibration mean and variance at every "
+        "layer where they are massive", acts_on=RESID, needs_massive=True, in_table3=False, takes_sinks=False,
+        options=dict(mode="noise", where="every")),
     Row(name="bias_surgery_every", builder=bias_surgery,
         description="explicit per-head k/v bias slot; sinks masked; massive activations zeroed at every layer "
         "where they are massive", acts_on=ATTN, needs_massive=True, in_table3=False, options=dict(where="every")),

@@ -39,6 +39,7 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import intervention_bars
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
+from massive_lens.interventions.arm_stats import arm_lines
 from massive_lens.interventions.calibration import Calibration, calibrate, describe_source
 from massive_lens.interventions.checks import Record, downstream, reading
 from massive_lens.interventions.edits import measure_columns
@@ -46,7 +47,8 @@ from massive_lens.interventions.registry import ATTN, EVERY, REGISTRY, SETTINGS
 from massive_lens.metrics import bootstrap_mean, perplexity
 
 # the settings that run on an nnsight model (they edit the residual stream, or nothing)
-NNSIGHT_SETTINGS = ("original", "zero", "mean", "control", "zero_every", "mean_every")
+NNSIGHT_SETTINGS = ("original", "zero", "mean", "resample", "noise", "control", "zero_every", "mean_every",
+                    "resample_every", "noise_every")
 CHECK_COLUMNS = ["where", "acts_on", "sinks_per_seq", "sink_kinds", "targets_per_seq", "target_dims", "target_kinds",
                  "target_kept", "peak_layer", "target_back", "back_layer", "sink_mass", "sink_mass_original", "rebuilt",
                  "added", "check"]
@@ -107,6 +109,7 @@ class InterventionTable(Result):
         for r in self.frame.itertuples():
             interval = f"[{_num(r.ratio_low)}, {_num(r.ratio_high)}]"
             lines.append(f"{r.setting:<24}{_num(r.perplexity):>12}{_num(r.ratio):>10}{interval:>22}{r.accuracy:>10.1%}")
+        lines += arm_lines(self.frame)  # a zero-ablation verdict beside its controls (mean/resample/noise/template)
         if "check" not in self.frame:
             return "\n".join(lines)
         if self.sinks is not None:
@@ -144,7 +147,7 @@ class _Run:
     intervention: Any
 
 
-def _evaluate(model: Any, setting: str, calib: Calibration, batches: list[tuple[Tensor, Tensor]],
+def _evaluate(model: Any, setting: str, calib: Calibration, batches: list[tuple[Tensor, SinkSet]],
               bar: Any) -> _Run:
     losses, accs, record, first = [], [], Record(), None
     for chunk, sinks in batches:
@@ -237,8 +240,8 @@ def run_interventions(
 
     Args:
         model: a TransformerLens-style model, or an nnsight model with the settings that edit
-            the residual stream (``original``, ``zero``, ``mean``, ``control``, ``zero_every``,
-            ``mean_every``; the attention on the sinks read from the kernel's log-sum-exp).
+            the residual stream (``original``, ``zero``, ``mean``, ``resample``, ``noise``, ``control``
+            and the ``_every`` forms; the attention on the sinks read from the kernel's log-sum-exp).
         corpus: the evaluation text (a file, text, ``hf:`` name, token tensor; None: the
             offline default text).
         calibration: where means are measured (a corpus, None for the offline default
@@ -309,7 +312,7 @@ def run_interventions(
         bar.update()
     sinks = SinkSet(torch.cat([f.mask for f in found]), torch.cat([f.kinds for f in found]), found[0].source,
                     torch.cat([f.by_attention for f in found]), torch.cat([f.by_massive for f in found]))
-    batches = [(chunk, f.mask) for chunk, f in zip(chunks, found, strict=True)]
+    batches = [(chunk, f) for chunk, f in zip(chunks, found, strict=True)]  # the SinkSet: masks and token kinds
     runs = {s: _evaluate(model, s, calib, batches, bar) for s in order}
     bar.close()
     rows, checks = [], []

@@ -31,6 +31,7 @@ from massive_lens.detect import CorpusScan, MassiveActivations, find_massive, sc
 from massive_lens.detect.scope import layer_span
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
+from massive_lens.interventions.dependence import sink_dependence
 from massive_lens.origin import OriginTrace, trace_origin
 from massive_lens.quant import measure_outliers
 from massive_lens.report.memory import release_free_memory
@@ -334,6 +335,19 @@ def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | No
     decomposition = decompose_attention(model, texts)
     s.pre(decomposition.summary())
     s.figure(decomposition.plot(), "sink term vs content term: norms and how constant the sink term is")
+    if not inputs.settings.full:  # attention to a sink is not dependence on it: measured behind --full
+        s.note("Sink dependence not measured (a head's attention to a sink is not its dependence on it): --full "
+               "measures, per sink head, the loss change without its sink attention and its no-op / broadcast label.")
+        return
+    try:
+        dependence = sink_dependence(model, inputs.eval_tokens[:8], max_heads=8, progress=inputs.progress)
+    except MassiveLensError as err:
+        s.note(f"Sink dependence not measured: {err}")
+        return
+    s.pre(dependence.summary())
+    s.table(dependence.to_frame(), "sink heads: attention to the sinks beside the loss change without it (paired "
+            "95% interval over sequences) and the no-op / broadcast label (output change with another input's sink "
+            "value)")
 
 
 EVERY_TEXT = ("A setting ending in _every (zero_every, mean_every, bias_surgery_every) applies the same edit at every "

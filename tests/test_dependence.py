@@ -1,0 +1,115 @@
+"""sink_dependence: the loss change without a head's sink attention (against an independent
+computation through the head's output), the no-op / broadcast label (exact on a BOS sink), the
+census's summary, and the usual contract."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from helpers import untouched
+from planting import TEXT, bos_tokens, plant_sink
+
+from massive_lens import perplexity, sink_census, tiny_model
+from massive_lens.core.model_view import ModelView
+from massive_lens.errors import MassiveLensError
+from massive_lens.interventions import SinkDependence, sink_dependence
+from massive_lens.report import write_report
+
+LAYER, HEAD = 1, 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = tiny_model("llama")
+    plant_sink(model)
+    return model
+
+
+def by_output(model, tokens, layer, head):
+    """The loss with (layer, head)'s attention to the first token removed and its rows renormalised,
+    computed on the head's output: z' = (z - p_0 v_0) / (1 - p_0) at every query but the first."""
+    view, stash = ModelView(model), {}
+
+    def keep(act, hook, key):
+        stash[key] = act
+
+    def edit(z, hook):
+        p0 = stash["pattern"][:, head, :, 0]  # [batch query]
+        group = stash["pattern"].shape[1] // stash["v"].shape[2]
+        v0 = stash["v"][:, 0, head // group]  # [batch d_head]
+        new = (z[:, :, head] - p0[..., None] * v0[:, None]) / (1 - p0)[..., None]
+        z = z.clone()
+        z[:, 1:, head] = new[:, 1:]
+        return z
+
+    hooks = [(view.hook_name(layer, "attn.hook_pattern"), partial(keep, key="pattern")),
+             (view.hook_name(layer, "attn.hook_v"), partial(keep, key="v")),
+             (view.hook_name(layer, "attn.hook_z"), edit)]
+    return perplexity(model, tokens, batch_size=len(tokens), hooks=hooks, progress=False).per_seq
+
+
+def test_loss_change_matches_the_head_output_computation(model):
+    tokens = bos_tokens(model, TEXT, 24, 4)
+    with untouched(model):
+        dep = sink_dependence(model, tokens, heads=[(LAYER, HEAD)], batch_size=4, progress=False)
+    assert isinstance(dep, SinkDependence)
+    row = dep.to_frame().set_index(["layer", "head"]).loc[(LAYER, HEAD)]
+    base = perplexity(model, tokens, batch_size=4, progress=False).per_seq
+    want = (by_output(model, tokens, LAYER, HEAD) - base).mean()
+    assert row["measured"] and row["loss_change"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+    assert row["loss_low"] <= row["loss_change"] <= row["loss_high"]
+
+
+def test_a_head_that_writes_nothing_does_not_depend_on_its_sink(model):
+    with torch.no_grad():
+        saved = model.blocks[LAYER].attn.W_O[HEAD].clone()
+        model.blocks[LAYER].attn.W_O[HEAD] = 0.0
+    try:
+        dep = sink_dependence(model, bos_tokens(model, TEXT, 24, 4), heads=[(LAYER, HEAD)], progress=False)
+    finally:
+        with torch.no_grad():
+            model.blocks[LAYER].attn.W_O[HEAD] = saved
+    row = dep.to_frame().iloc[0]
+    assert row["loss_change"] == row["loss_low"] == row["loss_high"] == 0.0
+
+
+def test_a_bos_sink_is_an_exact_no_op_and_a_varying_first_token_a_broadcast(model):
+    """A BOS sees only itself: its value is the same in every input, so swapping it changes nothing.
+    Without BOS, the first token (the fallback sink) differs between inputs and its value carries that."""
+    tokens = bos_tokens(model, TEXT, 24, 4)
+    with_bos = sink_dependence(model, tokens, threshold=0.0, max_heads=1, progress=False).to_frame()
+    assert (with_bos["swap_change"] == 0.0).all() and set(with_bos["label"]) == {"no-op"}
+    without = sink_dependence(model, tokens[:, 1:], threshold=0.0, max_heads=1, progress=False).to_frame()
+    assert (without["swap_change"] > 0.0).all() and "broadcast" in set(without["label"])
+
+
+def test_summary_puts_dependence_beside_mass(model):
+    tokens = bos_tokens(model, TEXT, 24, 4)
+    dep = sink_dependence(model, tokens, threshold=0.0, max_heads=2, progress=False)
+    text = dep.summary()
+    assert "2 measured" in text and "nats/token" in text and "not a finding" in text
+    census = sink_census(model, tokens)
+    assert "dependence was not measured" in census.summary()
+    joined = census.with_dependence(dep).summary()
+    assert "dependence was not measured" not in joined and dep.summary() in joined
+    assert dep.plot() is not None
+
+
+@pytest.mark.parametrize("kw", [dict(heads=[(99, 0)]), dict(heads=[(0, 99)]), dict(n_seqs=1), dict(max_heads=0),
+                                dict(batch_size=0), dict(broadcast_at=-1.0)])
+def test_bad_inputs_are_refused(model, kw):
+    with untouched(model), pytest.raises(MassiveLensError):
+        sink_dependence(model, TEXT, seq_len=16, **{"n_seqs": 2, **kw}, progress=False)
+
+
+def test_the_report_measures_dependence_only_behind_full(tmp_path):
+    """The light report says dependence was not measured; ``full=True`` (``--full``) shows it."""
+    model = tiny_model("llama")
+    skip = "origin,sinks,circuit,interventions,quantization,lowbit"
+    light = write_report(model, out_dir=tmp_path / "light", quick=True, progress=False, tables=False, skip=skip)
+    assert "Sink dependence not measured" in (light.parent / "report.md").read_text()
+    full = write_report(model, out_dir=tmp_path / "full", full=True, n_seqs=2, progress=False, tables=False, skip=skip)
+    md = (full.parent / "report.md").read_text()
+    assert "sink dependence on" in md and "Sink dependence not measured" not in md
