@@ -131,9 +131,9 @@ def story(trace: Any, t: Any) -> str:
     supers = _of(trace.super_weights, t)
     if not supers.empty:
         s = supers.loc[supers.zscore.abs().idxmax()]
-        lines.append(f"  largest weight: {s.hf_param}[{s.hf_row}, {s.hf_col}] = {s.value:.3g} "
+        lines.append(f"  largest candidate weight: {s.hf_param}[{s.hf_row}, {s.hf_col}] = {s.value:.3g} "
                      f"(z = {s.zscore:,.1f}, rank {s['rank']:,} of {s.n_entries:,}; "
-                     f"layer {s.layer}, neuron {s.neuron})")
+                     f"layer {s.layer}, neuron {s.neuron}; what removing it costs: verify_super_weights)")
     return "\n".join(lines)
 
 
