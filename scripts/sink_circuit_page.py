@@ -18,12 +18,16 @@ import torch
 
 from massive_lens import load_model
 from massive_lens.attention import sink_circuit
+from massive_lens.attention.circuit_split import visible_token
 from massive_lens.attention.rescale import norm_roles
 from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
+CONTROL_VIEW = ["layer", "head", "mass_before", "mass_after", "mass_after_low", "mass_after_high", "margin",
+                "removed_logit", "runner_up_after", "runner_up_gap_low", "runner_up_gap_high", "random_after",
+                "random_after_min", "random_logit", "random_gap_low", "random_gap_high", "specific"]
 
 
 def main(name: str, n_seqs: int, corpus: str) -> None:
@@ -36,15 +40,26 @@ def main(name: str, n_seqs: int, corpus: str) -> None:
     text = sequences(view, corpus, 128, 4)  # the split: the first 4 sequences of 128 tokens
     held = sequences(view, corpus, 128, 4 + n_seqs)[4:]  # the causal check: the next n_seqs
     start = time.time()
-    circuit = sink_circuit(model, text, corpus=held)
+    circuit = sink_circuit(model, text, corpus=held)  # a tqdm bar counts the causal check's passes
     took = time.time() - start
     roles = norm_roles(model, text)
     circuit.save(out / "sink_circuit", overwrite=True)
     roles.save(out / "norm_roles", overwrite=True)
     save_figure(circuit.plot(), out / "chain", formats=("png",))
-    lines = [circuit.summary(), "", roles.summary(), "", "headline entry:", roles.headline().to_string(), "",
-             circuit.heads.round(3).to_string(), "", circuit.causal.drop(columns=["est_seconds"]).round(3).to_string(),
-             "", roles.layers.round(3).to_string(), "", f"sink_circuit wall time {took:.0f}s"]
+    verdicts = circuit.verdicts()
+    headline = roles.headline().copy()
+    headline["token"] = visible_token(str(headline["token"]))  # a whitespace token never prints blank
+    causal = circuit.causal
+    lines = [circuit.summary(), "", roles.summary(), "", "headline entry:",
+             headline.to_string(), "", "per head (circuit.verdicts()):",
+             verdicts[["layer", "head", "sink_mass", "margin", "verdict", "why"]].round(3).to_string(), "",
+             verdicts[["layer", "head", "dominant", "dominant_share", "massive_share", "killed_by", "survives"]]
+             .round(3).to_string(), "", "circuit.heads:", circuit.heads.round(3).to_string(), "",
+             "the writer removal against its controls (circuit.causal):",
+             causal[causal["removal"] == "dominant writer"][CONTROL_VIEW].round(3).to_string(), "",
+             "circuit.causal:", causal.drop(columns=["est_seconds"]).round(3).to_string(), "",
+             "norm_roles by scope:", roles.to_frame().groupby("scope")["role"].value_counts().to_string(), "",
+             roles.layers.round(3).to_string(), "", f"sink_circuit wall time {took:.0f}s"]
     (out / "output.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -20,6 +20,9 @@ to 0; under GPT-2's LayerNorm, which centres, a negative input bias keeps it sil
   by the last layer's MLP), a token-specific massive activation; ``OUTLIER_DIM`` carries
   ``OUTLIER_VALUE`` at every token but BOS from the embedding on (an *outlier dimension*),
   until a neuron of ``OUTLIER_END`` erases it.
+- :func:`plant_key_writers` (pre-norm families): a sink key with known writers, MLP ``i`` writing
+  ``values[i]`` at BOS into a dim every later key reads; equal values give a sink made of equal
+  parts (distributed), one large value a writer that dominates (singled out).
 """
 
 from __future__ import annotations
@@ -198,6 +201,65 @@ def plant_dip(model: Any) -> Any:
     with torch.no_grad():  # the trigger is small beside OUTLIER_VALUE under the pre-norm: read it louder
         wire_neuron(model.blocks[DIP_LAYER].mlp, DIPPER, DIP_TRIGGER, gain=3.0 * OUTLIER_VALUE)
     scale_write(model, DIP_LAYER, DIPPER, OUTLIER_DIM, -OUTLIER_VALUE, _probe(model), 1)
+    return model
+
+
+KEY_DIMS = (SINK_DIM, 24, 25)  # plant_key_writers: MLP i writes KEY_DIMS[i] at BOS
+QUERY_DIM, QUERY_CONST, KEY_NEURON = 26, 0.05, 37  # every token but BOS carries QUERY_CONST in QUERY_DIM
+SINK_LOGIT = 8.0  # the sink logit plant_key_writers aims at in every sink layer
+
+
+def _rotary_pair(model: Any) -> list[int]:
+    d_head = model.cfg.d_head
+    return [d_head // 2 - 1, d_head - 1]  # the lowest rotary frequency (rotate-half layout): barely turns
+
+
+def _sink_logit(model: Any, tokens: torch.Tensor, layer: int) -> float:
+    scores = _grab(model, tokens, f"blocks.{layer}.attn.hook_attn_scores", [])
+    return float(scores[:, :, 1:, 0].mean())
+
+
+def plant_key_writers(model: Any, values: tuple[float, ...], logit: float = SINK_LOGIT) -> Any:
+    """A sink whose key has known writers (pre-norm families; ``len(values) + 2`` layers or more):
+    MLP ``i`` writes ``values[i]`` into the clean dim ``KEY_DIMS[i]`` at BOS only (MLP 0 from BOS's
+    trigger, the later ones from BOS's ``SINK_DIM``). From layer ``len(values)`` on every key head
+    reads each of those dims with the same weight into the lowest-frequency rotary pair, and every
+    query head reads ``QUERY_DIM`` (a constant at every token but BOS) there, scaled so that the
+    sink logit is about ``logit`` in each such layer, a few nats over the content keys: every head
+    there is a sink head whose logit the writers share in proportion to ``values`` (RMSNorm keeps
+    the proportions). Equal values: a sink built from equal parts, none of which kills it alone;
+    one large value: one writer that dominates. The layers before read nothing into the pair.
+    Returns the model, edited in place."""
+    n = len(values)
+    assert not post_norm(model) and model.cfg.n_layers >= n + 2 and n <= len(KEY_DIMS)
+    plant_sink(model, values[0])
+    bos, pair = model.tokenizer.bos_token_id, _rotary_pair(model)
+    clean_dim(model, QUERY_DIM)
+    with torch.no_grad():
+        model.W_E[:, QUERY_DIM] = QUERY_CONST
+        model.W_E[bos, QUERY_DIM] = 0.0
+    probe = _probe(model)
+    for i in range(1, n):
+        clean_dim(model, KEY_DIMS[i])
+        wire(model, i, KEY_NEURON, SINK_DIM, KEY_DIMS[i])
+        scale_write(model, i, KEY_NEURON, KEY_DIMS[i], values[i], probe, 0)
+    tokens = bos_tokens(model, TEXT, 32, 2)
+    with torch.no_grad():
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            for weight in (attn.W_Q, attn.W_K):
+                weight[:, :, pair] = 0.0
+            for bias in (getattr(attn, "b_Q", None), getattr(attn, "b_K", None)):
+                if bias is not None:
+                    bias[:, pair] = 0.0
+            if layer < n:
+                continue
+            attn.W_Q[:, QUERY_DIM, pair[0]] = 1.0
+            for dim in KEY_DIMS[:n]:
+                attn.W_K[:, dim, pair[0]] = 1.0
+        for layer in range(n, model.cfg.n_layers):  # in order: a layer's queries depend on the sinks before it
+            now = _sink_logit(model, tokens, layer)
+            model.blocks[layer].attn.W_Q[:, QUERY_DIM, pair[0]] *= logit / now
     return model
 
 

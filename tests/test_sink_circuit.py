@@ -86,8 +86,10 @@ def test_planted_sink(planted):
     assert not bq["kills"].any()
     assert (causal["loss_ratio"] > 0).all() and (causal["mass_after_low"] <= causal["mass_after_high"]).all()
     text = c.summary()
-    assert text.splitlines()[0].startswith(f"{c.model_name}: the sink at") and "mlp 0" in text
-    assert "removing massive dims drops its attention from" in text
+    assert text.splitlines()[0].startswith(f"{c.model_name}: {len(h)} of {len(h)} sink heads single out one writer")
+    assert text.splitlines()[1].startswith("split: the sink at") and "mlp 0" in text
+    assert "removing massive dims drops the corpus attention on the first token" in text
+    assert (c.verdicts()["verdict"] == "singled out: mlp 0").all()
 
 
 def test_save_load(tmp_path, planted):
@@ -136,8 +138,9 @@ def test_norm_roles(family):
     want = (x[:, SINK_DIM] ** 2 / (x ** 2).sum(-1)).tolist()
     assert bos["denominator_share"].tolist() == pytest.approx(want, rel=1e-5)
     assert (bos["role"] == "contributor").all()
-    lay = r.layers.set_index("layer").loc[2]
-    assert lay["n_tokens"] == len(tokens) and lay["cos_normed"] > 0.99
+    lay = r.layers.set_index("layer").loc[2]  # BOS in every text: copies of one state, counted once (no cosine)
+    assert lay["n_tokens"] == len(tokens) and lay["n_distinct"] == 1 and lay["cos_normed"] != lay["cos_normed"]
+    assert "copies of one state" in r.summary() and "mean cosine" not in r.summary()
     with torch.no_grad():
         ln = model.blocks[2].ln1.original_component
         ln.weight[SINK_DIM] *= 1e-4
@@ -189,3 +192,163 @@ def test_the_causal_check_is_bounded(planted):
     tokens = _tokens(planted)
     with untouched(planted), pytest.raises(MassiveLensError, match="over max_seconds"):
         sink_circuit(planted, tokens, corpus=tokens, max_seconds=1e-9)
+
+
+def _writers(family, values):
+    from planting import TEXT, bos_tokens, plant_key_writers
+
+    model = plant_key_writers(tiny_model(family, num_hidden_layers=len(values) + 2), values)
+    return model, bos_tokens(model, TEXT, 40, 6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_writer_singled_out_and_equal_parts_distributed(family):
+    """Known answers: MLP 0 writing 90% of the sink key's logit is singled out (removing it kills
+    the sink; its runner-up and random key directions of the same norm do not, by paired
+    intervals); three MLPs writing a third each make a distributed sink, named by its three parts.
+    The summary leads with that verdict, and the margin is the model's own (independent
+    computation from the cached scores)."""
+    model, tokens = _writers(family, (5000.0, 250.0, 250.0))
+    with untouched(model):
+        c = sink_circuit(model, tokens[:2], corpus=tokens[2:], n_seqs=4, seq_len=tokens.shape[1], progress=False)
+    v = c.verdicts()
+    assert len(v) and (c.heads["layer"] >= 3).all()
+    assert (v["verdict"] == "singled out: mlp 0").all(), v[["verdict", "why"]]
+    w = c.causal[c.causal["removal"] == "dominant writer"]
+    assert w["kills"].all() and not w["controls_kill"].any() and (w["runner_up_gap_low"] > 0).all()
+    assert (w["random_gap_low"] > 0).all() and (w["runner_up_after"] > 0.3).all()
+    assert (w["random_after_min"] > 0.3).all()
+    assert c.summary().startswith(f"{c.model_name}: {len(v)} of {len(v)} sink heads single out one writer of the "
+                                  "sink's key (mlp 0")
+    _, cache = model.run_with_cache(tokens[:2])
+    for r in c.heads.itertuples():
+        s = cache[f"blocks.{r.layer}.attn.hook_attn_scores"][:, r.head].double()  # [B Q K], causal mask applied
+        n = s.shape[-1]
+        content = s[:, 1:, 1:].masked_fill(~torch.ones(n - 1, n - 1, dtype=torch.bool).tril(), float("-inf"))
+        want = float((s[:, 1:, 0] - torch.logsumexp(content, -1)).mean())
+        assert abs(r.margin - want) <= 1e-4 * max(1.0, abs(want))
+
+    model, tokens = _writers(family, (3000.0, 3000.0, 3000.0))
+    c = sink_circuit(model, tokens[:2], corpus=tokens[2:], n_seqs=4, seq_len=tokens.shape[1], progress=False)
+    v = c.verdicts()
+    assert len(v) and v["verdict"].str.startswith("distributed over").all(), v[["verdict", "why"]]
+    assert all(f"mlp {i}" in x for i in range(3) for x in v["verdict"])
+    assert not c.causal.loc[c.causal["removal"] == "dominant writer", "kills"].any()
+    assert c.summary().startswith(f"{c.model_name}: 0 of {len(v)} sink heads single out one writer")
+    assert f"in {len(v)} the sink is distributed" in c.summary().splitlines()[0]
+
+
+def test_passes_counted_and_shown(monkeypatch, caplog):
+    """The estimate names the passes that really run (no b_Q pass without a query bias) and a bar
+    counts them; each one is a forward pass (counted here on the loss)."""
+    import logging
+
+    from massive_lens.attention import circuit_causal
+
+    calls = []
+
+    class Counting(circuit_causal.NextTokenLoss):
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return super().__call__(*args, **kwargs)
+
+    monkeypatch.setattr(circuit_causal, "NextTokenLoss", Counting)
+    model, tokens = _writers("llama", (5000.0,))
+    with caplog.at_level(logging.INFO, logger=circuit_causal.__name__):
+        sink_circuit(model, tokens[:2], corpus=tokens[2:], n_seqs=4, seq_len=tokens.shape[1], progress=False)
+    said = [m for m in caplog.messages if "passes (" in m]
+    assert said and f"{len(calls)} passes" in said[0] and "b_Q" not in said[0]
+    # with a query bias the b_Q pass runs and is counted; its random query-direction controls are read
+    # at the head from the pass (checked against the pass's own pattern inside the call)
+    from planting import TEXT, bos_tokens, plant_key_writers
+
+    model = plant_key_writers(_with_biases(tiny_model("qwen2", num_hidden_layers=3)), (5000.0,))
+    tokens = bos_tokens(model, TEXT, 40, 4)
+    calls.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=circuit_causal.__name__):
+        c = sink_circuit(model, tokens[:2], corpus=tokens[2:], n_seqs=2, seq_len=tokens.shape[1], progress=False)
+    said = [m for m in caplog.messages if "passes (" in m]
+    assert said and f"{len(calls)} passes" in said[0] and "b_Q" in said[0]
+    bq = c.causal[c.causal["removal"] == "b_Q"]
+    assert len(bq) and bq["applies"].all() and bq["random_after"].between(0, 1).all()
+
+
+def test_layer_without_massive_dims():
+    """A sink written below the massive rule: no massive share (NaN, not 0), the massive-dims
+    removal removes nothing there, so it is neither a kill nor a survival, and the summary says so."""
+    model, tokens = _writers("llama", (60.0,))
+    c = sink_circuit(model, tokens[:2], corpus=tokens[2:], n_seqs=2, seq_len=tokens.shape[1], progress=False)
+    assert c.heads["massive_share"].isna().all()
+    rows = c.causal[c.causal["removal"] == "massive dims"]
+    assert len(rows) and not rows["applies"].any() and not rows["kills"].any()
+    v = c.verdicts()
+    assert not v["survives"].str.contains("massive dims").any() and not v["killed_by"].str.contains("massive").any()
+    text = c.summary()
+    assert "no massive dims at the sink in these heads' layers" in text and "removes nothing in any" in text
+
+
+def test_whitespace_token_and_chain_figure(planted):
+    """A whitespace sink token prints visibly; the chain figure names the dominant writer on its own."""
+    import dataclasses
+
+    c = sink_circuit(planted, _tokens(planted), n_heads=2)
+    assert "'⏎'" in dataclasses.replace(c, sink_token="\n").summary()
+    labels = c.plot().get_legend_handles_labels()[1]
+    assert "mlp 0 (massive dims)" in labels
+
+
+def test_nnsight_refused_by_name():
+    pytest.importorskip("nnsight")
+    from massive_lens import load_model
+    from massive_lens.attention import norm_roles
+    from massive_lens.models import byte_tokenizer
+    from massive_lens.models.tiny import tiny_config
+
+    cls, config = tiny_config("llama", byte_tokenizer(), {})
+    lm = load_model(cls(config).eval(), tokenizer=byte_tokenizer(), backend="nnsight", name="tiny-llama")
+    for call, name in ((lambda: sink_circuit(lm, TEXT), "sink_circuit"), (lambda: norm_roles(lm, TEXT), "norm_roles")):
+        with pytest.raises(MassiveLensError, match=f"nnsight model.*{name}.*backend='bridge'"):
+            call()
+
+
+def test_norm_roles_outlier_channel_apart():
+    """An outlier channel (OUTLIER_DIM at every token but BOS) beside a token-specific massive
+    activation (BOS's SINK_DIM): the channel's entries have rows of their own (scope outlier_dim),
+    counted apart in the summary; the token-specific share and the headline are BOS's."""
+    from planting import OUTLIER_DIM, SINK_DIM, plant_story
+
+    from massive_lens.attention import norm_roles
+
+    model = plant_story(tiny_model("llama"))
+    texts = ["the bee sees the tree and the green reeds", "a deer feeds there near the reeds and geese"]
+    r = norm_roles(model, texts)
+    f = r.to_frame()
+    out = f[f["scope"] == "outlier_dim"]
+    assert len(out) and (out["dims"] == str(OUTLIER_DIM)).all() and (out["pos"] > 0).all()
+    tok = f[f["scope"] == "token"]
+    assert len(tok) and (tok["pos"] == 0).all() and tok["dims"].str.split(",").map(lambda d: str(SINK_DIM) in d).all()
+    assert r.headline()["scope"] == "token" and r.headline()["pos"] == 0
+    text = r.summary()
+    assert f"of the {len(tok)} token-specific massive" in text and f"their {len(out)} entries" in text
+    assert (r.layers["n_outlier"] > 0).any() and (r.layers["n_tokens"] <= len(texts)).all()
+
+
+def test_command_split_and_causal_check_read_other_sequences(planted, monkeypatch, tmp_path):
+    from massive_lens.attention import circuit_cli
+    from massive_lens.cli import main
+
+    seen = {}
+
+    def fake(model, text, **kwargs):
+        seen["text"], seen["corpus"] = text, kwargs["corpus"]
+        raise MassiveLensError("stop here")
+
+    monkeypatch.setattr(circuit_cli, "load_model", lambda *a, **k: planted)
+    monkeypatch.setattr(circuit_cli, "sink_circuit", fake)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(f"word{i} and more text" for i in range(400)))
+    main(["sink-circuit", "--corpus", str(corpus), "--n-text", "2", "--n-seqs", "3", "--seq-len", "16"])
+    text, held = seen["text"], seen["corpus"]
+    assert len(text) == 2 and len(held) == 3
+    assert not any(torch.equal(a, b) for a in text for b in held)

@@ -18,7 +18,11 @@ first token, the census's primary sink):
 The parts add up to the logit the model computes (checked per head, ``check`` in ``.heads``).
 With a ``corpus``, each removal alone (:mod:`~massive_lens.attention.circuit_causal`) says which
 part the sink needs: the massive dims of the key input, the dominant writer, ``b_Q``, the
-direction the sink key shares with the queries.
+direction the sink key shares with the queries; each beside controls of the same size (the
+runner-up writer's part, random key directions of the same norm). A head **singles out** its
+dominant writer only when removing it kills the sink there and the controls do not (paired 95%
+intervals over sequences); otherwise the sink is **distributed** over the writers named. The
+summary leads with that verdict.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from massive_lens.attention.circuit_causal import CAUSAL_COLUMNS, causal_check, removal_line
-from massive_lens.attention.circuit_split import TOL, CircuitCapture, split_layer
+from massive_lens.attention.circuit_causal import CAUSAL_COLUMNS, CONTROL_DRAWS, causal_check, removal_line
+from massive_lens.attention.circuit_split import TOL, CircuitCapture, split_layer, visible_token
 from massive_lens.core.checks import as_int, as_pair, as_seconds, full_precision
 from massive_lens.core.criterion import Criterion, SinkRule, as_criterion, as_rule
 from massive_lens.core.model_view import ModelView
@@ -42,8 +46,12 @@ from massive_lens.errors import MassiveLensError
 
 N_HEADS = 12  # sink heads split by default: the top heads by attention to the first token
 COLUMNS = ["layer", "head", "side", "part", "component", "writer_layer", "dims", "contribution", "spread"]
-HEAD_COLUMNS = ["layer", "head", "kv_head", "sink_mass", "logit", "logit_spread", "check", "dominant",
-                "dominant_share", "massive_share", "b_q", "b_q_spread", "content", "content_spread"]
+HEAD_COLUMNS = ["layer", "head", "kv_head", "sink_mass", "logit", "logit_spread", "margin", "margin_spread", "check",
+                "dominant", "dominant_share", "runner_up", "runner_up_share", "massive_share", "b_q", "b_q_spread",
+                "content", "content_spread"]
+VERDICT_COLUMNS = ["layer", "head", "sink_mass", "margin", "dominant", "dominant_share", "massive_share", "verdict",
+                   "why", "killed_by", "survives"]
+NAMED_SHARE = 0.9  # a distributed verdict names the largest writers until they give this share of the positive sum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,10 +66,15 @@ class SinkCircuit(Result):
     over queries and sequences of its share of the logit, in logit units), ``spread`` (its standard
     deviation over queries). ``.heads``: per head ``sink_mass``, ``logit`` (mean, and
     ``logit_spread``), ``check`` (largest relative error of the parts' sum against the model's
-    scores), the ``dominant`` key-side writer and its ``dominant_share`` of the logit,
-    ``massive_share`` (the massive dims' share), ``b_q``/``content`` (query side, with spreads).
-    ``.causal``: per head and removal ``mass_before``/``mass_after`` (with ``_low``/``_high``,
-    paired 95% interval over sequences), ``loss_ratio`` (with interval), ``kills``.
+    scores), ``margin`` (the sink logit's margin over the content logits, ``s_sink -
+    logsumexp(s_content)`` per query, mean, and ``margin_spread``), the ``dominant`` key-side writer
+    and its ``dominant_share`` of the logit, the ``runner_up`` and its share, ``massive_share`` (the
+    massive dims' share; NaN where no dim is massive at the sink in that layer), ``b_q``/``content``
+    (query side, with spreads). ``.causal``: per head and removal ``mass_before``/``mass_after``
+    (with ``_low``/``_high``, 95% interval over sequences), ``loss_ratio`` (every sink head cut at
+    once, paired interval), ``kills``, ``margin``, and the controls of the same size with paired
+    intervals (see :mod:`~massive_lens.attention.circuit_causal`). :meth:`verdicts`: per head,
+    singled out or distributed, and why.
     """
 
     frame: pd.DataFrame
@@ -75,58 +88,132 @@ class SinkCircuit(Result):
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
 
+    def _named(self, layer: int, head: int) -> str:
+        """The head's largest key-side writers, until they give ``NAMED_SHARE`` of the positive sum
+        (at least two, at most four), with their shares of the logit."""
+        f = self.frame
+        part = f[(f["layer"] == layer) & (f["head"] == head) & f["component"].isin(["embed", "attn", "mlp"])]
+        writers = part.groupby("part")["contribution"].sum().sort_values(ascending=False)
+        logit = float(self.heads.set_index(["layer", "head"]).loc[(layer, head), "logit"])
+        total, names, acc = float(writers.clip(lower=0).sum()), [], 0.0
+        for name, c in writers.items():
+            if len(names) >= 4 or (len(names) >= 2 and acc >= NAMED_SHARE * total):
+                break
+            names.append(f"{name} {c / logit:.0%}" if logit else str(name))
+            acc += max(float(c), 0.0)
+        return ", ".join(names)
+
     def verdicts(self) -> pd.DataFrame:
-        """Per sink head: its dominant writer and massive share, and which removals kill the sink
-        there (``killed_by``) and which do not (``survives``), from ``.causal`` (empty without it).
+        """Per sink head: whether one writer of the sink's key is **singled out** (removing its part
+        kills the sink while the controls of the same size, the runner-up writer's part and random key
+        directions of the same norm, do not, each leaving more attention by a paired 95% interval over
+        sequences) or the sink is **distributed** over the writers it names (``verdict``, and ``why``);
+        which removals kill the sink there (``killed_by``) and which do not (``survives``; a removal
+        that removes nothing, as ``massive dims`` at a layer without massive dims, is in neither).
+        Without a causal check ``verdict`` says so.
 
         Returns:
-            One row per head: ``layer``, ``head``, ``sink_mass``, ``dominant``, ``massive_share``,
-            ``killed_by``, ``survives`` (removal names, comma-separated).
+            One row per head with the columns ``VERDICT_COLUMNS``.
         """
         rows = []
+        c_all = self.causal
         for r in self.heads.itertuples():
-            c = self.causal[(self.causal["layer"] == r.layer) & (self.causal["head"] == r.head)]
-            rows.append(dict(layer=r.layer, head=r.head, sink_mass=r.sink_mass, dominant=r.dominant,
-                             massive_share=r.massive_share, killed_by=", ".join(c.loc[c["kills"], "removal"]),
+            c = c_all[(c_all["layer"] == r.layer) & (c_all["head"] == r.head)]
+            if "applies" in c:
+                c = c[c["applies"].astype(bool)]
+            w = c[c["removal"] == "dominant writer"]
+            verdict, why = "no causal check (pass corpus=)", ""
+            if len(w):
+                x = w.iloc[0]
+                controls = f"runner-up {r.runner_up} leaves {x.runner_up_after:.2f}, " if r.runner_up and \
+                    x.runner_up_after == x.runner_up_after else ""
+                controls += f"random directions of the same norm leave {x.random_after:.2f} (worst draw " \
+                    f"{x.random_after_min:.2f})"
+                if bool(x.get("specific", False)):
+                    verdict = f"singled out: {r.dominant}"
+                    why = (f"removing it drops the attention from {x.mass_before:.2f} to {x.mass_after:.2f} "
+                           f"[{x.mass_after_low:.2f}, {x.mass_after_high:.2f}]; {controls}")
+                else:
+                    verdict = f"distributed over {self._named(r.layer, r.head)}"
+                    if not x.kills:
+                        why = f"removing {r.dominant} leaves {x.mass_after:.2f} of {x.mass_before:.2f}"
+                    elif bool(x.get("controls_kill", False)):
+                        why = f"removing {r.dominant} kills it, but so does a control: {controls}"
+                    else:
+                        why = (f"removing {r.dominant} leaves {x.mass_after:.2f}, not clearly below the controls: "
+                               f"{controls}")
+            rows.append(dict(layer=r.layer, head=r.head, sink_mass=r.sink_mass,
+                             margin=getattr(r, "margin", float("nan")),
+                             dominant=r.dominant, dominant_share=r.dominant_share, massive_share=r.massive_share,
+                             verdict=verdict, why=why, killed_by=", ".join(c.loc[c["kills"].astype(bool), "removal"]),
                              survives=", ".join(c.loc[~c["kills"].astype(bool), "removal"])))
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=VERDICT_COLUMNS)
+
+    def _verdict_line(self) -> str:
+        v = self.verdicts()
+        single = v[v["verdict"].str.startswith("singled out")]
+        named = single["dominant"].value_counts()
+        line = (f"{self.model_name}: {len(single)} of {len(v)} sink heads single out one writer of the sink's key"
+                + (" (" + ", ".join(f"{name} in {n}" for name, n in named.items()) + ")" if len(single) else "")
+                + f" against controls of the same size (the runner-up writer's part, {CONTROL_DRAWS} random key "
+                f"directions of the same norm; paired 95% intervals over {int(self.causal['n_seqs'].iloc[0])} corpus "
+                "sequences)")
+        spread = v[~v["verdict"].str.startswith("singled out")]
+        if len(spread):
+            line += f"; in {len(spread)} the sink is distributed: " + "; ".join(
+                f"L{int(r.layer)}H{int(r.head)} over {r.verdict.removeprefix('distributed over ')} "
+                f"({r.why.split(':')[0]})"
+                for r in spread.head(4).itertuples()) + ("; ..." if len(spread) > 4 else "")
+        return line
 
     def summary(self) -> str:
         h = self.heads.sort_values("sink_mass", ascending=False)
         top = h.iloc[0]
         drawn = h["dominant"].value_counts()
-        lead = (f"{self.model_name}: the sink at {self.sink_token!r} in layer {int(top.layer)} "
-                f"(head {int(top['head'])}, attention {top.sink_mass:.2f}) is drawn by the key from {top.dominant} "
-                f"({top.dominant_share:.0%} of its logit {top.logit:.3g}), the massive dims giving "
-                f"{top.massive_share:.0%}")
+        share = (f"the massive dims giving {top.massive_share:.0%}" if top.massive_share == top.massive_share
+                 else "no massive dims at this layer")
+        lead = (f"the sink at '{visible_token(self.sink_token)}' in layer {int(top.layer)} (head {int(top['head'])}: "
+                f"attention {top.sink_mass:.2f} on the split text, logit margin {top.margin:.3g} over the content "
+                f"keys) is drawn by the key from {top.dominant} ({top.dominant_share:.0%} of its logit "
+                f"{top.logit:.3g}; "
+                f"runner-up {top.runner_up or 'none'}), {share}")
         parts = self.frame[(self.frame["layer"] == top.layer) & (self.frame["head"] == top["head"])
                            & (self.frame["side"] == "key")].groupby("part")["contribution"].sum()
         if len(parts) and parts.min() < -0.5 * abs(top.logit):  # a part that pulls the logit down
             lead += f", against {parts.idxmin()} {parts.min():.3g}"
         lead += (f", b_Q {top.b_q:.3g} +- {top.b_q_spread:.2g} against content {top.content:.3g} +- "
                  f"{top.content_spread:.2g}" if abs(top.b_q) > 0 else ", no query bias")
+        with_massive = h["massive_share"].dropna()
+        massive = (f"the massive dims give a median {with_massive.median():.0%} of the logit over the "
+                   f"{len(with_massive)} "
+                   "heads whose layer has massive dims at the sink" if len(with_massive)
+                   else "no massive dims at the sink in these heads' layers")
         lines = [lead, f"over the {len(h)} sink heads the dominant key writer is "
                  + ", ".join(f"{name} in {n}" for name, n in drawn.items())
-                 + f"; the massive dims give a median {h['massive_share'].median():.0%} of the logit; "
-                 f"the parts add up to the model's scores to {h['check'].max():.1e} (the norm's scale taken at "
-                 "the actual input)"]
-        if len(self.causal):  # the chain's verdict first: the removal that kills the sink in most heads
-            kills = self.causal.groupby("removal", sort=False)["kills"].sum()
-            best = str(kills.idxmax()) if kills.max() > 0 else None
-            if best is not None:
-                lines[0] += "; " + removal_line(self.causal, best, self.threshold)
-            lines += [removal_line(self.causal, r, self.threshold) for r in self.causal["removal"].unique()
-                      if r != best]
+                 + f"; {massive}; the parts add up to the model's scores to {h['check'].max():.1e} (the norm's scale "
+                 "taken at the actual input)"]
+        if len(self.causal):  # the verdict first, then each removal
+            lines = [self._verdict_line(), "split: " + lines[0], lines[1]]
+            lines += [removal_line(self.causal, r, self.threshold) for r in self.causal["removal"].unique()]
+        else:
+            lines[0] = f"{self.model_name}: " + lines[0]
         return "\n".join(lines)
 
     def plot(self, ax: Any = None) -> Any:
-        """The logit split per head: stacked bars of the key-side parts grouped by kind and dims (the
-        black mark is their sum, the logit; a red cross ``b_Q``'s part of it, on the query side)."""
+        """The logit split per head: stacked bars of the key-side parts, each writer that gives at
+        least a tenth of some head's logit on its own (massive and other dims apart), the rest of the
+        writers as one bar; the black mark is their sum, the logit; a red cross ``b_Q``'s part of it,
+        on the query side."""
         ax = ensure_axes(ax, (max(6.0, 0.6 * len(self.heads) + 3), 4.5))
         key = self.frame[self.frame["side"] == "key"].copy()
-        key["group"] = [p if c in ("embed", "bias") else f"{c} ({d} dims)" for p, c, d in
-                        zip(key["part"], key["component"], key["dims"], strict=True)]
-        key["group"] = key["group"].where(~key["component"].eq("embed"), key["part"] + " (" + key["dims"] + " dims)")
+        logits = self.heads.set_index(["layer", "head"])["logit"].abs()
+        writer = key["component"].isin(["embed", "attn", "mlp"])
+        by_part = key[writer].groupby(["layer", "head", "part"])["contribution"].sum().reset_index()
+        by_part["share"] = by_part["contribution"].abs() / [max(float(logits.loc[(a, b)]), 1e-12) for a, b in
+                                                           zip(by_part["layer"], by_part["head"], strict=True)]
+        shown = set(by_part.loc[by_part["share"] >= 0.1, "part"])
+        key["group"] = [f"{p} ({d} dims)" if p in shown else ("other writers" if w else p)
+                        for p, d, w in zip(key["part"], key["dims"], writer, strict=True)]
         table = key.pivot_table(index=["layer", "head"], columns="group", values="contribution", aggfunc="sum")
         labels = [f"L{layer}H{head}" for layer, head in table.index]
         pos, neg = [0.0] * len(table), [0.0] * len(table)
@@ -175,12 +262,19 @@ def _head_rows(split: Any, keep: Any, layer: int, head: int) -> tuple[list[dict[
                          dims="all", contribution=float(x.mean()), spread=float(x.std(correction=0))))
     frame = pd.DataFrame(rows[:-2])
     writers = frame[frame["component"].isin(["embed", "attn", "mlp"])].groupby("part")["contribution"].sum()
+    writers = writers.sort_values(ascending=False)
     logit = float(total.mean())
     massive = float(frame.loc[frame["dims"] == "massive", "contribution"].sum())
+    any_massive = bool(keep.massive.any())  # no dim massive at the sink here: no share to give (NaN, not 0)
+    margin = total - keep.content_lse[:, head][v]
+    nan = float("nan")
     info = dict(layer=layer, head=head, kv_head=kv, sink_mass=float(keep.pattern[:, head][v].mean()), logit=logit,
-                logit_spread=float(total.std(correction=0)), check=check, dominant=str(writers.idxmax()),
-                dominant_share=float(writers.max()) / logit if logit else float("nan"),
-                massive_share=massive / logit if logit else float("nan"), b_q=float(bias.mean()),
+                logit_spread=float(total.std(correction=0)), margin=float(margin.mean()),
+                margin_spread=float(margin.std(correction=0)), check=check, dominant=str(writers.index[0]),
+                dominant_share=float(writers.iloc[0]) / logit if logit else nan,
+                runner_up=str(writers.index[1]) if len(writers) > 1 else "",
+                runner_up_share=float(writers.iloc[1]) / logit if logit and len(writers) > 1 else nan,
+                massive_share=massive / logit if logit and any_massive else nan, b_q=float(bias.mean()),
                 b_q_spread=float(bias.std(correction=0)), content=float(content.mean()),
                 content_spread=float(content.std(correction=0)))
     return rows, info
@@ -221,7 +315,7 @@ def chosen_heads(view: ModelView, cap: CircuitCapture, heads: Any, n_heads: int,
 def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n_heads: int = N_HEADS,
                  layers: int | Sequence[int] | None = None, corpus: Any = None, n_seqs: int = 16,
                  seq_len: int = 128, criterion: Criterion | None = None, rule: SinkRule | None = None,
-                 max_seconds: float | None = None) -> SinkCircuit:
+                 max_seconds: float | None = None, progress: bool = True, seed: int = 0) -> SinkCircuit:
     """Split each sink head's attention logit on the first token into its parts, exactly, and
     (with ``corpus``) cut each part alone (see the module docstring).
 
@@ -238,7 +332,10 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
         criterion: what counts as a massive dim (default ``Criterion()``).
         rule: the sink rule whose threshold names sink heads (default ``SinkRule()``).
         max_seconds: refuse the causal check when its cost, estimated before it starts from the
-            split's own pass (1 + 4 passes over the corpus), is over this (None: no bound).
+            split's own pass (1 + 4 passes over the corpus, 1 + 3 without a query bias), is over
+            this (None: no bound).
+        progress: show a tqdm bar counting the causal check's passes.
+        seed: seeds the random directions of the controls.
 
     Returns:
         A :class:`SinkCircuit`.
@@ -255,9 +352,13 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
     (True, ['key', 'query'])
     """
     view = ModelView(model)
+    if view.pattern_refusal():  # nnsight: no per-head hooks, norm sites or TransformerLens-style weights
+        raise view.unsupported("sink_circuit (its per-head query, key, score and pattern hooks, each block's "
+                               "attention and MLP outputs and the norm's scale)")
     full_precision(view.dtype, view.name, "sink_circuit", TOL)  # before any pass: half precision fails its checks
     rule, criterion = as_rule(rule), as_criterion(criterion)
     n_heads, max_seconds = as_int(n_heads, "n_heads", low=1), as_seconds(max_seconds)
+    as_int(seed, "seed")  # a seed is an integer: 1.5 is none
     if heads is not None and (isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence) or not heads):
         raise MassiveLensError(f"heads must be a non-empty list of (layer, head) pairs, or None to pick the top "
                                f"n_heads sink heads; got {heads!r}")
@@ -280,7 +381,7 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
     head_frame = pd.DataFrame(infos, columns=HEAD_COLUMNS)
     causal = (causal_check(view, head_frame, corpus, n_seqs=n_seqs, seq_len=seq_len,
                            criterion=criterion, threshold=rule.threshold,
-                           token_seconds=token_seconds, max_seconds=max_seconds)
+                           token_seconds=token_seconds, max_seconds=max_seconds, progress=progress, seed=seed)
               if corpus is not None else pd.DataFrame(columns=CAUSAL_COLUMNS))
     token = view.str_tokens(batch)[0][0] if batch.pixel_values is None else "[first]"
     return SinkCircuit(frame=pd.DataFrame(rows, columns=COLUMNS), heads=head_frame, causal=causal,

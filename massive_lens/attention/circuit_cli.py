@@ -4,7 +4,8 @@
     massive-lens sink-circuit --model qwen2.5-coder-1.5b --corpus wiki.test.raw --n-seqs 16
 
 The split reads ``--text`` (default: the first ``--n-text`` sequences of the corpus); the causal
-check runs on ``--n-seqs`` corpus sequences unless ``--no-causal``. With ``--out-dir`` the result
+check runs on the ``--n-seqs`` corpus sequences after those (never the split's own) unless
+``--no-causal``. With ``--out-dir`` the result
 is saved there (``massive_lens.load`` reads it back) with its figure as ``sink_circuit.png``.
 
 >>> import argparse
@@ -63,8 +64,13 @@ def cmd_circuit(args: argparse.Namespace) -> None:
     folder = check_out_dir(args.out_dir, "--out-dir") if args.out_dir is not None else None
     model = load_model(args.model, dtype=args.dtype)
     view = ModelView(model)
+    # the split reads the first --n-text sequences and the causal check the next --n-seqs: never the same ones
     text = args.text if args.text is not None else sequences(view, args.corpus, args.seq_len, args.n_text)
-    corpus = sequences(view, args.corpus, args.seq_len, args.n_seqs) if args.causal else None
+    skip = 0 if args.text is not None else args.n_text
+    corpus = sequences(view, args.corpus, args.seq_len, skip + args.n_seqs)[skip:] if args.causal else None
+    if corpus is not None and len(corpus) == 0:
+        raise MassiveLensError(f"the corpus gives no sequence of {args.seq_len} tokens after the {skip} the split "
+                               "reads (--n-text): give more text, lower --n-text or --seq-len, or pass --no-causal")
     result = sink_circuit(model, text, heads=heads, n_heads=args.n_heads, corpus=corpus, max_seconds=args.max_seconds)
     print(result.summary())
     if folder is not None:

@@ -44,6 +44,7 @@ class LayerKeep:
     k: Tensor | None = None  # [B kv dh] the sink's key as the scores read it
     q: Tensor | None = None  # [B P H dh] every query as the scores read it
     scores: Tensor | None = None  # [B H P] the sink column of the scores
+    content_lse: Tensor | None = None  # [B H P] log-sum-exp of each query's scores on the other keys
     pattern: Tensor | None = None  # [B H P] the sink column of the pattern
     cos: Tensor | None = None  # [B? P r]
     sin: Tensor | None = None
@@ -57,6 +58,30 @@ class LayerKeep:
 
 def _sink_row(x: Tensor, sink: int) -> Tensor:
     return x.detach()[:, sink].float().clone()
+
+
+def visible_token(token: str) -> str:
+    """``token`` with its whitespace shown (``'\\n'`` as ``⏎``, a tab as ``⇥``, ``'\\r'`` as ``␍``; a token of
+    spaces only as ``␣``), so a whitespace token never prints blank.
+
+    >>> visible_token(" \\n"), visible_token("  "), visible_token(" the")
+    (' ⏎', '␣␣', ' the')
+    """
+    shown = token.replace("\n", "⏎").replace("\t", "⇥").replace("\r", "␍")
+    return shown.replace(" ", "␣") if not shown.strip() else shown
+
+
+def content_lse(scores: Tensor, keys: Tensor, sink: int = 0) -> Tensor:
+    """[B H P]: the log-sum-exp of each query's scores over the keys it sees other than the sink
+    (``keys`` [B P] the real positions; causal), so ``scores[..., sink] - content_lse`` is the sink
+    logit's margin over the content logits, ``log(p_sink / (1 - p_sink))``: a key-side removal of
+    ``d`` from the sink's logit leaves it a sink while ``d`` is under that margin plus ``log(7/3)``."""
+    n = scores.shape[-1]
+    seen = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
+    seen = seen[None, None] & keys.to(scores.device)[:, None, None, :]
+    seen[..., sink] = False
+    x = scores.detach().float().masked_fill(~seen, float("-inf"))
+    return torch.logsumexp(x, -1)
 
 
 class CircuitCapture:
@@ -116,6 +141,8 @@ class CircuitCapture:
         def column(attr: str) -> Any:
             def fn(x: Tensor, hook: Any) -> None:
                 keep.put(attr, x.detach()[..., s].float().clone())
+                if attr == "scores":  # the margin: what the content keys offer against the sink
+                    keep.put("content_lse", content_lse(x, valid, s))
             return fn
 
         n_pos = self.batch.tokens.shape[1]
