@@ -137,6 +137,22 @@ def as_hooks(hooks: Any) -> list[tuple[str, Any]]:
     return hooks
 
 
+def _overflow(view: ModelView, edit: Any = None) -> MassiveLensError:
+    """The error for NaN or inf logits: the model overflowed, with ``edit`` attached (hooks or an
+    intervention) or with none passed (its own precision, or an edit left on the model)."""
+    if edit is not None:
+        label = getattr(edit, "label", None) or f"{len(as_hooks(edit))} hook(s)"
+        return MassiveLensError(
+            f"{view.name} ({view.dtype}) gives NaN or inf logits with the edit attached ({label}): the edit drives "
+            "the model out of its number range, and a loss of non-finite logits measures nothing. Use a milder "
+            "setting of the edit (a scale further from 0, a smaller ablation), or float32 if the model is in half "
+            "precision")
+    return MassiveLensError(
+        f"{view.name} ({view.dtype}) gives NaN or inf logits with no edit passed: it overflowed. Load it with "
+        "dtype=torch.float32 (or torch.bfloat16, which has float32's range); if an edit is on the model (a with "
+        "block, hooks left attached), it is the edit: use a milder setting")
+
+
 def perplexity(
     model: Any,
     corpus: Corpus | Tensor = None,
@@ -169,8 +185,9 @@ def perplexity(
         A :class:`Perplexity` with per-sequence loss and accuracy.
 
     Raises:
-        MassiveLensError: if ``hooks`` are not ``(name, function)`` pairs, a token tensor is
-            not ``[seq, pos]`` with ``pos >= 2``, ``batch_size``, ``n_seqs`` or ``seq_len`` is
+        MassiveLensError: if the logits are NaN or inf, with or without ``hooks`` (the model
+            overflowed: no perplexity is measured), if ``hooks`` are not ``(name, function)`` pairs,
+            a token tensor is not ``[seq, pos]`` with ``pos >= 2``, ``batch_size``, ``n_seqs`` or ``seq_len`` is
             out of range, or the corpus is too short for one sequence.
 
     >>> from massive_lens import tiny_model
@@ -192,16 +209,11 @@ def perplexity(
     losses, accs = [], []
     for chunk in tqdm(scorer.batches(tokens, batch_size), desc="perplexity", disable=not progress, leave=False):
         out = scorer(chunk, hooks=fwd_hooks)
-        if not fwd_hooks and not out.finite:  # NaN propagates
-            raise MassiveLensError(
-                f"{view.name} ({view.dtype}) gives NaN or inf logits with no edit attached: it overflowed. "
-                "Load it with dtype=torch.float32 (or torch.bfloat16, which has float32's range)"
-            )
+        if not out.finite:  # NaN propagates: no loss of these logits is a measurement
+            raise _overflow(view, hooks if fwd_hooks else None)
         losses.append(out.loss)
         accs.append(out.accuracy)
     per_seq = torch.cat(losses)
-    if not bool(torch.isfinite(per_seq).all()):
-        per_seq = per_seq.nan_to_num(nan=float("inf"))
     return Perplexity(per_seq=per_seq, accuracy_per_seq=torch.cat(accs),
                       n_tokens=int(tokens.shape[0] * (tokens.shape[1] - 1)), model_name=view.name)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import untouched
 
-from massive_lens import perplexity, tiny_model
+from massive_lens import MassiveLensError, perplexity, tiny_model
 from massive_lens.core import loss as loss_module
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.train.model import MassiveLM, MassiveLMConfig
@@ -90,3 +90,22 @@ def test_perplexity_is_the_same_by_slices_and_from_full_logits(monkeypatch):
     full = perplexity(model, tokens, progress=False, batch_size=2)
     torch.testing.assert_close(sliced.per_seq, full.per_seq, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sliced.accuracy_per_seq, full.accuracy_per_seq)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_an_edit_that_makes_the_logits_non_finite_is_refused_as_an_unedited_overflow_is(bad):
+    """Issue 48: with an edit attached, NaN or inf logits gave an infinite perplexity silently; the
+    unedited model's were refused. Both are refused now, and the message says which it was."""
+    model = tiny_model("llama")
+    tokens = _tokens(model, n=2, pos=12)
+    last = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+
+    def poison(x, hook):
+        x = x.clone()
+        x[:, 3] = bad
+        return x
+
+    with untouched(model), pytest.raises(MassiveLensError, match="with the edit attached"):
+        perplexity(model, tokens, hooks=[(last, poison)], progress=False)
+    finite = perplexity(model, tokens, hooks=[(last, lambda x, hook: x * 0.5)], progress=False)
+    assert torch.isfinite(finite.per_seq).all()  # a finite edit still gives its perplexity

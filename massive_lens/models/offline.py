@@ -47,9 +47,10 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from massive_lens.errors import MassiveLensError
+from massive_lens.models.gguf import dequantized_model
 
 log = logging.getLogger(__name__)
 
@@ -230,14 +231,18 @@ def load_offline(entry: OfflineModel, dtype: torch.dtype = torch.float32) -> tup
 
 
 def load_gguf(path: Path) -> tuple[Any, Any]:
-    """A GGUF file dequantized to a float32 Hugging Face model, and its tokenizer."""
+    """A GGUF file dequantized to a float32 Hugging Face model, and its tokenizer: the weights are
+    dequantized straight into the model's tensors (:func:`~massive_lens.models.gguf.dequantized_model`),
+    so the conversion holds them once."""
     if importlib.util.find_spec("gguf") is None:
         raise MassiveLensError("loading a .gguf file needs the gguf package: pip install gguf")
     check_gguf_header(path)
     log.info("dequantizing %s (first load only; 20 s to a few minutes on 2 cores)", path.name)
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf = dequantized_model(path, AutoConfig.from_pretrained(path.parent, gguf_file=path.name))  # one copy
+        if hf is None:  # an architecture whose tensors this does not place one to one: transformers' loader
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - the GGUF reader raises many kinds for a damaged file
         raise MassiveLensError(f"{path} could not be read as a GGUF model ({type(exc).__name__}: "
                                f"{str(exc)[:200]}): the file is damaged, truncated or of an unsupported "

@@ -7,6 +7,11 @@ reset at the start (``/proc/self/clear_refs``) and read at the end, so the peak 
 report's own, not the model loading's before it; elsewhere the process's lifetime peak
 (``resource.getrusage``) is given, and said to be that. On a GPU the peak of allocated
 CUDA memory is added.
+
+:class:`SectionPeaks` measures each section of the report: its own resident peak (the high-water mark
+where the section raised it, else the largest size sampled) and, from a thread that looks when the
+resident size has grown, the largest tensors alive besides the model's weights. A :class:`PeakMemory`
+inside another first folds the mark into the outer one, so nesting them loses no peak.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ from __future__ import annotations
 import gc
 import re
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
 from massive_lens.core.budget import trim_allocator
@@ -27,6 +37,7 @@ except ImportError:  # Windows: no lifetime peak to report
     resource = None
 
 _STATUS = Path("/proc/self/status")
+_ACTIVE: list[PeakMemory] = []  # the measurements in progress, outermost first
 
 
 def release_free_memory() -> None:
@@ -59,25 +70,26 @@ class PeakMemory:
     """
 
     def __enter__(self) -> PeakMemory:
-        self.own_peak = False
-        try:  # reset the kernel's high-water mark of this process to its current size
-            Path("/proc/self/clear_refs").write_text("5")
-            self.own_peak = _status_kib("VmHWM") is not None
-        except OSError:
-            pass
+        self._seen = self.cuda_peak_seen = 0
+        self.own_peak = reset_high_water()
         self.start_bytes = (_status_kib("VmRSS") or 0) * 1024
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self.own_peak:
-            self.peak_bytes = (_status_kib("VmHWM") or 0) * 1024
+            self.peak_bytes = max(self._seen, (_status_kib("VmHWM") or 0) * 1024)
         else:
             scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
             self.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale if resource else 0
-        self.cuda_peak_bytes = torch.cuda.max_memory_allocated() if self.cuda else 0
+        self.cuda_peak_bytes = max(self.cuda_peak_seen, torch.cuda.max_memory_allocated()) if self.cuda else 0
+        for outer in _ACTIVE:  # an inner block reset the CUDA peak: the enclosing ones keep theirs
+            outer.cuda_peak_seen = max(outer.cuda_peak_seen, self.cuda_peak_bytes)
 
     def describe(self, weights: int, loaded_inside: bool | None = False) -> str:
         """The peak in words, against the weights' size; ``loaded_inside``: the model was
@@ -99,3 +111,135 @@ class PeakMemory:
 
 def _gb(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def reset_high_water() -> bool:
+    """Reset the kernel's high-water mark of this process (``/proc/self/clear_refs``) to its current
+    resident size, after folding the mark into every :class:`PeakMemory` in progress (so nested
+    measurements never lose the outer one's peak); False where the mark cannot be reset."""
+    mark = (_status_kib("VmHWM") or 0) * 1024
+    for outer in _ACTIVE:
+        outer._seen = max(outer._seen, mark)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _status_kib("VmHWM") is not None
+
+
+def largest_tensors(exclude: set[int], n: int = 3) -> list[tuple[int, str]]:
+    """The ``n`` largest tensor storages alive (bytes, shape and dtype), those whose storage starts at
+    an address in ``exclude`` (the weights) left out; each storage counted once, under its largest view.
+
+    >>> big = torch.zeros(4096)
+    >>> largest_tensors(set(), 1)[0][0] >= big.nbytes
+    True
+    """
+    found: dict[int, tuple[int, str]] = {}
+    objects = gc.get_objects()
+    try:
+        for obj in objects:
+            if not issubclass(type(obj), torch.Tensor):  # type(): no lazy module's __class__ is read
+                continue
+            try:
+                storage = obj.untyped_storage()
+                ptr, size = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError, TypeError):  # meta, sparse or subclass tensors
+                continue
+            if ptr and ptr not in exclude and size > found.get(ptr, (0, ""))[0]:
+                found[ptr] = (size, f"{list(obj.shape)} {str(obj.dtype).replace('torch.', '')}")
+    finally:
+        del objects
+    return sorted(found.values(), key=lambda item: -item[0])[:n]
+
+
+class _Watch(threading.Thread):
+    """Polls the resident size every ``interval`` seconds, keeping its largest value; each time it has
+    grown by ``step`` bytes since the last look, notes the largest tensors alive
+    (:func:`largest_tensors`), so the tensors near the peak are named."""
+
+    def __init__(self, exclude: set[int], step: int, interval: float = 0.02):
+        super().__init__(daemon=True, name="massive_lens-memory")
+        self.exclude, self.step, self.interval = exclude, step, interval
+        self.stop = threading.Event()
+        self.top: list[tuple[int, str]] = []
+        self.at = self.most = (_status_kib("VmRSS") or 0) * 1024  # only growth within the block is looked at
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval):
+            rss = (_status_kib("VmRSS") or 0) * 1024
+            self.most = max(self.most, rss)
+            if rss > self.at + self.step:
+                self.at = rss
+                self.top = largest_tensors(self.exclude)
+
+
+class SectionPeaks:
+    """Each section's own peak resident memory, time and largest live tensors.
+
+    The kernel's high-water mark is not reset per section: that would also erase the process's
+    lifetime peak that ``/usr/bin/time`` and ``getrusage`` report (an 800 MB peak before a reset is
+    gone from both). A section that raises the mark has it as its exact peak; any other section's
+    peak is the largest resident size a thread saw, reading it every 20 ms (``exact`` False: a spike
+    shorter than that can be missed, and it is below an earlier section's peak anyway).
+
+    ``base`` is what the sizes are counted above (the libraries: the resident size before the model
+    was loaded), ``weights`` the model (tensors at its weights' addresses are not listed). Use
+    ``with peaks.track(name): ...`` around each section, then :meth:`to_frame` and :meth:`line`.
+
+    >>> peaks = SectionPeaks(base=0, weights=torch.nn.Linear(4, 4))
+    >>> with peaks.track("example"):
+    ...     _ = torch.ones(1000)
+    >>> list(peaks.to_frame().columns)[:3]
+    ['section', 'seconds', 'peak_MiB']
+    """
+
+    def __init__(self, base: int, weights: Any = None):
+        self.base, self.exclude, self.weight_bytes = base, set(), 0
+        self.rows: list[dict[str, Any]] = []
+        if weights is not None:
+            self.weights_of(weights)
+
+    def weights_of(self, model: Any) -> None:
+        """Name the weights (for a model loaded inside the first block, once it is loaded)."""
+        params = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"}
+        self.exclude = set(params)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+
+    @contextmanager
+    def track(self, name: str) -> Iterator[None]:
+        """Measure the block as one row named ``name``."""
+        mark = _status_kib("VmHWM")
+        watch = _Watch(self.exclude, step=max(16 * 2**20, self.weight_bytes // 50))
+        start = time.perf_counter()
+        watch.start()
+        try:
+            yield
+        finally:
+            watch.stop.set()
+            watch.join()
+        after = _status_kib("VmHWM")
+        exact = mark is not None and after is not None and after > mark
+        peak = after * 1024 if exact else max(watch.most, (_status_kib("VmRSS") or 0) * 1024)
+        added = peak - self.base
+        self.rows.append(dict(
+            section=name, seconds=round(time.perf_counter() - start, 1), peak_MiB=round(peak / 2**20),
+            added_MiB=round(added / 2**20), added=added, exact=exact, largest_tensors="; ".join(f"{what} {size / 2**20:.0f} MiB" for size, what in watch.top)))
+
+    def line(self) -> str:
+        """The last row in words, for the run's log."""
+        r = self.to_frame().iloc[-1]
+        how = "the run's peak so far" if r["exact"] else "sampled"
+        return (f"{r['section']}: {r['seconds']:.1f} s, peak {r['peak_MiB']} MiB resident ({how}), "
+                f"{r['added_MiB']} MiB above the start ({r['x_weights']:.2f}x the weights); largest tensors "
+                f"besides the weights: {r['largest_tensors'] or 'none seen'}")
+
+    def to_frame(self) -> pd.DataFrame:
+        """Columns: ``section``, ``seconds``, ``peak_MiB`` (resident), ``added_MiB`` (the peak above the
+        start), ``x_weights`` (that over the weights), ``exact`` (True: the section raised the process's
+        high-water mark, which is its peak; False: the largest size sampled every 20 ms),
+        ``largest_tensors`` (the largest live tensors besides the weights, seen as the size grew)."""
+        frame = pd.DataFrame(self.rows)
+        x = frame.pop("added") / self.weight_bytes if self.weight_bytes else float("nan")
+        frame.insert(4, "x_weights", x.round(2) if self.weight_bytes else x)
+        return frame

@@ -34,6 +34,8 @@ A section that cannot run on a model is replaced by a note that says why; nothin
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
@@ -51,10 +53,15 @@ from massive_lens.models.load import load_model
 from massive_lens.report import sections as sec
 from massive_lens.report.circuit_section import circuit_section
 from massive_lens.report.lowbit_section import lowbit_section
-from massive_lens.report.memory import PeakMemory
+from massive_lens.report.memory import PeakMemory, SectionPeaks, release_free_memory
 from massive_lens.report.render import Section, render_figures, to_html, to_markdown, write_tables
 from massive_lens.report.sink_section import quantize_and_precision, sinks_section
 
+log = logging.getLogger(__name__)
+PEAKS_CAPTION = ("where the memory goes: each step's peak resident memory (exact: the step raised the run's "
+                 "high-water mark, so that is its peak; else the largest size sampled every 20 ms), what it adds "
+                 "above the start (the interpreter and its libraries, or the model when it was passed in) and over "
+                 "the weights, and the largest tensors alive besides the weights as the size grew")
 DEFAULT_TEXT = "Summer is warm. Winter is cold.\nThe cat sat on the mat, and the dog slept."
 MASSIVE = "Massive activations"
 # (key for skip=, title, section function, titles of the earlier sections whose results it takes)
@@ -146,9 +153,14 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
     folder = check_out_dir(out_dir)
     given = model
     with PeakMemory() as peak:
-        model = load_model(None if model is None else model, device=device, dtype=dtype)
-        inputs = sec.Inputs(model, text, corpus, settings, calibration, progress=progress)
-        check_runnable(inputs)
+        peaks = SectionPeaks(peak.start_bytes)
+        with peaks.track("loading the model and the corpus"):
+            model = load_model(None if model is None else model, device=device, dtype=dtype)
+            inputs = sec.Inputs(model, text, corpus, settings, calibration, progress=progress)
+            check_runnable(inputs)
+            release_free_memory()  # what loading left (a GGUF file's parse, the conversion's buffers)
+        peaks.weights_of(model)
+        _log(None, progress, peaks.line())
         started = time.perf_counter()
         sections, results = [], {}
         with tqdm(total=len(SECTIONS), desc="report", disable=not progress, unit="section") as bar:
@@ -158,11 +170,14 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
                     section, results[title] = Section(title), None
                     section.note(f"Skipped: skip={key!r} was asked for.")
                 else:
-                    section, results[title] = sec.run_section(title, fn, inputs, *(results.get(t) for t in takes))
+                    with peaks.track(title):
+                        section, results[title] = sec.run_section(title, fn, inputs, *(results.get(t) for t in takes))
+                    _log(bar, progress, peaks.line())
                 sections.append(section)
                 bar.update()
         del results
-        render_figures(sections, folder / "figures")
+        with peaks.track("figures written"):
+            render_figures(sections, folder / "figures")
     title = f"massive_lens report: {inputs.view.name}"
     timing = ", ".join(f"{s.title.split()[0].lower()} {s.seconds:.0f} s" for s in sections)
     memory = peak.describe(weight_bytes(model), loaded_inside=given is not model)
@@ -170,12 +185,20 @@ def write_report(model: Any = None, text: str | None = None, *, corpus: Corpus =
               f"{memory}; settings: {settings}; corpus: {sec.describe(corpus)}; "
               f"calibration: {sec.describe(calibration) if calibration is not None else 'from the corpus'}.")
     sections[0].text(memory[0].upper() + memory[1:] + ".")
+    sections[0].table(peaks.to_frame(), PEAKS_CAPTION)
     if tables:
         write_tables(sections, folder / "tables")
     (folder / "report.md").write_text(to_markdown(title, INTRO, sections, footer, "figures"), encoding="utf-8")
     page = folder / "index.html"
     page.write_text(to_html(title, INTRO, sections, footer), encoding="utf-8")
     return page
+
+
+def _log(bar: Any, progress: bool, line: str) -> None:
+    """A section's time and memory in the run's log: above the progress bar when it is shown."""
+    log.info("report section %s", line)
+    if progress:
+        tqdm.write(f"report section {line}", file=sys.stderr)
 
 
 def settings_for(quick: bool, full: bool = False, **options: Any) -> sec.ReportOptions:
