@@ -14,6 +14,7 @@
     massive-lens train smoke runs/smoke steps=50 lr=3e-4     # one run (also under torchrun)
     massive-lens train-compare --variants softmax,softmax1 --preset smoke
     massive-lens effects valley            # what the sink does: valley, streaming, mixing, repeated
+    massive-lens tasks run --seeds 0,1     # the sink-forcing tasks' grid (resumable); tasks page: its answer page
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ from massive_lens.train.data import TOKENIZERS, write_token_file
 from massive_lens.train.retrofit_cli import HELP as RETROFIT_HELP
 from massive_lens.train.retrofit_cli import add_arguments as retrofit_arguments
 from massive_lens.train.retrofit_cli import cmd_retrofit
+from massive_lens.train.taskcli import HELP as TASKS_HELP
+from massive_lens.train.taskcli import add_arguments as tasks_arguments
+from massive_lens.train.taskcli import cmd_tasks
 from massive_lens.train.trainer import run_and_exit
 
 
@@ -245,6 +249,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "retrofit": (cmd_retrofit, RETROFIT_HELP),
     "quantize": (cmd_quantize, QUANTIZE_HELP),
     "effects": (cmd_effects, EFFECTS_HELP),
+    "tasks": (cmd_tasks, TASKS_HELP),
 }
 
 
@@ -316,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize_arguments(cmd["quantize"])
     effects_arguments(cmd["effects"])
     circuit_arguments(cmd["sink-circuit"])
+    tasks_arguments(cmd["tasks"])
     return parser
 
 
@@ -323,14 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
-        COMMANDS[args.command][0](args)
+        code = COMMANDS[args.command][0](args)  # None, or an exit code (tasks page --check: 1 if it differs)
     except MassiveLensError as exc:
         print(f"massive-lens {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, no traceback
         print(f"massive-lens {args.command}: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

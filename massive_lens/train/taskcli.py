@@ -1,4 +1,5 @@
-"""``python -m massive_lens.train.taskcli``: run the sink-task grid (resuming) and write its answer page.
+"""``massive-lens tasks`` (also ``python -m massive_lens.train.taskcli``): run the sink-task grid (resuming)
+and write its answer page.
 
     python -m massive_lens.train.taskcli run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
     python -m massive_lens.train.taskcli page --root docs/sinktasks/runs            # docs/sinktasks.md
@@ -33,6 +34,8 @@ from massive_lens.train.taskgrid import DEFAULT_ROOT, SETTINGS, TASK_SETTINGS, g
 from massive_lens.train.taskpage import write_page
 from massive_lens.train.taskrecord import refresh_runs
 
+log = logging.getLogger(__name__)
+ACTIONS = ("run", "page", "refresh")
 HELP = "train the sink-forcing tasks under every attention variant and norm placement, and write the answer page"
 
 
@@ -62,10 +65,10 @@ def _grid(args: argparse.Namespace) -> list:
     return grid_settings(_seeds(args.seeds), tasks=tasks, settings=_settings(args.settings), **overrides)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``run`` the grid or write (``--check``: compare) the page; 2 on bad input, with the reason."""
-    parser = argparse.ArgumentParser(prog="python -m massive_lens.train.taskcli", description=HELP)
-    parser.add_argument("command", choices=["run", "page", "refresh"])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the sink-task options to ``parser`` (``massive-lens tasks`` and this module's own command)."""
+    parser.add_argument("action", choices=ACTIONS, help="run the grid (resuming), write its page, or refresh the "
+                        "stored derived fields of its records")
     parser.add_argument("--root", default=DEFAULT_ROOT, help=f"the run folders (default {DEFAULT_ROOT})")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="run: comma-separated seeds (default 0-4)")
     parser.add_argument("--threads", type=int, default=1, help="run: torch threads (default 1)")
@@ -76,21 +79,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=None, help="run: steps between evaluations")
     parser.add_argument("--page", default="docs/sinktasks.md", help="the answer page (default docs/sinktasks.md)")
     parser.add_argument("--check", action="store_true", help="page: write nothing, exit 1 if the page differs")
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    """Do ``args.action``; the exit code (``page --check``: 1 if the page differs).
+
+    Raises:
+        MassiveLensError: for bad options, an unusable folder or a damaged run.
+    """
+    if args.action == "run":
+        run_grid(args.root, _grid(args), threads=args.threads)
+        return 0
+    if args.action == "refresh":
+        log.info("%d run(s) rewritten", refresh_runs(args.root))
+        return 0
+    return write_page(args.root, args.page, check=args.check)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``run`` the grid, write (``--check``: compare) the page or ``refresh`` the records; 2 on bad input,
+    with the reason; 130 on Ctrl-C, in one line."""
+    parser = argparse.ArgumentParser(prog="python -m massive_lens.train.taskcli", description=HELP)
+    add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
-        if args.command == "run":
-            run_grid(args.root, _grid(args), threads=args.threads)
-            return 0
-        if args.command == "refresh":
-            logging.getLogger(__name__).info("%d run(s) rewritten", refresh_runs(args.root))
-            return 0
-        return write_page(args.root, args.page, check=args.check)
+        return cmd_tasks(args)
     except MassiveLensError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, as massive-lens prints
-        print(f"taskcli {args.command}: interrupted (finished runs are kept; the same command resumes)",
+        print(f"taskcli {args.action}: interrupted (finished runs are kept; the same command resumes)",
               file=sys.stderr)
         return 130
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from massive_lens.cli import main as massive_lens_cli
 from massive_lens.core.criterion import SINK_THRESHOLD
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.taskcli import main as taskcli
@@ -220,3 +221,20 @@ def test_refresh_rewrites_only_stale_records(tmp_path):
     assert taskcli(["refresh", "--root", str(root)]) == 0
     assert all(read_run(root / s, stale="refuse") for s in SAMPLE[:2])
     assert not refresh_run(root / SAMPLE[0])
+
+
+def test_massive_lens_tasks_runs_the_same_commands_with_its_conventions(tmp_path, monkeypatch, capsys):
+    root, page = sample_grid(tmp_path, SAMPLE[:2]), tmp_path / "page.md"
+    page.write_text(PAGE)
+    assert massive_lens_cli(["tasks", "page", "--root", str(root), "--page", str(page), "--check"]) == 1
+    assert massive_lens_cli(["tasks", "page", "--root", str(root), "--page", str(page)]) == 0
+    assert massive_lens_cli(["tasks", "page", "--root", str(root), "--page", str(page), "--check"]) == 0
+    assert massive_lens_cli(["tasks", "page", "--root", str(tmp_path / "none"), "--page", str(page)]) == 2
+    assert capsys.readouterr().err.startswith("massive-lens tasks: no sink-task runs at")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("massive_lens.train.taskcli.run_grid", interrupted)
+    assert massive_lens_cli(["tasks", "run", "--root", str(tmp_path / "r")]) == 130
+    assert capsys.readouterr().err == "massive-lens tasks: interrupted\n"
