@@ -87,10 +87,10 @@ print(after[after["pos"].isin([0, POS])][columns].to_string(index=False))
 untouched = sink_strength(model, texts, pos=[0, POS]).groupby("pos")["strength"].mean()
 print(f"untouched: first token {untouched[0]:.3f}, pos 32 {untouched[POS]:.3f}")
 late = list(range(birth + 1, model.cfg.n_layers))
-for label, layers in (("early", early), ("late", late), ("every layer", None)):
+for label, layers in (("the early layers", early), ("the late layers", late), ("every layer", None)):
     with force_self_attention(model, POS, layers):
         planted = sink_strength(model, texts, pos=POS)["strength"].mean()
-    print(f"planted in {label} layers: pos 32 {planted:.3f} ({planted / untouched[0]:.0%} of the first token's)")
+    print(f"planted in {label}: pos 32 {planted:.3f} ({planted / untouched[0]:.0%} of the first token's)")
 
 # %% [markdown]
 # ## 3. The massive activation at the planted position, and its birth
@@ -113,12 +113,13 @@ print(trace.summary())
 # `planted_writers` splits each sink head's attention logit on position 32 into its writers (the exact
 # split of `sink_circuit`, read at position 32): the embedding, each attention output, each MLP output.
 # If the plant works as the first token does, the dominant writer is the MLP where the tracer saw the
-# massive activation born.
+# massive activation born. Shares are of the mean logit, so a head whose mean logit on position 32 is
+# near zero shows large shares of both signs: read them with the `logit` column.
 
 # %%
 with force_self_attention(model, POS, early):
     writers = planted_writers(model, texts, pos=POS)
-print(writers[["layer", "head", "sink_mass", "dominant", "dominant_share", "runner_up", "runner_up_share"]]
+print(writers[["layer", "head", "sink_mass", "logit", "dominant", "dominant_share", "runner_up", "runner_up_share"]]
       .to_string(index=False))
 
 # %% [markdown]

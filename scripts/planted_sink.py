@@ -197,7 +197,8 @@ def main() -> None:
 
     born = ["layer", "component", "dim", "pos"]
     summary = dict(
-        model=name, n_seqs=len(whole.tokens), seq_len=int(whole.tokens.shape[1]), pos=pos, birth_layer=birth,
+        model=name, dtype=args.dtype, n_seqs=len(whole.tokens), seq_len=int(whole.tokens.shape[1]), pos=pos,
+        birth_layer=birth,
         early_layers=[early[0], early[-1]], late_layers=[late[0], late[-1]] if late else [],
         strength={k: [s.loc[(k, pos), c] for c in ("strength", "strength_low", "strength_high")] for k in settings},
         first_token_strength={k: [s.loc[(k, 0), c] for c in ("strength", "strength_low", "strength_high")]
@@ -229,5 +230,78 @@ def main() -> None:
                      indent=1, default=float))
 
 
+def pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def model_section(folder: Path) -> str:
+    """The results of one model's saved run as Markdown (tables from summary.json and the CSVs)."""
+    s = json.loads((folder / "summary.json").read_text())
+    pos, lines = s["pos"], []
+    lines += [f"### {s['model']}", "",
+              f"{s['n_seqs']} WikiText-2 test sequences of {s['seq_len']} tokens, planted position {pos}; the "
+              f"first token's massive activation is born at layer {s['birth_layer']}, so early = layers "
+              f"{s['early_layers'][0]}-{s['early_layers'][1]}, late = the rest"
+              + (f" ({s['dtype']})" if s.get("dtype") else "") + ".", "",
+              "| planted in | layers | strength at pos | relative to the first token | first token's strength | "
+              "share of the effect |", "|---|---|---|---|---|---|"]
+    strength = pd.read_csv(folder / "strength.csv")
+    for setting in s["strength"]:
+        row = strength[(strength["setting"] == setting) & (strength["position"] == pos)].iloc[0]
+        m, lo, hi = s["strength"][setting]
+        r = s["relative_strength"][setting]
+        f = s["first_token_strength"][setting]
+        share = s["share_of_effect"].get(setting)
+        lines.append(f"| {setting} | {row['layers'] if isinstance(row['layers'], str) else '-'} | {m:.3f} "
+                     f"[{lo:.3f}, {hi:.3f}] | {r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}] | "
+                     f"{f[0]:.3f} [{f[1]:.3f}, {f[2]:.3f}] | "
+                     + (f"{share[0]:.0%} [{share[1]:.0%}, {share[2]:.0%}]" if share else "-") + " |")
+    lines += ["", "| the first token at rotary position | its strength | change (relative) | attention mass change |",
+              "|---|---|---|---|"]
+    for r in s["rotary"]:
+        mass = (f"{pct(r['mass_relative'])} [{pct(r['mass_relative_low'])}, {pct(r['mass_relative_high'])}]"
+                if "mass_relative" in r else "-")
+        lines.append(f"| {r['to']} | {r['strength']:.3f} | {pct(r['relative'])} [{pct(r['relative_low'])}, "
+                     f"{pct(r['relative_high'])}] | {mass} |")
+    census = s["census_at_pos_planted"]
+    levels = ", ".join(sorted({c["level"] for c in census})) or "none"
+    life = (f", acting as a sink in layers {min(c['first_layer'] for c in census)}-"
+            f"{max(c['last_layer'] for c in census)}, peak attention {max(c['peak_mass'] for c in census):.2f}, "
+            f"made by MLP {census[0]['mlp_layer']}") if census else ""
+    massive = "; ".join(f"dim {m['dim']} massive at position {pos} in layers {m['first_layer']}-{m['last_layer']} "
+                        f"(peak {m['peak']:,.0f})" for m in s["massive_at_pos_planted"]) or "nothing massive at pos"
+    born = "; ".join(f"dim {b['dim']} at position {b['pos']} born in {b['component']} {b['layer']}"
+                     for b in s["trace_births"]) or "no birth"
+    born0 = "; ".join(f"dim {b['dim']} born in {b['component']} {b['layer']}"
+                      for b in s["trace_births_first_token_untouched"]) or "none"
+    lines += ["", "Known answers, under the early plant, on the detail sequences:", "",
+              f"- **census**: position {pos} is named in {len(census)} of the detail sequences, level {levels}{life} "
+              f"(untouched: {len(s['census_at_pos_untouched'])} rows at position {pos});",
+              f"- **find_massive**: {massive};",
+              f"- **trace_origin**: {born} (the untouched first token's: {born0});"]
+    w = pd.DataFrame(s["writers_planted"])
+    if len(w):
+        top = w["dominant"].value_counts()
+        lines.append(f"- **the sink logit's writers** (`planted_writers`, the {len(w)} heads that attend most to "
+                     f"position {pos}): the dominant writer is " + ", ".join(f"{k} in {v}" for k, v in top.items())
+                     + f" of them, with {w['dominant_share'].min():.0%}-{w['dominant_share'].max():.0%} of the logit; "
+                     f"the runner-up at most {w['runner_up_share'].max():.1%}.")
+    return "\n".join(lines) + "\n"
+
+
+def write_page(root: Path, page: Path) -> None:
+    """Fill the page's results between its markers from every saved model folder under ``root``."""
+    text = page.read_text()
+    start, end = "<!-- results: scripts/planted_sink.py --page -->", "<!-- end of results -->"
+    body = "\n".join(model_section(f) for f in sorted(root.iterdir()) if (f / "summary.json").is_file())
+    head, rest = text.split(start)
+    page.write_text(head + start + "\n\n" + body + "\n" + end + rest.split(end, 1)[1])
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["--page"]:
+        write_page(Path("docs/planted_sink"), Path("docs/planted_sink.md"))
+    else:
+        main()
