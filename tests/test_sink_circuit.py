@@ -16,6 +16,9 @@ from massive_lens.core.criterion import SinkRule
 from massive_lens.errors import MassiveLensError
 
 TEXT = ["Hello there, world. The cat sat on the mat.", "A deer feeds near the reeds, and the geese see it."]
+OLD_CAUSAL = ["layer", "head", "removal", "mass_before", "mass_before_low", "mass_before_high", "mass_after",
+              "mass_after_low", "mass_after_high", "loss_ratio", "loss_ratio_low", "loss_ratio_high", "kills",
+              "n_seqs", "est_seconds"]  # the causal columns of results saved before the controls
 LOW = SinkRule(threshold=0.01)  # random tiny models spread their attention: every head passes
 
 
@@ -296,6 +299,14 @@ def test_whitespace_token_and_chain_figure(planted):
     assert "'⏎'" in dataclasses.replace(c, sink_token="\n").summary()
     labels = c.plot().get_legend_handles_labels()[1]
     assert "mlp 0 (massive dims)" in labels
+    # a result saved before the controls: read back, it says it has none instead of failing
+    tokens = _tokens(planted)
+    full = sink_circuit(planted, tokens, n_heads=2, corpus=tokens, n_seqs=len(tokens), seq_len=tokens.shape[1],
+                        progress=False)
+    old = dataclasses.replace(full, heads=full.heads.drop(columns=["margin", "margin_spread", "runner_up",
+                                                                   "runner_up_share"]),
+                              causal=full.causal[[c for c in full.causal if c in OLD_CAUSAL]])
+    assert "saved before the controls" in old.summary().splitlines()[0]
 
 
 def test_nnsight_refused_by_name():

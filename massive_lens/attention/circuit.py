@@ -123,9 +123,12 @@ class SinkCircuit(Result):
                 c = c[c["applies"].astype(bool)]
             w = c[c["removal"] == "dominant writer"]
             verdict, why = "no causal check (pass corpus=)", ""
-            if len(w):
+            runner = getattr(r, "runner_up", "")  # (results saved before the controls have no runner-up)
+            if len(w) and "random_after" not in w:
+                verdict = "no controls (a result saved before them: run sink_circuit again)"
+            elif len(w):
                 x = w.iloc[0]
-                controls = f"runner-up {r.runner_up} leaves {x.runner_up_after:.2f}, " if r.runner_up and \
+                controls = f"runner-up {runner} leaves {x.runner_up_after:.2f}, " if runner and \
                     x.runner_up_after == x.runner_up_after else ""
                 controls += f"random directions of the same norm leave {x.random_after:.2f} (worst draw " \
                     f"{x.random_after_min:.2f})"
@@ -150,6 +153,9 @@ class SinkCircuit(Result):
         return pd.DataFrame(rows, columns=VERDICT_COLUMNS)
 
     def _verdict_line(self) -> str:
+        if "random_after" not in self.causal:
+            return (f"{self.model_name}: no writer singled out or not: this result was saved before the controls of "
+                    "the same size (run sink_circuit again); the removals below stand alone")
         v = self.verdicts()
         single = v[v["verdict"].str.startswith("singled out")]
         named = single["dominant"].value_counts()
@@ -173,10 +179,9 @@ class SinkCircuit(Result):
         share = (f"the massive dims giving {top.massive_share:.0%}" if top.massive_share == top.massive_share
                  else "no massive dims at this layer")
         lead = (f"the sink at '{visible_token(self.sink_token)}' in layer {int(top.layer)} (head {int(top['head'])}: "
-                f"attention {top.sink_mass:.2f} on the split text, logit margin {top.margin:.3g} over the content "
-                f"keys) is drawn by the key from {top.dominant} ({top.dominant_share:.0%} of its logit "
-                f"{top.logit:.3g}; "
-                f"runner-up {top.runner_up or 'none'}), {share}")
+                f"attention {top.sink_mass:.2f} on the split text, logit margin {top.get('margin', float('nan')):.3g} "
+                f"over the content keys) is drawn by the key from {top.dominant} ({top.dominant_share:.0%} of its "
+                f"logit {top.logit:.3g}; runner-up {top.get('runner_up', '') or 'none'}), {share}")
         parts = self.frame[(self.frame["layer"] == top.layer) & (self.frame["head"] == top["head"])
                            & (self.frame["side"] == "key")].groupby("part")["contribution"].sum()
         if len(parts) and parts.min() < -0.5 * abs(top.logit):  # a part that pulls the logit down
