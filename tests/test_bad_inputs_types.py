@@ -119,12 +119,25 @@ CASES = {
     "scale_sink_attention(m, {(0, 1.5): 0.5})": "got 1.5",
     # streaming_window's sinks: counts, not a count
     "streaming_window(m, TEXT * 40, window=8, sinks=3, seq_len=64, n_seqs=1, census=False)": "sinks=(3,)",
+    # one layer, head or dim of the figures and the tracer: True is no 1, 0.7 no 0
+    "activation_landscape(m, TEXT, layer=True)": "layer must be an integer, got True",
+    "activation_landscape(m, TEXT, layer=0.7)": "layer must be an integer, got 0.7",
+    "attention_maps(m, TEXT, True)": "layer must be an integer, got True",
+    "attention_maps(m, TEXT, 1, heads=[True])": "heads must be an integer, got True",
+    "attention_maps(m, TEXT, 1, max_heads=2.5)": "max_heads must be an integer",
+    "attention_view(m, TEXT, 1, heads=[0.7])": "heads must be an integer, got 0.7",
+    "magnitude_view(m, TEXT, 1, dim=True)": "must be an integer, got True",
+    "trace_origin(m, TEXT, dim=True)": "dim=True is out of range",
 }
 
 _UNTYPED = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
-from massive_lens import MassiveLensError, find_massive, perplexity, scan_corpus, tiny_model
+import matplotlib
+matplotlib.use("Agg")
+from massive_lens import MassiveLensError, find_massive, perplexity, scan_corpus, tiny_model, trace_origin
+from massive_lens.viz import activation_landscape, attention_maps
+from massive_lens.viz.views import attention_view, magnitude_view
 from massive_lens.attention import find_sinks, norm_roles, sink_attention, sink_census, sink_circuit
 from massive_lens.core.criterion import SinkRule
 from massive_lens.effects import streaming_window

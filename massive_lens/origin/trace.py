@@ -298,10 +298,10 @@ def _neurons(view: ModelView, cap: Capture, found_events: pd.DataFrame, top_neur
 
 
 def _check_index(view: ModelView, dim: int | None, pos: int | None, seq: int) -> tuple[int | None, int | None]:
-    if dim is not None and not (isinstance(dim, int) and 0 <= dim < view.d_model):
+    if dim is not None and not (isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim < view.d_model):
         raise MassiveLensError(f"dim={dim!r} is out of range: {view.name} has d_model={view.d_model}")
     if pos is not None:
-        if not (isinstance(pos, int) and -seq <= pos < seq):
+        if not (isinstance(pos, int) and not isinstance(pos, bool) and -seq <= pos < seq):
             raise MassiveLensError(f"pos={pos!r} is out of range: the text has {seq} tokens")
         pos %= seq
     return dim, pos

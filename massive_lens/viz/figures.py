@@ -12,6 +12,7 @@ from typing import Any
 from matplotlib.patches import Rectangle
 from torch import Tensor
 
+from massive_lens.core.checks import as_int
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import new_figure
 from massive_lens.detect import find_massive
@@ -47,6 +48,7 @@ def capture_one(model: Any, text: str | Any, layer: int, hook: str) -> tuple[Ten
     batch = view.tokenize(text)
     if batch.tokens.shape[0] != 1:
         raise MassiveLensError(f"this figure shows one text; got a batch of {batch.tokens.shape[0]}")
+    layer = as_int(layer, "layer", low=0, high=view.n_layers - 1)  # True is no layer 1, 0.7 no layer 0
     return view.activation(batch, view.hook_name(layer, hook))[0], view.str_tokens(batch)[0]
 
 
@@ -116,7 +118,9 @@ def attention_maps(model: Any, text: str, layer: int, *, heads: Sequence[int] | 
     ('L0H0', 'L0H1')
     """
     pattern, tokens = capture_one(model, text, layer, "attn.hook_pattern")
-    chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else list(heads)
+    max_heads = as_int(max_heads, "max_heads", low=1)
+    chosen = list(range(min(pattern.shape[0], max_heads))) if heads is None else \
+        [as_int(h, "heads", low=0, high=pattern.shape[0] - 1) for h in heads]
     if sinks is None:
         rows = find_massive(model, text).by_dim()
         sinks = sorted(rows[rows.scope == "token"].pos.unique().tolist()) or [0]

@@ -36,6 +36,7 @@ import circuitsvis
 from jaxtyping import Float
 from torch import Tensor
 
+from massive_lens.core.checks import as_int
 from massive_lens.errors import MassiveLensError
 from massive_lens.viz.figures import capture_one
 
@@ -142,7 +143,8 @@ def attention_view(model: Any, text: str, layer: int, *, heads: list[int] | None
     True
     """
     pattern, tokens = capture_one(model, text, layer, "attn.hook_pattern")
-    chosen = list(range(pattern.shape[0])) if heads is None else list(heads)
+    chosen = list(range(pattern.shape[0])) if heads is None else \
+        [as_int(h, "heads", low=0, high=pattern.shape[0] - 1) for h in heads]
     return View("AttentionHeads", {
         "attention": pattern[chosen].tolist(),
         "tokens": tokens,
@@ -181,6 +183,7 @@ def magnitude_view(model: Any, text: str, layer: int, *, dim: int | None = None)
     True
     """
     resid, tokens = capture_one(model, text, layer, "resid_post")
+    dim = None if dim is None else as_int(dim, "dim")  # True is no dim 1
     if dim is not None and not 0 <= dim < resid.shape[-1]:
         raise MassiveLensError(f"dim {dim} out of range: d_model is {resid.shape[-1]}")
     values = _magnitudes(resid, dim)
