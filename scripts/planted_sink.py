@@ -62,6 +62,7 @@ def ratio_interval(num: torch.Tensor, den: torch.Tensor, seed: int = 0, n: int =
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(len(num), (n, len(num)), generator=gen)
     r = num.double()[idx].mean(1) / den.double()[idx].mean(1)
+    r = r[torch.isfinite(r)]  # resamples where the denominator is 0 (no sequence moved) have no ratio
     return float(num.double().mean() / den.double().mean()), float(r.quantile(0.025)), float(r.quantile(0.975))
 
 
@@ -280,7 +281,11 @@ def model_section(folder: Path) -> str:
               f"- **find_massive**: {massive};",
               f"- **trace_origin**: {born} (the untouched first token's: {born0});"]
     w = pd.DataFrame(s["writers_planted"])
-    if len(w):
+    if "dominant_share" not in w.columns:
+        refused = pd.read_csv(folder / "writers.csv")
+        why = refused.loc[refused["model_state"] == "planted", "dominant"].iloc[0]
+        lines.append(f"- **the sink logit's writers** (`planted_writers`): refused, {why.removeprefix('none: ')}.")
+    elif len(w):
         top = w["dominant"].value_counts()
         lines.append(f"- **the sink logit's writers** (`planted_writers`, the {len(w)} heads that attend most to "
                      f"position {pos}): the dominant writer is " + ", ".join(f"{k} in {v}" for k, v in top.items())
