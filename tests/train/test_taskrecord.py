@@ -93,12 +93,14 @@ def edit(folder: Path, **fields) -> None:
     (folder / RESULT).write_text(json.dumps({**stored, **fields}))
 
 
+@pytest.mark.heavy  # over 5 s on 2 cores (page writes, every committed run read)
 @pytest.mark.parametrize("runs, page", ROOTS)
 def test_every_committed_run_stores_and_the_page_shows_what_its_raw_records_give(runs, page):
     assert check_against_raw(ROOT / runs, ROOT / page) > 0
     assert write_page(ROOT / runs, ROOT / page, check=True) == 0
 
 
+@pytest.mark.heavy  # over 5 s on 2 cores (page writes, every committed run read)
 def test_the_check_fails_on_a_planted_stale_record_and_the_page_never_reads_it(tmp_path, caplog):
     root, page = sample_grid(tmp_path), tmp_path / "page.md"
     page.write_text(PAGE)
@@ -223,6 +225,7 @@ def test_refresh_rewrites_only_stale_records(tmp_path):
     assert not refresh_run(root / SAMPLE[0])
 
 
+@pytest.mark.heavy  # over 5 s on 2 cores (page writes, every committed run read)
 def test_massive_lens_tasks_runs_the_same_commands_with_its_conventions(tmp_path, monkeypatch, capsys):
     root, page = sample_grid(tmp_path, SAMPLE[:2]), tmp_path / "page.md"
     page.write_text(PAGE)
