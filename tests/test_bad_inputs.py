@@ -556,6 +556,15 @@ CASES = [
         "reconstruction of blocks.1.hook_resid_post (sequence 0) holds NaN or inf", "sae_check-nan-reconstruction"),
     row("tiny", lambda m, d: sae_check(m, _sae(decode=lambda z: z), CORPUS, seq_len=16, n_seqs=2), "has shape",
         "sae_check-reconstruction-of-another-shape"),
+    # --- the sink tasks' command (issue 48): refused before anything trains or is read
+    row("tiny", lambda m, d: _cli("tasks", "run", "--threads", "-1", "--root", d / "r"), "threads must be",
+        "cli-tasks-threads-negative"),
+    row("tiny", lambda m, d: _cli("tasks", "run", "--root", d / "a_file", "--tasks", "trigger_conditional",
+                                  "--seeds", "0"), "cannot use", "cli-tasks-root-is-a-file"),
+    row("tiny", lambda m, d: _cli("tasks", "run", "--steps", "0", "--root", d / "r"), "steps=0",
+        "cli-tasks-steps-zero"),
+    row("tiny", lambda m, d: _cli("tasks", "page", "--root", d / "none"), "no sink-task runs at",
+        "cli-tasks-page-missing-root"),
 ]
 
 
