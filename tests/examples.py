@@ -40,7 +40,7 @@ from massive_lens.handover import (
     precision_check,
     sae_check,
 )
-from massive_lens.interventions import head_curve, sink_scale_sweep
+from massive_lens.interventions import head_curve, sink_dependence, sink_scale_sweep
 from massive_lens.origin import verify_super_weights
 from massive_lens.quant import lowbit_grid, quantize_grid
 from massive_lens.train import compare_variants, retrofit, train_model, training_stability
@@ -53,7 +53,7 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
                 "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization",
                 "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity", "SinkScaleSweep",
-                "SuperWeightCheck"]
+                "SuperWeightCheck", "SinkDependence"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -116,6 +116,7 @@ def result_examples() -> dict[str, object]:
         "SinkScaleSweep": sink_scale_sweep(model, TEXT, gammas=(0.5,), seq_len=16, n_seqs=2, repeat_len=4,
                                            repeat_seqs=2),
         "SuperWeightCheck": _super_weights(),
+        "SinkDependence": sink_dependence(model, TEXT, seq_len=16, n_seqs=2, heads=[(1, 0)], progress=False),
     }
 
 

@@ -99,7 +99,9 @@ def test_calibration_keeps_what_the_arms_need_through_save_and_load(planted, tmp
     assert set(calib.vars_at) == set(calib.dims_at)
     assert calib.template.shape == (model.cfg.n_layers + 1, 2, model.cfg.d_model)
     again = load(calib.save(tmp_path / "calib"))
-    assert torch.equal(again.pool, calib.pool) and torch.equal(again.template.nan_to_num(), calib.template.nan_to_num())
+    assert torch.equal(again.pool, calib.pool) and torch.equal(again.template, calib.template)
+    assert torch.equal(again.template_seen, calib.template_seen)
+    assert bool(calib.template_seen[1:-1].all() and calib.template_seen[-1, 0])  # every norm after the birth
     assert all(torch.equal(again.vars_at[k], v) for k, v in calib.vars_at.items())
 
 
@@ -109,7 +111,7 @@ def test_an_old_calibration_loads_and_the_arms_refuse_it(planted, tmp_path):
     model, calib, tokens = planted
     folder = calib.save(tmp_path / "old")
     manifest = json.loads((folder / "manifest.json").read_text())
-    for key in ("vars_at", "pool", "template"):
+    for key in ("vars_at", "pool", "template", "template_seen"):
         manifest["fields"].pop(key)
     (folder / "manifest.json").write_text(json.dumps(manifest))
     old = load(folder)

@@ -152,20 +152,24 @@ class TemplateTally:
             self.counts[row, col] += float(where.sum())
 
     def template(self) -> Float[Tensor, "layer_plus_final norm d_model"]:
-        """The mean output vectors; NaN where no carrying position was seen."""
-        return (self.sums / self.counts[..., None]).float()
+        """The mean output vectors; zero where no carrying position was seen (see :meth:`seen`)."""
+        return (self.sums / self.counts.clamp(min=1)[..., None]).float()
+
+    def seen(self) -> Bool[Tensor, "layer_plus_final norm"]:
+        """Where the template was measured (a carrying position passed that norm)."""
+        return self.counts > 0
 
 
-def template_hooks(view: Any, template: Tensor, *, after: int, put: Any) -> list[tuple[str, Any]]:
+def template_hooks(view: Any, template: Tensor, seen: Tensor, *, after: int, put: Any) -> list[tuple[str, Any]]:
     """The hooks that set the norms' outputs of every layer after ``after`` (and the final norm)
-    to ``template`` at the targeted positions, where the template was measured."""
+    to ``template`` at the targeted positions, where the template was measured (``seen``)."""
     n_layers = template.shape[0] - 1
     out = []
     for layer in range(after + 1, n_layers):
         for col, name in enumerate(NORMS):
-            if view.has_hook(layer, name) and bool(torch.isfinite(template[layer, col]).all()):
+            if view.has_hook(layer, name) and bool(seen[layer, col]):
                 out.append((view.block_hook(layer, name), partial(put, vector=template[layer, col])))
-    if "ln_final.hook_out" in view.hook_names and bool(torch.isfinite(template[n_layers, 0]).all()):
+    if "ln_final.hook_out" in view.hook_names and bool(seen[n_layers, 0]):
         out.append(("ln_final.hook_out", partial(put, vector=template[n_layers, 0])))
     return out
 
@@ -190,7 +194,7 @@ def arm_fill(calib: Any, mode: str, layer: int, dims: Sequence[int], *, seed: in
 def refuse_old(calib: Any, mode: str, model_name: str) -> str | None:
     """Why ``calib`` cannot serve the arm ``mode`` (a Calibration saved before the arms' statistics
     were kept), or None."""
-    if mode not in ARMS or (calib.vars_at and calib.template.numel()):  # all three are kept together
+    if mode not in ARMS or (calib.vars_at and calib.template.numel() and calib.template_seen.numel()):  # kept together
         return None
     return (f"{model_name}: this Calibration has no statistics for the {mode!r} arm (variances, resample pool, "
             "post-norm template: it was saved by an older massive_lens); calibrate again: calibrate(model, text)")

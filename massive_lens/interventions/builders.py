@@ -165,7 +165,7 @@ def ablate_massive(model: Any, mode: str | float = "zero", *, calibration: Any =
     state = HookState(calib)
     hooks = build_hooks(model, calib, state, fill=fill, where=where, control=control, measure_massive=True)
     if mode == "template":  # the norms of every layer after the last first-massive layer read the template
-        hooks += template_hooks(ModelView(model), calib.template, after=max(calib.dims),
+        hooks += template_hooks(ModelView(model), calib.template, calib.template_seen, after=max(calib.dims),
                                 put=partial(put_template, state=state))
     layers = calib.dims if where == "first" else calib.dims_at
     removes = not control and (mode in ("zero", "template") or (not isinstance(mode, str) and float(mode) == 0.0))

@@ -83,7 +83,8 @@ class Calibration(Result):
     Calibration of another model (``""`` and 0 in one saved before they were kept: sizes only).
     The arms' (:mod:`~massive_lens.interventions.arm_stats`): ``vars_at`` (variances beside ``means_at``),
     ``pool`` (token-specific massive entries: layer, seq, kind, dim, value), ``template [layer+1 norm
-    d_model]`` (post-norm vectors of spike-carrying tokens); empty in an older save (the arms refuse it).
+    d_model]`` (post-norm vectors of spike-carrying tokens; ``template_seen``: where measured); empty in
+    an older save (the arms refuse it).
 
     ``to_frame()``: one row per fact, ``kind`` (``massive_mean``: ``layer``, ``dim``,
     ``value`` at the first massive layer; ``massive_mean_at``: the same at every massive
@@ -116,6 +117,7 @@ class Calibration(Result):
     vars_at: dict[int, Tensor] = field(default_factory=dict)
     pool: Tensor = field(default_factory=empty_pool)
     template: Tensor = field(default_factory=lambda: torch.zeros(0))
+    template_seen: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
 
     @property
     def detect_layer(self) -> int | None:
@@ -288,6 +290,7 @@ def calibrate(
         n_seqs=len(tokens), dims_at=dims_at, means_at=means_at, sinks=sinks, rule=rule, **stats, **online,
         outlier_dims=massive["outlier_dims"], model_name=view.name, d_model=view.d_model, vars_at=vars_at,
         pool=build_pool(entries, massive["kinds"]), template=massive["template"],
+        template_seen=massive["template_seen"],
     )
 
 
@@ -349,6 +352,7 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
                     torch.cat([f.by_attention for f in found]), torch.cat([f.by_massive for f in found]))
     return dict(sums=sums, counts=counts, squares=squares, sinks=sinks, first_massive=torch.cat(first),
                 kinds=torch.cat([kinds for _, kinds in gathered]), template=template.template(),
+                template_seen=template.seen(),
                 entries=torch.cat(entries) if entries else torch.zeros(0, 5, dtype=torch.float64),
                 outlier_dims=scope.any(0).nonzero().flatten())
 
