@@ -10,8 +10,8 @@ the sink logit at ``pos`` should be split by the writers the plant set off.
 
 :func:`force_self_attention` does it at each chosen layer's ``attn.hook_attn_scores``: query
 ``pos`` gets the most negative logit on every key but ``pos`` (weight zero after the softmax), the
-other queries are untouched. It runs where the pattern is built, the eager path, so analyses run
-under it must read the eager pattern (``attention="eager"``). :func:`shift_rotary_position` is
+other queries are untouched. It runs where the pattern is built, the eager path; analyses run under
+it read the eager pattern by themselves (``attention="auto"`` sees the edit), and ``"lse"`` refuses. :func:`shift_rotary_position` is
 the control on the other explanation, the first token's rotary position: it gives ``pos`` the
 rotary ``cos``/``sin`` of position ``to`` (``attn.hook_cos``/``hook_sin``: exactly what passing
 ``position_ids`` with ``pos`` at ``to`` to the Hugging Face model computes) and nothing else.
@@ -83,8 +83,8 @@ def force_self_attention(model: Any, pos: Position, layers: Layers = None) -> In
 
     Returns:
         An :class:`Intervention` named ``"self_attention_forced"``, with ``.pos`` and ``.layers``.
-        It edits the scores, so an analysis run under it must read the eager pattern
-        (``sink_census(..., attention="eager")``).
+        It edits the scores, so an analysis run under it reads the eager pattern (``attention="auto"``
+        sees the edit and takes it; ``"lse"`` is refused).
 
     Raises:
         MassiveLensError: ``pos`` not an int, below 1 or past the model's context (or, when it runs,
