@@ -12,8 +12,8 @@ the sink logit at ``pos`` should be split by the writers the plant set off.
 ``pos`` gets the most negative logit on every key but ``pos`` (weight zero after the softmax), the
 other queries are untouched. It runs where the pattern is built, the eager path; analyses run under
 it read the eager pattern by themselves (``attention="auto"`` sees the edit), and ``"lse"`` refuses.
-:func:`shift_rotary_position` is the control on the other explanation, the first token's rotary position: it gives ``pos`` the
-rotary ``cos``/``sin`` of position ``to`` (``attn.hook_cos``/``hook_sin``: exactly what passing
+:func:`shift_rotary_position` is the control on the other explanation, the first token's rotary
+position: it gives ``pos`` the rotary ``cos``/``sin`` of position ``to`` (``attn.hook_cos``/``hook_sin``: exactly what passing
 ``position_ids`` with ``pos`` at ``to`` to the Hugging Face model computes) and nothing else.
 :func:`planted_writers` splits the sink logit at any position, per head, into its writers (the
 split of :func:`~massive_lens.attention.sink_circuit`, which reads the first token only);
