@@ -13,8 +13,9 @@ the sink logit at ``pos`` should be split by the writers the plant set off.
 other queries are untouched. It runs where the pattern is built, the eager path; analyses run under
 it read the eager pattern by themselves (``attention="auto"`` sees the edit), and ``"lse"`` refuses.
 :func:`shift_rotary_position` is the control on the other explanation, the first token's rotary
-position: it gives ``pos`` the rotary ``cos``/``sin`` of position ``to`` (``attn.hook_cos``/``hook_sin``: exactly what passing
-``position_ids`` with ``pos`` at ``to`` to the Hugging Face model computes) and nothing else.
+position: it gives ``pos`` the rotary ``cos``/``sin`` of position ``to`` (``attn.hook_cos``/``hook_sin``:
+exactly what passing ``position_ids`` with ``pos`` at ``to`` to the Hugging Face model computes) and
+nothing else.
 :func:`planted_writers` splits the sink logit at any position, per head, into its writers (the
 split of :func:`~massive_lens.attention.sink_circuit`, which reads the first token only);
 :func:`sink_strength` measures how much of a sink any position is, per sequence.
