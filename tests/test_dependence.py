@@ -104,6 +104,7 @@ def test_bad_inputs_are_refused(model, kw):
         sink_dependence(model, TEXT, seq_len=16, **{"n_seqs": 2, **kw}, progress=False)
 
 
+@pytest.mark.heavy
 def test_the_report_measures_dependence_only_behind_full(tmp_path):
     """The light report says dependence was not measured; ``full=True`` (``--full``) shows it."""
     model = tiny_model("llama")
