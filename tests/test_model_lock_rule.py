@@ -28,6 +28,8 @@ OWN_MODELS = {  # edits of a model no user holds: built in the same call, or a c
     "massive_lens.train.retrofit_parts:seed_slots": "retrofit's fresh copy (plain_copy), before anyone holds it",
     "massive_lens.train.retrofit_parts:zero_super_weights": "retrofit's fresh copy (plain_copy), before anyone "
                                                            "holds it",
+    "massive_lens.models.gguf:_place": "places the GGUF file's tensors into the model dequantized_model has just "
+                                      "built with empty weights, before anyone holds it",
     "massive_lens.train.hf_attention:load_into_bridge": "a lasting load into a bridge its caller asked to change, "
                                                         "not a temporary edit",
 }
