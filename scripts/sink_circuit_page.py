@@ -3,7 +3,8 @@ model, on WikiText-2, saved under docs/circuit/<model>/ (result folders, the fig
 
 ``python scripts/sink_circuit_page.py default 16`` (the model, then the causal check's sequences;
 ``qwen2.5-coder-1.5b 6``; a third argument is the WikiText-2 test file, default
-../shared/data/wikitext-2/test.txt beside the checkout). One torch thread: on a shared CPU, spinning
+../shared/data/wikitext-2/test.txt beside the checkout). ``--render docs/circuit/smollm2`` rewrites
+a run's output.txt from its saved results, in the current code's wording. One torch thread: on a shared CPU, spinning
 threads cost more than they give.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from massive_lens import load_model
+from massive_lens import load, load_model
 from massive_lens.attention import sink_circuit
 from massive_lens.attention.circuit_split import visible_token
 from massive_lens.attention.rescale import norm_roles
@@ -46,6 +47,19 @@ def main(name: str, n_seqs: int, corpus: str) -> None:
     circuit.save(out / "sink_circuit", overwrite=True)
     roles.save(out / "norm_roles", overwrite=True)
     save_figure(circuit.plot(), out / "chain", formats=("png",))
+    write_output(out, circuit, roles, took)
+
+
+def render(folder: str) -> None:
+    """Rewrite ``output.txt`` from the results saved in ``folder`` (``--render docs/circuit/smollm2``):
+    the wording of the current code, the numbers of the saved run, its wall time kept."""
+    out = Path(folder)
+    took = float((out / "output.txt").read_text().rsplit("wall time ", 1)[1].rstrip("s\n"))
+    write_output(out, load(out / "sink_circuit"), load(out / "norm_roles"), took)
+
+
+def write_output(out: Path, circuit, roles, took: float) -> None:
+    """The page's text output of one run, printed and written to ``out/output.txt``."""
     verdicts = circuit.verdicts()
     headline = roles.headline().copy()
     headline["token"] = visible_token(str(headline["token"]))  # a whitespace token never prints blank
@@ -64,6 +78,8 @@ def main(name: str, n_seqs: int, corpus: str) -> None:
     print("\n".join(lines))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "--render":
+    render(sys.argv[2])
+elif __name__ == "__main__":
     default_corpus = str(ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt")
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else default_corpus)

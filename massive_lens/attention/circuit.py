@@ -90,16 +90,16 @@ class SinkCircuit(Result):
 
     def _named(self, layer: int, head: int) -> str:
         """The head's largest key-side writers, until they give ``NAMED_SHARE`` of the positive sum
-        (at least two, at most four), with their shares of the logit."""
+        (at least two, at most four), with their shares of that positive sum (a share of the net logit
+        reads large where the parts nearly cancel)."""
         f = self.frame
         part = f[(f["layer"] == layer) & (f["head"] == head) & f["component"].isin(["embed", "attn", "mlp"])]
         writers = part.groupby("part")["contribution"].sum().sort_values(ascending=False)
-        logit = float(self.heads.set_index(["layer", "head"]).loc[(layer, head), "logit"])
         total, names, acc = float(writers.clip(lower=0).sum()), [], 0.0
         for name, c in writers.items():
             if len(names) >= 4 or (len(names) >= 2 and acc >= NAMED_SHARE * total):
                 break
-            names.append(f"{name} {c / logit:.0%}" if logit else str(name))
+            names.append(f"{name} {max(float(c), 0.0) / total:.0%}" if total > 0 else str(name))
             acc += max(float(c), 0.0)
         return ", ".join(names)
 
@@ -136,11 +136,13 @@ class SinkCircuit(Result):
                     verdict = f"singled out: {r.dominant}"
                     why = (f"removing it drops the attention from {x.mass_before:.2f} to {x.mass_after:.2f} "
                            f"[{x.mass_after_low:.2f}, {x.mass_after_high:.2f}]; {controls}")
+                elif not x.kills:  # no single part is enough: the margin outlasts the largest one
+                    named = self._named(r.layer, r.head)
+                    verdict = f"not singled out: its largest writer's removal leaves the sink ({named})"
+                    why = f"removing {r.dominant} leaves {x.mass_after:.2f} of {x.mass_before:.2f}"
                 else:
                     verdict = f"distributed over {self._named(r.layer, r.head)}"
-                    if not x.kills:
-                        why = f"removing {r.dominant} leaves {x.mass_after:.2f} of {x.mass_before:.2f}"
-                    elif bool(x.get("controls_kill", False)):
+                    if bool(x.get("controls_kill", False)):
                         why = f"removing {r.dominant} kills it, but so does a control: {controls}"
                     else:
                         why = (f"removing {r.dominant} leaves {x.mass_after:.2f}, not clearly below the controls: "
@@ -166,8 +168,10 @@ class SinkCircuit(Result):
                 "sequences)")
         spread = v[~v["verdict"].str.startswith("singled out")]
         if len(spread):
-            line += f"; in {len(spread)} the sink is distributed: " + "; ".join(
-                f"L{int(r.layer)}H{int(r.head)} over {r.verdict.removeprefix('distributed over ')} "
+            line += f"; in {len(spread)} no writer is singled out: " + "; ".join(
+                f"L{int(r.layer)}H{int(r.head)} ({r.why.split(':')[0]}; writers {r.verdict.split('(')[-1].rstrip(')')})"
+                if r.verdict.startswith("not singled out") else
+                f"L{int(r.layer)}H{int(r.head)} distributed over {r.verdict.removeprefix('distributed over ')} "
                 f"({r.why.split(':')[0]})"
                 for r in spread.head(4).itertuples()) + ("; ..." if len(spread) > 4 else "")
         return line
