@@ -239,7 +239,8 @@ def test_one_writer_singled_out_and_equal_parts_distributed(family):
     assert len(v) and v["verdict"].str.startswith("not singled out").all(), v[["verdict", "why"]]
     assert all(f"mlp {i}" in x for i in range(3) for x in v["verdict"])
     shares = [[int(p) for p in re.findall(r"mlp \d+ (\d+)%", x)] for x in v["verdict"]]
-    assert all(len(s) == 3 and max(s) <= 100 and abs(sum(s) - 100) <= 3 for s in shares), shares  # of the positive parts
+    # each writer's share of the positive parts: never over 100%, the three adding up to about all of it
+    assert all(len(s) == 3 and max(s) <= 100 and abs(sum(s) - 100) <= 3 for s in shares), shares
     assert not c.causal.loc[c.causal["removal"] == "dominant writer", "kills"].any()
     assert c.summary().startswith(f"{c.model_name}: 0 of {len(v)} sink heads single out one writer")
     assert f"in {len(v)} no writer is singled out" in c.summary().splitlines()[0]
