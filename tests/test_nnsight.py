@@ -224,7 +224,7 @@ def test_bad_input_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bare = nnsight.NNsight(hf)  # no tokenizer
-    with pytest.raises(MassiveLensError, match="no tokenizer.*LanguageModel"):
+    with pytest.raises(MassiveLensError, match="no tokenizer.*load_model"):
         find_massive(bare, "Some text")
     assert len(find_massive(bare, torch.tensor([[BOS, 7, 8]])).magnitudes) == 4  # token ids need none
     _, lm = twins("llama")

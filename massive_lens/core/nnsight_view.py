@@ -179,9 +179,9 @@ class NnsightView(ModelView):
     def tokenizer(self) -> Any:
         tok = getattr(self.lm, "tokenizer", None)
         if tok is None:
-            raise MassiveLensError(f"this nnsight {type(self.lm).__name__} of {self.name} has no tokenizer; wrap it "
-                                   "as nnsight.LanguageModel(hf_model, tokenizer=tokenizer), or pass token ids (a "
-                                   "LongTensor [batch, pos]) instead of text")
+            raise MassiveLensError(f"this nnsight {type(self.lm).__name__} of {self.name} has no tokenizer; load it "
+                                   "with massive_lens.load_model(hf_model, tokenizer=tokenizer, backend='nnsight'), or "
+                                   "pass token ids (a LongTensor [batch, pos]) instead of text")
         return tok
 
     def str_tokens(self, batch: Any) -> list[list[str]]:
