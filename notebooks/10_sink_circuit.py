@@ -43,7 +43,6 @@ print('small:', SMALL)
 
 # %%
 import pandas as pd
-
 from massive_lens import default_text, load_model
 from massive_lens.attention import norm_roles, sink_circuit
 

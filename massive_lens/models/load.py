@@ -60,6 +60,7 @@ from massive_lens.models.offline import (
     load_gguf,
     load_offline,
     offline_names,
+    offline_of_file,
 )
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,8 @@ def load_model(
             raise MassiveLensError("device_map applies to hub ids and local folders; a .gguf file loads on one "
                                    "device: pass device= instead")
         hf, tok = load_gguf(path)
-        return _build(hf, tok, gguf_name(path) or path.stem, **build, display=name)
+        known = offline_of_file(path)  # an offline model's own file goes by that model's name
+        return _build(hf, tok, known.name if known else gguf_name(path) or path.stem, **build, display=name)
     if not path.exists() and _looks_local(str(name_or_model)):
         raise MassiveLensError(f"no folder or file at {path}; a local model is a folder saved with save_pretrained "
                                "(config.json and *.safetensors) or a .gguf file")

@@ -194,6 +194,16 @@ def find_offline(name: Any) -> OfflineModel | None:
     return next((m for m in OFFLINE_MODELS if m.matches(name)), None)
 
 
+def offline_of_file(path: Path) -> OfflineModel | None:
+    """The offline model whose GGUF file ``path`` is (by its file name), so that a model loaded by its
+    file's path goes by the same name as loaded by name; None for any other file.
+
+    >>> offline_of_file(Path("/somewhere/SmolLM2-135M-Instruct.Q4_1.gguf")).name
+    'SmolLM2-135M-Instruct'
+    """
+    return next((m for m in OFFLINE_MODELS if m.source.filename == Path(path).name), None)
+
+
 def offline_names() -> str:
     """The offline models and their aliases, for messages and help texts."""
     return "; ".join(f"{m.name} ({', '.join(m.aliases)})" for m in OFFLINE_MODELS)
