@@ -72,9 +72,10 @@ for variant in ("softmax", "softmax1", "relu"):
 # The sink mass of the largest head against the training steps:
 
 # %%
-import pandas as pd
-
-curves = pd.DataFrame({v: run.evals.set_index("step")["sink_mass"] for v, run in runs.items()})
+curves = None
+for variant, run in runs.items():  # one column per run, indexed by step
+    column = run.evals.set_index("step")[["sink_mass"]].rename(columns={"sink_mass": variant})
+    curves = column if curves is None else curves.join(column)
 print(curves.round(3).tail(6))
 ax = curves.plot(title="largest head's attention on the first token")
 ax.axhline(0.3, color="grey", linestyle=":")

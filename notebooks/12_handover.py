@@ -41,15 +41,13 @@ print('small:', SMALL)
 # one of their occurrences, since SAELens's `exclude_special_tokens` drops an id everywhere.
 
 # %%
-import pandas as pd
 from massive_lens import exclusion_mask, load_model
 
-pd.set_option("display.width", 120)
 model = load_model()
 texts = ["The quick brown fox jumps over the lazy dog. It was a sunny day.", "Hello, world.\nBye."]
 ex = exclusion_mask(model, texts, levels=("primary", "secondary"))
 print(ex.summary())
-print(ex.to_frame()[["seq", "pos", "token", "reason", "dim", "value"]])
+print(ex.to_frame()[["seq", "pos", "token", "reason", "dim", "value"]].to_string())
 print("for exclude_special_tokens:", ex.token_ids(), "| kept positions:", int(ex.keep.sum()))
 
 # %% [markdown]
@@ -96,14 +94,12 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
-
 dims = handover.massive_dims(model, n_seqs=n_seqs, persistence=0.25)
 print(dims.summary())
 path = dims.to_json(Path(tempfile.mkdtemp()) / "massive_dims.json")
 print(json.load(open(path))["dims"])                  # the standard library alone reads it
-direction = torch.randn(model.cfg.d_model)
-print(dims.keep_out(direction)[list(dims.dims)])      # those dims zeroed, in a copy
+direction = model.W_U[:, 0].detach()                  # any [d_model] direction; here an unembedding column
+print(direction[list(dims.dims)], dims.keep_out(direction)[list(dims.dims)])   # those dims zeroed, in a copy
 
 # %% [markdown]
 # ## 4. float16 or bfloat16?

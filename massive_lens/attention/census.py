@@ -93,6 +93,12 @@ class SinkCensus(Result):
         """This census with ``dependence`` (``sink_dependence(model, text)`` on the same text), which
         its summary then reports beside the sink mass.
 
+        Args:
+            dependence: a :class:`~massive_lens.interventions.SinkDependence` of the same text.
+
+        Returns:
+            A copy of this census that carries it.
+
         >>> from massive_lens import tiny_model
         >>> census = sink_census(tiny_model("llama"), "Hello there, world. " * 4)
         >>> "dependence was not measured" in census.summary()
