@@ -42,12 +42,9 @@ print('small:', SMALL)
 # offline default text, CPython's reference manual). A bar counts the check's passes.
 
 # %%
-import pandas as pd
 from massive_lens import default_text, load_model
 from massive_lens.attention import norm_roles, sink_circuit
 
-pd.set_option("display.width", 160)
-pd.set_option("display.max_colwidth", 90)
 model = load_model()                                   # SmolLM2-135M-Instruct, offline
 text = "The river runs to the sea, and the town wakes at dawn. " * 4
 corpus = default_text()[:200_000]
