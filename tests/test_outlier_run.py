@@ -143,3 +143,23 @@ def test_the_tally_keeps_a_massive_dim_token_specific_where_it_is_on_few_tokens(
         tally.add(layer, massive)
     assert [bool(tally.at(layer)[0]) for layer in range(3)] == [False, True, False]
     assert tally.dims.tolist() == [True, False]
+
+
+def test_calibration_reads_every_layer_when_the_final_norm_also_runs_first(dip):
+    """A model whose final norm also normalizes the embeddings (NanoChat) fires
+    ``ln_final.hook_out`` before the first block: the calibration pass must not stop there
+    (it did, and found no massive activation at all)."""
+    model, _, calibration = dip
+    plain = calibrate(model, calibration, outliers="include", progress=False)
+    embed = model.original_model.get_input_embeddings()
+
+    def norm_too(module, args, out):  # the final norm runs on the embeddings, its output unused here
+        model.ln_final(out)
+
+    handle = embed.register_forward_hook(norm_too)
+    try:
+        early = calibrate(model, calibration, outliers="include", progress=False)
+    finally:
+        handle.remove()
+    assert plain.dims_at, "the planted model has massive dims"
+    assert {k: v.tolist() for k, v in early.dims_at.items()} == {k: v.tolist() for k, v in plain.dims_at.items()}
