@@ -387,6 +387,10 @@ class ModelView:
         if check_finite:
             mask = None if all_real else batch.mask.to(self.input_device)
             hooks = [(name, _finite_checked(fn, mask, seen)) for name, fn in hooks]
+        if stop_after is not None and stop_after.startswith("ln_final."):
+            # the final norm can also fire before the blocks (NanoChat normalizes the
+            # embeddings with its final norm): stop at the unembedding's input, which fires once, at the end
+            stop_after = "unembed.hook_in" if "unembed.hook_in" in self.hook_names else None
         if stop_after is not None:
             hooks.append((stop_after, _stop_forward))
         try:

@@ -336,10 +336,6 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
                 hooks.append((view.hook_name(layer, "attn.hook_pattern"), on_pattern))
             hooks.append((view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)))
         hooks += template.hooks(view)
-        if hooks[-1][0] == "ln_final.hook_out" and "unembed.hook_in" in view.hook_names:
-            # the pass stops after its last hook: the final norm can fire before the blocks too
-            # (NanoChat normalizes the embeddings with it), the unembedding's input only at the end
-            hooks.append(("unembed.hook_in", lambda x, hook: None))  # only marks where to stop
         evidence_pass(view, batch, hooks, evidence, LSE if lse else EAGER)
         gathered.append((evidence, view.token_kinds(batch)))
         bar.update()
