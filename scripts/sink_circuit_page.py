@@ -20,7 +20,7 @@ import torch
 from massive_lens import load, load_model
 from massive_lens.attention import sink_circuit
 from massive_lens.attention.circuit_split import visible_token
-from massive_lens.attention.rescale import norm_roles
+from massive_lens.attention.norm_roles import norm_roles
 from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import save_figure

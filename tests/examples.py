@@ -28,7 +28,7 @@ from massive_lens.attention.census import sink_census
 from massive_lens.attention.circuit import sink_circuit
 from massive_lens.attention.dormant import dormant_heads
 from massive_lens.attention.kv import sink_kv
-from massive_lens.attention.rescale import norm_roles
+from massive_lens.attention.norm_roles import norm_roles
 from massive_lens.core.criterion import SinkRule
 from massive_lens.core.results import Result
 from massive_lens.effects import compression_valley, over_mixing, repeated_token_probe, streaming_window

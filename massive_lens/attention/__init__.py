@@ -38,7 +38,7 @@ reconstruct (a norm between the heads and ``W_O``, a gated output, latent attent
 Why the first token is the sink, head by head: :func:`sink_circuit` splits the logit on it
 exactly and cuts each part (:mod:`~massive_lens.attention.circuit`); :func:`norm_roles` says
 whether each massive entry is a rescaler or a contributor at the next norm, and how alike and
-sparse the massive tokens are after it (:mod:`~massive_lens.attention.rescale`).
+sparse the massive tokens are after it (:mod:`~massive_lens.attention.norm_roles`).
 
 Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 :mod:`~massive_lens.attention.mass` (``sink_attention``) and
@@ -51,7 +51,7 @@ from massive_lens.attention.decompose import AttentionDecomposition, decompose_a
 from massive_lens.attention.dormant import DormantHeads, dormant_heads
 from massive_lens.attention.kv import SinkKV, sink_kv
 from massive_lens.attention.mass import SinkAttention, sink_attention
-from massive_lens.attention.rescale import NormRoles, norm_roles
+from massive_lens.attention.norm_roles import NormRoles, norm_roles
 from massive_lens.attention.sinks import find_sinks
 
 __all__ = ["AttentionDecomposition", "DormantHeads", "NormRoles", "SinkAttention", "SinkCensus", "SinkCircuit",
