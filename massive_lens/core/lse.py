@@ -16,8 +16,10 @@ aside) with its attention function replaced by the kernel that returns the LSE, 
 :class:`LayerAttention` (``q`` after rotary, ``k``, ``v``, the heads' output ``z``, the LSE,
 the scale and mask) goes to a callback that reduces it at once. Everything is put back on exit,
 exceptions included. :func:`lse_support` says why a model cannot (a HookedTransformer or a
-model trained here computes its own pattern; soft caps, learned sink logits and position biases
-are refused by name); analyses then read the eager pattern instead and say so.
+model trained here computes its own pattern; soft caps and position biases are refused by name);
+analyses then read the eager pattern instead and say so. A learned sink logit per head (gpt-oss's
+``s_aux``: one more key with value zero) is folded into the LSE, so the columns stay exact, and
+:attr:`LayerAttention.null_mass` is the attention that goes to it.
 
 The kernel bypasses the bridge's eager attention: hooks on its scores, pattern and rotary never
 fire, and ``z`` is read before ``hook_z``. With a hook attached there (:func:`attached_attention_edits`)
@@ -66,7 +68,8 @@ class LayerAttention:
     """One attention layer as the kernel saw it: ``q [batch head query d_head]`` (after rotary),
     ``k``/``v [batch kv_head key d_head]``, ``z [batch head query d_head]`` (the heads' output),
     ``lse [batch head query]`` (float32), the score ``scale``, and the ``mask`` the kernel was
-    given (None: causal when ``causal``, else none; bool: True attends; float: added)."""
+    given (None: causal when ``causal``, else none; bool: True attends; float: added). ``sinks``:
+    the learned sink logit per head ``[head]`` (float32; gpt-oss's ``s_aux``), already in ``lse``."""
 
     layer: int
     q: Tensor
@@ -77,6 +80,12 @@ class LayerAttention:
     scale: float
     mask: Tensor | None
     causal: bool
+    sinks: Tensor | None = None
+
+    @property
+    def null_mass(self) -> Float[Tensor, "batch head query"] | None:
+        """The attention each query gives to the learned sink logit, ``exp(s - LSE)`` (None: no sink)."""
+        return None if self.sinks is None else _softmax_entries(self.sinks[None, :, None], self.lse)
 
     @property
     def group(self) -> int:
@@ -173,10 +182,13 @@ def _lse_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, atten
     """The attention function registered with transformers: SDPA through the kernel that returns
     the LSE, each layer handed to the active run's callback."""
     route = _ACTIVE.get(id(module))
-    for name, what in (("softcap", "a soft cap on the attention logits"), ("s_aux", "learned sink logits"),
-                       ("sinks", "learned sink logits"), ("position_bias", "a position bias (ALiBi or relative)")):
+    for name, what in (("softcap", "a soft cap on the attention logits"),
+                       ("position_bias", "a position bias (ALiBi or relative)")):
         if kwargs.get(name) is not None:
             raise _Refused(f"its attention applies {what} ({name}), which the fused kernel does not")
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if sinks is not None and sinks.numel() != query.shape[1]:
+        raise _Refused(f"its learned sink logits have {sinks.numel()} entries for {query.shape[1]} heads")
     if dropout:
         raise _Refused("its attention applies dropout (the model is in training mode)")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -186,12 +198,17 @@ def _lse_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, atten
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
     out, lse = _kernel(query, k, v, attention_mask, causal, scale)
+    if sinks is not None:  # one more key per head, logit s and value zero: in the normaliser, not in the sum
+        sinks = sinks.detach().float().reshape(-1).to(lse.device)
+        full = torch.logaddexp(lse.float(), sinks[None, :, None])
+        out = (out.float() * torch.exp(lse.float() - full).nan_to_num(0.0)[..., None]).to(out.dtype)
+        lse = full
     if route is not None:
         layer, callback, seen = route
         seen.add(layer)
         if callback is not None:
             callback(LayerAttention(layer, query, key, value, out, lse, scale, attention_mask,
-                                    causal and attention_mask is None))
+                                    causal and attention_mask is None, sinks))
     return out.transpose(1, 2), None
 
 
