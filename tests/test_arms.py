@@ -61,6 +61,30 @@ def test_template_on_a_first_token_sink_is_the_untouched_model(planted):
     assert iv.check(tokens).attrs["verdict"].startswith("template (first layer): removed downstream")
 
 
+def test_template_leaves_the_embeddings_when_the_final_norm_also_runs_first(planted):
+    """NanoChat normalizes its embeddings with its final norm, so ``ln_final.hook_out`` fires before
+    block 0 too. The template belongs to the last firing only: with the embeddings normalized that
+    way, template is still the untouched model on every batch (it wrote the final template into the
+    embeddings of the targeted positions from the second batch on, when targets were left over)."""
+    model, _, tokens = planted
+    embed = model.original_model.get_input_embeddings()
+
+    def norm_first(module, args, out):  # the embeddings go through the final norm, as in NanoChat
+        return model.ln_final(out)
+
+    handle = embed.register_forward_hook(norm_first)
+    try:
+        calib = calibrate(model, bos_tokens(model, TEXT, 24, 4), progress=False)
+        base = perplexity(model, tokens, batch_size=2, progress=False).per_seq
+        with untouched(model):
+            iv = ablate_massive(model, "template", calibration=calib)
+            template = perplexity(model, tokens, hooks=iv, batch_size=2, progress=False).per_seq
+    finally:
+        handle.remove()
+    assert calib.dims and len(tokens) > 2  # a second batch, with the first one's targets left over
+    torch.testing.assert_close(template, base, rtol=1e-5, atol=1e-5)
+
+
 def test_noise_draws_the_calibrated_gaussian(planted):
     """``noise`` writes mean + std * N(0, 1) from a generator seeded by seed + layer: recomputed here
     from the calibration's mean and a variance set on purpose."""

@@ -141,9 +141,7 @@ class TemplateTally:
     def hooks(self, view: Any) -> list[tuple[str, Any]]:
         out = [(view.block_hook(layer, name), partial(self._add, row=layer, col=col))
                for layer in range(1, self.n_layers) for col, name in enumerate(NORMS) if view.has_hook(layer, name)]
-        if "ln_final.hook_out" in view.hook_names:
-            out.append(("ln_final.hook_out", partial(self._add, row=self.n_layers, col=0)))
-        return out
+        return out + final_norm_hooks(view, partial(self._add, row=self.n_layers, col=0))
 
     def _add(self, act: Tensor, hook: Any, *, row: int, col: int) -> None:
         where = self.carried.to(act.device)
@@ -169,9 +167,39 @@ def template_hooks(view: Any, template: Tensor, seen: Tensor, *, after: int, put
         for col, name in enumerate(NORMS):
             if view.has_hook(layer, name) and bool(seen[layer, col]):
                 out.append((view.block_hook(layer, name), partial(put, vector=template[layer, col])))
-    if "ln_final.hook_out" in view.hook_names and bool(seen[n_layers, 0]):
-        out.append(("ln_final.hook_out", partial(put, vector=template[n_layers, 0])))
+    if bool(seen[n_layers, 0]):
+        out += final_norm_hooks(view, partial(put, vector=template[n_layers, 0]))
     return out
+
+
+class _AfterLastBlock:
+    """Opens after the last block's ``resid_post``, closes once ``fn`` has run on the final norm's output."""
+
+    def __init__(self, fn: Any):
+        self.fn, self.open = fn, False
+
+    def shut(self, act: Tensor, hook: Any) -> None:
+        self.open = False
+
+    def opens(self, act: Tensor, hook: Any) -> None:
+        self.open = True
+
+    def final(self, act: Tensor, hook: Any) -> Tensor | None:
+        if not self.open:  # the final norm run before the blocks (NanoChat's normalized embeddings)
+            return None
+        self.open = False
+        return self.fn(act, hook)
+
+
+def final_norm_hooks(view: Any, fn: Any) -> list[tuple[str, Any]]:
+    """Hooks that run ``fn`` on ``ln_final.hook_out`` only where the final norm reads the last
+    block's output: NanoChat also runs its final norm on the embeddings, before block 0, and a
+    hook there must not edit them. None when the model has no ``ln_final.hook_out``."""
+    if "ln_final.hook_out" not in view.hook_names:
+        return []
+    gate = _AfterLastBlock(fn)
+    start = [("hook_embed", gate.shut)] if "hook_embed" in view.hook_names else []
+    return [*start, (view.hook_name(view.n_layers - 1, "resid_post"), gate.opens), ("ln_final.hook_out", gate.final)]
 
 
 def arm_fill(calib: Any, mode: str, layer: int, dims: Sequence[int], *, seed: int,
