@@ -40,6 +40,10 @@ exactly and cuts each part (:mod:`~massive_lens.attention.circuit`); :func:`norm
 whether each massive entry is a rescaler or a contributor at the next norm, and how alike and
 sparse the massive tokens are after it (:mod:`~massive_lens.attention.norm_roles`).
 
+Where an attention has its own off-switch: :func:`null_mass` (the attention to a learned sink
+logit or sink slot, :mod:`~massive_lens.attention.null_mass`) and :func:`gate_census` (how often
+an output gate shuts, :mod:`~massive_lens.attention.gates`).
+
 Modules: :mod:`~massive_lens.attention.sinks` (which positions are sinks),
 :mod:`~massive_lens.attention.mass` (``sink_attention``) and
 :mod:`~massive_lens.attention.decompose` (``decompose_attention``).
@@ -49,11 +53,13 @@ from massive_lens.attention.census import SinkCensus, sink_census
 from massive_lens.attention.circuit import SinkCircuit, sink_circuit
 from massive_lens.attention.decompose import AttentionDecomposition, decompose_attention
 from massive_lens.attention.dormant import DormantHeads, dormant_heads
+from massive_lens.attention.gates import GateCensus, gate_census
 from massive_lens.attention.kv import SinkKV, sink_kv
 from massive_lens.attention.mass import SinkAttention, sink_attention
+from massive_lens.attention.null_mass import NullMass, null_mass
 from massive_lens.attention.norm_roles import NormRoles, norm_roles
 from massive_lens.attention.sinks import find_sinks
 
-__all__ = ["AttentionDecomposition", "DormantHeads", "NormRoles", "SinkAttention", "SinkCensus", "SinkCircuit",
-           "SinkKV", "decompose_attention", "dormant_heads", "find_sinks", "norm_roles", "sink_attention",
-           "sink_census", "sink_circuit", "sink_kv"]
+__all__ = ["AttentionDecomposition", "DormantHeads", "GateCensus", "NormRoles", "NullMass", "SinkAttention",
+           "SinkCensus", "SinkCircuit", "SinkKV", "decompose_attention", "dormant_heads", "find_sinks", "gate_census",
+           "norm_roles", "null_mass", "sink_attention", "sink_census", "sink_circuit", "sink_kv"]

@@ -21,6 +21,7 @@ from massive_lens.models.load import wrap_hf_model
 
 FAMILIES = ("llama", "gpt2", "gemma3", "qwen2")
 VISION_FAMILIES = ("vit", "deit")  # vision transformers: they read images (see docs/vision.md)
+OFFSWITCH_FAMILIES = ("gpt_oss", "qwen3_next")  # an attention off-switch: learned sink logits; an output gate (hybrid)
 VISION_SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
                     image_size=32, patch_size=8, num_channels=3)
 
@@ -52,11 +53,17 @@ def tiny_config(family: str, tok: Any, overrides: dict[str, Any]) -> tuple[type,
             tf.GPT2LMHeadModel,
             dict(n_embd=64, n_layer=4, n_head=4, n_positions=256, **ids),
         ),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, {**common, "head_dim": 16, "num_local_experts": 4,
+                                                             "num_experts_per_tok": 2, "sliding_window": 8}),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, {
+            **common, "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}),
         "vit": (tf.ViTConfig, tf.ViTModel, VISION_SHAPE),
         "deit": (tf.DeiTConfig, tf.DeiTModel, VISION_SHAPE),
     }
     if family not in builders:
-        raise MassiveLensError(f"unknown tiny_model family {family!r}; choose one of {FAMILIES + VISION_FAMILIES}")
+        raise MassiveLensError(f"unknown tiny_model family {family!r}; choose one of {FAMILIES + OFFSWITCH_FAMILIES + VISION_FAMILIES}")
     config_cls, model_cls, fields = builders[family]
     overrides = dict(overrides)
     if family == "gpt2" and "num_hidden_layers" in overrides:
@@ -95,6 +102,9 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides: Any) -> Any
     ``num_hidden_layers=4``. All use the byte-level tokenizer of :func:`byte_tokenizer`.
     The vision families ``vit`` and ``deit`` (:data:`VISION_FAMILIES`) are ViTs that read
     32x32 RGB images in 8x8 patches (``[CLS]``, for DeiT a distillation token, 16 patches).
+    :data:`OFFSWITCH_FAMILIES` have an attention off-switch: ``gpt_oss`` (a learned sink logit
+    per head, sliding and full layers, a mixture of experts) and ``qwen3_next`` (an element-wise
+    output gate on its full-attention layer, after three linear-attention layers).
 
     Args:
         family: ``"llama"`` (default), ``"gpt2"``, ``"gemma3"``, ``"qwen2"``, ``"vit"`` or ``"deit"``.
