@@ -10,7 +10,7 @@ their mean changes nothing. The same yardstick judges every hypothesis in
   its logits (the head runs a few positions at a time, :mod:`massive_lens.core.loss`), or,
   where that is not exact (a final soft cap), one small batch's.
 - :func:`bootstrap_mean`: a 95% bootstrap interval of a mean over sequences (paired
-  comparisons resample the per-sequence difference).
+  comparisons resample the per-sequence difference), defined in :mod:`massive_lens.core.stats`.
 
 >>> from massive_lens import tiny_model
 >>> ppl = perplexity(tiny_model("llama"), "a b c d e f g h " * 40, seq_len=16, n_seqs=4, progress=False)
@@ -37,10 +37,10 @@ from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import loss_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
 
 __all__ = ["Perplexity", "as_hooks", "bootstrap_mean", "perplexity"]
-_BOOTSTRAP = 2000
 
 
 def _exp(loss: float) -> float:
@@ -96,21 +96,6 @@ class Perplexity(Result):
         low, high = bootstrap_mean(self.per_seq)
         return loss_axes(self.to_frame(), self.loss, (low, high), ax=ax,
                          title=f"{self.model_name}: per-sequence loss")
-
-
-def bootstrap_mean(values: Float[Tensor, " seq"], seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of the mean of ``values`` (2,000 resamples, fixed seed).
-
-    >>> low, high = bootstrap_mean(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    >>> 1.0 <= low < 2.5 < high <= 4.0
-    True
-    """
-    if len(values) < 2:
-        return float(values.mean()), float(values.mean())
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(values), (_BOOTSTRAP, len(values)), generator=gen)
-    means = values.double()[idx].mean(1)
-    return float(means.quantile(0.025)), float(means.quantile(0.975))
 
 
 def as_hooks(hooks: Any) -> list[tuple[str, Any]]:

@@ -2,7 +2,7 @@
 every internal import takes a name from the module that defines it (only a package's
 ``__init__`` re-exports); no ``_private`` name is imported across modules; every module sits in
 its package's import-linter contract; results are keyword-only dataclasses; every ``.plot()`` draws
-through ``core.render`` (no other module touches ``matplotlib.pyplot``); ``register``
+through ``core.render`` (no other module touches ``matplotlib.pyplot``, however spelled); ``register``
 refuses a name already taken; the quick loop leaves out, by marker or fixture, every test that
 loads a real model or builds a report."""
 
@@ -378,16 +378,24 @@ DRAWS = "core/render.py"  # the one module that makes and closes figures (pyplot
 
 
 def pyplot_users(root: Path, gate: str = DRAWS) -> list[str]:
-    """``file:line`` of each use of ``matplotlib.pyplot`` (an import of it, in any spelling) outside ``gate``."""
+    """``file:line`` of each use of ``matplotlib.pyplot`` outside ``gate``: an import of it in any
+    spelling, or ``.pyplot`` read off a name bound to matplotlib (``import matplotlib`` then
+    ``matplotlib.pyplot.figure()``, which works wherever some other module imported pyplot)."""
     found = []
     for file in sorted(root.rglob("*.py")):
         if file.relative_to(root).as_posix() == gate:
             continue
-        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        imports = [a for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+        bound = {a.asname or "matplotlib" for a in imports  # names bound to matplotlib itself
+                 if a.name == "matplotlib" or (a.name.startswith("matplotlib.") and a.asname is None)}
+        for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""] \
                 if isinstance(node, ast.ImportFrom) else []
-            if any(n == "matplotlib.pyplot" or n.startswith("matplotlib.pyplot.") for n in names):
+            reads = isinstance(node, ast.Attribute) and node.attr == "pyplot" and isinstance(node.value, ast.Name) \
+                and node.value.id in bound
+            if reads or any(n == "matplotlib.pyplot" or n.startswith("matplotlib.pyplot.") for n in names):
                 found.append(f"{file.relative_to(root.parent)}:{node.lineno}")
     return found
 
@@ -401,4 +409,7 @@ def test_every_plot_draws_through_core_render(tmp_path):
     (pkg / "a.py").write_text("import matplotlib.pyplot as plt\nimport matplotlib.colors\n")
     (pkg / "b.py").write_text("def plot():\n    from matplotlib import pyplot\n    return pyplot.gca()\n")
     (pkg / "c.py").write_text("from matplotlib.pyplot import subplots\nfrom matplotlib import ticker\n")
-    assert pyplot_users(pkg) == ["pkg/a.py:1", "pkg/b.py:2", "pkg/c.py:1"]
+    (pkg / "d.py").write_text("import matplotlib\nimport matplotlib.colors as mcolors\n\n\ndef plot():\n"
+                              "    return matplotlib.pyplot.figure(), mcolors.pyplot, ticker.pyplot\n")
+    (pkg / "e.py").write_text("import matplotlib as mpl\n\nfig = mpl.pyplot.gcf()\n")
+    assert pyplot_users(pkg) == ["pkg/a.py:1", "pkg/b.py:2", "pkg/c.py:1", "pkg/d.py:6", "pkg/e.py:3"]

@@ -42,6 +42,7 @@ from massive_lens.core.criterion import Criterion, SinkRule, as_criterion, as_ru
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import rel_error
 from massive_lens.errors import MassiveLensError
 
 N_HEADS = 12  # sink heads split by default: the top heads by attention to the first token
@@ -258,7 +259,7 @@ def _head_rows(split: Any, keep: Any, layer: int, head: int) -> tuple[list[dict[
     q = split.q[:, :, head]  # [B P dh]
     parts = split.scale * torch.einsum("bqe,bpe->bqp", q, split.keys[:, :, kv])[v]  # [n part]
     total = keep.scores[:, head][v]
-    check = float((parts.sum(-1) - total).abs().max() / total.abs().max().clamp(min=1e-12))
+    check = rel_error(parts.sum(-1), total)
     rows = []
     for i, (name, dims) in enumerate(zip(split.names, split.dims, strict=True)):
         comp, wl = _component(name)

@@ -51,6 +51,7 @@ from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.stats import normal_interval
 from massive_lens.errors import MassiveLensError
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,6 @@ CAUSAL_COLUMNS = ["layer", "head", "removal", "mass_before", "mass_before_low", 
                   "margin", "removed_logit", "runner_up_after", "runner_up_gap_low", "runner_up_gap_high",
                   "random_after", "random_after_min", "random_logit", "random_gap_low", "random_gap_high",
                   "controls_kill", "specific", "applies", "n_seqs", "est_seconds"]
-
-
-def interval(values: Tensor) -> tuple[float, float]:
-    """95% interval of a mean over sequences, normal approximation (``mean +- 1.96 sd / sqrt(n)``);
-    paired where ``values`` are per-sequence ratios or differences. One sequence: no width."""
-    v = values.double()
-    half = 1.96 * float(v.std()) / len(v) ** 0.5 if len(v) > 1 else 0.0
-    return float(v.mean()) - half, float(v.mean()) + half
 
 
 def _mass(pattern: Tensor, valid: Tensor, head: int) -> Tensor:
@@ -306,11 +299,11 @@ def causal_check(view: ModelView, heads: pd.DataFrame, corpus: Any, *, n_seqs: i
     rows = []
     for removal in arms:
         ratio = torch.cat(edited_loss[removal]) / base
-        lr, hr = interval(ratio)
+        lr, hr = normal_interval(ratio)
         for r in heads.itertuples():
             b = torch.cat(before[r.layer, r.head])
             a = torch.cat(after[removal, r.layer, r.head])
-            (bl, bh), (al, ah) = interval(b), interval(a)
+            (bl, bh), (al, ah) = normal_interval(b), normal_interval(a)
             row = dict(layer=r.layer, head=r.head, removal=removal, mass_before=float(b.mean()),
                        mass_before_low=bl, mass_before_high=bh, mass_after=float(a.mean()), mass_after_low=al,
                        mass_after_high=ah, loss_ratio=float(ratio.mean()), loss_ratio_low=lr, loss_ratio_high=hr,
@@ -340,13 +333,13 @@ def _control_row(records: list[ControlRecord], key: tuple[int, int], actual: Ten
     rand = torch.cat([rec.controls[key]["random"].cpu() for rec in kept], -1)  # [draw n]
     out["random_after"], out["random_after_min"] = float(rand.mean()), float(rand.mean(-1).min())
     out["random_logit"] = float(torch.cat([rec.logits[key]["random"].cpu() for rec in kept], -1).mean())
-    out["random_gap_low"], out["random_gap_high"] = interval(rand.mean(0) - at)
+    out["random_gap_low"], out["random_gap_high"] = normal_interval(rand.mean(0) - at)
     lows.append(out["random_gap_low"])
     controls_kill |= before > threshold >= out["random_after_min"]
     if all("runner-up" in rec.controls[key] for rec in kept):
         ru = torch.cat([rec.controls[key]["runner-up"].cpu() for rec in kept])
         out["runner_up_after"] = float(ru.mean())
-        out["runner_up_gap_low"], out["runner_up_gap_high"] = interval(ru - at)
+        out["runner_up_gap_low"], out["runner_up_gap_high"] = normal_interval(ru - at)
         lows.append(out["runner_up_gap_low"])
         controls_kill |= before > threshold >= out["runner_up_after"]
     if not torch.allclose(at, actual.to(at.dtype), atol=tol):  # the head-level recomputation must be the pass's

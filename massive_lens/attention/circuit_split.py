@@ -27,6 +27,7 @@ from torch import Tensor
 
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.stats import rel_error
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
@@ -204,7 +205,7 @@ def read_norm(module: Any, x: Tensor, scale: Tensor, out: Tensor, where: str) ->
         for w in ([weight, 1 + weight] if weight is not None else [ones]):
             m = NormMap(centre, w.to(x.device), None if bias is None else bias.to(x.device))
             got = m(x, scale) + (0 if m.bias is None else m.bias)
-            err = float((got - out).abs().max() / out.abs().max().clamp(min=1e-12))
+            err = rel_error(got, out)
             if err < TOL:
                 return m
             best = err if best is None else min(best, err)
@@ -227,10 +228,6 @@ def rotate(v: Tensor, cos: Tensor | None, sin: Tensor | None) -> Tensor:
 def v_rot(view: ModelView, layer: int) -> bool:
     """Whether ``layer`` rotates its queries and keys (a rotary hook)."""
     return view.has_hook(layer, "attn.hook_rot_k")
-
-
-def _rel(a: Tensor, b: Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 @dataclass(frozen=True)
@@ -277,7 +274,7 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
     if missing:
         raise MassiveLensError(f"{where}: the writers {missing} did not fire; sink_circuit cannot split the residual")
     parts = torch.stack([cap.writers[n].to(keep.x.device) for n in names], 1)  # [B W d]
-    err = _rel(parts.sum(1), keep.x)
+    err = rel_error(parts.sum(1), keep.x)
     if err > TOL:
         raise MassiveLensError(f"{where}: the embeddings and the block outputs do not add up to the residual the "
                                f"attention reads (off by {err:.1e} relative); the block adds something no hook shows")
@@ -318,7 +315,7 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
     sin = None if keep.sin is None else keep.sin.expand(len(keys), -1, -1)[:, cap.sink]
     keys = rotate(keys, None if cos is None else cos[:, None, None], None if sin is None else sin[:, None, None])
     # (a rotary model without cos/sin hooks: the sink's own rotation is checked against its key just below)
-    key_error = _rel(keys.sum(1), keep.k)
+    key_error = rel_error(keys.sum(1), keep.k)
     if key_error > TOL:
         raise MassiveLensError(f"{where}: the key parts do not add up to the sink's key (off by {key_error:.1e} "
                                "relative): the key is not W_K^T norm(x) + b_K under a rotate-half rotary "
@@ -344,7 +341,7 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
     raw = torch.einsum("bqhe,bhe->bhq", keep.q, keep.k.repeat_interleave(group, 1))
     w = valid[:, None].expand_as(raw)
     scale = float((raw * keep.scores)[w].sum() / (raw * raw)[w].sum().clamp(min=1e-30))
-    score_error = _rel(scale * raw[w], keep.scores[w]) if bool(w.any()) else 0.0
+    score_error = rel_error(scale * raw[w], keep.scores[w]) if bool(w.any()) else 0.0
     if score_error > TOL:
         raise MassiveLensError(f"{where}: the attention scores on the sink are not a constant times q . k (off by "
                                f"{score_error:.1e} relative): soft-capped or position-biased (ALiBi) scores, or query "

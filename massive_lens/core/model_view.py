@@ -64,9 +64,15 @@ class ModelView:
     """Uniform access to a TransformerLens-style model (never holds state of its own).
     ``ModelView(lm)`` on an nnsight model builds a :class:`~massive_lens.core.nnsight_view.NnsightView`."""
 
-    # (test, view class) pairs a subclass adds for the models it serves (core.nnsight_view adds
-    # its own when massive_lens.core is imported); ``ModelView(model)`` builds the first that fits
+    # (test, view class) pairs registered with register_view (massive_lens.models registers the
+    # nnsight view); ``ModelView(model)`` builds the first that fits
     variants: list[tuple[Any, type]] = []
+
+    @classmethod
+    def register_view(cls, fits: Any, view: type) -> None:
+        """Build ``view`` (a subclass) for the models ``fits(model)`` accepts; a view registered
+        again replaces its earlier test."""
+        cls.variants[:] = [(f, v) for f, v in cls.variants if v is not view] + [(fits, view)]
 
     def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> ModelView:
         if cls is ModelView:

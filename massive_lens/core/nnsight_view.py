@@ -403,4 +403,7 @@ def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
             m.training = True
 
 
-ModelView.variants.append((lambda model: isinstance(model, NnsightModel) or is_nnsight_model(model), NnsightView))
+def serves_nnsight(model: Any) -> bool:
+    """Whether :class:`NnsightView` serves ``model`` (an nnsight model or its adapter);
+    :mod:`massive_lens.models.backends` registers the view with this test."""
+    return isinstance(model, NnsightModel) or is_nnsight_model(model)

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from massive_lens.metrics import bootstrap_mean
+from massive_lens.core.stats import bootstrap_mean
 
 
 def with_intervals(per_seq: pd.DataFrame, keys: Sequence[str], metrics: Sequence[str]) -> pd.DataFrame:

@@ -41,8 +41,9 @@ from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
-from massive_lens.metrics import bootstrap_mean, perplexity
+from massive_lens.metrics import perplexity
 from massive_lens.origin import trace_origin
 
 

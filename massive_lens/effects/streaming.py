@@ -31,9 +31,9 @@ from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.effects.cache import POSITIONS, window_hooks
 from massive_lens.errors import MassiveLensError
-from massive_lens.metrics import bootstrap_mean
 
 FULL = "full"
 

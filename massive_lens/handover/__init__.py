@@ -18,6 +18,7 @@ overflow. This subpackage gives them the library's own definitions (``find_massi
   rest, and the latents that fire only there.
 """
 
+from massive_lens.core.stats import spearman_interval
 from massive_lens.handover.dims import MassiveDims, massive_dims, read_dims
 from massive_lens.handover.gamma import (
                                          DeadShareFit,
@@ -25,7 +26,6 @@ from massive_lens.handover.gamma import (
                                          fit_dead_share,
                                          gamma_of,
                                          outlier_severity,
-                                         spearman_interval,
 )
 from massive_lens.handover.masks import ExclusionMask, NormThresholds, exclusion_mask, norm_thresholds
 from massive_lens.handover.precision import PrecisionCheck, precision_check

@@ -13,7 +13,7 @@ every position, and over the positions :func:`~massive_lens.exclusion_mask` keep
 
 The dead share ``γ`` implies needs a fit from ``γ`` to dead shares measured on trained SAEs:
 :func:`fit_dead_share` makes one (a logistic curve in ``log10 γ``); pass it as ``fit=`` and the
-frame gains ``predicted_dead`` columns. :func:`spearman_interval` gives the rank correlation
+frame gains ``predicted_dead`` columns. :func:`~massive_lens.core.stats.spearman_interval` gives the rank correlation
 of such pairs with an interval. No fit is built in: the paper's coefficients are not published
 with it, and one fitted here belongs to the SAEs it was fitted on (docs/handover.md shows one).
 
@@ -40,7 +40,6 @@ carries 50 in dim 7, and whose first token carries 3,000 in dim 5:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +48,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
@@ -58,6 +56,7 @@ from massive_lens.core.criterion import Criterion, SinkRule
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import finite_numbers
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover.masks import exclusion_mask
 
@@ -78,6 +77,7 @@ def gamma_of(x: Float[Tensor, "n d"]) -> float:
     Raises:
         MassiveLensError: for fewer than two rows or a tensor that is not 2-D.
 
+    >>> import torch
     >>> round(gamma_of(torch.tensor([[3.0, 0.0], [5.0, 0.0]])), 6)  # mean 4, std sqrt(2)
     2.828427
     """
@@ -89,13 +89,6 @@ def gamma_of(x: Float[Tensor, "n d"]) -> float:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
-
-
-def _numbers(values: Any, what: str) -> np.ndarray:
-    arr = np.asarray(values, dtype=float).ravel() if not isinstance(values, str) else np.array([])
-    if arr.size == 0 or not np.isfinite(arr).all():
-        raise MassiveLensError(f"{what} must be a non-empty sequence of finite numbers, got {values!r}")
-    return arr
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,7 +149,7 @@ def fit_dead_share(gammas: Sequence[float | int] | np.ndarray, dead_shares: Sequ
     >>> round(fit.predict(10.0), 2)
     0.5
     """
-    g, d = _numbers(gammas, "gammas"), _numbers(dead_shares, "dead_shares")
+    g, d = finite_numbers(gammas, "gammas"), finite_numbers(dead_shares, "dead_shares")
     if len(g) != len(d) or len(g) < 2:
         raise MassiveLensError(f"fit_dead_share needs at least 2 (γ, dead share) pairs of equal length; got {len(g)} "
                                f"gammas and {len(d)} dead shares")
@@ -169,51 +162,6 @@ def fit_dead_share(gammas: Sequence[float | int] | np.ndarray, dead_shares: Sequ
     p = d.clip(0.5e-4, 1 - 0.5e-4)
     slope, intercept = np.polyfit(x, np.log(p / (1 - p)), 1)
     return DeadShareFit(slope=float(slope), intercept=float(intercept), n_points=len(g), source=source)
-
-
-def spearman_interval(x: Sequence[float | int] | np.ndarray, y: Sequence[float | int] | np.ndarray, *,
-                      level: float = 0.95) -> dict[str, float]:
-    """Spearman's rank correlation of paired values, with a Fisher-z interval (standard error
-    ``sqrt((1 + ρ²/2) / (n - 3))``, Bonett and Wright 2000) and a two-sided permutation p-value
-    (exact over all orderings for n <= 8, else 20,000 random ones, seed 0).
-
-    Args:
-        x: the first values (e.g. γ per layer).
-        y: the paired values (e.g. the dead share per layer).
-        level: the interval's coverage (default 0.95).
-
-    Returns:
-        ``{"rho", "low", "high", "p", "n"}``.
-
-    Raises:
-        MassiveLensError: for fewer than 4 pairs, unequal lengths, or a ``level`` outside (0, 1).
-
-    >>> r = spearman_interval([1, 2, 3, 4, 5], [2, 1, 4, 3, 5])
-    >>> round(r["rho"], 2), r["low"] < r["rho"] < r["high"], r["n"]
-    (0.8, True, 5)
-    """
-    a, b = _numbers(x, "x"), _numbers(y, "y")
-    if len(a) != len(b) or len(a) < 4:
-        raise MassiveLensError(f"spearman_interval needs at least 4 pairs of equal length; got {len(a)} and {len(b)}")
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
-        raise MassiveLensError(f"level is a coverage in (0, 1), e.g. 0.95; got {level!r}")
-    ra, rb = pd.Series(a).rank().to_numpy(), pd.Series(b).rank().to_numpy()
-
-    def rho_of(r: np.ndarray) -> float:
-        return float(np.corrcoef(ra, r)[0, 1]) if np.ptp(ra) and np.ptp(r) else float("nan")
-
-    rho, n = rho_of(rb), len(a)
-    z = math.atanh(max(min(rho, 0.999999), -0.999999)) if math.isfinite(rho) else float("nan")
-    half = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + level / 2))) * math.sqrt(
-        (1 + rho**2 / 2) / max(n - 3, 1)) if math.isfinite(rho) else float("nan")
-    if n <= 8:
-        perms = (np.array(p) for p in itertools.permutations(rb))
-    else:
-        rng = np.random.default_rng(0)
-        perms = (rng.permutation(rb) for _ in range(20_000))
-    null = np.array([rho_of(p) for p in perms])
-    p_value = float((np.abs(null) >= abs(rho) - 1e-12).mean()) if math.isfinite(rho) else float("nan")
-    return dict(rho=rho, low=math.tanh(z - half), high=math.tanh(z + half), p=p_value, n=n)
 
 
 @dataclass(frozen=True, kw_only=True)

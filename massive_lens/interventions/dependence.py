@@ -41,11 +41,12 @@ from massive_lens.core.criterion import SinkRule, as_rule
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.access import require
 from massive_lens.interventions.edits import drop_sinks
 from massive_lens.interventions.state import HookState
-from massive_lens.metrics import bootstrap_mean, perplexity
+from massive_lens.metrics import perplexity
 
 COLUMNS = ["layer", "head", "sink_mass", "measured", "loss_change", "loss_low", "loss_high", "ratio", "swap_change",
            "label"]

@@ -36,14 +36,14 @@ from massive_lens.core.corpora import default_text, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean, t95
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.heads import ORDERS, head_order, zero_dormant_heads
-from massive_lens.metrics import bootstrap_mean, perplexity
+from massive_lens.metrics import perplexity
 
 SHARES = (0.02, 0.04, 0.08, 0.16, 0.32)
 LABELS = {"dormant": "dormant-first", "sink": "sink-score-first", "activation": "lowest-activation-first",
           "weight": "lowest-weight-first"}
-T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by dof
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +78,7 @@ class HeadCurve(Result):
                                  ratio=float(g.ratio.iloc[0]), low=low, high=high, draws=len(g)))
                 continue
             logs = g.ratio.map(math.log)  # ratios are heavy-tailed: the interval is taken on their logs
-            mean, half = float(logs.mean()), T_95.get(len(g) - 1, 1.96) * float(logs.std(ddof=1)) / math.sqrt(len(g))
+            mean, half = float(logs.mean()), t95(len(g) - 1) * float(logs.std(ddof=1)) / math.sqrt(len(g))
             rows.append(dict(order=order, share=share, n_heads=int(g.n_heads.iloc[0]), ratio=math.exp(mean),
                              low=math.exp(mean - half), high=math.exp(mean + half), draws=len(g)))
         return pd.DataFrame(rows)

@@ -41,6 +41,7 @@ from massive_lens.attention.circuit import chosen_heads
 from massive_lens.attention.circuit_split import CircuitCapture, split_layer
 from massive_lens.core.criterion import SINK_THRESHOLD, Criterion, SinkRule, key_attention
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.stats import rel_error
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.assemble import acts_on
 from massive_lens.interventions.intervention import Intervention
@@ -299,4 +300,4 @@ def _writer_row(split: Any, keep: Any, layer: int, head: int, pos: int) -> dict[
     return dict(layer=layer, head=head, pos=pos, sink_mass=float(keep.pattern[:, head][v].mean()), logit=logit,
                 dominant=top, dominant_share=share(top_v), massive_share=share(massive), runner_up=second,
                 runner_up_share=share(second_v),
-                check=float((parts.sum(-1) - total).abs().max() / total.abs().max().clamp(min=1e-12)))
+                check=rel_error(parts.sum(-1), total))

@@ -35,9 +35,10 @@ from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.sink_scale import gamma_per_head, scale_sink_attention
-from massive_lens.metrics import as_hooks, bootstrap_mean
+from massive_lens.metrics import as_hooks
 
 GAMMAS = (0.25, 0.5, 0.8, 1.25, 1.5, 2.0)
 COLUMNS = ["gamma", "task", "loss", "accuracy", "ratio", "ratio_low", "ratio_high", "accuracy_change",

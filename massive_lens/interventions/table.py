@@ -38,13 +38,14 @@ from massive_lens.core.lse import lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import intervention_bars
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.arm_stats import arm_lines
 from massive_lens.interventions.calibration import Calibration, calibrate, describe_source
 from massive_lens.interventions.checks import Record, downstream, reading
 from massive_lens.interventions.edits import measure_columns
 from massive_lens.interventions.registry import ATTN, EVERY, REGISTRY, SETTINGS
-from massive_lens.metrics import bootstrap_mean, perplexity
+from massive_lens.metrics import perplexity
 
 # the settings that run on an nnsight model (they edit the residual stream, or nothing)
 NNSIGHT_SETTINGS = ("original", "zero", "mean", "resample", "noise", "control", "zero_every", "mean_every",

@@ -38,11 +38,13 @@ import torch
 from huggingface_hub import constants as hf_constants
 
 from massive_lens.core.model_view import ModelView, readable_name
+from massive_lens.core.nnsight_view import NnsightView, serves_nnsight
 from massive_lens.errors import MassiveLensError
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("bridge", "hooked", "nnsight")
+ModelView.register_view(serves_nnsight, NnsightView)  # ModelView(lm) on an nnsight model builds an NnsightView
 NNSIGHT_VERSION = "0.8.1"  # the version the nnsight backend is tested with (pyproject.toml pins it)
 
 

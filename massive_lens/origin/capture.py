@@ -36,6 +36,7 @@ from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outliers import token_specific
 from massive_lens.core.reduce import ResidualReducer
+from massive_lens.core.stats import rel_error
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin.blocks import BlockPlan, block_plan, is_post_norm
@@ -263,7 +264,8 @@ class _Pass:
         """``embed``, ``pos_embed`` and ``resid_pre`` of block 0 (embed read there where the hooks disagree)."""
         pos_embed = self.store.get(("pos_embed", -1))
         embed, resid0 = self.store["embed", -1], self.store["resid_pre0", -1]
-        if embed.shape != resid0.shape or _rel(embed + (0 if pos_embed is None else pos_embed), resid0) > _EMBED_TOL:
+        if (embed.shape != resid0.shape
+                or rel_error(embed + (0 if pos_embed is None else pos_embed), resid0) > _EMBED_TOL):
             embed = resid0 - (0 if pos_embed is None else pos_embed)
             notes.append("note: hook_embed (+ hook_pos_embed) is not what the first block reads (an embedding norm "
                          "or scale comes after it); the embed term is read at blocks.0.hook_resid_pre")
@@ -322,10 +324,6 @@ def pattern_summary(pattern: Float[Tensor, "batch head query key"]) -> Float[Ten
     one key (what the per-head attribution says about a head; the full pattern is not kept)."""
     p = pattern.float()
     return torch.stack([p[..., 0], p.amax(-1)], -1).transpose(1, 2)
-
-
-def _rel(a: Tensor, b: Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 def _neuron_data(plan: BlockPlan, store: dict[tuple[str, int], Tensor]) -> dict[str, Tensor]:

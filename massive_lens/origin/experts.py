@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from massive_lens.core.stats import rel_error
+
 SHARED = -1  # the ``expert`` of a shared expert's neurons (and of a dense MLP's)
 CHECK_TOL = 1e-3  # relative, for every sum trace_origin checks: routed terms vs the experts module's output,
 # neuron terms vs the MLP's term, sources vs the MLP's input (origin.neurons)
@@ -210,7 +212,7 @@ def unit_terms(experts: Experts, data: dict[str, Tensor], i: int, dim: int, mlp_
             bias += w * float(b[dim])
         gate, up = _split(experts, pre, width)
         _add(parts, e, act, gate, up, down[:, dim], w)
-    if _rel(routed, data["out"][i]) > CHECK_TOL:
+    if rel_error(routed, data["out"][i]) > CHECK_TOL:
         return None
     if experts.shared_down is not None and "shared_act" in data:
         shared_out, act = data["shared_out"][i], data["shared_act"][i]
@@ -222,7 +224,7 @@ def unit_terms(experts: Experts, data: dict[str, Tensor], i: int, dim: int, mlp_
         bias += factor * float(b[dim]) if b is not None else 0.0
         nan = torch.full_like(act, float("nan"))
         _add(parts, SHARED, act, nan, nan, down[:, dim], factor)
-    elif _rel(routed, mlp_out) > CHECK_TOL:
+    elif rel_error(routed, mlp_out) > CHECK_TOL:
         return None
     cat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
     return UnitTerms(cat["expert"].long(), cat["neuron"].long(), cat["c"], cat["post"], cat["pre"], cat["up"],
@@ -239,7 +241,7 @@ def _shared_factor(rest: Tensor, shared_out: Tensor, mlp_out: Tensor) -> float |
         calm = torch.ones_like(calm)
     a, r = shared_out[calm].double(), rest[calm].double()
     factor = float(a @ r / (a @ a).clamp(min=1e-30))
-    fits = _rel(factor * shared_out[calm], rest[calm]) <= CHECK_TOL
+    fits = rel_error(factor * shared_out[calm], rest[calm]) <= CHECK_TOL
     return factor if fits and float((factor * shared_out - rest).abs().max()) <= CHECK_TOL * float(size.max()) else None
 
 
@@ -286,7 +288,3 @@ def input_columns(experts: Experts, units: list[tuple[int, int]]) -> list[tuple[
             biases.append(bias[j] if bias is not None else torch.zeros(()))
         out.append((label, torch.stack(cols, 1), torch.stack(biases)))
     return out
-
-
-def _rel(a: Tensor, b: Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))

@@ -18,6 +18,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.stats import rel_error
 from massive_lens.origin.blocks import block_plan
 from massive_lens.origin.capture import Capture
 from massive_lens.origin.experts import CHECK_TOL, SHARED, UnitTerms, input_columns, unit_terms
@@ -251,7 +252,7 @@ def why_rows(view: ModelView, cap: Capture, event: dict[str, Any], neurons: Sequ
     weight, bias, centred = cap.norms[layer]
     sources = _sources(cap, layer, i)
     total, measured = torch.stack([v for _, _, v in sources]).sum(0), cap.row("norm_in", layer, i)
-    miss = float((total - measured).abs().max() / measured.abs().max().clamp(min=1e-12))
+    miss = rel_error(total, measured)
     if miss > CHECK_TOL:
         cap.notes.append(f"warning: the components upstream of MLP {layer} miss its input by {miss:.1e} (relative) "
                          f"at pos {pos}: this block's MLP does not read the residual stream as assumed; no "

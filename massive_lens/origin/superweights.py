@@ -42,8 +42,9 @@ from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
-from massive_lens.metrics import bootstrap_mean, perplexity
+from massive_lens.metrics import perplexity
 from massive_lens.origin.neurons import super_weight_rows, w_out
 from massive_lens.origin.trace import OriginTrace
 from massive_lens.origin.verify import zeroed_weights

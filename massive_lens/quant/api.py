@@ -47,8 +47,8 @@ from massive_lens.core.corpora import Corpus
 from massive_lens.core.criterion import Criterion, as_criterion, massive_mask
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
-from massive_lens.metrics import bootstrap_mean
 from massive_lens.quant.outliers import eval_and_calibration
 from massive_lens.quant.plan import NO_ROTATION, none_runs, runnable, sites_for, without_rotation
 from massive_lens.quant.result import GROUPS, Quantization

@@ -43,6 +43,7 @@ import pandas as pd
 
 from massive_lens.core.render import ensure_axes, new_figure
 from massive_lens.core.results import Result
+from massive_lens.core.stats import t_interval
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.steprecords import KEYS, NEEDED, read_step_folder
 
@@ -50,7 +51,6 @@ WINDOW, LOSS_FACTOR, GRAD_FACTOR, AROUND = 50, 1.2, 3.0, 10
 END_METRICS = ("loss", "max_act", "act_ratio", "first_attn", "first_attn_top")
 PANELS = (("loss", "training loss", False), ("grad_norm", "gradient norm", True),
           ("max_act", "largest |activation|", True), ("first_attn", "attention on the first token", False))
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def find_spikes(values: Sequence[float] | np.ndarray | pd.Series, *, window: int = WINDOW,
@@ -107,17 +107,6 @@ def spike_table(run: pd.DataFrame, *, window: int = WINDOW, loss_factor: float |
     frame = pd.DataFrame(rows)
     frame.insert(frame.columns.get_loc("act_after") + 1, "act_growth", frame["act_after"] / frame["act_before"])
     return frame
-
-
-def t_interval(values: Sequence[float | int]) -> tuple[float, float, float]:
-    """Mean and 95% Student-t interval of ``values`` (NaN dropped; one value: no interval)."""
-    x = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
-    if len(x) == 0:
-        return math.nan, math.nan, math.nan
-    if len(x) == 1:
-        return float(x[0]), float(x[0]), float(x[0])
-    half = _T95.get(len(x) - 1, 1.96 + 2.5 / (len(x) - 1)) * x.std(ddof=1) / math.sqrt(len(x))
-    return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ evaluation steps give the curves. Every derived value (the end values, ``sink_st
 threshold :data:`massive_lens.core.criterion.SINK_THRESHOLD`, the largest head's columns) is recomputed
 from the raw records (:mod:`massive_lens.train.taskrecord`); stored summaries are only checked.
 
-Intervals are 95% Student-t intervals over seeds (:func:`massive_lens.train.stability.t_interval`).
+Intervals are 95% Student-t intervals over seeds (:func:`massive_lens.core.stats.t_interval`).
 A difference between two settings is paired by seed (one seed: the same initial weights where the
 shapes agree, and the same batches) and is *shown* only when at least two seeds have both runs and
 its interval excludes zero; otherwise the page says *not shown*. The page's generated text sits
@@ -26,8 +26,8 @@ import pandas as pd
 
 from massive_lens.core.criterion import SINK_THRESHOLD
 from massive_lens.core.render import close_figure, new_figure, save_figure
+from massive_lens.core.stats import t_interval
 from massive_lens.errors import MassiveLensError
-from massive_lens.train.stability import t_interval
 from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS
 from massive_lens.train.taskrecord import read_runs
 
