@@ -1,7 +1,8 @@
 """Issue 28's speed rows: CPU-time ratios, on one torch thread, of ``trace_origin`` (64 tokens; every
 massive activation, and one given target) and of ``decompose_attention`` (sinks given and found) and
 ``sink_census`` (128 tokens) to a plain forward pass; issue 40's ``sink_circuit`` (128 tokens, the split
-without the causal check).
+without the causal check); issue 50's ``sink_attention``, ``dormant_heads`` and ``find_sinks`` (sinks found,
+128 tokens), and the attention analyses with ``attention="eager"``.
 
 ``python scripts/speed_ratios.py default 7`` (the model, then the repeats; ``qwen2.5-coder-1.5b 3``; a third
 argument, e.g. ``trace_origin``, times only those comma-separated cases and their baselines).
@@ -20,7 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for `benchmarks`
 from benchmarks.harness import median_times
 from massive_lens import load_model, trace_origin
-from massive_lens.attention import decompose_attention, sink_census, sink_circuit
+from massive_lens.attention import (
+    decompose_attention,
+    dormant_heads,
+    find_sinks,
+    sink_attention,
+    sink_census,
+    sink_circuit,
+)
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
 
@@ -43,9 +51,18 @@ def main(name: str, repeats: int, only: str | None = None) -> dict:
              "decompose given": lambda: decompose_attention(model, tokens, sinks=[0]),
              "decompose found": lambda: decompose_attention(model, tokens),
              "sink_census": lambda: sink_census(model, tokens),
-             "sink_circuit": lambda: sink_circuit(model, tokens)}
+             "sink_circuit": lambda: sink_circuit(model, tokens),
+             "sink_attention": lambda: sink_attention(model, tokens),
+             "dormant_heads": lambda: dormant_heads(model, tokens),
+             "find_sinks": lambda: find_sinks(model, tokens),
+             "decompose found eager": lambda: decompose_attention(model, tokens, attention="eager"),
+             "sink_census eager": lambda: sink_census(model, tokens, attention="eager"),
+             "sink_attention eager": lambda: sink_attention(model, tokens, attention="eager"),
+             "dormant_heads eager": lambda: dormant_heads(model, tokens, attention="eager")}
     base = {"trace_origin": "forward64", "trace_origin given": "forward64", "decompose given": "forward128",
-            "decompose found": "forward128", "sink_census": "forward128", "sink_circuit": "forward128"}
+            "decompose found": "forward128", "sink_census": "forward128", "sink_circuit": "forward128",
+            **{k: "forward128" for k in ("sink_attention", "dormant_heads", "find_sinks", "decompose found eager",
+                                         "sink_census eager", "sink_attention eager", "dormant_heads eager")}}
     if only:  # these cases and their baselines only
         keep = set(only.split(","))
         if keep - set(base):

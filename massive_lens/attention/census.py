@@ -28,7 +28,6 @@ fewer layers: one head that likes one token is not a sink).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -38,11 +37,11 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from massive_lens.attention.sinks import sink_hooks
+from massive_lens.core.attention_pass import PassLayer, attention_pass
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import sequences
-from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_rule, key_attention
-from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
+from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_rule
+from massive_lens.core.lse import EAGER, choose_path, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -175,8 +174,8 @@ class _Tally:
     the most attention one head gives it, its residual norm and cosine to the first token, the
     MLP's norm growth and the neuron that writes most there."""
 
-    def __init__(self, view: ModelView, batch: Batch, rule: SinkRule, evidence: SinkEvidence, path: str = EAGER):
-        self.view, self.batch, self.rule, self.evidence, self.path = view, batch, rule, evidence, path
+    def __init__(self, view: ModelView, batch: Batch, rule: SinkRule, evidence: SinkEvidence):
+        self.view, self.batch, self.rule, self.evidence = view, batch, rule, evidence
         shape = (view.n_layers, *batch.tokens.shape)
         self.heads = torch.zeros(shape, dtype=torch.long)
         self.mass, self.norm, self.cos, self.growth = (torch.zeros(shape) for _ in range(4))
@@ -191,17 +190,19 @@ class _Tally:
     def hooks(self) -> list[tuple[str, Any]]:
         out = []
         for layer in range(self.view.n_layers):
-            for hook, fn in (("resid_pre", self._pre), ("attn.hook_pattern", self._pattern), ("resid_mid", self._mid),
-                             ("mlp.hook_post", self._post), ("resid_post", self._post_resid)):
-                if hook == "attn.hook_pattern" and self.path == LSE:
-                    continue  # the kernel hands each layer over instead (lse)
+            for hook, fn in (("resid_pre", self._pre), ("resid_mid", self._mid), ("mlp.hook_post", self._post),
+                             ("resid_post", self._post_resid)):
                 if self.view.has_hook(layer, hook) and (hook != "mlp.hook_post" or layer in self.w_out_norm):
                     out.append((self.view.block_hook(layer, hook), partial(fn, layer=layer)))
         return out
 
-    def lse(self, att: LayerAttention) -> None:
-        """One layer from the kernel: each key's attention from the band of queries after it."""
-        self._key_mass(att.layer, *att.band(self.batch.mask))
+    def attention(self, at: PassLayer) -> None:
+        """One layer from the attention pass: each key's attention from the band of queries after it
+        (the pass feeds the sink rule's evidence the same reduction)."""
+        mass, count = at.band
+        mass = (mass * (count >= self.rule.min_queries)[:, None]).cpu()
+        self.heads[at.layer] = (mass > self.rule.threshold).sum(1)
+        self.mass[at.layer] = mass.max(1).values
 
     def check_finite(self) -> None:
         """The overflow error naming the first residual hook (in forward order) whose norm is NaN or
@@ -220,15 +221,6 @@ class _Tally:
         self.cos[layer] = (dot / (norm * norm[:, :1]).clamp(min=1e-8)).cpu()
         if not self.view.has_hook(0, "resid_mid"):
             self.mid[layer] = self.norm[layer]  # no resid_mid: the growth is the whole block's
-
-    def _pattern(self, pattern: Tensor, hook: Any, *, layer: int) -> None:
-        self._key_mass(layer, *key_attention(pattern.detach(), self.batch.mask))
-
-    def _key_mass(self, layer: int, mass: Tensor, count: Tensor) -> None:
-        self.evidence.add_key_attention(mass, count)  # the sink rule's evidence, from the same reduction
-        mass = (mass * (count >= self.rule.min_queries)[:, None]).cpu()
-        self.heads[layer] = (mass > self.rule.threshold).sum(1)
-        self.mass[layer] = mass.max(1).values
 
     def _mid(self, resid: Tensor, hook: Any, *, layer: int) -> None:
         self.mid[layer] = resid.detach().float().norm(dim=-1).cpu()
@@ -331,11 +323,11 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     seq0 = 0
     for batch in whole.split(batch_size):
         evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-        tally = _Tally(view, batch, rule, evidence, path)
-        hooks = [*sink_hooks(view, evidence, patterns=False), *tally.hooks()]
+        tally = _Tally(view, batch, rule, evidence)
+        hooks = tally.hooks()
         # the tally's residual norms at every layer are the overflow check (NaN or inf reach them)
-        with lse_run(view, tally.lse) if path == LSE else contextlib.nullcontext():
-            view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"), check_finite=False)
+        attention_pass(view, batch, tally.attention, path=path, band=True, evidence=evidence, hooks=hooks,
+                       stop_after=view.hook_name(view.n_layers - 1, "resid_post"), check_finite=False)
         tally.check_finite()
         kinds = view.token_kinds(batch)
         present = torch.zeros(len(batch.tokens), len(TOKEN_KINDS), dtype=torch.bool)

@@ -17,7 +17,6 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,19 +28,11 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from massive_lens.attention.constancy import constancy, reductions
-from massive_lens.attention.sinks import (
-    Sinks,
-    SinkSet,
-    candidate_columns,
-    post_attention_norm,
-    sink_hooks,
-    sink_mask,
-    sinks_from,
-)
+from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
+from massive_lens.core.attention_pass import PassLayer, attention_pass
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.criterion import SinkEvidence
-from massive_lens.core.gather import LayerGather
-from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
+from massive_lens.core.lse import EAGER, LSE, choose_path, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_content_axes
 from massive_lens.core.results import Result
@@ -152,55 +143,25 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
     held: dict[int, tuple[Tensor, tuple[float, float]]] = {}  # per layer, until the pass has found the sinks
 
-    def take(layer: int, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
-        _check_shapes(view, layer, tuple(pattern.shape), v, weights[layer][0], attn_out)
-        v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)  # one value head per query head
-        cols = columns.to(pattern.device)
-        keep(layer, (torch.einsum("bhqk,bkhd->bqhd", pattern, v), pattern[..., cols], v[:, cols]), attn_out)
-
-    def take_lse(layer: int, z: Tensor, pattern: Tensor, v: Tensor, attn_out: Tensor) -> None:
-        # from the kernel: the heads' outputs z, the attention on the kept columns (from q, k and the LSE), v
-        _check_shapes(view, layer, (*pattern.shape[:3], v.shape[1]), v, weights[layer][0], attn_out)
-        v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)
-        keep(layer, (z, pattern, v[:, columns.to(v.device)]), attn_out)
-
-    def keep(layer: int, parts: tuple[Tensor, ...], attn_out: Tensor) -> None:
+    def take(at: PassLayer) -> None:
+        # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v
+        _check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
+        v = at.v.repeat_interleave(at.shape[1] // at.v.shape[2], dim=2)  # one value head per query head
+        parts = (at.z, at.cols.to(at.z.dtype), v[:, columns.to(v.device)])
         # the output itself is not kept: its check against z W_O + b_O is made here, the split's in _split
-        check = _output_check(view, layer, parts[0], weights[layer], attn_out, batch.mask)
+        check = _output_check(view, at.layer, parts[0], weights[at.layer], at.out, batch.mask)
         if given is None:
-            terms.hold(layer, parts[0], parts[1])
-            held[layer] = (parts[2].detach().cpu(), check)
+            terms.hold(at.layer, parts[0], parts[1])
+            held[at.layer] = (parts[2].detach().cpu(), check)
         else:
-            _split(view, layer, *parts, check, given.mask[:, columns], weights[layer], batch.mask, given.mask, terms)
+            _split(view, at.layer, *parts, check, given.mask[:, columns], weights[at.layer], batch.mask, given.mask,
+                   terms)
         trim_allocator()  # the layer's transients, freed, handed back: held between them they would fragment
 
-    if path == LSE:
-        gather = LayerGather(("z", "pattern", "v", "out"), take_lse)
-        hooks = [(view.hook_name(i, _output_hook(view, i, LSE)), gather.hook("out", i)) for i in layers]
-    else:
-        gather = LayerGather(("pattern", "v", "out"), take)  # they fire in any order (some bridges: pattern last)
-        hooks = [(view.hook_name(i, name), gather.hook(key, i)) for i in layers for key, name in
-                 (("pattern", "attn.hook_pattern"), ("v", "attn.hook_v"), ("out", _output_hook(view, i)))]
-    last = view.hook_name(max(layers), "resid_post")
-    evidence = SinkEvidence(batch.mask, view.n_layers)
-    if given is None:  # the sink rule reads every layer
-        hooks += sink_hooks(view, evidence, patterns=path != LSE)
-        last = hooks[-1][0]
-
-    def from_lse(att: LayerAttention) -> None:
-        if given is None:
-            evidence.add_key_attention(*att.band(batch.mask))
-        if att.layer in layers:
-            z = att.z.transpose(1, 2)  # [batch query head d_head]
-            for key, act in (("z", z), ("pattern", att.columns(columns).to(z.dtype)), ("v", att.v.transpose(1, 2))):
-                gather.hook(key, att.layer)(act, None)
-
-    with lse_run(view, from_lse) if path == LSE else contextlib.nullcontext():
-        view.forward(batch, hooks, stop_after=last)
-    missed = sorted(set(gather.pending) | (set(layers) - set(gather.done)))
-    if missed:
-        raise MassiveLensError(f"{view.name}: the pattern, value and output hooks of attention layer {missed[0]} did "
-                               "not all fire; decompose_attention cannot split that layer")
+    evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None  # the sink rule reads every layer
+    attention_pass(view, batch, take, path=path, columns=columns, want=("z", "v", "out"), layers=layers,
+                   out_hooks={i: _output_hook(view, i, path) for i in layers}, evidence=evidence,
+                   stop_after=None if given is None else view.hook_name(max(layers), "resid_post"))
     found = given
     if given is None:
         found = sinks_from(evidence, view.token_kinds(batch), path)

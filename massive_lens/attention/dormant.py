@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -30,8 +29,8 @@ from torch import Tensor
 
 from massive_lens.attention.decompose import output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
-from massive_lens.core.gather import LayerGather
-from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
+from massive_lens.core.attention_pass import PassLayer, attention_pass
+from massive_lens.core.lse import EAGER, choose_path, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -140,66 +139,13 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     path = choose_path(view, attention)
     found = sink_mask(model, batch, sinks, path)
     sink = found.mask & batch.mask
-    queries = (batch.mask & ~sink & (sink.long().cumsum(1) > 0)).float()
-    real = batch.mask.float()
-    weights = {layer: output_weights(view, layer)[0] for layer in range(view.n_layers)}
-    rows: list[Tensor] = []
-
-    def ready(layer: int, pattern: Tensor, z: Tensor) -> None:
-        pattern = pattern.detach().float()
-        row(layer, torch.einsum("bhqk,bk->bhq", pattern, sink.to(pattern.device).float()), z.detach().float(),
-            tuple(pattern.shape))
-
-    cols = sink.any(0).nonzero()[:, 0]
-
-    # On the LSE path a layer's head outputs are what its output projection reads (``attn.hook_z``,
-    # after any gate or sub-norm the attention applies to the kernel's output), where that hook fires
-    # inside the Hugging Face code; else (GPT-2's own c_proj) the kernel's output itself.
-    pending: dict[int, tuple[Tensor, Tensor, tuple[int, ...]]] = {}
-
-    def flush(before: int | None = None) -> None:
-        for layer in sorted(k for k in pending if before is None or k < before):
-            on, z, shape = pending.pop(layer)
-            row(layer, on, z, shape)
-
-    def from_lse(att: LayerAttention) -> None:
-        flush(att.layer)
-        p = att.columns(cols)
-        on = (p @ sink[:, cols].to(p.device, p.dtype)[:, None, :, None])[..., 0]
-        pending[att.layer] = (on, att.z.transpose(1, 2).float(), (*att.q.shape[:3], att.k.shape[2]))
-
-    def projected(z: Tensor, hook: Any, layer: int) -> None:
-        if layer in pending:
-            on, kernel_z, shape = pending.pop(layer)
-            row(layer, on, z.detach().float().reshape(kernel_z.shape), shape)
-
-    def row(layer: int, on_sinks: Tensor, z: Tensor, pattern: tuple[int, ...]) -> None:
-        heads = weights[layer].shape[0]
-        if z.ndim != 4 or tuple(z.shape[:2]) != tuple(sink.shape) or z.shape[2] != heads or pattern[1] != heads:
-            raise MassiveLensError(f"{view.name}: layer {layer} has z {tuple(z.shape)}, pattern "
-                                   f"{pattern} and W_O for {heads} heads; dormant_heads needs one [batch, "
-                                   "pos, head, d_head] z and one pattern per head of W_O (multi-head latent attention "
-                                   "is not read)")
-        q, r = queries.to(z.device), real.to(z.device)
-        mass = torch.einsum("bhq,bq->bh", on_sinks, q) / q.sum(1, keepdim=True).clamp(min=1)
-        out = torch.einsum("bqhd,hdm->bqhm", z, weights[layer].to(z)).norm(dim=-1)  # [b q h]
-        out = torch.einsum("bqh,bq->bh", out, r) / r.sum(1, keepdim=True).clamp(min=1)
-        ratio = out / out.mean(1, keepdim=True).clamp(min=1e-12)
-        b, h = torch.meshgrid(torch.arange(out.shape[0]), torch.arange(out.shape[1]), indexing="ij")
-        rows.append(torch.stack([b.flatten().float(), torch.full((b.numel(),), float(layer)), h.flatten().float(),
-                                 mass.flatten().cpu(), out.flatten().cpu(), ratio.flatten().cpu()], 1))
-
-    gather = LayerGather(("pattern", "z"), ready)
-    hooks = [(view.hook_name(layer, name), gather.hook(key, layer)) for layer in range(view.n_layers)
-             for key, name in (("pattern", "attn.hook_pattern"), ("z", "attn.hook_z"))]
-    if path == LSE:
-        z_hooks = [(view.hook_name(layer, "attn.hook_z"), partial(projected, layer=layer))
-                   for layer in range(view.n_layers) if view.has_hook(layer, "attn.hook_z")]
-        with lse_run(view, from_lse):
-            view.forward(batch, z_hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
-        flush()
-    else:
-        view.forward(batch, hooks, stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+    rows = _Rows(view, sink, {layer: output_weights(view, layer)[0] for layer in range(view.n_layers)},
+                 batch.mask)
+    # a layer's head outputs are what its output projection reads (``attn.hook_z``, after any gate or
+    # sub-norm the attention applies; the kernel's output where that hook does not fire on the LSE path)
+    attention_pass(view, batch, rows.add, path=path, columns=sink.any(0).nonzero()[:, 0], want=("z_read",),
+                   stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
+    rows = rows.rows
     if len(rows) != view.n_layers:
         raise MassiveLensError(f"{view.name}: the pattern and z hooks did not fire in every layer; dormant_heads "
                                "cannot read the heads' outputs")
@@ -210,3 +156,34 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     frame = frame.sort_values(["seq", "layer", "head"], ignore_index=True)
     return DormantHeads(frame=frame, model_name=view.name, sink_source=found.source, sink_share=float(sink_share),
                         norm_ratio=float(norm_ratio), sinks=found, attention=path)
+
+
+class _Rows:
+    """One row per sequence and head of each layer, from the attention on the sink columns and the
+    heads' outputs."""
+
+    def __init__(self, view: ModelView, sink: Tensor, weights: dict[int, Tensor], valid: Tensor):
+        self.view, self.sink, self.weights = view, sink, weights
+        self.cols = sink.any(0).nonzero()[:, 0]
+        self.queries = (valid & ~sink & (sink.long().cumsum(1) > 0)).float()
+        self.real = valid.float()
+        self.rows: list[Tensor] = []
+
+    def add(self, at: PassLayer) -> None:
+        layer, heads = at.layer, self.weights[at.layer].shape[0]
+        p = at.cols.detach().float()
+        on_sinks = (p @ self.sink[:, self.cols].to(p.device, p.dtype)[:, None, :, None])[..., 0]  # [b h q]
+        z = at.z_read.detach().float()
+        if z.ndim != 4 or tuple(z.shape[:2]) != tuple(self.sink.shape) or z.shape[2] != heads or at.shape[1] != heads:
+            raise MassiveLensError(f"{self.view.name}: layer {layer} has z {tuple(z.shape)}, pattern "
+                                   f"{at.shape} and W_O for {heads} heads; dormant_heads needs one [batch, "
+                                   "pos, head, d_head] z and one pattern per head of W_O (multi-head latent attention "
+                                   "is not read)")
+        q, r = self.queries.to(z.device), self.real.to(z.device)
+        mass = torch.einsum("bhq,bq->bh", on_sinks, q) / q.sum(1, keepdim=True).clamp(min=1)
+        out = torch.einsum("bqhd,hdm->bqhm", z, self.weights[layer].to(z)).norm(dim=-1)  # [b q h]
+        out = torch.einsum("bqh,bq->bh", out, r) / r.sum(1, keepdim=True).clamp(min=1)
+        ratio = out / out.mean(1, keepdim=True).clamp(min=1e-12)
+        b, h = torch.meshgrid(torch.arange(out.shape[0]), torch.arange(out.shape[1]), indexing="ij")
+        self.rows.append(torch.stack([b.flatten().float(), torch.full((b.numel(),), float(layer)), h.flatten().float(),
+                                      mass.flatten().cpu(), out.flatten().cpu(), ratio.flatten().cpu()], 1))

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import pandas as pd
 import torch
 from torch import Tensor
 
-from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_hooks, sink_mask, sinks_from
+from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
+from massive_lens.core.attention_pass import PassLayer, attention_pass
 from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, SinkEvidence, first_token_mass, sink_metric
-from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
+from massive_lens.core.lse import EAGER, choose_path, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
@@ -105,26 +105,7 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
     columns = torch.tensor(sorted({0, *at.tolist()}), dtype=torch.long)  # column 0: the first token
     tally = _ColumnMass(batch.mask, columns)
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None
-    hooks = [] if evidence is None else sink_hooks(view, evidence, patterns=path != LSE)
-    if path == LSE:
-
-        def from_lse(att: LayerAttention) -> None:
-            if evidence is not None:
-                evidence.add_key_attention(*att.band(batch.mask))
-            tally.add(att.layer, att.columns(columns))
-
-        # the attention outputs' hooks only check them for NaN and inf; a view that serves none (nnsight)
-        # has the residual stream checked instead, where the sink hooks do not already read it
-        outs = [view.block_hook(layer, "attn.hook_out") for layer in range(view.n_layers)]
-        if not all(view.has_hook(layer, "attn.hook_out") for layer in range(view.n_layers)):
-            outs = [] if hooks else [view.hook_name(layer, "resid_post") for layer in range(view.n_layers)]
-        last = hooks[-1][0] if hooks else outs[-1]
-        with lse_run(view, from_lse):
-            view.forward(batch, [*hooks, *((n, _watch) for n in outs)], stop_after=last)
-    else:
-        names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]
-        hooks += [(n, partial(_from_pattern, tally=tally, layer=i)) for i, n in enumerate(names)]
-        view.forward(batch, hooks, stop_after=hooks[-1][0] if given is None else names[-1])
+    attention_pass(view, batch, tally.add, path=path, columns=columns, evidence=evidence)
     found = given if evidence is None else sinks_from(evidence, view.token_kinds(batch), path)
     if given is None and not bool(found.mask[:, columns].sum() == found.mask.sum()):
         return sink_attention(model, text, sinks=found, threshold=threshold, attention=path)  # a sink elsewhere
@@ -143,9 +124,9 @@ class _ColumnMass:
         self.valid, self.columns = valid, columns
         self.layers: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
-    def add(self, layer: int, p: Tensor) -> None:
-        """``p [batch head query col]``: the attention every query gives to the columns."""
-        p = p.float()
+    def add(self, at: PassLayer) -> None:
+        """One layer's attention every query gives to the columns (``at.cols [batch head query col]``)."""
+        layer, p = at.layer, at.cols.float()
         valid = self.valid.to(p.device, p.dtype)
         summed = torch.einsum("bhqc,bq->bhc", p, valid)
         among = p[:, :, self.columns.to(p.device)] * valid[:, None, self.columns.to(p.device), None]
@@ -165,11 +146,3 @@ class _ColumnMass:
         frame = pd.DataFrame(torch.cat(rows).numpy(), columns=["layer", "head", "sink_mass", "first_token_mass"])
         frame[["layer", "head"]] = frame[["layer", "head"]].astype(int)
         return frame
-
-
-def _from_pattern(pattern: Tensor, hook: Any, *, tally: _ColumnMass, layer: int) -> None:
-    tally.add(layer, pattern[..., tally.columns.to(pattern.device)])
-
-
-def _watch(x: Tensor, hook: Any) -> None:
-    """A hook that reads nothing: the forward checks what it sees for NaN and inf."""

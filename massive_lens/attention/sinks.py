@@ -20,8 +20,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from massive_lens.core.attention_pass import attention_pass, choose_path
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule
-from massive_lens.core.lse import LSE, choose_path, lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
@@ -194,20 +194,8 @@ def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criter
     """The sinks of an already tokenized ``batch`` (what :func:`find_sinks` does after tokenizing)."""
     path = choose_path(view, attention)
     evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-    evidence_pass(view, batch, sink_hooks(view, evidence, patterns=path != LSE), evidence, path)
+    attention_pass(view, batch, None, path=path, evidence=evidence)
     return sinks_from(evidence, view.token_kinds(batch), path)
-
-
-def evidence_pass(view: ModelView, batch: Batch, hooks: list[tuple[str, Any]], evidence: SinkEvidence,
-                  path: str) -> None:
-    """One forward with ``hooks`` up to the last of them; on the LSE path each layer's key
-    attention (the sink rule's band) goes to ``evidence`` from the kernel, where the eager path's
-    hooks read it from the pattern."""
-    if path == LSE:
-        with lse_run(view, lambda att: evidence.add_key_attention(*att.band(batch.mask))):
-            view.forward(batch, hooks, stop_after=hooks[-1][0])
-    else:
-        view.forward(batch, hooks, stop_after=hooks[-1][0])
 
 
 # at most this many key columns are kept per layer while the sinks are found in the same pass

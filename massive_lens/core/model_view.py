@@ -215,9 +215,16 @@ class ModelView:
         prefix = self.block_hook(0, "ln1_post.")
         return any(name.startswith(prefix) for name in self.model.hook_dict)
 
+    @property
+    def serves_patterns(self) -> bool:
+        """Whether this view serves attention patterns and per-head hooks (``attn.hook_pattern``,
+        hooks attached to the model; False on nnsight, which edits inside a trace). A recurrent
+        model serves them too: it just has none."""
+        return True
+
     def pattern_refusal(self) -> str | None:
         """Why this view cannot serve attention patterns (``attn.hook_pattern``) at all, with what
-        to do instead; None where it can (or has none for another reason: a recurrent model)."""
+        to do instead, for an error message; None where it can (:attr:`serves_patterns`)."""
         return None
 
     def chosen_layers(self, layers: Any, what: str = "layers") -> list[int]:

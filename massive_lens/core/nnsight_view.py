@@ -244,6 +244,10 @@ class NnsightView(ModelView):
         return any(_child(self.hf, f"{self.layers_path}.{layer}", _POST_NORMS) is not None
                    for layer in range(self.n_layers))
 
+    @property
+    def serves_patterns(self) -> bool:
+        return False
+
     def pattern_refusal(self) -> str:
         return (f"{self.name} is an nnsight model, which cannot serve attention patterns, so attention='eager' "
                 "does not run on it; use attention='auto' or 'lse' (the attention on the few key columns an "

@@ -39,11 +39,11 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, evidence_pass, sinks_from
+from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, sinks_from
+from massive_lens.core.attention_pass import EAGER, LSE, attention_pass
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_criterion, as_rule, massive_mask
 from massive_lens.core.fmt import num, short
-from massive_lens.core.lse import EAGER, LSE
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outliers import OutlierTally, token_specific
 from massive_lens.core.render import sink_mass_axes
@@ -305,7 +305,7 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     entries: list[Tensor] = []  # token-specific entries, for the online sink rule
     gathered: list[tuple[SinkEvidence, Tensor]] = []
     tally = OutlierTally()  # the whole calibration text is one run: its outlier dimensions, decided once
-    lse = bool(view.pattern_refusal())  # a view that serves no pattern (nnsight): the sink rule on the LSE path
+    path = EAGER if view.serves_patterns else LSE  # a view that serves no pattern (nnsight): the LSE path
     for start, chunk in chunks:
         batch = view.full_batch(chunk)
         evidence = SinkEvidence(batch.mask, n_layers, rule, criterion, outliers=tally)
@@ -327,16 +327,11 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
                 entries.append(torch.stack([torch.full_like(value, layer), idx[:, 0].double() + start,
                                             idx[:, 1].double(), idx[:, 2].double(), value], 1).cpu())
 
-        def on_pattern(pattern: Tensor, hook: Any, evidence: SinkEvidence = evidence) -> None:
-            evidence.add_pattern(pattern)
-
-        hooks = []
-        for layer in range(n_layers):
-            if not lse:
-                hooks.append((view.hook_name(layer, "attn.hook_pattern"), on_pattern))
-            hooks.append((view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)))
+        hooks = [(view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)) for layer in range(n_layers)]
         hooks += template.hooks(view)
-        evidence_pass(view, batch, hooks, evidence, LSE if lse else EAGER)
+        # the sink rule's key attention from the pass; the residual stream's massive entries from on_resid
+        attention_pass(view, batch, None, path=path, evidence=evidence, evidence_resid=False, hooks=hooks,
+                       stop_after=hooks[-1][0])
         gathered.append((evidence, view.token_kinds(batch)))
         bar.update()
     scope = torch.stack([tally.at(layer) for layer in range(n_layers)])  # [layer d_model] outlier-dimension entries

@@ -1,0 +1,251 @@
+"""One attention pass: every attention analysis reads its layers here, whichever path ran.
+
+:func:`attention_pass` runs one forward and hands each attention layer one :class:`PassLayer`:
+the attention on a few key ``columns``, the sink rule's ``band`` (each key's mean attention from
+the queries after it), the heads' outputs ``z`` (the attention applied to the values), what the
+output projection reads (``z_read``, ``attn.hook_z`` where it fires), the values ``v`` and the
+attention output ``out``: only what the caller asks for in ``want``. On the eager path they come
+from the pattern, ``z``/``v`` and output hooks; on the LSE path (:mod:`massive_lens.core.lse`)
+from the fused kernel's ``q``, ``k`` and log-sum-exp; an nnsight view takes the LSE path. The
+caller picks the path with :func:`choose_path` (``"auto"``: the eager pattern whenever an edit
+is attached, which the kernel would skip) and reduces what it is handed: no analysis branches
+on the path. With a :class:`~massive_lens.core.criterion.SinkEvidence` the pass also feeds the
+sink rule (every layer's residual stream and key attention) in the same forward. Hooks and the
+kernel are put back on exit, exceptions included.
+
+>>> from massive_lens import tiny_model
+>>> from massive_lens.core.model_view import ModelView
+>>> view = ModelView(tiny_model("llama"))
+>>> batch = view.tokenize("Hello there.")
+>>> seen = {}
+>>> for path in ("eager", "lse"):
+...     attention_pass(view, batch, lambda at: seen.setdefault(path, at.cols), path=path, columns=[0])
+>>> torch.allclose(seen["eager"].float(), seen["lse"], atol=1e-6)
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from massive_lens.core.criterion import SinkEvidence, key_attention
+from massive_lens.core.gather import LayerGather
+from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import Batch
+from massive_lens.errors import MassiveLensError
+
+__all__ = ["EAGER", "LSE", "PassLayer", "attention_pass", "choose_path"]
+
+WANTS = ("z", "z_read", "v", "out")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassLayer:
+    """One attention layer as the pass read it. ``cols [batch head query col]``: the attention on
+    the requested key columns (None without ``columns``); ``band``: the sink rule's
+    ``(mass [batch head key], count [batch key])`` (:func:`~massive_lens.core.criterion.key_attention`;
+    None unless asked); ``z [batch query head d_head]``: the attention applied to the values (the
+    eager pattern times ``v``, or the kernel's output); ``z_read``: what the output projection reads
+    (``attn.hook_z`` where it fires, else ``z``); ``v [batch key kv_head d_head]``; ``out``: the
+    output hook's activation; ``shape``: the pattern's ``(batch, head, query, key)``."""
+
+    layer: int
+    shape: tuple[int, ...]
+    cols: Tensor | None = None
+    band: tuple[Tensor, Tensor] | None = None
+    z: Tensor | None = None
+    z_read: Tensor | None = None
+    v: Tensor | None = None
+    out: Tensor | None = None
+
+
+def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None, *, path: str,
+                   columns: Sequence[int] | Tensor | None = None, band: bool = False, want: Iterable[str] = (),
+                   layers: Iterable[int] | None = None, out_hooks: dict[int, str] | None = None,
+                   evidence: SinkEvidence | None = None, evidence_resid: bool = True,
+                   hooks: Sequence[tuple[str, Any]] = (),
+                   stop_after: str | None = None, check_finite: bool = True) -> None:
+    """One forward of ``batch`` handing every attention layer of ``layers`` (None: all) to
+    ``on_layer`` as a :class:`PassLayer` read on ``path`` (``"eager"`` or ``"lse"``, from
+    :func:`choose_path`).
+
+    ``columns``: key positions whose attention every query gives (``cols``); ``band``: the sink
+    rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"v"``, ``"out"`` (``out_hooks``
+    names each layer's output hook, e.g. ``"attn.hook_out"``); ``evidence``: fed every layer's
+    key attention and (``evidence_resid``) residual stream; ``hooks``: the caller's own, run in the same forward.
+    The forward stops after ``stop_after`` (None: the last layer the pass reads)."""
+    want = set(want)
+    if want - set(WANTS) or path not in (EAGER, LSE):
+        raise MassiveLensError(f"want is a subset of {WANTS} and path 'eager' or 'lse', got {sorted(want)}, {path!r}")
+    if "out" in want and not out_hooks:
+        raise MassiveLensError("want='out' needs out_hooks: each layer's output hook")
+    layers = set(range(view.n_layers) if layers is None else layers)
+    cols = None if columns is None else torch.as_tensor(columns, dtype=torch.long).flatten()
+    reader = _Reader(view, batch, on_layer, layers, cols, band, want, evidence)
+    own = reader.lse_hooks(out_hooks) if path == LSE else reader.eager_hooks(out_hooks)
+    own = [*(reader.resid_hooks() if evidence_resid else []), *own]
+    all_hooks = [*hooks, *own]
+    if not all_hooks:
+        raise MassiveLensError(f"{view.name}: the attention pass has no layer to read")
+    last = stop_after or _last(view, all_hooks)
+    with lse_run(view, reader.from_kernel) if path == LSE else contextlib.nullcontext():
+        view.forward(batch, all_hooks, stop_after=last, check_finite=check_finite)
+    reader.flush()
+    missed = sorted(layers.intersection(reader.attn_layers()) - reader.done)
+    if on_layer is not None and missed:
+        raise MassiveLensError(f"{view.name}: the attention hooks (pattern, and the values, heads' or attention "
+                               f"output asked for) of layer {missed[0]} did not all fire; the attention pass "
+                               "cannot read that layer")
+
+
+def _last(view: ModelView, hooks: Sequence[tuple[str, Any]]) -> str:
+    """The hook of ``hooks`` that fires last: the deepest layer's, its residual stream before its
+    attention's."""
+    def order(name: str) -> tuple[int, int]:
+        parts = name.split(".")
+        layer = int(parts[1]) if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit() else view.n_layers
+        return layer, int(name.endswith("resid_post"))
+    return max((name for name, _ in hooks), key=order)
+
+
+class _Reader:
+    """The pass's per-layer state: the eager path's gathered hooks, the LSE path's layers waiting
+    for their ``attn.hook_z`` (``z_read``), and the layers handed over."""
+
+    def __init__(self, view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None,
+                 layers: set[int], cols: Tensor | None, band: bool, want: set[str], evidence: SinkEvidence | None):
+        self.view, self.batch, self.on_layer, self.layers = view, batch, on_layer, layers
+        self.cols, self.band, self.want, self.evidence = cols, band, want, evidence
+        self.pending: dict[int, PassLayer] = {}  # LSE: layers waiting for their attn.hook_z or output
+        self.z_seen: set[int] = set()
+        self.done: set[int] = set()
+        self.keys: tuple[str, ...] = ()  # eager: what the layer's hooks gather besides the pattern
+
+    def attn_layers(self) -> list[int]:
+        return [layer for layer in range(self.view.n_layers) if self.view.has_hook(layer, "attn.hook_pattern")]
+
+    def resid_hooks(self) -> list[tuple[str, Any]]:
+        if self.evidence is None:
+            return []
+        return [(self.view.hook_name(layer, "resid_post"), partial(_add_resid, evidence=self.evidence, layer=layer))
+                for layer in range(self.view.n_layers)]
+
+    # ------------------------------------------------------------------ eager: the pattern and hooks
+    def eager_hooks(self, out_hooks: dict[int, str] | None) -> list[tuple[str, Any]]:
+        names = {"pattern": "attn.hook_pattern", "v": "attn.hook_v", "z_read": "attn.hook_z"}
+        names.update({f"out{layer}": name for layer, name in (out_hooks or {}).items()})
+        keys = ("pattern", *(["v"] if self.want & {"z", "v"} else []), *(["z_read"] if "z_read" in self.want else []),
+                *(["out"] if "out" in self.want else []))
+        self.keys = keys[1:]
+        gather = LayerGather(keys, self._eager)  # the hooks fire in any order (some bridges: the pattern last)
+        hooks = []
+        for layer in self.attn_layers():
+            if layer in self.layers and self.on_layer is not None:
+                hooks += [(self.view.hook_name(layer, names[f"out{layer}" if key == "out" else key]),
+                           gather.hook(key, layer)) for key in keys]
+            elif self.evidence is not None:
+                hooks.append((self.view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, reader=self)))
+        return hooks
+
+    def _eager(self, layer: int, pattern: Tensor, *acts: Tensor) -> None:
+        got = dict(zip(self.keys, acts, strict=True))
+        band = self.band_of(pattern)
+        v, z = got.get("v"), None
+        if "z" in self.want:  # the pattern applied to the values: one value head per query head
+            z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2))
+        self._hand(PassLayer(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
+                             cols=None if self.cols is None else pattern[..., self.cols.to(pattern.device)],
+                             z=z, z_read=got.get("z_read"), v=v if "v" in self.want else None, out=got.get("out")))
+
+    def band_of(self, pattern: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The sink rule's key attention from an eager pattern (fed to the evidence), where wanted."""
+        if not self.band and self.evidence is None:
+            return None
+        band = key_attention(pattern.detach(), self.batch.mask)
+        if self.evidence is not None:
+            self.evidence.add_key_attention(*band)
+        return band
+
+    # ------------------------------------------------------------------ LSE: the kernel
+    def lse_hooks(self, out_hooks: dict[int, str] | None) -> list[tuple[str, Any]]:
+        hooks = []
+        for layer in sorted(self.layers) if self.on_layer is not None else []:
+            if "z_read" in self.want and self.view.has_hook(layer, "attn.hook_z"):
+                hooks.append((self.view.hook_name(layer, "attn.hook_z"), partial(self._read_z, layer=layer)))
+            if "out" in self.want:
+                hooks.append((self.view.hook_name(layer, out_hooks[layer]), partial(self._out, layer=layer)))
+        if not hooks and self.evidence is None:  # hooks that read nothing: the forward checks them for NaN and inf
+            hooks = [(self.view.hook_name(layer, "resid_post"), _watch) for layer in range(self.view.n_layers)]
+        return hooks
+
+    def from_kernel(self, att: LayerAttention) -> None:
+        for layer in sorted(k for k in self.pending if k < att.layer):  # no attn.hook_z fired there: the kernel's
+            self._try(layer, force=True)
+        band = att.band(self.batch.mask) if self.band or self.evidence is not None else None
+        if self.evidence is not None:
+            self.evidence.add_key_attention(*band)
+        if att.layer not in self.layers or self.on_layer is None:
+            return
+        z = att.z.transpose(1, 2) if self.want & {"z", "z_read"} else None  # [batch query head d_head]
+        self.pending[att.layer] = PassLayer(
+            layer=att.layer, shape=(*att.q.shape[:3], att.k.shape[2]), band=band if self.band else None,
+            cols=None if self.cols is None else att.columns(self.cols), z=z if "z" in self.want else None,
+            z_read=z if "z_read" in self.want else None, v=att.v.transpose(1, 2) if "v" in self.want else None)
+        self._try(att.layer)
+
+    def _read_z(self, z: Tensor, hook: Any, *, layer: int) -> None:
+        if layer in self.pending:  # after any gate or sub-norm the attention applies to the kernel's output
+            at = self.pending[layer]
+            self.pending[layer] = _replace(at, z_read=z.detach().reshape(at.z_read.shape))
+            self.z_seen.add(layer)
+            self._try(layer)
+
+    def _out(self, out: Tensor, hook: Any, *, layer: int) -> None:
+        if layer in self.pending:
+            self.pending[layer] = _replace(self.pending[layer], out=out)
+            self._try(layer)
+
+    def _try(self, layer: int, force: bool = False) -> None:
+        """Hand ``layer`` over once it has its output (where wanted) and its ``attn.hook_z`` (where
+        wanted and served; ``force``: the kernel's output stands in, the hook did not fire)."""
+        at = self.pending[layer]
+        if "out" in self.want and at.out is None:
+            return
+        if not force and "z_read" in self.want and self.view.has_hook(layer, "attn.hook_z") \
+                and layer not in self.z_seen:
+            return
+        self._hand(self.pending.pop(layer))
+
+    def flush(self) -> None:
+        """Hand over what is still pending once the forward is done."""
+        for layer in sorted(self.pending):
+            self._try(layer, force=True)
+
+    def _hand(self, at: PassLayer) -> None:
+        self.done.add(at.layer)
+        if self.on_layer is not None:
+            self.on_layer(at)
+
+
+def _replace(at: PassLayer, **changes: Any) -> PassLayer:
+    return PassLayer(**{**at.__dict__, **changes})
+
+
+def _add_pattern(pattern: Tensor, hook: Any, *, reader: _Reader) -> None:
+    reader.band_of(pattern)
+
+
+def _add_resid(resid: Tensor, hook: Any, *, evidence: SinkEvidence, layer: int) -> None:
+    evidence.add_resid(layer, resid)
+
+
+def _watch(x: Tensor, hook: Any) -> None:
+    """A hook that reads nothing: the forward checks what it sees for NaN and inf."""
