@@ -79,7 +79,13 @@ def main() -> None:
                     help="where to plant (none is the untouched model; always measured)")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (faster on these CPUs)")
     ap.add_argument("--out", default="docs/planted_sink")
+    ap.add_argument("--writers-only", action="store_true",
+                    help="only the writer split under the saved run's early plant, in --dtype (on --detail-seqs "
+                         "sequences); replaces the planted rows of writers.csv and summary.json's writers")
     args = ap.parse_args()
+    if args.writers_only:
+        writers_only(args)
+        return
     t0 = time.time()
     dtype = getattr(torch, args.dtype)
     model = load_model(dtype=dtype) if args.model == "smollm2" else load_model(args.model, dtype=dtype)
@@ -231,6 +237,36 @@ def main() -> None:
                      indent=1, default=float))
 
 
+def writers_only(args: argparse.Namespace) -> None:
+    """The writer split alone, in ``args.dtype``, under the saved run's early plant (a bfloat16 run's
+    split can be refused by its own residual check; float32 then gives it without the other passes)."""
+    t0 = time.time()
+    dtype = getattr(torch, args.dtype)
+    model = load_model(dtype=dtype) if args.model == "smollm2" else load_model(args.model, dtype=dtype)
+    view = ModelView(model)
+    out = Path(args.out) / view.name
+    summary = json.loads((out / "summary.json").read_text())
+    detail = view.full_batch(sequences(view, str(DATA), summary["seq_len"], args.detail_seqs)).tokens
+    first = find_massive(model, detail).to_frame()
+    first = first[first["pos"] == 0]
+    birth = int(first["layer"].min()) if len(first) else None
+    early = list(range(summary["early_layers"][0], summary["early_layers"][1] + 1))
+    log(f"{view.name} ({args.dtype}): the first token's massive activation born at layer {birth} "
+        f"(saved run: {summary['birth_layer']}); splitting under the plant in layers {early[0]}-{early[-1]}")
+    with force_self_attention(model, summary["pos"], early):
+        w = planted_writers(model, detail, pos=summary["pos"])
+    w.insert(0, "model_state", "planted")
+    saved = pd.read_csv(out / "writers.csv")
+    pd.concat([saved[saved["model_state"] != "planted"], w]).to_csv(out / "writers.csv", index=False)
+    summary["writers_planted"] = w[["layer", "head", "sink_mass", "logit", "dominant", "dominant_share",
+                                    "runner_up", "runner_up_share", "check"]].to_dict("records")
+    summary["writers_run"] = dict(dtype=args.dtype, detail_seqs=len(detail), birth_layer=birth,
+                                  seconds=round(time.time() - t0, 1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    log(f"done in {summary['writers_run']['seconds']} s -> {out}")
+    print(w.to_string())
+
+
 def pct(x: float) -> str:
     return f"{x:+.1%}"
 
@@ -287,10 +323,27 @@ def model_section(folder: Path) -> str:
         lines.append(f"- **the sink logit's writers** (`planted_writers`): refused, {why.removeprefix('none: ')}.")
     elif len(w):
         top = w["dominant"].value_counts()
-        lines.append(f"- **the sink logit's writers** (`planted_writers`, the {len(w)} heads that attend most to "
-                     f"position {pos}): the dominant writer is " + ", ".join(f"{k} in {v}" for k, v in top.items())
-                     + f" of them, with {w['dominant_share'].min():.0%}-{w['dominant_share'].max():.0%} of the logit; "
-                     f"the runner-up at most {w['runner_up_share'].max():.1%}.")
+        run = s.get("writers_run")
+        where = (f" (this split alone in {run['dtype']}, on {run['detail_seqs']} sequences, "
+                 f"{run['seconds']:.0f} s: `--writers-only`)" if run else "")
+        said = (f"- **the sink logit's writers** (`planted_writers`, the {len(w)} heads that attend most to "
+                f"position {pos}){where}: the dominant writer is " + ", ".join(f"{k} in {v}" for k, v in top.items())
+                + " of them, the runner-up "
+                + ", ".join(f"{k} in {v}" for k, v in w["runner_up"].value_counts().items()))
+        if w["dominant_share"].between(0, 1.5).all():
+            said += (f", with {w['dominant_share'].min():.0%}-{w['dominant_share'].max():.0%} of the logit; the "
+                     f"runner-up at most {w['runner_up_share'].max():.1%}.")
+        else:  # a mean logit near zero: the parts are large and of both signs, so report them against it
+            ratio = (w["dominant_share"] / w["runner_up_share"]).abs()
+            part = (w["dominant_share"] * w["logit"]).abs()
+            said += (f"; the heads' mean logits on position {pos} ({w['logit'].abs().min():.2g} to "
+                     f"{w['logit'].abs().max():.2g} in size) are nets of parts of both signs, the dominant one "
+                     f"{part.min():.2g} to {part.max():.2g} in size, so its share of the logit "
+                     f"({w['dominant_share'].min():,.0%} to {w['dominant_share'].max():,.0%}) means little: the "
+                     f"dominant part is {ratio.min():.1f}-{ratio.max():.1f}x the runner-up's, of the same sign in "
+                     f"{int((w['dominant_share'] * w['runner_up_share'] > 0).sum())} of {len(w)}; the parts add up "
+                     f"to the scores within {w['check'].max():.0e} (relative).")
+        lines.append(said)
     return "\n".join(lines) + "\n"
 
 

@@ -11,10 +11,11 @@ import torch
 from helpers import untouched
 from planting import TEXT, bos_tokens, plant_sink
 
-from massive_lens import perplexity, sink_census, tiny_model
+from massive_lens import find_massive, perplexity, sink_census, tiny_model
+from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
-from massive_lens.interventions import SinkDependence, sink_dependence
+from massive_lens.interventions import SinkDependence, force_self_attention, sink_dependence
 from massive_lens.report import write_report
 
 LAYER, HEAD = 1, 2
@@ -114,3 +115,27 @@ def test_the_report_measures_dependence_only_behind_full(tmp_path):
     full = write_report(model, out_dir=tmp_path / "full", full=True, n_seqs=2, progress=False, tables=False, skip=skip)
     md = (full.parent / "report.md").read_text()
     assert "sink dependence on" in md and "Sink dependence not measured" not in md
+
+
+@pytest.mark.slow
+def test_a_sink_planted_on_the_default_model_is_named_by_the_census_and_dependence(default_model):
+    """Known answer (issue 49): on the real default model, a position forced to attend only to itself
+    in the layers up to the first token's massive birth (``force_self_attention``) becomes a sink. The
+    census names it a primary sink in every sequence; ``sink_dependence``
+    counts it among the sinks it removes; without the plant neither names it."""
+    model, pos = default_model, 32
+    view = ModelView(model)
+    tokens = sequences(view, None, pos + 16, 2)
+    found = find_massive(model, tokens).to_frame()
+    birth = int(found.loc[found["pos"] == 0, "layer"].min())  # where the first token's massive activation is born
+    with untouched(model):
+        before = sink_census(model, tokens, attention="eager").to_frame()
+        plain = sink_dependence(model, tokens, heads=[], batch_size=len(tokens), progress=False)
+        with force_self_attention(model, pos, range(birth + 1)):
+            after = sink_census(model, tokens, attention="eager").to_frame()
+            dep = sink_dependence(model, tokens, max_heads=1, batch_size=len(tokens), progress=False)
+    at = after[after["pos"] == pos]
+    assert sorted(at["seq"]) == list(range(len(tokens))) and (at["level"] == "primary").all(), after
+    assert not (before["pos"] == pos).any()
+    assert bool(dep.sinks.mask[:, pos].all()) and not bool(plain.sinks.mask[:, pos].any())
+    assert dep.to_frame()["measured"].sum() == 1 and dep.to_frame()["sink_mass"].max() >= dep.threshold

@@ -65,9 +65,8 @@ def _position(view: ModelView, pos: Any, what: str) -> int:
 
 
 def _self_only(scores: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, pos: int) -> Tensor:
-    if scores.shape[-2] <= pos:
-        raise MassiveLensError(f"force_self_attention: position {pos} is past the end of the text "
-                               f"({scores.shape[-2]} tokens at {hook.name}); plant at a position inside the text")
+    if scores.shape[-2] <= pos:  # a text that ends before pos (e.g. perplexity's probe of its first tokens)
+        return scores
     out = scores.clone()
     others = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
     others[pos] = False
@@ -89,9 +88,11 @@ def force_self_attention(model: Any, pos: Position, layers: Layers = None) -> In
         sees the edit and takes it; ``"lse"`` is refused).
 
     Raises:
-        MassiveLensError: ``pos`` not an int, below 1 or past the model's context (or, when it runs,
-            past the end of the text); ``layers`` empty, not ints or out of range; a layer without
-            attention scores.
+        MassiveLensError: ``pos`` not an int, below 1 or past the model's context; ``layers`` empty,
+            not ints or out of range; a layer without attention scores. A pass over a text that ends
+            before ``pos`` is left as it is (there is no position ``pos`` to plant at; the library's
+            own probes of a text's first tokens, such as perplexity's check of its output head, run
+            under the plant too).
 
     >>> from massive_lens import tiny_model
     >>> from massive_lens.core.model_view import ModelView
