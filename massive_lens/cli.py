@@ -15,6 +15,7 @@
     massive-lens train-compare --variants softmax,softmax1 --preset smoke
     massive-lens effects valley            # what the sink does: valley, streaming, mixing, repeated
     massive-lens tasks run --seeds 0,1     # the sink-forcing tasks' grid (resumable); tasks page: its answer page
+    massive-lens offswitch --model tiny:gpt_oss   # where an off-switch puts idle attention (issue 51)
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ from massive_lens.report.sections import SKIPPABLE
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
 from massive_lens.train.compare import compare_main
 from massive_lens.train.data import TOKENIZERS, write_token_file
+from massive_lens.train.offswitch_cli import HELP as OFFSWITCH_HELP
+from massive_lens.train.offswitch_cli import add_arguments as offswitch_arguments
+from massive_lens.train.offswitch_cli import cmd_offswitch
 from massive_lens.train.retrofit_cli import HELP as RETROFIT_HELP
 from massive_lens.train.retrofit_cli import add_arguments as retrofit_arguments
 from massive_lens.train.retrofit_cli import cmd_retrofit
@@ -250,6 +254,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "quantize": (cmd_quantize, QUANTIZE_HELP),
     "effects": (cmd_effects, EFFECTS_HELP),
     "tasks": (cmd_tasks, TASKS_HELP),
+    "offswitch": (cmd_offswitch, OFFSWITCH_HELP),
 }
 
 
@@ -322,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     effects_arguments(cmd["effects"])
     circuit_arguments(cmd["sink-circuit"])
     tasks_arguments(cmd["tasks"])
+    offswitch_arguments(cmd["offswitch"])
     return parser
 
 

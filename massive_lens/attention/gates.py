@@ -61,7 +61,8 @@ class GateCensus(Result):
     def summary(self) -> str:
         f = self.frame
         top = f.sort_values("shut_share", ascending=False).head(3)
-        heads = ", ".join(f"L{r.layer}H{r.head} {r.shut_share:.0%} (opens at {r.open_tokens})" for r in top.itertuples())
+        heads = ", ".join(f"L{r.layer}H{r.head} {r.shut_share:.0%} (opens at {r.open_tokens})"
+                          for r in top.itertuples())
         return (f"{self.model_name}, {self.n_texts} text(s), {self.kind} output gates on {f['layer'].nunique()} "
                 f"layer(s): {self.shut_share:.1%} of gates shut (< {self.threshold:g}), mean gate "
                 f"{f['mean_gate'].mean():.3f}, at the first token {f['first_gate'].mean():.3f}; most shut: {heads}")
@@ -152,7 +153,8 @@ def gate_census(model: Any, text: str | Sequence[str] | Tensor, *, threshold: fl
         names = [view.hook_name(layer, hook) for layer in layers]
         view.forward(batch, [(n, keep) for n in names], stop_after=names[-1])
     tokens = view.str_tokens(batch)
-    frame = pd.concat([_rows(layer, gates[layer], batch.mask, tokens, threshold) for layer in layers], ignore_index=True)
+    frame = pd.concat([_rows(layer, gates[layer], batch.mask, tokens, threshold) for layer in layers],
+                      ignore_index=True)
     return GateCensus(frame=frame[COLUMNS], kind=kind, threshold=threshold, model_name=view.name,
                       n_texts=len(batch.tokens))
 

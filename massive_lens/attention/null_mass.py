@@ -121,7 +121,8 @@ class NullMass(Result):
         per = self.frame.groupby("layer")[["null_mass", "first_mass"]].mean()
         ax.plot(per.index, per["null_mass"], marker="o", label="sink slot (null mass)")
         ax.plot(per.index, per["first_mass"], marker="s", label="first token")
-        ax.set(xlabel="layer", ylabel="mean attention", ylim=(0, 1), title=f"{self.model_name}: where idle attention goes")
+        ax.set(xlabel="layer", ylabel="mean attention", ylim=(0, 1),
+               title=f"{self.model_name}: where idle attention goes")
         ax.legend()
         return ax
 

@@ -138,6 +138,16 @@ class PrecisionCheck(Result):
             raise MassiveLensError(f"{dtype!r} was not checked; checked: {self.verdicts['dtype'].tolist()}")
         return str(rows["verdict"].iloc[0])
 
+    def first_overflow(self, dtype: str) -> str:
+        """The first site, in the forward pass's order, whose value (or a norm's square) passes
+        ``dtype``'s range: ``"<site> at layer <n> (|x| = <value>)"``, or "" where none does."""
+        rows = self.problems[(self.problems["dtype"] == dtype) & self.problems["problem"].str.endswith("overflow")]
+        if rows.empty:
+            return ""
+        r = rows.iloc[0]
+        square = ", its square" if r.problem != "overflow" else ""
+        return f"{r.site} at layer {int(r.layer)} (|x| = {num(r.value)}{square})"
+
     def summary(self) -> str:
         values = self.peaks[self.peaks["kind"] != "scores"]
         peak = values.loc[values["max_abs"].idxmax()]
@@ -154,6 +164,8 @@ class PrecisionCheck(Result):
                    if math.isnan(v.loss) else
                    f"Confirmed by running in {v.dtype}: loss {v.loss:.4f} vs {v.loss_float32:.4f} in float32 "
                    f"(perplexity x{ratio(v.ppl_ratio)}, top-1 agreement {v.top1_agree:.1%}).")
+            first = self.first_overflow(v.dtype)
+            found += f"; first overflowing site: {first}" if first else ""
             lines.append(f"  {v.dtype}: {v.verdict.upper()}. Predicted: {found}. {ran}" + (f" Fix: {v.fix.rstrip('.')}."
                                                                                            if v.fix else "")
                          + (f" Cause: {v.cause}. Smallest fix: {v.smallest_fix}." if v.cause else ""))

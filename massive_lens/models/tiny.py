@@ -63,7 +63,8 @@ def tiny_config(family: str, tok: Any, overrides: dict[str, Any]) -> tuple[type,
         "deit": (tf.DeiTConfig, tf.DeiTModel, VISION_SHAPE),
     }
     if family not in builders:
-        raise MassiveLensError(f"unknown tiny_model family {family!r}; choose one of {FAMILIES + OFFSWITCH_FAMILIES + VISION_FAMILIES}")
+        raise MassiveLensError(f"unknown tiny_model family {family!r}; "
+                               f"choose one of {FAMILIES + OFFSWITCH_FAMILIES + VISION_FAMILIES}")
     config_cls, model_cls, fields = builders[family]
     overrides = dict(overrides)
     if family == "gpt2" and "num_hidden_layers" in overrides:

@@ -1,0 +1,127 @@
+"""The off-switch protocol (issue 51): side by side on tiny models of each kind, on a planted
+massive activation, on trained task runs, and from the command line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import untouched
+
+from massive_lens import tiny_model
+from massive_lens.attention.null_mass import null_mass
+from massive_lens.cli import main
+from massive_lens.handover.offswitch import FLOAT16_MAX, offswitch
+from massive_lens.handover.precision import precision_check
+from massive_lens.models import byte_tokenizer
+from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.model import MassiveLM
+from massive_lens.train.offswitch_runs import offswitch_task_runs, where_table
+from massive_lens.train.taskrun import TaskSettings, train_task
+
+TEXT = "Hello there, how are you? Fine, thanks. Bye now."
+PLANT = (1, 0, 3)  # layer, position, dim
+
+
+def _sinks(model, value: float):
+    with torch.no_grad():
+        for module in model.original_model.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.fill_(value)
+    return model
+
+
+def test_gpt_oss_side_by_side():
+    """The null-mass column is null_mass's per-layer mean; a high sink logit sends idle attention to the slot."""
+    model = _sinks(tiny_model("gpt_oss"), 6.0)
+    with untouched(model):
+        result = offswitch(model, TEXT, precision=False)
+    frame = result.to_frame()
+    heads = null_mass(model, TEXT).to_frame().groupby("layer")["null_mass"].mean()
+    assert (frame["null_mass"].to_numpy() - heads.to_numpy()).max() < 1e-6
+    assert result.idle == "sink slot" and frame["gate_shut"].isna().all() and frame["full_attention"].all()
+    assert result.spikes_before_attention is None  # every layer is full attention
+    low = offswitch(_sinks(tiny_model("gpt_oss"), -20.0), TEXT, precision=False).to_frame()
+    assert (low["null_mass"] < frame["null_mass"]).all() and (low["first_mass"] > frame["first_mass"]).all()
+
+
+def _planted(value: float):
+    layer, pos, dim = PLANT
+
+    def add(x, hook):
+        x = x.clone()
+        x[:, pos, dim] += value
+        return x
+
+    return f"blocks.{layer}.hook_resid_post", add
+
+
+@pytest.mark.parametrize("value,kind", [(5000.0, "token-specific massive activation"),
+                                        (0.0, "no massive activation (broad growth)")])
+def test_residual_peak(value, kind):
+    model = tiny_model("llama")
+    with model.hooks(fwd_hooks=[_planted(value)]):
+        result = offswitch(model, TEXT, precision=False)
+    assert result.residual == kind and result.float16 == "fits" and not result.first_overflow
+    if value:
+        row = result.to_frame().iloc[PLANT[0]]
+        assert (row.peak_pos, row.peak_dim, row.massive_tokens, row.massive_dims) == (PLANT[1], PLANT[2], 1, 1)
+        assert row.top1_share > 0.99 and result.peak_layer >= PLANT[0]
+
+
+def test_float16_names_the_first_overflowing_site():
+    """Predicted (peaks past 65,504) and measured (precision_check, confirmed by a float16 run):
+    both name the planted layer first."""
+    model = tiny_model("llama")
+    with model.hooks(fwd_hooks=[_planted(2 * FLOAT16_MAX)]):
+        predicted = offswitch(model, TEXT, precision=False)
+        check = precision_check(model, TEXT, dtypes=("float16",), seq_len=12, n_seqs=1)
+    assert predicted.float16 == "overflows"
+    assert predicted.first_overflow.startswith(f"blocks.{PLANT[0]}.hook_resid_post")
+    first = check.first_overflow("float16")
+    assert check.verdict("float16") == "unsafe" and f"layer {PLANT[0]}" in first and "first overflowing site" in \
+        check.summary()
+    assert precision_check(tiny_model("llama"), TEXT, dtypes=("float16",), seq_len=12, n_seqs=1,
+                           confirm=False).first_overflow("float16") == ""
+
+
+def _gated(bias: float) -> MassiveLM:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MassiveLM(MassiveLMConfig(n_layers=2, d_model=32, n_heads=2, attention="gated"), byte_tokenizer())
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.variant.b_G.fill_(bias)
+    return model.eval()
+
+
+def test_gate_and_hybrid():
+    shut = offswitch(_gated(-10.0), TEXT, precision=False)
+    assert shut.idle == "output gate" and (shut.to_frame()["gate_shut"] == 1.0).all()
+    assert offswitch(_gated(10.0), TEXT, precision=False).to_frame()["gate_shut"].max() == 0.0
+    hybrid = offswitch(tiny_model("qwen3_next"), TEXT)
+    frame = hybrid.to_frame()
+    assert frame["full_attention"].tolist() == [False, False, False, True]  # linear, linear, linear, full
+    assert frame["first_mass"].isna().tolist() == [True, True, True, False]
+    assert hybrid.spikes_before_attention == (hybrid.peak_layer == 2) and hybrid.float16 == "safe"
+
+
+def test_task_runs_reproduce_and_cache(tmp_path):
+    """A run retrained from its settings reproduces its recorded first-token mass; the cache gives the same row."""
+    settings = TaskSettings("trigger_conditional", variant="learned_sink", steps=3, eval_every=3, eval_seqs=4,
+                            batch_size=4, d_model=16, n_heads=2, task_options=dict(seq_len=8))
+    train_task(settings, tmp_path / "runs" / settings.name / "seed0")
+    first = offswitch_task_runs(tmp_path / "runs", variants=["learned_sink"], cache=tmp_path / "cache")
+    again = offswitch_task_runs(tmp_path / "runs", variants=["learned_sink"], cache=tmp_path / "cache")
+    assert len(first) == 1 and first.reproduced.iloc[0] < 1e-5 and first.equals(again)
+    assert first.kind.iloc[0] == "learned_sink" and 0 < first.null_max.iloc[0] < 1 and math.isnan(
+        first.gate_shut_max.iloc[0])
+    assert "| learned_sink-pre | 1 |" in where_table(first)
+
+
+def test_command(tmp_path, capsys):
+    out = tmp_path / "offswitch.md"
+    assert main(["offswitch", "--model", "tiny:gpt_oss", "--no-precision", "--out", str(out)]) == 0
+    assert "idle attention goes to" in capsys.readouterr().out and "| layer | full_attention |" in out.read_text()
+    assert main(["offswitch"]) == 2 and "name a model" in capsys.readouterr().err
