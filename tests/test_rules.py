@@ -3,7 +3,8 @@ break: absolute imports only (ruff ``TID252``, enabled in ``pyproject.toml``), n
 parsed back out of a hook name outside ``core/``, each namespace row of ``docs/architecture.md``
 naming every function of its ``__all__`` (and nothing that is not exported), ``capture`` staying a
 short driver over its pass, and the nnsight view registered from ``models/``, not by importing
-``core``. (``import matplotlib`` then ``matplotlib.pyplot`` is caught with the other pyplot users
+``core``; and no command defaults to writing into ``docs/`` (the sink-task grid's root is
+``runs/sinktasks``). (``import matplotlib`` then ``matplotlib.pyplot`` is caught with the other pyplot users
 in ``tests/test_layout.py``.)"""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tomllib
 import massive_lens
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.nnsight_view import NnsightView
+from massive_lens.train.taskcli import main as taskcli
 
 PACKAGE = Path(massive_lens.__file__).parent
 ROOT = PACKAGE.parent
@@ -236,3 +238,31 @@ def test_register_view_replaces_a_view_registered_again():
         assert next(f for f, v in ModelView.variants if v is NnsightView) is fits
     finally:
         ModelView.variants[:] = before
+
+
+# ----------------------------------------------------------------- no command writes into docs/ by default
+
+def docs_defaults(root: Path) -> list[str]:
+    """``file:line`` of each default that points into the documentation: a ``default=`` keyword or a
+    module-level constant whose string starts with ``docs/`` (a command's output goes under the
+    working folder, ``runs/...``, unless the docs' own folder is named on purpose)."""
+    found = []
+    for file in sorted(root.rglob("*.py")):
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        values = [k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg == "default"]
+        values += [n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
+        found += [f"{file.relative_to(root.parent)}:{v.lineno}" for v in values
+                  if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.startswith("docs/")]
+    return sorted(found)
+
+
+def test_no_command_writes_into_docs_by_default(tmp_path, capsys):
+    assert not docs_defaults(PACKAGE), docs_defaults(PACKAGE)
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "cli.py").write_text('ROOT = "docs/runs"\nOK = "runs/x"\n\n\n'
+                                'def add(parser):\n    parser.add_argument("--page", default="docs/page.md")\n'
+                                '    parser.add_argument("--out-dir", default="runs/y", help="not docs/ here")\n')
+    assert docs_defaults(pkg) == ["pkg/cli.py:1", "pkg/cli.py:6"]
+    assert taskcli(["page", "--root", str(tmp_path)]) == 2  # the page is named, never assumed
+    assert "page needs --page" in capsys.readouterr().err

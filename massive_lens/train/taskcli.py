@@ -1,9 +1,11 @@
 """``massive-lens tasks`` (also ``python -m massive_lens.train.taskcli``): run the sink-task grid (resuming)
 and write its answer page.
 
+    massive-lens tasks run --seeds 0,1,2,3,4                     # the grid into runs/sinktasks (the default --root)
+    # the documentation's grid and page, named on purpose (no command writes into docs/ by default)
     python -m massive_lens.train.taskcli run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
-    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs            # docs/sinktasks.md
-    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs --check    # exit 1 if it differs
+    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs --page docs/sinktasks.md
+    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs --page docs/sinktasks.md --check  # 1: differs
     # a longer bigram_backcopy budget, a few settings, in its own folder and page
     python -m massive_lens.train.taskcli run --root docs/sinktasks/long --tasks bigram_backcopy \
         --settings softmax-pre,relu-pre --steps 2000 --eval-every 100 --seeds 0,1
@@ -77,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run: comma-separated <variant>-<norm> (default the grid's nine)")
     parser.add_argument("--steps", type=int, default=None, help="run: training steps (default each task's)")
     parser.add_argument("--eval-every", type=int, default=None, help="run: steps between evaluations")
-    parser.add_argument("--page", default="docs/sinktasks.md", help="the answer page (default docs/sinktasks.md)")
+    parser.add_argument("--page", default=None, help="page: the answer page to rewrite (e.g. docs/sinktasks.md)")
     parser.add_argument("--check", action="store_true", help="page: write nothing, exit 1 if the page differs")
 
 
@@ -93,6 +95,9 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     if args.action == "refresh":
         log.info("%d run(s) rewritten", refresh_runs(args.root))
         return 0
+    if args.page is None:
+        raise MassiveLensError("page needs --page, the Markdown page whose <!-- gen:answer --> and <!-- gen:ends --> "
+                               "blocks it rewrites (e.g. --page docs/sinktasks.md)")
     return write_page(args.root, args.page, check=args.check)
 
 

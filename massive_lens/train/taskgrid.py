@@ -8,9 +8,9 @@ damaged or holds other settings than the grid asks for stops the grid before any
 order puts seeds 0 and 1 of every setting before any seed 2+, so a partial
 grid still pairs every setting with the baseline.
 
-    python -m massive_lens.train.taskcli run  --root docs/sinktasks/runs --seeds 0,1,2,3,4
-    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs           # docs/sinktasks.md
-    python -m massive_lens.train.taskcli page --root docs/sinktasks/runs --check   # 1 if it differs
+    massive-lens tasks run  --seeds 0,1,2,3,4                        # into runs/sinktasks (DEFAULT_ROOT)
+    massive-lens tasks page --root docs/sinktasks/runs --page docs/sinktasks.md            # the docs' grid
+    massive-lens tasks page --root docs/sinktasks/runs --page docs/sinktasks.md --check    # 1 if it differs
 
 >>> [s.name for s in grid_settings(seeds=[0], tasks=["trigger_conditional"])][:3]
 ['softmax-pre', 'softmax1-pre', 'learned_sink-pre']
@@ -51,7 +51,7 @@ TASK_SETTINGS: dict[str, dict[str, Any]] = {
                                   lr=3e-4, warmup_steps=0, min_lr_ratio=1.0, beta2=0.99, weight_decay=1e-4,
                                   grad_clip=0.0, style="gpt2", init="torch"),
 }
-DEFAULT_ROOT = "docs/sinktasks/runs"
+DEFAULT_ROOT = "runs/sinktasks"  # under the working folder, as the other commands' runs/...; never a docs folder
 
 
 def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] = tuple(TASK_SETTINGS),
