@@ -45,6 +45,7 @@ import torch
 import transformers
 from helpers import untouched
 from matrix_circuit import ANALYSES as CIRCUIT_ANALYSES
+from matrix_offswitch import ANALYSES as OFFSWITCH_ANALYSES
 from matrix_sinks import ANALYSES as SINK_ANALYSES
 from matrix_vit import cls_trigger, images, is_vision, tiny_vit
 from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
@@ -544,6 +545,7 @@ ANALYSES: dict[str, Callable[[Built], str | None]] = {
     "perplexity": check_perplexity,
     **SINK_ANALYSES,
     **CIRCUIT_ANALYSES,
+    **OFFSWITCH_ANALYSES,
 }
 
 
@@ -607,7 +609,9 @@ weights have sinks to list) lists exactly the positions that transformers' atten
 many layers, with the same peak mass; `sink_kv` and `dormant_heads`: the attention on the sink per head against
 transformers' attention weights, and where the attention has its own `v_proj` / `o_proj`, the sink's value norm
 (and the others' median) against `v_proj`'s output and each head's output norm against `o_proj`'s input times
-that head's columns. **✗ [n]**: a named limitation, the error
+that head's columns; `null_mass` (the attention to a learned sink logit, issue 51) against transformers' eager
+attention with sinks on the eager and the LSE path, and `gate_census` against the sigmoid of the gate half of
+`q_proj`'s output. **✗ [n]**: a named limitation, the error
 (a `MassiveLensError`) or the warning the analysis itself gives, quoted below.
 **– [n]**: not applicable to this tiny model.
 """
