@@ -15,7 +15,8 @@ TL3_TESTS ?= tests/test_hooked.py tests/test_models.py tests/test_detect.py test
 TL3_SELECT ?= -m "not real" -k "not plain_transformers"
 
 # make test runs the test files on this many processes (pytest-xdist; each file stays in one process, so a
-# module's fixtures load once; tests/conftest.py gives each its share of the cores). Each process may
+# module's fixtures load once, but for the docs pages, notebooks and longest tests, spread one by one, longest
+# files first: tests/conftest.py's SPREAD; it also gives each process its share of the cores). Each process may
 # hold a real model: keep it at 2 on a 24 GiB machine.
 TEST_WORKERS ?= 2
 # The quick loop (make check, tests/conftest.py's --quick): tiny llama models only; the other families,
@@ -48,7 +49,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 check: $(STAMP)
 	$(BIN)/lint-imports

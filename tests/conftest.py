@@ -12,6 +12,7 @@ import torch
 from examples import result_examples as build_result_examples
 from helpers import overflowing, plant_massive, untouched
 from matrix import build
+from xdist.scheduler import LoadFileScheduling
 
 from massive_lens import load_model, tiny_model
 from massive_lens.models import FAMILIES
@@ -37,8 +38,40 @@ def pytest_addoption(parser):
                           "tests, whole reports, notebooks, browser, docs build or architecture matrix")
 
 
+# make test (pytest-xdist, --dist loadfile) hands each worker process one test file at a time, so a
+# module's fixtures load once; the tests named here are spread instead, each one (each parameter) a unit
+# of its own: the docs pages and notebooks run side by side, not one after the other in one process, and
+# the longest tests run beside the rest of their file.
+SPREAD = ("tests/test_docs_examples.py::test_docs_page_examples_run", "tests/test_notebooks.py::test_notebook_runs",
+          "tests/test_report.py::test_the_default_models_report_peaks_within_1_5x_its_weights_and_1_4x_with_a_pinned"
+          "_allocator", "tests/test_nnsight.py::test_real_models_same_numbers")
+
+
+def work_unit(nodeid: str) -> str:
+    """What make test's scheduler keeps in one worker process: the test's file, or the test itself
+    where it is one of :data:`SPREAD`."""
+    return nodeid if nodeid.split("[")[0] in SPREAD else nodeid.split("::")[0]
+
+
+class FileScheduling(LoadFileScheduling):
+    """``--dist loadfile`` with the tests of :data:`SPREAD` as units of their own."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return work_unit(nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own choice
+def pytest_xdist_make_scheduler(config, log):
+    return FileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under ``--quick``, keep only what runs on a tiny llama in seconds."""
+    """In make test's worker processes, the units holding a ``slow`` or ``real`` test come first (make
+    test keeps the order: ``--no-loadscope-reorder``), so that no long unit starts last; under
+    ``--quick``, keep only what runs on a tiny llama in seconds."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the order it collects is the order handed out
+        slow = {work_unit(item.nodeid) for item in items if any(map(item.get_closest_marker, ("slow", "real")))}
+        items.sort(key=lambda item: work_unit(item.nodeid) not in slow)  # stable: each file keeps its order
     if not config.getoption("--quick"):
         return
     others = set(FAMILIES) - {"llama"}
