@@ -12,7 +12,8 @@ At step 0, every ``eval_every`` steps and at the last step, one pass over a fixe
 * per step (``evals.parquet``): ``loss`` and the task's ``accuracy`` (``accuracy_trigger``,
   ``accuracy_other``); ``sink_mass`` (the largest over heads, and its layer and head);
   ``value_ratio`` at that head; ``resid_ratio``, the first token's largest residual |activation|
-  over the median |activation| of the layer (Sun et al.'s top-1 / median) and
+  over the median |activation| of the layer over the batch (Sun et al.'s top-1 / median, read off the first
+  token with :func:`massive_lens.core.stats.top1_median`) and
   ``resid_norm_ratio``, the first token's residual norm over the median position's, both the
   largest over layers (``hook_resid_post``).
 
@@ -44,6 +45,7 @@ import torch
 
 from massive_lens.core.criterion import SINK_THRESHOLD, first_norm_ratio
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.stats import MEDIAN_FLOOR, top1_median
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant import fake_quantized
 from massive_lens.train.layers import NORM_PLACEMENTS, MassiveLMConfig
@@ -262,8 +264,9 @@ def evaluate(model: MassiveLM, task: Any, batch: TaskBatch) -> tuple[dict[str, f
                                  max_logit=float(top_logit[head]), value_norm_first=float(v_first[head]),
                                  value_ratio=float(v_first[head] / v_rest[head].clamp(min=1e-12))))
         x = cache[ModelView.block_hook(layer, "resid_post")].float()
-        median = x.abs().flatten().median().clamp(min=1e-12)
-        resid_ratio = max(resid_ratio, float(x[:, 0].abs().amax(-1).mean() / median))
+        first_top = top1_median(x[:, :1].abs())[0].mean()  # the first token's largest |activation|, batch mean
+        median = top1_median(x.abs().flatten(0, 1)[None])[1]  # the median |activation| over the whole batch
+        resid_ratio = max(resid_ratio, float(first_top / median.clamp(min=MEDIAN_FLOOR)))
         norm_ratio = max(norm_ratio, float(first_norm_ratio(x.norm(dim=-1)).mean()))
     top = head_summary(pd.DataFrame(per_head).assign(step=0))
     row = dict(loss=float(task.loss(logits, batch)), **task.accuracy(logits, batch),
