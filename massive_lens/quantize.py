@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from massive_lens.quant import fake, outliers, result, settings
+from massive_lens.quant import fake, outlier_stats, result, settings
 from massive_lens.quant.deprecated import forward
 
 MOVED = {  # old name -> (module, name there)
-    "measure_outliers": (outliers, "measure_outliers"), "lowbit_grid": (outliers, "lowbit_grid"),
+    "measure_outliers": (outlier_stats, "measure_outliers"), "lowbit_grid": (outlier_stats, "lowbit_grid"),
     "OutlierReport": (result, "OutlierReport"), "LowBitGrid": (result, "LowBitGrid"),
     "GRID": (settings, "ROUND_TO_NEAREST"), "parse_bits": (settings, "parse_bits"),
     "fake_quantized": (fake, "fake_quantized"), "fake_quant_weight": (fake, "fake_quant_weight"),

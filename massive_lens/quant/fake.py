@@ -240,9 +240,19 @@ def _calibrate(scorer: NextTokenLoss, batch: Tensor, head: bool) -> None:
             scorer.logits(row, a, a + scorer.step)
 
 
-def _ranges(model: Any, sites: list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]], calibration: Tensor
-            ) -> dict[int, list[float]]:
-    """Each site's ``[min, max]`` input over the calibration tokens (unquantized passes)."""
+def calibrated_ranges(model: Any, sites: list[tuple[nn.Module, nn.Parameter, tuple[int, ...]]],
+                      calibration: Tensor) -> dict[int, list[float]]:
+    """Each site's ``[min, max]`` input over the calibration tokens (unquantized passes), by the
+    site's index: the static per-tensor ranges of :func:`fake_quantized`.
+
+    Args:
+        model: the model (as :func:`fake_quantized`).
+        sites: its :func:`~massive_lens.quant.sites.linear_sites`.
+        calibration: ``[batch, pos]`` tokens.
+
+    Returns:
+        ``{site index: [low, high]}``.
+    """
     ranges: dict[int, list[float]] = {}
     device = next(model.parameters()).device
     scorer = NextTokenLoss(model, lambda x, hooks: model(x.to(device)))
@@ -259,6 +269,7 @@ def _ranges(model: Any, sites: list[tuple[nn.Module, nn.Parameter, tuple[int, ..
 def fake_quantized(
     model: Any, calibration: Int[Tensor, "batch pos"] | None = None, *, per_channel: bool = True,
     include_head: bool = False, w_bits: int | None = 8, a_bits: int | None = 8, per_token: bool = False,
+    ranges: dict[int, list[float]] | None = None,
 ) -> Iterator[Any]:
     """Inside the block, ``model`` computes with fake-quantized linear layers (module docstring).
 
@@ -271,6 +282,8 @@ def fake_quantized(
         w_bits: weight bits, 8 or 4 (or any width from 2); None or 16: not quantized.
         a_bits: activation bits, likewise.
         per_token: dynamic per-token activations instead of static per-tensor ranges.
+        ranges: static ranges already calibrated (:func:`calibrated_ranges` of these sites);
+            None: calibrated here on ``calibration``.
 
     Returns:
         A context manager that yields ``model``.
@@ -297,11 +310,12 @@ def fake_quantized(
     if any(b is not None and b < 2 for b in (w_bits, a_bits)):
         raise MassiveLensError(f"bit widths must be at least 2 (or None/16 for full precision); got W{w_bits}A{a_bits}")
     static = a_bits is not None and not per_token
-    if static and calibration is None:
+    if static and calibration is None and ranges is None:
         raise MassiveLensError("static per-tensor activation ranges need calibration tokens (or per_token=True)")
     sites = linear_sites(model, include_head)
     with model_lock(model):  # other threads' analyses wait until the weights are back
-        ranges = _ranges(model, sites, calibration) if static else {}
+        if ranges is None:
+            ranges = calibrated_ranges(model, sites, calibration) if static else {}
         hooks = []
         for i, (module, weight, in_dims) in enumerate(sites):
             if a_bits is None:

@@ -18,6 +18,7 @@ from massive_lens.core.render import ensure_axes, profile_axes
 from massive_lens.core.results import Result
 
 GROUPS = ("sink", "massive", "other")
+DESTROYED = 10.0  # a setting whose perplexity exceeds this many times the reference is destroyed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,8 +26,12 @@ class OutlierReport(Result):
     """Outlier and quantization statistics of one model on one corpus.
 
     ``to_frame()`` has one row per layer: ``layer``, ``max_inf_norm``, ``top1``, ``median``,
-    ``ratio`` (top-1/median), ``kurtosis``, ``first_token_norm_ratio``, ``sink_share``;
-    :attr:`totals` aggregates them with the losses into one dict.
+    ``ratio`` (top-1/median), ``kurtosis``, ``first_token_norm_ratio``, ``sink_share``, ``sink_mass``
+    (the mean over heads of the attention to the first token);
+    :attr:`totals` aggregates them with the losses into one dict. :attr:`tensors`: one row per
+    quantized tensor, weight and activation input (``tensor``, ``layer``, ``kind``,
+    ``row_dispersion``, ``col_dispersion``, ``underflow`` at the W8A8 scale:
+    :mod:`massive_lens.quant.dispersion`); None in results saved before it was measured.
     """
 
     model_name: str
@@ -35,6 +40,23 @@ class OutlierReport(Result):
     fp_loss: float
     w8a8_loss: float
     per_channel: bool
+    tensors: pd.DataFrame | None = None
+
+    def worst_tensors(self, n: int = 3) -> pd.DataFrame:
+        """The ``n`` tensors with the largest column dispersion, then the ``n`` with the largest
+        underflow (empty when :attr:`tensors` was not measured).
+
+        Args:
+            n: how many of each.
+
+        Returns:
+            Rows of :attr:`tensors`, each once.
+        """
+        if self.tensors is None or not len(self.tensors):
+            return pd.DataFrame()
+        t = self.tensors
+        picks = [t.nlargest(n, "col_dispersion"), t.nlargest(n, "underflow")]
+        return pd.concat(picks).drop_duplicates(["tensor", "kind"])
 
     @property
     def gap(self) -> float:
@@ -64,8 +86,21 @@ class OutlierReport(Result):
             f"{self.model_name}: max |act| {row.max_inf_norm:.1f}, top-1/median up to "
             f"{row.max_ratio:.0f}x, mean kurtosis {row.mean_kurtosis:.1f}, sink metric "
             f"{row.sink_metric:.0%}; loss {self.fp_loss:.3f} -> W8A8 ({kind} weights, per-tensor static activations) "
-            f"{self.w8a8_loss:.3f} (gap {self.gap:+.3f})"
+            f"{self.w8a8_loss:.3f} (gap {self.gap:+.3f})" + self._worst_text()
         )
+
+    def _worst_text(self) -> str:
+        if self.tensors is None or not len(self.tensors):
+            return ""
+        t = self.tensors
+
+        def name(r: Any) -> str:
+            return f"{r.tensor} ({r.kind})"
+
+        disp = t.loc[t.col_dispersion.fillna(-1).idxmax()]
+        under = t.loc[t.underflow.fillna(-1).idxmax()]
+        return (f"; worst column dispersion {disp.col_dispersion:.3g}x at {name(disp)} "
+                f"(row {disp.row_dispersion:.3g}x), most underflow {under.underflow:.1%} at {name(under)}")
 
     def plot(self, ax: Any = None) -> Any:
         """Max inf-norm and median magnitude per layer (log scale)."""
@@ -120,7 +155,10 @@ class Quantization(LowBitGrid):
     activation quantization error ``|q(x) - x| / |x|`` of the residual readers' inputs, per token
     group), ``max_abs``, ``kurtosis``, ``top1_median`` (what the activation quantizer sees: the
     largest ``|x|``, the mean non-excess kurtosis per token, the largest top-1/median of one input),
-    ``n_seqs``, ``rotation_error`` (the rotated model's largest relative logit error before quantization;
+    ``n_seqs``, ``weight_granularity`` and ``activation_granularity`` (``none`` where not quantized),
+    ``destroyed`` (perplexity above :data:`DESTROYED` times the reference: left out of any ratio or
+    mean, and named in the summary), ``rotation_error`` (the rotated model's largest relative logit
+    error before quantization;
     0 without a rotation). ``max_abs``, ``kurtosis``, ``top1_median`` and the ``err_*`` columns are NaN
     (not measured) on a model whose layers reading the residual stream cannot be told apart.
     :attr:`tokens` is the per-token table: ``setting``, ``seq``, ``pos``, ``group``
@@ -129,6 +167,12 @@ class Quantization(LowBitGrid):
 
     tokens: pd.DataFrame  # besides LowBitGrid's model_name, frame and fp_loss (to_frame and gaps are its own)
     skipped: tuple[tuple[str, str], ...] = ()  # (setting, why) of the settings that cannot run on this model
+    sequences: pd.DataFrame | None = None  # setting, seq, loss, fp_loss: the paired per-sequence losses
+
+    def destroyed(self) -> list[str]:
+        """The settings flagged ``destroyed`` (empty for results saved before the flag)."""
+        f = self.frame
+        return list(f.setting[f.destroyed.astype(bool)]) if "destroyed" in f else []
 
     def summary(self) -> str:
         parts = []
@@ -140,6 +184,9 @@ class Quantization(LowBitGrid):
                          f"perplexity x{r.ppl_ratio:.2f}); {sees}{sink}")
         n = int(self.frame.n_seqs.iloc[0]) if len(self.frame) else 0
         parts += [f"  {name}: not run: {why}" for name, why in self.skipped]
+        if self.destroyed():
+            parts.append(f"  destroyed (perplexity above {DESTROYED:g}x full precision; left out of ratios and means): "
+                         + ", ".join(self.destroyed()))
         return (f"{self.model_name}: loss {self.fp_loss:.3f} in full precision over {n} sequences; round-to-nearest "
                 "(no GPTQ):\n" + "\n".join(parts))
 

@@ -3,7 +3,8 @@
 ``W<w>A<a>`` weight and activation bits (16: full precision), ``KV<b>`` the key-value cache
 (default 16), ``@<granularity>`` (``tensor``, ``channel``, ``token`` or ``group``; default: the
 grid's), ``+hadamard`` or ``+orthogonal`` (a rotation of the residual stream), ``+kvsink`` (the
-sinks kept in full precision; ``+sinks`` for short) or ``+prefix`` (PrefixQuant's prefix).
+sinks kept in full precision; ``+sinks`` for short) or ``+prefix`` (PrefixQuant's prefix),
+``+asym`` (asymmetric grids with a zero point; ``+sym``: symmetric; default: the grid's).
 
 The tables: :data:`GRID`, what :func:`~massive_lens.quant.quantize_grid` runs by default, and
 :data:`ROUND_TO_NEAREST`, its plain settings (no KV cache, rotation or kept sinks: the ones
@@ -27,14 +28,15 @@ KEEP = (None, "kvsink", "prefix")
 GRID = ("W8A8", "W4A16", "W4A4", "W4A4+hadamard", "W4A4+hadamard+kvsink")
 ROUND_TO_NEAREST = tuple(name for name in GRID if "+" not in name)  # the plain settings: W8A8, W4A16, W4A4
 _NAME = re.compile(r"w(\d+)a(\d+)(?:kv(\d+))?(?:@([a-z]+))?((?:\+[a-z]+)*)")
-_ALTERNATIVES = {"rotation": ROTATIONS, "keep_sinks": KEEP}
+_ALTERNATIVES = {"rotation": ROTATIONS, "keep_sinks": KEEP, "symmetric": (None, "sym", "asym")}
 _FLAGS = {"hadamard": ("rotation", "hadamard"), "orthogonal": ("rotation", "orthogonal"),
-          "kvsink": ("keep_sinks", "kvsink"), "sinks": ("keep_sinks", "kvsink"), "prefix": ("keep_sinks", "prefix")}
+          "kvsink": ("keep_sinks", "kvsink"), "sinks": ("keep_sinks", "kvsink"), "prefix": ("keep_sinks", "prefix"),
+          "asym": ("symmetric", False), "sym": ("symmetric", True)}
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One low-bit setting (bits 16 = full precision; ``granularity`` None: the grid's)."""
+    """One low-bit setting (bits 16 = full precision; ``granularity`` and ``symmetric`` None: the grid's)."""
 
     weights: int = 4
     activations: int = 4
@@ -42,6 +44,7 @@ class Setting:
     granularity: str | None = None
     rotation: str | None = None
     keep_sinks: str | None = None
+    symmetric: bool | None = None
 
     def __post_init__(self) -> None:
         for what in ("weights", "activations", "kv"):
@@ -55,12 +58,15 @@ class Setting:
             raise MassiveLensError(f"rotation must be None, 'orthogonal' or 'hadamard', got {self.rotation!r}")
         if self.keep_sinks not in KEEP:
             raise MassiveLensError(f"keep_sinks must be None, 'kvsink' or 'prefix', got {self.keep_sinks!r}")
+        if self.symmetric not in (None, True, False):
+            raise MassiveLensError(f"symmetric must be None (the grid's), True or False, got {self.symmetric!r}")
 
     @property
     def name(self) -> str:
         kv = f"KV{self.kv}" if self.kv < 16 else ""
         at = f"@{self.granularity}" if self.granularity else ""
-        flags = "".join(f"+{f}" for f in (self.rotation, self.keep_sinks) if f)
+        grid = {None: None, True: "sym", False: "asym"}[self.symmetric]
+        flags = "".join(f"+{f}" for f in (self.rotation, self.keep_sinks, grid) if f)
         return f"W{self.weights}A{self.activations}{kv}{at}{flags}"
 
     @classmethod
@@ -81,16 +87,18 @@ class Setting:
         if match is None or any(f not in _FLAGS for f in flags):
             raise MassiveLensError(
                 f"bad low-bit setting {text!r}: write W<bits>A<bits>[KV<bits>][@tensor|channel|token|group]"
-                "[+hadamard|+orthogonal][+kvsink|+prefix], e.g. W4A4, W4A4KV4@tensor+hadamard+kvsink")
+                "[+hadamard|+orthogonal][+kvsink|+prefix][+asym|+sym], e.g. W4A4, W4A4KV4@tensor+hadamard+kvsink")
         fields = dict(weights=int(match.group(1)), activations=int(match.group(2)),
                       kv=int(match.group(3) or 16), granularity=match.group(4))
-        chosen: dict[str, str] = {}
+        chosen: dict[str, str | bool] = {}
+        said: dict[str, str] = {}
         for flag in flags:
             field, value = _FLAGS[flag]
+            word = value if isinstance(value, str) else flag
             if chosen.get(field, value) != value:
-                raise MassiveLensError(f"bad low-bit setting {text!r}: +{chosen[field]} and +{value} both set "
+                raise MassiveLensError(f"bad low-bit setting {text!r}: +{said[field]} and +{word} both set "
                                        f"{field}; a setting has one of {[k for k in _ALTERNATIVES[field] if k]}")
-            chosen[field] = value
+            chosen[field], said[field] = value, word
         return cls(**fields, **chosen)
 
 

@@ -47,6 +47,11 @@ class Bits:
     symmetric: bool = True
     group_size: int = 128
 
+    @property
+    def weight_granularity(self) -> str:
+        """The weights' scales: one per tensor (``tensor``), per group (``group``), else per output channel."""
+        return {"tensor": "tensor", "group": "group"}.get(self.granularity, "channel")
+
 
 @dataclass
 class Seen:
@@ -81,7 +86,10 @@ class Simulator:
     """Hooks that make ``sites`` compute as the rotated, quantized model (module docstring).
 
     ``mode`` is ``"calibrate"`` (record activation and KV ranges, compute in full precision) or
-    ``"run"``; ``keep`` is the ``[batch, pos]`` mask of full-precision positions of the next pass.
+    ``"run"``; ``keep`` is the ``[batch, pos]`` mask of full-precision positions of the next pass;
+    ``exempt`` the indices of sites left in full precision (no hooks); ``site_errors``, when a dict,
+    collects each site's own output error in run mode: ``{index: [sum |out - fp out|^2,
+    sum |fp out|^2]}``, ``fp out`` the layer on the same input with its own weight and input unquantized.
     """
 
     def __init__(self, sites: list[Site], bits: Bits, residual: Rotation | None = None,
@@ -93,6 +101,8 @@ class Simulator:
         self.seen = Seen()
         self._err: Tensor | None = None
         self._n_err = 0
+        self.exempt: frozenset[int] = frozenset()
+        self.site_errors: dict[int, list[float]] | None = None
 
     # ------------------------------------------------------------------ transforms
     def _input(self, site: Site, x: Tensor) -> Tensor:
@@ -123,8 +133,8 @@ class Simulator:
                     w = self.online[w.shape[-1]].apply(w)
                 w = self.residual.apply(w.T).T
         if self.bits.weights is not None:
-            kind = {"tensor": "tensor", "group": "group"}.get(self.bits.granularity, "channel")
-            w = fake_quant(w, self.bits.weights, kind, symmetric=self.bits.symmetric, group_size=self.bits.group_size)
+            b = self.bits
+            w = fake_quant(w, b.weights, b.weight_granularity, symmetric=b.symmetric, group_size=b.group_size)
         return w
 
     def _quant(self, x: Tensor, bits: int, key: tuple[int, str]) -> Tensor:
@@ -196,6 +206,10 @@ class Simulator:
             if site.kv is not None and self.bits.kv is not None:
                 q = self._quant(out, self.bits.kv, (i, "kv"))
                 out = q if keep is None else torch.where(keep[..., None], out, q)
+            if self.site_errors is not None and isinstance(module, torch.nn.Linear):
+                fp = torch.nn.functional.linear(x, weight, bias).float()
+                old = self.site_errors.get(i, [0.0, 0.0])
+                self.site_errors[i] = [old[0] + float((out.float() - fp).pow(2).sum()), old[1] + float(fp.pow(2).sum())]
             return out
 
         return pre, post
@@ -214,5 +228,5 @@ class Simulator:
     def attached(self) -> contextlib.AbstractContextManager[None]:
         """The hooks on every site for the block; hooks removed and weights put back on every exit
         (:func:`~massive_lens.quant.fake.attached`)."""
-        return attached([(site.module, *self._hooks(i, site)) for i, site in enumerate(self.sites)],
-                        [site.weight for site in self.sites])
+        return attached([(site.module, *self._hooks(i, site)) for i, site in enumerate(self.sites)
+                         if i not in self.exempt], [site.weight for site in self.sites])

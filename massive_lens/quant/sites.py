@@ -66,7 +66,8 @@ def structured_sites(model: Any, include_head: bool = False) -> list[Site] | Non
         for part, writer, norm in ((attn, o, block.ln1), (mlp, out, block.ln2)):
             for lin in _linears(part):
                 role = ("writer" if part is attn else "down") if lin is writer else "reader"
-                name = next((n for n, c in part.named_children() if _inner(c) is lin), "linear")
+                name = ("attn." if part is attn else "mlp.") + next(
+                    (n for n, c in part.named_children() if _inner(c) is lin), "linear")
                 sites.append(Site(lin, lin.weight, role, layer, name, kv=kv.get(id(lin)), norm=norm))
     if not any(s.role == "reader" for s in sites):
         return None  # no nn.Linear readers (GPT-2's Conv1D, say)

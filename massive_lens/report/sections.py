@@ -33,7 +33,7 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.interventions import REGISTRY, SETTINGS, InterventionTable, calibrate, run_interventions
 from massive_lens.interventions.dependence import sink_dependence
 from massive_lens.origin import OriginTrace, trace_origin
-from massive_lens.quant import measure_outliers
+from massive_lens.quant import granularity_table, measure_outliers
 from massive_lens.report.memory import release_free_memory
 from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view
@@ -380,7 +380,31 @@ def intervention_section(inputs: Inputs, s: Section) -> None:
     s.table(frame[["setting", "acts_on", "description"]], "what each setting does, and where it acts")
 
 
+def granularity_lead(inputs: Inputs, s: Section) -> None:
+    """The quantization section's first table: the damage by granularity and the sinks' share of it
+    (``D_sink``). Light: W8A8 per tensor and per token on 2 sequences of 64 tokens; ``full``: W8A8 and
+    W4A4 at every granularity with the asymmetric per-group and rotated W4A4, on 4 sequences."""
+    full = inputs.settings.full
+    n, length = (4, 64) if full else (2, 64)
+    tokens, calib = inputs.eval_tokens[:n, :length], inputs.calib_tokens[:n, :length]
+    options = dict(seq_len=tokens.shape[1], n_seqs=len(tokens), calibration=calib)
+    table = (granularity_table(inputs.model, tokens, **options) if full else
+             granularity_table(inputs.model, tokens, bases=["W8A8"], granularities=["tensor", "token"], extra=[],
+                               **options))
+    s.text(f"Damage by granularity first ({len(tokens)} sequences of {tokens.shape[1]} tokens"
+           f"{'' if full else '; full=True, `--full`: W4A4 and every granularity'}): D_sink is the loss gap minus "
+           "the gap with the sink tokens kept in full precision, paired over sequences (95% bootstrap interval); a "
+           "setting above 10x the full-precision perplexity is marked destroyed and left out of the ratios "
+           "(docs/quantization.md).")
+    s.pre(table.summary())
+    s.table(table.to_frame()[["setting", "weight_granularity", "activation_granularity", "gap", "ppl_ratio",
+                              "destroyed", "d_sink", "d_sink_low", "d_sink_high"]],
+            "per setting: weight and activation granularity, loss gap (nats), perplexity ratio, destroyed flag, "
+            "D_sink (nats) with its 95% interval over sequences")
+
+
 def quantize_section(inputs: Inputs, s: Section) -> None:
+    granularity_lead(inputs, s)
     report = measure_outliers(inputs.model, inputs.eval_tokens, calibration=inputs.calib_tokens)
     s.text(f"W8A8 here: {'per-channel' if report.per_channel else 'per-tensor'} int8 weights and per-tensor "
            "activations (one static, asymmetric scale per layer input, min-max calibrated on the calibration "

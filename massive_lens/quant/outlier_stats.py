@@ -35,6 +35,7 @@ where that is not exact, passes small enough that one pass's logits stay small).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,14 +45,16 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import first_token_mass, sink_metric
+from massive_lens.core.criterion import first_norm_ratio, first_token_mass, sink_metric
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.core.stats import kurtosis, top1_median
 from massive_lens.errors import MassiveLensError
-from massive_lens.quant.fake import fake_quantized
+from massive_lens.quant.dispersion import Tally, site_names
+from massive_lens.quant.fake import attached, calibrated_ranges, fake_quantized
 from massive_lens.quant.result import LowBitGrid, OutlierReport
 from massive_lens.quant.settings import ROUND_TO_NEAREST, parse_bits
+from massive_lens.quant.sites import linear_sites
 
 
 def measure_outliers(
@@ -94,11 +97,15 @@ def measure_outliers(
     view = ModelView(model)
     tokens, calib = eval_and_calibration(view, corpus, calibration, seq_len, n_seqs)
     scorer = _scorer(model)
-    layers, sink, fp = _activation_stats(view, tokens, scorer)  # one pass: statistics and FP loss
-    with fake_quantized(model, calib, per_channel=per_channel, include_head=include_head):
+    sites = linear_sites(model, include_head)
+    with model_lock(model):
+        ranges = calibrated_ranges(model, sites, calib)
+    tally = Tally(sites, *site_names(model, view.blocks), ranges, bits=8, per_channel=per_channel)
+    layers, sink, fp = _activation_stats(view, tokens, scorer, tally)  # one pass: statistics and FP loss
+    with fake_quantized(model, calib, per_channel=per_channel, include_head=include_head, ranges=ranges):
         w8a8 = _loss(scorer, tokens)
     return OutlierReport(model_name=view.name, frame=layers, sink_metric=sink, fp_loss=fp, w8a8_loss=w8a8,
-                         per_channel=per_channel)
+                         per_channel=per_channel, tensors=tally.frame())
 
 
 def lowbit_grid(
@@ -203,35 +210,36 @@ def _loss(scorer: NextTokenLoss, tokens: Int[Tensor, "batch pos"], fwd_hooks: li
     return float(torch.cat([scorer(chunk, hooks=fwd_hooks).loss for chunk in scorer.batches(tokens)]).mean())
 
 
-def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"], scorer: NextTokenLoss
+def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"], scorer: NextTokenLoss, tally: Tally
                       ) -> tuple[pd.DataFrame, float, float]:
     """Per-layer outlier statistics, the sink metric and the loss, from one forward pass (in
-    batches, see :func:`_loss`; every statistic is a mean over sequences, or a max)."""
+    batches, see :func:`_loss`; every statistic is a mean over sequences, or a max); ``tally``
+    reads every linear layer's input in the same pass. Each hook knows its layer (a closure)."""
     model = view.model
     rows: dict[int, list[dict[str, Any]]] = {}
     sink_shares: dict[int, list[Tensor]] = {}
     sizes = [len(batch) for batch in scorer.batches(tokens)]  # the batches _loss runs
+    scorer.check(tokens)  # its own pass on the first sequence, before the tally's hooks see any pass
 
-    def resid(x: Float[Tensor, "batch pos d_model"], hook: Any) -> None:
+    def resid(x: Float[Tensor, "batch pos d_model"], hook: Any, layer: int) -> None:
         if not bool(torch.isfinite(x).all()):
             raise view.overflow_error(hook.name)
-        layer = int(hook.name.split(".")[1])
         x = x.detach().float()
         top, med, ratio = top1_median(x.abs())
-        norms = x.norm(dim=-1)
-        first = (norms[:, 0] / norms[:, 1:].median(1).values.clamp(min=1e-12)).mean()
+        first = first_norm_ratio(x.norm(dim=-1)).mean()
         rows.setdefault(layer, []).append(dict(
             layer=layer, max_inf_norm=float(top.max()), top1=float(top.mean()),
             median=float(med.clamp(min=1e-12).mean()), ratio=float(ratio.mean()),
             kurtosis=float(kurtosis(x).mean()), first_token_norm_ratio=float(first),
         ))
 
-    def pattern(p: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any) -> None:
-        sink_shares.setdefault(int(hook.name.split(".")[1]), []).append(first_token_mass(p))
+    def pattern(p: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, layer: int) -> None:
+        sink_shares.setdefault(layer, []).append(first_token_mass(p))
 
-    hooks = [(lambda n: n.endswith("hook_resid_post"), resid),
-             (lambda n: n.endswith("attn.hook_pattern"), pattern)]
-    with model_lock(model):
+    hooks = [(view.block_hook(layer, name), functools.partial(fn, layer=layer))
+             for layer in range(view.n_layers)
+             for name, fn in (("resid_post", resid), ("attn.hook_pattern", pattern)) if view.has_hook(layer, name)]
+    with model_lock(model), attached(tally.hooks(), []):
         loss = _loss(scorer, tokens, hooks)
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
@@ -247,5 +255,6 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"], scorer:
     frame = pd.DataFrame([{key: combine(key, rows[k]) for key in rows[k][0]} for k in sorted(rows)])
     shares = {k: mean(v) for k, v in sink_shares.items()}
     frame["sink_share"] = [sink_metric(shares[k]) if k in shares else float("nan") for k in frame["layer"]]
+    frame["sink_mass"] = [float(shares[k].mean()) if k in shares else float("nan") for k in frame["layer"]]
     sink = sink_metric(torch.cat(list(shares.values())) if shares else torch.zeros(0))
     return frame, sink, loss
