@@ -28,9 +28,11 @@ from massive_lens.handover.gamma import (
                                          outlier_severity,
 )
 from massive_lens.handover.masks import ExclusionMask, NormThresholds, exclusion_mask, norm_thresholds
+from massive_lens.handover.offswitch import OffSwitch, offswitch
 from massive_lens.handover.precision import PrecisionCheck, precision_check
 from massive_lens.handover.sae import SAECheck, sae_check
 
-__all__ = ["DeadShareFit", "ExclusionMask", "MassiveDims", "NormThresholds", "OutlierSeverity", "PrecisionCheck",
+__all__ = ["OffSwitch", "offswitch",
+           "DeadShareFit", "ExclusionMask", "MassiveDims", "NormThresholds", "OutlierSeverity", "PrecisionCheck",
            "SAECheck", "exclusion_mask", "fit_dead_share", "gamma_of", "massive_dims", "norm_thresholds",
            "outlier_severity", "precision_check", "read_dims", "sae_check", "spearman_interval"]

@@ -11,6 +11,7 @@ from massive_lens.train.compare import Comparison, compare_main, compare_variant
 from massive_lens.train.hf_attention import swap_attention
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
+from massive_lens.train.offswitch_runs import offswitch_task_runs, where_table
 from massive_lens.train.presets import PRESETS, TrainConfig, get_preset
 from massive_lens.train.retrofit import Retrofit, retrofit
 from massive_lens.train.stability import TrainingStability, find_spikes, training_stability
@@ -27,5 +28,5 @@ __all__ = [
     "get_preset", "train_model", "load_run", "TrainRun", "compare_variants", "compare_main",
     "Comparison", "retrofit", "Retrofit", "swap_attention", "training_stability", "TrainingStability", "find_spikes",
     "TASKS", "make_task", "TaskSettings", "TaskRun", "train_task", "grid_settings", "run_grid", "run_folder",
-    "task_answer",
+    "task_answer", "offswitch_task_runs", "where_table",
 ]
