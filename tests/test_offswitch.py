@@ -125,3 +125,14 @@ def test_command(tmp_path, capsys):
     assert main(["offswitch", "--model", "tiny:gpt_oss", "--no-precision", "--out", str(out)]) == 0
     assert "idle attention goes to" in capsys.readouterr().out and "| layer | full_attention |" in out.read_text()
     assert main(["offswitch"]) == 2 and "name a model" in capsys.readouterr().err
+
+
+def test_report_part_only_where_the_model_has_an_off_switch():
+    from massive_lens.report.offswitch_section import off_switch_part
+    from massive_lens.report.render import Section
+
+    for family, expected in (("gpt_oss", "null mass"), ("qwen3_next", "output gates"), ("llama", None)):
+        s = Section("Attention")
+        off_switch_part(tiny_model(family), [TEXT], s)
+        captions = [caption for kind, _, caption in s.blocks if kind == "table"]
+        assert (captions == []) if expected is None else (len(captions) == 1 and expected in captions[0]), family

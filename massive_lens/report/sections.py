@@ -35,6 +35,7 @@ from massive_lens.interventions.dependence import sink_dependence
 from massive_lens.origin import OriginTrace, trace_origin
 from massive_lens.quant import granularity_table, measure_outliers
 from massive_lens.report.memory import release_free_memory
+from massive_lens.report.offswitch_section import off_switch_part
 from massive_lens.report.render import Section
 from massive_lens.viz import activation_landscape, attention_maps, attention_view, magnitude_view
 
@@ -321,6 +322,7 @@ def attention_section(inputs: Inputs, s: Section, found: MassiveActivations | No
     texts = [text, SECOND_TEXT]
     sinks = sink_attention(model, texts)
     s.pre(sinks.summary())
+    off_switch_part(model, texts, s)  # a learned sink logit or slot, an output gate: where it has one
     if sinks.sinks is not None:
         s.table(sinks.sinks.to_frame().assign(text=lambda f: f["seq"].map({0: "the text", 1: "second text"})),
                 f"positions treated as sinks ({sinks.sinks.describe()}): they draw attention as sinks "
