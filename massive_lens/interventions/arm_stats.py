@@ -194,7 +194,14 @@ class _AfterLastBlock:
 def final_norm_hooks(view: Any, fn: Any) -> list[tuple[str, Any]]:
     """Hooks that run ``fn`` on ``ln_final.hook_out`` only where the final norm reads the last
     block's output: NanoChat also runs its final norm on the embeddings, before block 0, and a
-    hook there must not edit them. None when the model has no ``ln_final.hook_out``."""
+    hook there must not edit them. None when the model has no ``ln_final.hook_out``.
+
+    >>> from massive_lens import tiny_model
+    >>> from massive_lens.core.model_view import ModelView
+    >>> names = [name for name, _ in final_norm_hooks(ModelView(tiny_model("llama")), lambda act, hook: act)]
+    >>> names[0], names[-1]
+    ('hook_embed', 'ln_final.hook_out')
+    """
     if "ln_final.hook_out" not in view.hook_names:
         return []
     gate = _AfterLastBlock(fn)
