@@ -36,9 +36,9 @@ OUT = Path(__file__).resolve().parents[1] / "docs/quantization/granularity"
 PARTS = ("table", "outliers", "float16-w8a8", "float16-w4a4", "predictor")
 
 
-def run_part(model: object, part: str, options: dict) -> tuple[str, dict]:
+def run_part(model: object, part: str, options: dict, table: dict) -> tuple[str, dict]:
     if part == "table":
-        r = granularity_table(model, **options)
+        r = granularity_table(model, **options, **table)
         return r.summary(), {"table": r.to_frame(), "ratios": r.ratios(), "arms": r.arms}
     if part == "outliers":
         r = measure_outliers(model, **options, per_channel=False)
@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("part", choices=PARTS)
     parser.add_argument("--n-seqs", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--bases", default=None, help="table: comma-separated base settings (default W8A8,W4A4)")
+    parser.add_argument("--granularities", default=None, help="table: comma-separated (default all four)")
+    parser.add_argument("--extra", default=None, help="table: comma-separated extra settings ('' for none)")
     args = parser.parse_args()
     path = OUT / f"{args.model}_{args.part}.json"
     if args.action == "show":
@@ -68,12 +71,15 @@ def main() -> None:
     options = dict(corpus=str(data_file("wikitext-2/test.txt")), calibration=str(data_file("wikitext-2/valid.txt")),
                    seq_len=args.seq_len, n_seqs=args.n_seqs)
     start = time.time()
-    summary, frames = run_part(model, args.part, options)
+    table = {k: [x for x in v.split(",") if x] for k, v in
+             dict(bases=args.bases, granularities=args.granularities, extra=args.extra).items() if v is not None}
+    summary, frames = run_part(model, args.part, options, table)
     seconds = time.time() - start
     print(summary, flush=True)
     print(f"{seconds:.0f} s", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     record = dict(model=args.model, part=args.part, n_seqs=args.n_seqs, seq_len=args.seq_len, seconds=round(seconds),
+                  table_options=table,
                   summary=summary, frames={k: json.loads(v.to_json(orient="records")) for k, v in frames.items()})
     path.write_text(json.dumps(record, indent=1) + "\n")
 

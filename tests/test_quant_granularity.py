@@ -185,3 +185,14 @@ def test_sink_predictor_correlates_per_layer(tmp_path):
         rho = c[(c.x == x) & (c.y == "damage")].rho.iloc[0]
         assert rho == pytest.approx(np.corrcoef(f[x].rank(), f.damage.rank())[0, 1])
     assert load(p.save(tmp_path / "p")).summary() == p.summary()
+
+
+def test_the_report_quantization_section_leads_with_granularity(tmp_path):
+    from massive_lens.report import write_report
+
+    path = write_report(tiny_model("llama"), out_dir=tmp_path, quick=True, progress=False, tables=False,
+                        skip="massive,origin,attention,sinks,circuit,interventions,lowbit")
+    section = (path.parent / "report.md").read_text().split("## W8A8 quantization")[1].split("\n## ")[0]
+    assert section.index("Damage by granularity first") < section.index("W8A8 here")
+    assert "W8A8@tensor" in section and "W8A8@token" in section and "D_sink" in section
+    assert "W4A4@tensor" not in section  # the light report: W8A8 only (full=True: every granularity)
