@@ -42,7 +42,7 @@ from massive_lens.handover import (
 )
 from massive_lens.interventions import head_curve, sink_dependence, sink_scale_sweep
 from massive_lens.origin import verify_super_weights
-from massive_lens.quant import lowbit_grid, quantize_grid
+from massive_lens.quant import fewest_float16, granularity_table, lowbit_grid, quantize_grid, sink_predictor
 from massive_lens.train import compare_variants, retrofit, train_model, training_stability
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
@@ -53,7 +53,7 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
                 "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization",
                 "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity", "SinkScaleSweep",
-                "SuperWeightCheck", "SinkDependence"]
+                "SuperWeightCheck", "SinkDependence", "GranularityTable", "Float16Search", "SinkPredictor"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -117,6 +117,10 @@ def result_examples() -> dict[str, object]:
                                            repeat_seqs=2),
         "SuperWeightCheck": _super_weights(),
         "SinkDependence": sink_dependence(model, TEXT, seq_len=16, n_seqs=2, heads=[(1, 0)], progress=False),
+        "GranularityTable": granularity_table(model, TEXT, bases=["W8A8"], granularities=["tensor", "token"], extra=[],
+                                              seq_len=16, n_seqs=2),
+        "Float16Search": fewest_float16(model, TEXT, setting="W4A4@tensor", seq_len=16, n_seqs=2),
+        "SinkPredictor": sink_predictor(model, TEXT, seq_len=16, n_seqs=2),
     }
 
 

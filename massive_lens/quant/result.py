@@ -100,7 +100,7 @@ class OutlierReport(Result):
         disp = t.loc[t.col_dispersion.fillna(-1).idxmax()]
         under = t.loc[t.underflow.fillna(-1).idxmax()]
         return (f"; worst column dispersion {disp.col_dispersion:.3g}x at {name(disp)} "
-                f"(row {disp.row_dispersion:.3g}x), most underflow {under.underflow:.1%} at {name(under)}")
+                f"(row {disp.row_dispersion:.3g}x), most underflow {100 * under.underflow:.4g}% at {name(under)}")
 
     def plot(self, ax: Any = None) -> Any:
         """Max inf-norm and median magnitude per layer (log scale)."""
