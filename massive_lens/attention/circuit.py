@@ -362,7 +362,7 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
     (True, ['key', 'query'])
     """
     view = ModelView(model)
-    if view.pattern_refusal():  # nnsight: no per-head hooks, norm sites or TransformerLens-style weights
+    if not view.serves_patterns:  # nnsight: no per-head hooks, norm sites or TransformerLens-style weights
         raise view.unsupported("sink_circuit (its per-head query, key, score and pattern hooks, each block's "
                                "attention and MLP outputs and the norm's scale)")
     full_precision(view.dtype, view.name, "sink_circuit", TOL)  # before any pass: half precision fails its checks

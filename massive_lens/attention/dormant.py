@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.decompose import output_weights
-from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
+from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_pass
+from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.lse import EAGER, choose_path, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
@@ -137,15 +138,22 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     view = ModelView(model)
     batch = view.tokenize(text)
     path = choose_path(view, attention)
-    found = sink_mask(model, batch, sinks, path)
-    sink = found.mask & batch.mask
-    rows = _Rows(view, sink, {layer: output_weights(view, layer)[0] for layer in range(view.n_layers)},
-                 batch.mask)
+    given = None if sinks is None else sink_mask(model, batch, sinks, path)
+    # the key columns read per layer: the given sinks' or, when the sinks are found in this same pass, every
+    # position that could turn out to be one (a sink elsewhere costs a second pass)
+    columns = candidate_columns(view, batch) if given is None else (given.mask & batch.mask).any(0).nonzero()[:, 0]
+    reader = _Rows(view, columns, {layer: output_weights(view, layer)[0] for layer in range(view.n_layers)},
+                   batch.mask)
+    evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None
     # a layer's head outputs are what its output projection reads (``attn.hook_z``, after any gate or
     # sub-norm the attention applies; the kernel's output where that hook does not fire on the LSE path)
-    attention_pass(view, batch, rows.add, path=path, columns=sink.any(0).nonzero()[:, 0], want=("z_read",),
+    attention_pass(view, batch, reader.add, path=path, columns=columns, want=("z_read",), evidence=evidence,
                    stop_after=view.hook_name(view.n_layers - 1, "resid_post"))
-    rows = rows.rows
+    found = given if evidence is None else sinks_from(evidence, view.token_kinds(batch), path)
+    sink = found.mask & batch.mask
+    if not bool(sink[:, columns].sum() == sink.sum()):  # a sink outside the columns read: a second pass
+        return dormant_heads(model, text, sinks=found, sink_share=sink_share, norm_ratio=norm_ratio, attention=path)
+    rows = reader.rows(sink)
     if len(rows) != view.n_layers:
         raise MassiveLensError(f"{view.name}: the pattern and z hooks did not fire in every layer; dormant_heads "
                                "cannot read the heads' outputs")
@@ -159,31 +167,52 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
 
 
 class _Rows:
-    """One row per sequence and head of each layer, from the attention on the sink columns and the
-    heads' outputs."""
+    """Per layer, what a row needs, reduced as the layer passes: each head's output norm, and from the
+    attention on the key ``columns`` (which hold every sink) the sums that give the sink mass once the
+    sinks are known: ``after [batch head col j]``, each column's attention summed over the real queries
+    after column ``j``, and ``among [batch head i col]``, the attention column ``i``'s query gives each
+    column. Small: ``[batch head col col]`` a layer."""
 
-    def __init__(self, view: ModelView, sink: Tensor, weights: dict[int, Tensor], valid: Tensor):
-        self.view, self.sink, self.weights = view, sink, weights
-        self.cols = sink.any(0).nonzero()[:, 0]
-        self.queries = (valid & ~sink & (sink.long().cumsum(1) > 0)).float()
-        self.real = valid.float()
-        self.rows: list[Tensor] = []
+    def __init__(self, view: ModelView, columns: Tensor, weights: dict[int, Tensor], valid: Tensor):
+        self.view, self.columns, self.weights, self.valid = view, columns, weights, valid
+        self.layers: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
     def add(self, at: PassLayer) -> None:
         layer, heads = at.layer, self.weights[at.layer].shape[0]
-        p = at.cols.detach().float()
-        on_sinks = (p @ self.sink[:, self.cols].to(p.device, p.dtype)[:, None, :, None])[..., 0]  # [b h q]
         z = at.z_read.detach().float()
-        if z.ndim != 4 or tuple(z.shape[:2]) != tuple(self.sink.shape) or z.shape[2] != heads or at.shape[1] != heads:
+        if z.ndim != 4 or tuple(z.shape[:2]) != tuple(self.valid.shape) or z.shape[2] != heads or at.shape[1] != heads:
             raise MassiveLensError(f"{self.view.name}: layer {layer} has z {tuple(z.shape)}, pattern "
                                    f"{at.shape} and W_O for {heads} heads; dormant_heads needs one [batch, "
                                    "pos, head, d_head] z and one pattern per head of W_O (multi-head latent attention "
                                    "is not read)")
-        q, r = self.queries.to(z.device), self.real.to(z.device)
-        mass = torch.einsum("bhq,bq->bh", on_sinks, q) / q.sum(1, keepdim=True).clamp(min=1)
+        r = self.valid.to(z.device).float()
         out = torch.einsum("bqhd,hdm->bqhm", z, self.weights[layer].to(z)).norm(dim=-1)  # [b q h]
         out = torch.einsum("bqh,bq->bh", out, r) / r.sum(1, keepdim=True).clamp(min=1)
         ratio = out / out.mean(1, keepdim=True).clamp(min=1e-12)
-        b, h = torch.meshgrid(torch.arange(out.shape[0]), torch.arange(out.shape[1]), indexing="ij")
-        self.rows.append(torch.stack([b.flatten().float(), torch.full((b.numel(),), float(layer)), h.flatten().float(),
-                                      mass.flatten().cpu(), out.flatten().cpu(), ratio.flatten().cpu()], 1))
+        p = at.cols.detach().float() * r[:, None, :, None]  # [b h q col], the real queries only
+        cols = self.columns.to(p.device)
+        later = p.flip(2).cumsum(2).flip(2)  # [b h q col]: summed over the queries at or after q
+        later = torch.cat([later, torch.zeros_like(later[:, :, :1])], 2)  # (none after the last)
+        after = later[:, :, cols + 1].transpose(2, 3)  # [b h col j]: over the queries after column j
+        self.layers[layer] = (after.cpu(), p[:, :, cols].cpu(), out.cpu(), ratio.cpu())
+
+    def rows(self, sink: Tensor) -> list[Tensor]:
+        """One row per sequence and head of each layer: the mean attention the real non-sink queries
+        after the first sink give the sinks (``sink [batch pos]``, all within the columns)."""
+        keys = sink[:, self.columns].float()  # [b col]
+        first = keys.argmax(1) if len(self.columns) else torch.zeros(len(sink), dtype=torch.long)  # the first sink
+        later = torch.arange(len(self.columns))[None, :] > first[:, None]  # [b col]: the columns after it
+        pos = torch.arange(sink.shape[1])[None, :]
+        start = self.columns[first] if len(self.columns) else first
+        n_queries = (self.valid & ~sink & (pos > start[:, None])).sum(1).float()  # [b]
+        rows = []
+        for layer in sorted(self.layers):
+            after, among, out, ratio = self.layers[layer]
+            from_first = after[torch.arange(len(first)), :, :, first]  # [b h col]: queries after the first sink
+            from_sinks = torch.einsum("bhic,bi->bhc", among, keys * later)  # the later sinks' own queries
+            mass = torch.einsum("bhc,bc->bh", from_first - from_sinks, keys) / n_queries.clamp(min=1)[:, None] \
+                if len(self.columns) else torch.zeros(out.shape)  # no sink at all (a given empty mask)
+            b, h = torch.meshgrid(torch.arange(out.shape[0]), torch.arange(out.shape[1]), indexing="ij")
+            rows.append(torch.stack([b.flatten().float(), torch.full((b.numel(),), float(layer)), h.flatten().float(),
+                                     mass.flatten(), out.flatten(), ratio.flatten()], 1))
+        return rows

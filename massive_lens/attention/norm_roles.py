@@ -193,7 +193,7 @@ def norm_roles(model: Any, text: Any, *, criterion: Criterion | None = None) -> 
     ['layer', 'n_tokens', 'n_distinct']
     """
     view = ModelView(model)
-    if view.pattern_refusal():  # nnsight: the norm's input, scale and output are not served
+    if not view.serves_patterns:  # nnsight: the norm's input, scale and output are not served
         raise view.unsupported("norm_roles (each block's ln1 input, scale and output sites)")
     full_precision(view.dtype, view.name, "norm_roles", TOL)  # the norm's form is read to TOL: not in half precision
     crit = as_criterion(criterion)

@@ -95,7 +95,8 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
     all_hooks = [*hooks, *own]
     if not all_hooks:
         raise MassiveLensError(f"{view.name}: the attention pass has no layer to read")
-    last = stop_after or _last(view, all_hooks)
+    deepest = view.n_layers - 1 if hooks or evidence is not None or on_layer is None else max(layers, default=0)
+    last = stop_after or _last(view, all_hooks, deepest)
     with lse_run(view, reader.from_kernel) if path == LSE else contextlib.nullcontext():
         view.forward(batch, all_hooks, stop_after=last, check_finite=check_finite)
     reader.flush()
@@ -106,14 +107,12 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
                                "cannot read that layer")
 
 
-def _last(view: ModelView, hooks: Sequence[tuple[str, Any]]) -> str:
-    """The hook of ``hooks`` that fires last: the deepest layer's, its residual stream before its
-    attention's."""
-    def order(name: str) -> tuple[int, int]:
-        parts = name.split(".")
-        layer = int(parts[1]) if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit() else view.n_layers
-        return layer, int(name.endswith("resid_post"))
-    return max((name for name, _ in hooks), key=order)
+def _last(view: ModelView, hooks: Sequence[tuple[str, Any]], deepest: int) -> str:
+    """Where the forward can stop: the residual stream after block ``deepest`` (every hook of a
+    block fires before it), or the last of ``hooks`` in a model without one."""
+    if view.has_hook(deepest, "resid_post"):
+        return view.hook_name(deepest, "resid_post")
+    return hooks[-1][0]
 
 
 class _Reader:
@@ -147,8 +146,10 @@ class _Reader:
         self.keys = keys[1:]
         gather = LayerGather(keys, self._eager)  # the hooks fire in any order (some bridges: the pattern last)
         hooks = []
-        for layer in self.attn_layers():
-            if layer in self.layers and self.on_layer is not None:
+        # every layer read must serve a pattern (an error naming the hook where one does not)
+        reads = sorted(self.layers) if self.on_layer is not None else []
+        for layer in sorted(set(reads) | set(self.attn_layers())):
+            if layer in reads:
                 hooks += [(self.view.hook_name(layer, names[f"out{layer}" if key == "out" else key]),
                            gather.hook(key, layer)) for key in keys]
             elif self.evidence is not None:

@@ -260,7 +260,7 @@ def _dispatches(hf: Any) -> bool:
 
 def _hint(view: ModelView) -> str:
     """What to do instead of the LSE path: the eager pattern, where the view serves one."""
-    return "" if view.pattern_refusal() else "; use attention='eager'"
+    return "; use attention='eager'" if view.serves_patterns else ""
 
 
 @contextlib.contextmanager
@@ -323,7 +323,7 @@ def lse_support(view: ModelView) -> str | None:
     modules, reason = _attention_modules(view)
     if reason is None:
         batch = view.full_batch(torch.zeros(1, 4, dtype=torch.long))
-        hook_dict = {} if view.pattern_refusal() else view.model.hook_dict  # nnsight: no hook points
+        hook_dict = view.model.hook_dict if view.serves_patterns else {}  # nnsight: no hook points
         points, on_eager, on_lse = _hook_points(hook_dict), set(), set()
         try:
             with model_lock(view.model), _firing(points, on_lse), lse_run(view) as seen:
@@ -395,7 +395,7 @@ def attached_attention_edits(view: ModelView) -> list[str]:
     ...     attached_attention_edits(ModelView(model))
     ['blocks.1.attn.hook_pattern']
     """
-    if view.pattern_refusal():  # nnsight: no hook points
+    if not view.serves_patterns:  # nnsight: no hook points
         return []
     with model_lock(view.model):  # another thread's analysis holds its own hooks only while it holds the lock
         bypassed = _BYPASSED.get(view.model) if lse_support(view) is None and _weakrefable(view.model) else None

@@ -160,7 +160,7 @@ def require(model: Any, what: str, layers: Any, *, reads: tuple[str, ...] = (),
     queries/keys after RoPE (``positioned``: ``"q"``, ``"k"``) can be read, and
     (``edits_pattern``) an edit of ``attn.hook_pattern`` reaches the attention output."""
     view = ModelView(model)
-    if view.pattern_refusal():  # a view with no per-head hooks (nnsight): say what runs there instead
+    if not view.serves_patterns:  # a view with no per-head hooks (nnsight): say what runs there instead
         raise view.unsupported(what)
     access = attention_access(model)
     who = f"{view.name}{architecture(view)}"

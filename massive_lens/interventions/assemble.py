@@ -63,7 +63,7 @@ def build_hooks(model: Any, calib: Calibration, state: HookState, *,
             detect=layer == detect, last_first=layer == last_first, sticky=where == "every", control=control)
         hooks.append((view.hook_name(layer, "resid_post"),
                       partial(resid_step, state=state, dims=dims, plan=plan, criterion=calib.criterion)))
-    lse = bool(view.pattern_refusal())  # no pattern (nnsight): the attention is measured on the LSE path
+    lse = not view.serves_patterns  # no pattern (nnsight): the attention is measured on the LSE path
     for layer in calib.attn_layers:
         if per_layer is not None:
             hooks += per_layer(view, layer, state)

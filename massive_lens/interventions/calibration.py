@@ -306,6 +306,8 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     gathered: list[tuple[SinkEvidence, Tensor]] = []
     tally = OutlierTally()  # the whole calibration text is one run: its outlier dimensions, decided once
     path = EAGER if view.serves_patterns else LSE  # a view that serves no pattern (nnsight): the LSE path
+    for layer in range(n_layers) if view.serves_patterns else ():  # the sink rule reads every layer's pattern
+        view.hook_name(layer, "attn.hook_pattern")  # (a model without one in a layer is refused, naming the hook)
     for start, chunk in chunks:
         batch = view.full_batch(chunk)
         evidence = SinkEvidence(batch.mask, n_layers, rule, criterion, outliers=tally)

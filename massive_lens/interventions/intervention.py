@@ -113,7 +113,7 @@ class Intervention:
                 "intervention to stack two edits"
             )
         view = ModelView(self.model)
-        if view.pattern_refusal():  # nnsight: hooks run inside a trace, never attached to the model
+        if not view.serves_patterns:  # nnsight: hooks run inside a trace, never attached to the model
             raise view.unsupported(f"{self.label} used as a context manager (with ...:), which attaches hooks "
                                    "outside a forward pass; pass it as hooks= to perplexity or use run_interventions")
         ctx = self.model.hooks(fwd_hooks=self.fwd_hooks)

@@ -32,7 +32,7 @@ def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mas
         value = value.double().cpu()
         sums[key, layer] = sums[key, layer] + value if (key, layer) in sums else value
 
-    if view.pattern_refusal():  # a view that serves no per-head hooks or patterns (nnsight): the LSE path
+    if not view.serves_patterns:  # a view that serves no per-head hooks or patterns (nnsight): the LSE path
         for start, chunk in chunks:
             sinks = mask[start:start + len(chunk)]
             counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)

@@ -289,7 +289,7 @@ def run_interventions(
     if batch_size is not None and batch_size < 1:
         raise MassiveLensError(f"batch_size must be >= 1, got {batch_size}")
     view = ModelView(model)
-    if view.pattern_refusal():  # nnsight: the settings that edit the residual stream only
+    if not view.serves_patterns:  # nnsight: the settings that edit the residual stream only
         refused = [s for s in settings if REGISTRY[s].acts_on == ATTN or REGISTRY[s].name not in NNSIGHT_SETTINGS]
         if refused:
             raise view.unsupported(f"the setting(s) {', '.join(refused)} of run_interventions (on nnsight it runs "
