@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "offswitch_gpu.sh"
+pytestmark = pytest.mark.heavy  # two subprocess runs of the command, about a minute on 2 cores
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None or
                                 not sys.platform.startswith("linux"), reason="a bash script with coreutils' timeout")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from massive_lens.core.checks import as_number
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
@@ -69,10 +71,7 @@ class GateCensus(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Share of shut gates per layer and head (a heat map)."""
-        import matplotlib.pyplot as plt
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3))
+        ax = ensure_axes(ax, size=(6, 3))
         grid = self.frame.pivot(index="layer", columns="head", values="shut_share")
         im = ax.imshow(grid.to_numpy(), aspect="auto", vmin=0, vmax=1, cmap="viridis")
         ax.set(xlabel="head", ylabel="layer", yticks=range(len(grid)), yticklabels=grid.index,
@@ -146,12 +145,12 @@ def gate_census(model: Any, text: str | Sequence[str] | Tensor, *, threshold: fl
     else:
         hook = next(h for h, k in GATE_HOOKS if k == kind)
 
-        def keep(x: Tensor, hook: Any) -> None:
-            layer = int(hook.name.split(".")[1])
+        def keep(x: Tensor, hook: Any, layer: int) -> None:
             gates[layer] = torch.sigmoid(x.detach().float()).reshape(*x.shape[:2], n_heads, -1).cpu()
 
         names = [view.hook_name(layer, hook) for layer in layers]
-        view.forward(batch, [(n, keep) for n in names], stop_after=names[-1])
+        view.forward(batch, [(n, partial(keep, layer=layer)) for n, layer in zip(names, layers, strict=True)],
+                     stop_after=names[-1])
     tokens = view.str_tokens(batch)
     frame = pd.concat([_rows(layer, gates[layer], batch.mask, tokens, threshold) for layer in layers],
                       ignore_index=True)

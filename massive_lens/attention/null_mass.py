@@ -31,6 +31,7 @@ from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, first_token_mass, sink_metric
 from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 
@@ -114,10 +115,7 @@ class NullMass(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Mean null mass and first-token mass per layer (over heads)."""
-        import matplotlib.pyplot as plt
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3))
+        ax = ensure_axes(ax, size=(6, 3))
         per = self.frame.groupby("layer")[["null_mass", "first_mass"]].mean()
         ax.plot(per.index, per["null_mass"], marker="o", label="sink slot (null mass)")
         ax.plot(per.index, per["first_mass"], marker="s", label="first token")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -40,6 +41,7 @@ from massive_lens.attention.null_mass import null_mass, off_switch_layers
 from massive_lens.core.criterion import Criterion, as_criterion, massive_mask
 from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.handover.precision import precision_check
 
@@ -105,10 +107,7 @@ class OffSwitch(Result):
 
     def plot(self, ax: Any = None) -> Any:
         """Per layer: the off-switch's mass and the first-token mass (left axis), the residual peak (right)."""
-        import matplotlib.pyplot as plt
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3))
+        ax = ensure_axes(ax, size=(6, 3))
         f = self.frame
         for col, label in (("null_mass", "null mass"), ("gate_shut", "gates shut"), ("first_mass", "first token")):
             if f[col].notna().any():
@@ -184,15 +183,15 @@ def _first_mass(view: ModelView, batch: Any) -> dict[int, tuple[float, float]]:
     after[:, 0] = 0.0
     out: dict[int, tuple[float, float]] = {}
 
-    def keep(pattern: Tensor, hook: Any) -> None:
+    def keep(pattern: Tensor, hook: Any, layer: int) -> None:
         w = after.to(pattern.device)
         per_head = torch.einsum("bhq,bq->h", pattern[..., 0].float(), w) / w.sum().clamp(min=1)
-        out[int(hook.name.split(".")[1])] = (float(per_head.mean()), float(per_head.max()))
+        out[layer] = (float(per_head.mean()), float(per_head.max()))
 
-    names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)
+    hooks = [(view.hook_name(layer, "attn.hook_pattern"), partial(keep, layer=layer)) for layer in range(view.n_layers)
              if view.has_hook(layer, "attn.hook_pattern")]
-    if names:
-        view.forward(batch, [(n, keep) for n in names], stop_after=names[-1])
+    if hooks:
+        view.forward(batch, hooks, stop_after=hooks[-1][0])
     return out
 
 
@@ -202,8 +201,7 @@ def _residual(view: ModelView, batch: Any, crit: Criterion) -> dict[int, dict[st
     out: dict[int, dict[str, float]] = {}
     valid = batch.mask
 
-    def keep(x: Tensor, hook: Any) -> None:
-        layer = int(hook.name.split(".")[1])
+    def keep(x: Tensor, hook: Any, layer: int) -> None:
         x = x.detach().float()
         mag = x.abs() * valid.to(x.device)[..., None]
         flat = int(mag.argmax())
@@ -214,8 +212,8 @@ def _residual(view: ModelView, batch: Any, crit: Criterion) -> dict[int, dict[st
                           top1_share=float(mag[b, p, d]) / token_norm if token_norm > 0 else math.nan,
                           massive_tokens=int(massive.any(-1).sum()), massive_dims=int(massive.any(0).any(0).sum()))
 
-    names = [view.hook_name(layer, "resid_post") for layer in range(view.n_layers)]
-    view.forward(batch, [(n, keep) for n in names], stop_after=names[-1])
+    hooks = [(view.hook_name(layer, "resid_post"), partial(keep, layer=layer)) for layer in range(view.n_layers)]
+    view.forward(batch, hooks, stop_after=hooks[-1][0])
     return out
 
 
@@ -241,7 +239,8 @@ def _float16(model: Any, view: ModelView, batch: Any, frame: pd.DataFrame, preci
         return check.verdict("float16"), check.first_overflow("float16"), "precision_check: measured in float32, " \
             "confirmed by a float16 run"
     over = frame[frame["peak"] > FLOAT16_MAX]
-    site = "" if over.empty else f"blocks.{int(over.iloc[0].layer)}.hook_resid_post (|x| = {num(over.iloc[0].peak)})"
+    site = "" if over.empty else (f"{ModelView.block_hook(int(over.iloc[0].layer), 'resid_post')} "
+                                  f"(|x| = {num(over.iloc[0].peak)})")
     why = "not float32" if precision else "precision=False"
     return ("overflows" if site else "fits"), site, (f"predicted from the residual peaks ({why}; float16's largest "
                                                      f"value is {num(FLOAT16_MAX)}), not confirmed by a float16 run")

@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from massive_lens.core.model_view import ModelView, model_lock
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover.offswitch import offswitch
 from massive_lens.train.taskrun import RESULT, TaskSettings, build_model, check_settings, train_task
@@ -74,7 +75,8 @@ def _one(settings: TaskSettings, stored: dict, cache: str | Path | None) -> dict
     weights = None if where is None else where / "model.safetensors"
     if weights is not None and weights.exists():
         model = build_model(settings)
-        model.load_state_dict(load_file(str(weights)))
+        with model_lock(model):  # the model just built: no one else holds it yet
+            model.load_state_dict(load_file(str(weights)))
         model.eval()
     else:
         log.info("retraining %s %s seed %d", settings.task, settings.name, settings.seed)
@@ -101,9 +103,9 @@ def _first_head_max(model: torch.nn.Module, tokens: torch.Tensor) -> float:
     def keep(pattern: torch.Tensor, hook: object) -> None:
         best.append(float(pattern[:, :, 1:, 0].float().mean((0, 2)).max()))
 
-    hooks = [(f"blocks.{layer}.attn.hook_pattern", keep) for layer in range(model.cfg.n_layers)]
-    with torch.no_grad():
-        model.run_with_hooks(tokens, fwd_hooks=hooks)
+    view = ModelView(model)
+    names = [view.hook_name(layer, "attn.hook_pattern") for layer in range(view.n_layers)]
+    view.forward(view.tokenize(tokens), [(n, keep) for n in names], stop_after=names[-1])
     return max(best)
 
 
