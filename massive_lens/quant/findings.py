@@ -107,8 +107,8 @@ class Float16Search(Result):
     ``to_frame()``: the curve, one row per evaluated count: ``kept`` (modules in full precision,
     the first ``kept`` of the ranking), ``perplexity``, ``ppl_ratio``, ``gap``. :attr:`ranking`:
     every module, most damaged first (``module``, ``layer``, ``error``: its own relative output
-    error in the all-quantized pass). :attr:`modules`: the smallest set found (None when even
-    every ranked module kept was not enough).
+    error per token, averaged over tokens, in the all-quantized pass). :attr:`modules`: the smallest
+    set found (None when even every ranked module kept was not enough).
     """
 
     model_name: str

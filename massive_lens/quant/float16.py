@@ -2,12 +2,14 @@
 
 :func:`fewest_float16` ranks every linear layer of a setting (no rotation: a rotation is fused
 into every layer, so no layer can leave it) by its own relative output error in one pass with
-every layer quantized (``|y_q - y| / |y|``, ``y`` the layer's output on the same input with its
-weight and input unquantized), then keeps the first ``k`` of that ranking in full precision for
-growing ``k`` (1, 2, 3, 4, 6, 9, 13, ...: half as many again each step) until the perplexity comes
-within ``target`` times the full-precision perplexity, and narrows the last step by bisection:
-the smallest ``k`` of the ranking that reaches the target, and the curve of every ``k`` measured.
-A ranked search, not an exhaustive one: a set outside the ranking's prefixes is not tried.
+every layer quantized (``|y_q - y| / |y|`` per token, averaged over tokens: a massive token's large
+output does not hide the other tokens' error; ``y`` the layer's output on the same input with its
+weight and input unquantized; a zero output kept zero has no error), then keeps the first ``k`` of
+that ranking in full precision for growing ``k`` (1, 2, 3, 4, 6, 9, 13, ...: half as many again
+each step) until the perplexity comes within ``target`` times the full-precision perplexity, and
+narrows the last step by bisection: the smallest ``k`` of the ranking that reaches the target,
+and the curve of every ``k`` measured. A ranked search, not an exhaustive one: a set outside the
+ranking's prefixes is not tried.
 
 :func:`layer_damage`: the loss gap with only one layer's modules quantized, per layer.
 
@@ -101,8 +103,7 @@ def fewest_float16(
     run, spec, bits = _start(model, corpus, setting, seq_len, n_seqs, calibration, seed)
     sites = run.sites(False, bits.kv is not None)
     row, _, _, sim = run.evaluate(spec, bits, site_errors=True)
-    errors = {i: math.sqrt(d / f) if f > 0 else (math.inf if d > 0 else 0.0)  # a zero output kept zero: no error
-              for i, (d, f) in (sim.site_errors or {}).items()}
+    errors = {i: total / n for i, (total, n) in (sim.site_errors or {}).items() if n}
     order = sorted(range(len(sites)), key=lambda i: -errors.get(i, 0.0))
     ranking = pd.DataFrame({"module": [_site_name(sites[i], i) for i in order],
                             "layer": [sites[i].layer for i in order],

@@ -88,8 +88,9 @@ class Simulator:
     ``mode`` is ``"calibrate"`` (record activation and KV ranges, compute in full precision) or
     ``"run"``; ``keep`` is the ``[batch, pos]`` mask of full-precision positions of the next pass;
     ``exempt`` the indices of sites left in full precision (no hooks); ``site_errors``, when a dict,
-    collects each site's own output error in run mode: ``{index: [sum |out - fp out|^2,
-    sum |fp out|^2]}``, ``fp out`` the layer on the same input with its own weight and input unquantized.
+    collects each site's own output error in run mode: ``{index: [sum over tokens of
+    |out - fp out| / |fp out|, tokens]}``, ``fp out`` the layer on the same input with its own weight
+    and input unquantized (per token, so a massive token's large output does not hide the others').
     """
 
     def __init__(self, sites: list[Site], bits: Bits, residual: Rotation | None = None,
@@ -102,7 +103,7 @@ class Simulator:
         self._err: Tensor | None = None
         self._n_err = 0
         self.exempt: frozenset[int] = frozenset()
-        self.site_errors: dict[int, list[float]] | None = None
+        self.site_errors: dict[int, list[float]] | None = None  # index: [sum of relative errors, tokens]
 
     # ------------------------------------------------------------------ transforms
     def _input(self, site: Site, x: Tensor) -> Tensor:
@@ -207,9 +208,11 @@ class Simulator:
                 q = self._quant(out, self.bits.kv, (i, "kv"))
                 out = q if keep is None else torch.where(keep[..., None], out, q)
             if self.site_errors is not None and isinstance(module, torch.nn.Linear):
-                fp = torch.nn.functional.linear(x, weight, bias).float()
-                old = self.site_errors.get(i, [0.0, 0.0])
-                self.site_errors[i] = [old[0] + float((out.float() - fp).pow(2).sum()), old[1] + float(fp.pow(2).sum())]
+                fp = torch.nn.functional.linear(x, weight, bias).float().flatten(0, -2)
+                d, f = (out.float().flatten(0, -2) - fp).norm(dim=-1), fp.norm(dim=-1)
+                rel = torch.where(f > 0, d / f.clamp(min=1e-30), torch.where(d > 0, torch.inf, 0.0))
+                old = self.site_errors.get(i, [0.0, 0])
+                self.site_errors[i] = [old[0] + float(rel.sum()), old[1] + len(rel)]
             return out
 
         return pre, post
