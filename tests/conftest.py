@@ -4,6 +4,7 @@ per session) and the quick report of a planted model. Plain helpers (planting, t
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
@@ -112,16 +113,29 @@ def default_model():
     return load_model()
 
 
+PLANTED_REPORT_LOG: list[str] = []  # what the planted report's run logged (massive_lens.report.write, INFO)
+
+
 @pytest.fixture(scope="session")
 def planted_report(tmp_path_factory):
     """``index.html`` of the quick report on a tiny llama whose layer-1 MLP writes 600 into
-    dim 7 at BOS (checked to leave the model untouched); ``report.md`` and ``figures/`` beside it."""
+    dim 7 at BOS (checked to leave the model untouched); ``report.md``, ``figures/`` and ``tables/``
+    beside it, and the messages its run logged in :data:`PLANTED_REPORT_LOG`."""
     from massive_lens.report import write_report
 
     model = tiny_model("llama")
     plant_massive(model, layer=1, neuron=5, dim=7, value=600.0, trigger=model.tokenizer.bos_token_id, trigger_dim=3)
-    with untouched(model):
-        return write_report(model, out_dir=tmp_path_factory.mktemp("report"), quick=True, progress=False)
+    logger, handler = logging.getLogger("massive_lens.report.write"), logging.Handler(logging.INFO)
+    handler.emit = lambda record: PLANTED_REPORT_LOG.append(record.getMessage())
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        with untouched(model):
+            return write_report(model, out_dir=tmp_path_factory.mktemp("report"), quick=True, progress=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,14 @@ import time
 
 import pandas as pd
 import pytest
+from conftest import PLANTED_REPORT_LOG
 from planting import TEXT, bos_tokens, plant_story
 
 from massive_lens import MassiveLensError, tiny_model, trace_origin
 from massive_lens.origin import verify
 from massive_lens.report import sections
 from massive_lens.report.render import Section
-from massive_lens.report.write import SECTIONS, write_report
+from massive_lens.report.write import SECTIONS
 
 STORY_TEXT = "The cat sat on the mat. It was warm, and the dog slept by the door."
 DELAY = 0.4  # seconds each perplexity run is made to take
@@ -105,22 +106,21 @@ def test_the_interventions_section_shows_its_own_progress(story, capsys):
     assert "interventions:" in capsys.readouterr().err
 
 
-@pytest.mark.heavy  # a whole quick report on a tiny model
-def test_the_model_section_shows_each_steps_peak_and_the_run_peak_is_their_largest(tmp_path, caplog):
+def test_the_model_section_shows_each_steps_peak_and_the_run_peak_is_their_largest(planted_report):
     """Issue 53: each step's peak memory and time, in the Model section's table and the run's log;
-    the steps cover the run, so the run's peak (the report's memory line) is the largest step's."""
-    with caplog.at_level(logging.INFO, logger="massive_lens.report.write"):
-        page = write_report(tiny_model("llama"), out_dir=tmp_path, quick=True, progress=False)
-    tables = sorted((tmp_path / "tables").glob("*-model-where-the-memory-goes*.csv"))
+    the steps cover the run, so the run's peak (the report's memory line) is the largest step's.
+    On the session's planted quick report (tests/conftest.py), with what its run logged."""
+    page, folder = planted_report, planted_report.parent
+    tables = sorted((folder / "tables").glob("*-model-where-the-memory-goes*.csv"))
     assert len(tables) == 1
     frame = pd.read_csv(tables[0])
     assert frame["section"].tolist() == ["loading the model and the corpus", *(t for _, t, _, _ in SECTIONS),
                                          "figures written"]
-    line = re.search(r"Peak memory ([\d.]+) (MiB|GiB) resident", (tmp_path / "report.md").read_text())
+    line = re.search(r"Peak memory ([\d.]+) (MiB|GiB) resident", (folder / "report.md").read_text())
     assert line, "the report's memory line is missing"
     peak = float(line.group(1)) * (1024 if line.group(2) == "GiB" else 1)  # printed as 1.49 GiB past 1 GiB
     assert abs(peak - frame["peak_MiB"].max()) <= (1 if line.group(2) == "MiB" else 6)  # the printed rounding
     assert frame["exact"].any() and (frame["seconds"] >= 0).all()
-    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("report section ")]
+    logged = [m for m in PLANTED_REPORT_LOG if m.startswith("report section ")]
     assert len(logged) == len(SECTIONS) + 1 and all("MiB above the start" in m for m in logged)
     assert "where the memory goes" in page.read_text()
