@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from massive_lens import tiny_model
-from massive_lens.core.attention_pass import EAGER, LSE, attention_pass, choose_path
+from massive_lens.core.attention_pass import attention_pass
 from massive_lens.core.criterion import SinkEvidence, key_attention
+from massive_lens.core.lse import EAGER, LSE, choose_path
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 

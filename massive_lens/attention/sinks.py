@@ -20,8 +20,9 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from massive_lens.core.attention_pass import attention_pass, choose_path
+from massive_lens.core.attention_pass import attention_pass
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule
+from massive_lens.core.lse import choose_path
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.tokens import TOKEN_KINDS, Batch

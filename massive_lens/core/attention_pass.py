@@ -7,11 +7,12 @@ output projection reads (``z_read``, ``attn.hook_z`` where it fires), the values
 attention output ``out``: only what the caller asks for in ``want``. On the eager path they come
 from the pattern, ``z``/``v`` and output hooks; on the LSE path (:mod:`massive_lens.core.lse`)
 from the fused kernel's ``q``, ``k`` and log-sum-exp; an nnsight view takes the LSE path. The
-caller picks the path with :func:`choose_path` (``"auto"``: the eager pattern whenever an edit
-is attached, which the kernel would skip) and reduces what it is handed: no analysis branches
-on the path. With a :class:`~massive_lens.core.criterion.SinkEvidence` the pass also feeds the
-sink rule (every layer's residual stream and key attention) in the same forward. Hooks and the
-kernel are put back on exit, exceptions included.
+caller picks the path with :func:`~massive_lens.core.lse.choose_path` (``"auto"``: the eager
+pattern whenever an edit is attached, which the kernel would skip) and reduces what it is
+handed: no analysis branches on the path. With a
+:class:`~massive_lens.core.criterion.SinkEvidence` the pass also feeds the sink rule (every
+layer's residual stream and key attention) in the same forward. Hooks and the kernel are put
+back on exit, exceptions included.
 
 >>> from massive_lens import tiny_model
 >>> from massive_lens.core.model_view import ModelView
@@ -37,12 +38,12 @@ from torch import Tensor
 
 from massive_lens.core.criterion import SinkEvidence, key_attention
 from massive_lens.core.gather import LayerGather
-from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run
+from massive_lens.core.lse import EAGER, LSE, LayerAttention, lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["EAGER", "LSE", "PassLayer", "attention_pass", "choose_path"]
+__all__ = ["PassLayer", "attention_pass"]
 
 WANTS = ("z", "z_read", "v", "out")
 
@@ -75,7 +76,7 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
                    stop_after: str | None = None, check_finite: bool = True) -> None:
     """One forward of ``batch`` handing every attention layer of ``layers`` (None: all) to
     ``on_layer`` as a :class:`PassLayer` read on ``path`` (``"eager"`` or ``"lse"``, from
-    :func:`choose_path`).
+    :func:`~massive_lens.core.lse.choose_path`).
 
     ``columns``: key positions whose attention every query gives (``cols``); ``band``: the sink
     rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"v"``, ``"out"`` (``out_hooks``
