@@ -248,7 +248,7 @@ def test_a_failed_corpus_scan_keeps_what_the_text_showed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rep.sec, "corpus_scan", failing)
     path = rep.write_report(model, out_dir=tmp_path, quick=True, progress=False, tables=False,
-                            skip="attention,sinks,circuit,interventions,quantization,lowbit")  # what it checks is before
+                            skip="attention,sinks,circuit,interventions,quantization,lowbit")  # checked: before them
     md = (path.parent / "report.md").read_text()
     assert "Corpus scan skipped: overflow in the scan" in md
     origin = md.split("## Origin")[1].split("## ")[0]
