@@ -77,7 +77,7 @@ from massive_lens.train import TaskSettings, train_task
 
 small = dict(steps=20, eval_every=5, eval_seqs=8, batch_size=8, d_model=32, task_options=dict(seq_len=16))
 full = dict(steps=300, eval_every=20)  # the grid's trigger_conditional budget: about 40 s a run on one thread
-runs = {variant: train_task(TaskSettings('trigger_conditional', variant=variant, **(small if SMALL else full)))
+runs = {variant: train_task(TaskSettings.of('trigger_conditional', variant=variant, **(small if SMALL else full)))
         for variant in ['softmax', 'softmax1', 'relu']}
 for variant, run in runs.items():
     r = run.result

@@ -62,7 +62,7 @@ print(batch.tokens[:, :24])
 steps = 120 if SMALL else 600
 runs = {}
 for variant in ("softmax", "softmax1", "relu"):
-    settings = TaskSettings("trigger_conditional", variant=variant, seed=0, steps=steps, eval_every=20)
+    settings = TaskSettings.of("trigger_conditional", variant=variant, seed=0, steps=steps, eval_every=20)
     runs[variant] = train_task(settings)
     r = runs[variant].result
     print(f"{variant:9s} accuracy {r['accuracy']:.3f}  sink mass {r['sink_mass']:.3f}  "

@@ -113,8 +113,8 @@ from massive_lens.train import TaskSettings, offswitch_task_runs, train_task, wh
 root = Path(tempfile.mkdtemp()) / "trigger_conditional"
 steps = 10 if SMALL else 300
 for variant in ("softmax1", "learned_sink"):
-    settings = TaskSettings("trigger_conditional", variant=variant, steps=steps, eval_every=max(1, steps // 5),
-                            task_options=dict(seq_len=32))
+    settings = TaskSettings.of("trigger_conditional", variant=variant, steps=steps, eval_every=max(1, steps // 5),
+                               task_options=dict(seq_len=32))
     train_task(settings, root / settings.name / "seed0")
 runs = offswitch_task_runs(root, variants=["softmax1", "learned_sink"], cache=root.parent / "models")
 print(where_table(runs))

@@ -109,8 +109,8 @@ def test_gate_and_hybrid():
 
 def test_task_runs_reproduce_and_cache(tmp_path):
     """A run retrained from its settings reproduces its recorded first-token mass; the cache gives the same row."""
-    settings = TaskSettings("trigger_conditional", variant="learned_sink", steps=3, eval_every=3, eval_seqs=4,
-                            batch_size=4, d_model=16, n_heads=2, task_options=dict(seq_len=8))
+    settings = TaskSettings.of("trigger_conditional", variant="learned_sink", steps=3, eval_every=3, eval_seqs=4,
+                               batch_size=4, d_model=16, n_heads=2, task_options=dict(seq_len=8))
     train_task(settings, tmp_path / "runs" / settings.name / "seed0")
     first = offswitch_task_runs(tmp_path / "runs", variants=["learned_sink"], cache=tmp_path / "cache")
     again = offswitch_task_runs(tmp_path / "runs", variants=["learned_sink"], cache=tmp_path / "cache")

@@ -59,8 +59,8 @@ def offswitch_task_runs(root: str | Path, *, variants: Sequence[str] = VARIANTS,
         found = sorted(folder.glob(f"seed*/{RESULT}"), key=lambda p: int(p.parent.name[4:]))
         for path in found:
             stored = json.loads(path.read_text())
-            settings = TaskSettings(**stored["settings"])
-            if seeds is not None and settings.seed not in seeds:
+            settings = TaskSettings.from_dict(stored["settings"])  # either settings format
+            if seeds is not None and settings.train.seed not in seeds:
                 continue
             rows.append(_one(settings, stored, cache))
     if not rows:
@@ -71,7 +71,7 @@ def offswitch_task_runs(root: str | Path, *, variants: Sequence[str] = VARIANTS,
 
 def _one(settings: TaskSettings, stored: dict, cache: str | Path | None) -> dict:
     task = check_settings(settings)
-    where = None if cache is None else Path(cache) / settings.task / settings.name / f"seed{settings.seed}"
+    where = None if cache is None else Path(cache) / settings.task / settings.name / f"seed{settings.train.seed}"
     weights = None if where is None else where / "model.safetensors"
     if weights is not None and weights.exists():
         model = build_model(settings)
@@ -79,7 +79,7 @@ def _one(settings: TaskSettings, stored: dict, cache: str | Path | None) -> dict
             model.load_state_dict(load_file(str(weights)))
         model.eval()
     else:
-        log.info("retraining %s %s seed %d", settings.task, settings.name, settings.seed)
+        log.info("retraining %s %s seed %d", settings.task, settings.name, settings.train.seed)
         model = train_task(settings).model
         if weights is not None:
             weights.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,7 @@ def _one(settings: TaskSettings, stored: dict, cache: str | Path | None) -> dict
     result = offswitch(model, tokens)
     frame = result.to_frame()
     first_max = _first_head_max(model, tokens)
-    return dict(task=settings.task, setting=settings.name, seed=settings.seed, kind=result.kind or "none",
+    return dict(task=settings.task, setting=settings.name, seed=settings.train.seed, kind=result.kind or "none",
                 idle=result.idle, null_max=float(frame["null_head_max"].max()), first_max=first_max,
                 gate_shut_max=float(frame["gate_shut"].max()), residual=result.residual,
                 resid_top1_share=float(frame.loc[frame["peak"].idxmax(), "top1_share"]), float16=result.float16,

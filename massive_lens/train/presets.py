@@ -45,7 +45,7 @@ class TrainConfig:
     sequence with BOS (else sequences are bare windows and the first token is arbitrary).
     ``tokenizer`` is ``"byte"`` (offline, 259 tokens) or ``"default"`` (the default model's
     tokenizer). ``batch_size`` is the global number of sequences per optimizer step,
-    split over ``grad_accum`` micro-batches and over DDP ranks.
+    split over ``grad_accum`` micro-batches and over DDP ranks. ``grad_clip`` 0: gradients not clipped.
     """
 
     model: dict[str, Any] = field(default_factory=dict)
@@ -83,8 +83,9 @@ class TrainConfig:
         rates = dict(lr=self.lr, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, beta1=self.beta1,
                      beta2=self.beta2, grad_clip=self.grad_clip, val_fraction=self.val_fraction)
         bad = {k: v for k, v in rates.items() if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0}
-        if bad or self.lr == 0 or self.grad_clip == 0 or not (self.beta1 < 1 and self.beta2 < 1):
-            raise MassiveLensError(f"optimizer settings must be finite numbers >= 0 (lr and grad_clip > 0, betas < 1); "
+        if bad or self.lr == 0 or not (self.beta1 < 1 and self.beta2 < 1):
+            raise MassiveLensError(f"optimizer settings must be finite numbers >= 0 (lr > 0; grad_clip > 0 clips, "
+                                   f"0 does not; betas < 1); "
                                    f"got {bad or rates}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -62,8 +62,8 @@ def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] =
         seeds: the seeds of every setting.
         tasks: task names (:data:`~massive_lens.train.tasks.TASKS`).
         settings: ``(variant, norm)`` pairs.
-        **overrides: :class:`~massive_lens.train.taskrun.TaskSettings` fields that replace those of
-            every run (for small CI grids).
+        **overrides: :meth:`TaskSettings.of <massive_lens.train.taskrun.TaskSettings.of>` knobs that
+            replace those of every run (for small CI grids).
 
     Returns:
         One :class:`~massive_lens.train.taskrun.TaskSettings` per run, in running order.
@@ -74,7 +74,7 @@ def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] =
         for variant, norm in settings:
             for task in tasks:
                 fields = {**TASK_SETTINGS.get(task, {}), **overrides}
-                runs.append(TaskSettings(task, variant=variant, norm=norm, seed=seed, **fields))
+                runs.append(TaskSettings.of(task, variant=variant, norm=norm, seed=seed, **fields))
     return runs
 
 
@@ -100,13 +100,19 @@ def resume_check(root: str | Path, runs: Sequence[TaskSettings]) -> int:
             continue
         found = read_run(folder, stale="recompute").settings
         if found != settings:
-            other = {k: (v, getattr(settings, k)) for k, v in found.__dict__.items() if getattr(settings, k) != v}
+            flat, asked = _flat(found), _flat(settings)
+            other = {k: (v, asked.get(k)) for k, v in flat.items() if asked.get(k) != v}
             raise MassiveLensError(f"{folder} holds a finished run with other settings than the grid asks for "
                                    f"(stored, asked: {other}); use another --root, or delete it to retrain")
         if refresh_run(folder):
             rewritten += 1
             log.info("%s: derived fields rewritten from the raw records (stale definitions)", folder)
     return rewritten
+
+
+def _flat(settings: TaskSettings) -> dict[str, Any]:
+    stored = settings.to_dict()
+    return {**{k: v for k, v in stored.items() if k not in ("format", "train")}, **stored["train"]}
 
 
 def pending(root: str | Path, runs: Sequence[TaskSettings]) -> Iterator[TaskSettings]:
@@ -144,5 +150,5 @@ def run_grid(root: str | Path, runs: Sequence[TaskSettings], threads: int | None
         t0 = time.perf_counter()
         train_task(settings, run_folder(root, settings))
         done += 1
-        log.info("%s %s seed %d: %.0f s", settings.task, settings.name, settings.seed, time.perf_counter() - t0)
+        log.info("%s %s seed %d: %.0f s", settings.task, settings.name, settings.train.seed, time.perf_counter() - t0)
     return done

@@ -55,9 +55,9 @@ def load_runs(root: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     ends, curves = [], []
     for record in read_runs(root):
         s, evals = record.settings, record.evals
-        keys = dict(task=s.task, setting=s.name, seed=s.seed)
+        keys = dict(task=s.task, setting=s.name, seed=s.train.seed)
         ends.append({**keys, **{k: v for k, v in record.result.items() if k != "definitions"},
-                     "eval_every": s.eval_every, "start_resid_ratio": float(evals["resid_ratio"].iloc[0]),
+                     "eval_every": s.train.eval_every, "start_resid_ratio": float(evals["resid_ratio"].iloc[0]),
                      "start_resid_norm_ratio": float(evals["resid_norm_ratio"].iloc[0])})
         curves.append(evals.assign(**keys))
     if not ends:

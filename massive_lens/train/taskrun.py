@@ -24,8 +24,8 @@ and accuracy under :func:`massive_lens.quant.fake_quantized` (per-channel weight
 per-token activations, the unembedding kept in full precision). ``result.json`` is written last,
 so its presence marks a finished run.
 
->>> run = train_task(TaskSettings("bigram_backcopy", steps=2, eval_every=1, eval_seqs=2, batch_size=2,
-...                               d_model=16, n_heads=2, task_options=dict(seq_len=8, n_vocab=8)))
+>>> run = train_task(TaskSettings.of("bigram_backcopy", steps=2, eval_every=1, eval_seqs=2, batch_size=2,
+...                                  d_model=16, n_heads=2, task_options=dict(seq_len=8, n_vocab=8)))
 >>> run.evals["step"].tolist(), sorted(run.result)[:3]
 ([0, 1, 2], ['accuracy', 'accuracy_other', 'accuracy_trigger'])
 """
@@ -36,7 +36,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,43 +69,87 @@ _FAN_IN = {"W_Q": lambda s: s[1], "W_K": lambda s: s[1], "W_V": lambda s: s[1], 
 _HOOKS = ("hook_pattern", "hook_attn_scores", "hook_v", "hook_resid_post")
 
 
+# the knobs of TrainConfig (massive_lens.train.presets) a task run reads: its seed, schedule and optimizer;
+# the others (data, model, ...) are the text trainer's and stay at their defaults
+TRAIN_KNOBS = ("seed", "steps", "batch_size", "lr", "warmup_steps", "weight_decay", "eval_every", "min_lr_ratio",
+               "beta1", "beta2", "grad_clip")
+TASK_TRAIN = TrainConfig(steps=600, batch_size=32, warmup_steps=30)  # a task run's schedule by default
+# how result.json stores the settings: 1 (no "format" field) flat, TRAIN_KNOBS beside the task's own
+# fields; 2 the task's own fields and TRAIN_KNOBS under "train". Both are read.
+SETTINGS_FORMAT = 2
+
+
 @dataclass(frozen=True)
 class TaskSettings:
-    """One run: task, attention variant, norm placement, seed, model shape and schedule (JSON-able).
+    """One run: task, attention variant, norm placement, model shape and ``train``, the seed, schedule and
+    optimizer as a :class:`~massive_lens.train.presets.TrainConfig` (its :data:`TRAIN_KNOBS`; default
+    :data:`TASK_TRAIN`). JSON-able (:meth:`to_dict`, :meth:`from_dict`); :meth:`of` takes the knobs flat.
 
     ``style`` is :class:`~massive_lens.train.layers.MassiveLMConfig`'s (``"llama"``: RMSNorm, rotary,
     SwiGLU; ``"gpt2"``: LayerNorm, learned positions, GELU); the schedule is linear warmup then cosine
-    decay to ``min_lr_ratio * lr`` (1: constant), AdamW with ``beta2``, gradients clipped at ``grad_clip``
-    (0: not clipped). ``init`` ``"torch"`` redraws the weights as PyTorch's layers would (embeddings
-    N(0, 1), matrices uniform within 1/sqrt(fan-in)), the init of Guo et al.'s code; ``"massive_lm"``
-    keeps MassiveLM's N(0, 0.02).
+    decay to ``min_lr_ratio * lr`` (1: constant), AdamW with ``beta1``, ``beta2``, gradients clipped at
+    ``grad_clip`` (0: not clipped). ``init`` ``"torch"`` redraws the weights as PyTorch's layers would
+    (embeddings N(0, 1), matrices uniform within 1/sqrt(fan-in)), the init of Guo et al.'s code;
+    ``"massive_lm"`` keeps MassiveLM's N(0, 0.02).
+
+    >>> s = TaskSettings.of("bigram_backcopy", steps=20, d_model=16)
+    >>> s.train.steps, s.d_model, TaskSettings.from_dict(s.to_dict()) == s
+    (20, 16, True)
     """
 
     task: str
     variant: str = "softmax"
     norm: str = "pre"
-    seed: int = 0
-    steps: int = 600
-    batch_size: int = 32
-    lr: float = 3e-3
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
-    eval_every: int = 50
     eval_seqs: int = 64
     task_options: dict = field(default_factory=dict)
     style: str = "llama"
-    min_lr_ratio: float = 0.1
-    beta2: float = 0.95
-    grad_clip: float = 1.0
     init: str = "massive_lm"
+    train: TrainConfig = TASK_TRAIN
 
     @property
     def name(self) -> str:
         """The setting's folder name, ``<variant>-<norm>``."""
         return f"{self.variant}-{self.norm}"
+
+    @classmethod
+    def of(cls, task: str, **knobs: Any) -> TaskSettings:
+        """Settings from flat knobs: this class's fields and :data:`TRAIN_KNOBS` (set on :data:`TASK_TRAIN`);
+        a knob that is neither, or a bad count or rate among the latter, is a MassiveLensError."""
+        schedule = {k: knobs.pop(k) for k in TRAIN_KNOBS if k in knobs}
+        unknown = sorted(set(knobs) - {f.name for f in fields(cls)} | ({"train"} & set(knobs)))
+        if unknown:
+            raise MassiveLensError(f"sink-task settings with unknown fields {unknown}; the fields are "
+                                   f"{[f.name for f in fields(cls) if f.name != 'train'] + list(TRAIN_KNOBS)}")
+        bad = _bad_values(schedule)  # check_settings' words, before TrainConfig's own check
+        if bad:
+            raise MassiveLensError(f"bad sink-task settings: {'; '.join(bad)}")
+        return cls(task, **knobs, train=replace(TASK_TRAIN, **schedule))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as ``result.json`` stores them (:data:`SETTINGS_FORMAT`)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}
+        return {"format": SETTINGS_FORMAT, **own, "train": {k: getattr(self.train, k) for k in TRAIN_KNOBS}}
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> TaskSettings:
+        """Settings as :meth:`to_dict` wrote them, or flat as records before :data:`SETTINGS_FORMAT` 2 did; an
+        unknown format or field is a MassiveLensError."""
+        if not isinstance(stored, dict) or "task" not in stored:
+            raise MassiveLensError(f"sink-task settings must be a dict naming a task, got {stored!r}")
+        raw = dict(stored)
+        version = raw.pop("format", 1)
+        if version not in (1, SETTINGS_FORMAT) or isinstance(version, bool):
+            raise MassiveLensError(f"unknown settings format {version!r} (this massive_lens reads 1 and "
+                                   f"{SETTINGS_FORMAT}): upgrade massive_lens to read it")
+        if version == SETTINGS_FORMAT:
+            train = raw.pop("train", {})
+            if not isinstance(train, dict) or set(train) - set(TRAIN_KNOBS):
+                raise MassiveLensError(f"settings' train must be a dict of {list(TRAIN_KNOBS)}, got {train!r}")
+            raw.update(train)
+        return cls.of(**raw)
 
 
 @dataclass(frozen=True)
@@ -124,7 +168,7 @@ def build_model(settings: TaskSettings) -> MassiveLM:
     checked first (:func:`check_settings`)."""
     task = check_settings(settings)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(settings.seed)
+        torch.manual_seed(settings.train.seed)
         model = MassiveLM(model_config(settings, task), task.tokenizer())
         if settings.init == "torch":
             torch_init(model)
@@ -166,34 +210,32 @@ def train_task(settings: TaskSettings, out_dir: str | os.PathLike | None = None)
     """
     task = check_settings(settings)
     model = build_model(settings)
-    schedule = TrainConfig(steps=settings.steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                           weight_decay=settings.weight_decay, min_lr_ratio=settings.min_lr_ratio,
-                           beta2=settings.beta2)
+    schedule = settings.train
     optimizer = make_optimizer(model, schedule)
     held_out = task.sample(settings.eval_seqs, seed=-1, step=0)
     evals, heads, t0 = [], [], time.perf_counter()
     model.train()
-    for step in range(settings.steps + 1):
-        if step % settings.eval_every == 0 or step == settings.steps:
+    for step in range(schedule.steps + 1):
+        if step % schedule.eval_every == 0 or step == schedule.steps:
             row, per_head = evaluate(model, task, held_out)
             evals.append(dict(step=step, **row))
             heads += [dict(step=step, **h) for h in per_head]
-        if step == settings.steps:
+        if step == schedule.steps:
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(schedule, step)
-        batch = task.sample(settings.batch_size, settings.seed, step)
+        batch = task.sample(schedule.batch_size, schedule.seed, step)
         loss = task.loss(model(batch.tokens), batch)
         loss.backward()
-        if settings.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        if schedule.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     model.eval()
     seconds = time.perf_counter() - t0
     evals_frame, heads_frame = pd.DataFrame(evals), pd.DataFrame(heads)
     result = {**derived_fields(evals_frame), **lowbit_gaps(model, task, held_out), "seconds": seconds,
-              "settings": asdict(settings)}
+              "settings": settings.to_dict()}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -304,22 +346,21 @@ def check_settings(settings: TaskSettings) -> Any:
     Raises:
         MassiveLensError: naming every bad field and what it must be.
 
-    >>> check_settings(TaskSettings("bigram_backcopy", steps=0))
+    >>> check_settings(TaskSettings.of("bigram_backcopy", eval_seqs=0))
     Traceback (most recent call last):
     ...
-    massive_lens.errors.MassiveLensError: bad sink-task settings: steps=0 (a whole number >= 1)
+    massive_lens.errors.MassiveLensError: bad sink-task settings: eval_seqs=0 (a whole number >= 1)
     """
     if not isinstance(settings, TaskSettings):
         raise MassiveLensError(f"expected TaskSettings, got {type(settings).__name__}")
-    bad = [f"{k}={getattr(settings, k)!r} (a whole number >= {low})" for k, low in _COUNTS.items()
-           if not _whole(getattr(settings, k), low)]
-    for k, (low, high, low_open, high_open) in _RATES.items():
-        v = getattr(settings, k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or (v <= low if low_open else v < low) or (v >= high if high_open else v > high):
-            span = f"> {low:g}" if high == math.inf and low_open else ">= 0" if high == math.inf else \
-                f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-            bad.append(f"{k}={v!r} (a finite number {span})")
+    if not isinstance(settings.train, TrainConfig):
+        raise MassiveLensError(f"bad sink-task settings: train={settings.train!r} (a TrainConfig; "
+                               "TaskSettings.of takes its knobs flat)")
+    unused = [f"train.{f.name}={getattr(settings.train, f.name)!r}" for f in fields(TrainConfig)
+              if f.name not in TRAIN_KNOBS and getattr(settings.train, f.name) != getattr(TASK_TRAIN, f.name)]
+    bad = [f"{', '.join(unused)} (a task run reads only {', '.join(TRAIN_KNOBS)} of TrainConfig: leave the "
+           "others at their defaults)"] if unused else []
+    bad += _bad_values({k: _knob(settings, k) for k in (*_COUNTS, *_RATES)})
     for k, choices in (("variant", VARIANTS), ("norm", NORM_PLACEMENTS), ("style", STYLES), ("init", INITS)):
         if getattr(settings, k) not in choices:
             bad.append(f"{k}={getattr(settings, k)!r} (one of {', '.join(choices)})")
@@ -332,6 +373,24 @@ def check_settings(settings: TaskSettings) -> Any:
     return task
 
 
+def _bad_values(values: dict[str, Any]) -> list[str]:
+    """What is wrong with each of ``values`` that is a count (:data:`_COUNTS`) or a rate (:data:`_RATES`)."""
+    bad = [f"{k}={values[k]!r} (a whole number >= {low})" for k, low in _COUNTS.items()
+           if k in values and not _whole(values[k], low)]
+    for k, (low, high, low_open, high_open) in ((k, r) for k, r in _RATES.items() if k in values):
+        v = values[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or (v <= low if low_open else v < low) or (v >= high if high_open else v > high):
+            span = f"> {low:g}" if high == math.inf and low_open else ">= 0" if high == math.inf else \
+                f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            bad.append(f"{k}={v!r} (a finite number {span})")
+    return bad
+
+
+def _knob(settings: TaskSettings, name: str) -> Any:
+    return getattr(settings.train if name in TRAIN_KNOBS else settings, name)
+
+
 def _whole(value: Any, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
@@ -340,4 +399,5 @@ def _whole(value: Any, low: int) -> bool:
 _COUNTS = dict(seed=0, steps=1, batch_size=1, warmup_steps=0, n_layers=1, d_model=1, n_heads=1, eval_every=1,
                eval_seqs=1)
 _RATES = dict(lr=(0, math.inf, True, False), weight_decay=(0, math.inf, False, False),
-              min_lr_ratio=(0, 1, False, False), beta2=(0, 1, False, True), grad_clip=(0, math.inf, False, False))
+              min_lr_ratio=(0, 1, False, False), beta1=(0, 1, False, True), beta2=(0, 1, False, True),
+              grad_clip=(0, math.inf, False, False))

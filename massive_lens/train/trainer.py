@@ -271,7 +271,7 @@ class _Loop:
             group["lr"] = lr_at(cfg, step)
         batch = sample_batch(self.train, cfg.batch_size, self.model.cfg.n_ctx, self.bos, cfg.seed, step)
         loss_sum = self._gradients(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)  # 0: no clip
         if self.recorder is not None:  # before the update: an interrupted save keeps rows <= the updates applied
             self.per_step.append(self.recorder.row(step=step + 1, loss=mean_over_ranks(loss_sum, self.world),
                                                    grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"]))

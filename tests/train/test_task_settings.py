@@ -4,12 +4,22 @@ with a message naming the field, by check_settings, train_task, build_model and 
 from __future__ import annotations
 
 import math
+from dataclasses import fields, replace
 
 import pytest
 
 from massive_lens.errors import MassiveLensError
+from massive_lens.train.presets import TrainConfig
 from massive_lens.train.taskgrid import run_grid
-from massive_lens.train.taskrun import TaskSettings, build_model, check_settings, train_task
+from massive_lens.train.taskrun import (
+    SETTINGS_FORMAT,
+    TASK_TRAIN,
+    TRAIN_KNOBS,
+    TaskSettings,
+    build_model,
+    check_settings,
+    train_task,
+)
 from massive_lens.train.tasks import make_task
 
 TINY = dict(steps=2, eval_every=1, eval_seqs=2, batch_size=2, d_model=16, n_heads=2)
@@ -59,11 +69,12 @@ BAD = [
 
 
 def settings(**fields) -> TaskSettings:
-    """Settings with ``fields`` set as a result.json or a caller could hold them (the test suite's type
-    checking of the constructor left out: a user's Python has none)."""
-    out = TaskSettings(**{"task": "trigger_conditional", **TINY, "task_options": OPTIONS})
+    """Settings with ``fields`` set as a caller could hold them (the test suite's type checking of the
+    constructor, and TaskSettings.of's and TrainConfig's own checks, left out: a user's Python has none);
+    TrainConfig's knobs (TRAIN_KNOBS) are set on its ``train``."""
+    out = TaskSettings.of("trigger_conditional", **{**TINY, "task_options": OPTIONS})
     for name, value in fields.items():
-        object.__setattr__(out, name, value)
+        object.__setattr__(out.train if name in TRAIN_KNOBS else out, name, value)
     return out
 
 
@@ -81,3 +92,46 @@ def test_every_entry_refuses_a_bad_setting(fields, match, tmp_path):
 def test_good_settings_pass_and_give_their_task():
     task = check_settings(settings(lr=1.0, beta2=0.0, warmup_steps=0, grad_clip=0.0, min_lr_ratio=1.0, seed=0))
     assert task == make_task("trigger_conditional", **OPTIONS)
+
+
+def test_each_knob_is_defined_once_and_the_schedule_is_a_train_config():
+    """TaskSettings holds its own fields and a TrainConfig, repeating none of TrainConfig's (issue 50)."""
+    own, train = {f.name for f in fields(TaskSettings)}, {f.name for f in fields(TrainConfig)}
+    assert not own & train and set(TRAIN_KNOBS) <= train
+    s = TaskSettings.of("bigram_backcopy", steps=7, beta1=0.8, d_model=16)
+    assert isinstance(s.train, TrainConfig) and (s.train.steps, s.train.beta1, s.d_model) == (7, 0.8, 16)
+    assert replace(s.train, steps=TASK_TRAIN.steps, beta1=TASK_TRAIN.beta1) == TASK_TRAIN
+
+
+def test_the_stored_form_round_trips_and_the_old_flat_form_still_reads():
+    s = settings(lr=1e-3, seed=3, grad_clip=0.0, n_heads=4)
+    stored = s.to_dict()
+    assert stored["format"] == SETTINGS_FORMAT and set(stored["train"]) == set(TRAIN_KNOBS)
+    assert not set(TRAIN_KNOBS) & (set(stored) - {"train"})
+    assert TaskSettings.from_dict(stored) == s
+    flat = {**{k: v for k, v in stored.items() if k not in ("format", "train")}, **stored["train"]}
+    flat.pop("beta1")  # records before format 2 did not store it: AdamW's 0.9 then and now
+    assert TaskSettings.from_dict(flat) == s
+
+
+@pytest.mark.parametrize("stored, match", [
+    (dict(task="trigger_conditional", format=3), "unknown settings format 3"),
+    (dict(task="trigger_conditional", format=2, train=dict(data="x")), "a dict of"),
+    (dict(task="trigger_conditional", colour=1), r"unknown fields \['colour'\]"),
+    (dict(task="trigger_conditional", train=dict(steps=5)), r"unknown fields \['train'\]"),
+    (dict(task="trigger_conditional", steps=0), r"steps=0 \(a whole number >= 1"),  # not TrainConfig's words
+    (dict(task="trigger_conditional", lr=0.0), r"lr=0.0 \(a finite number > 0"),
+    (dict(variant="softmax"), "naming a task"),
+])
+def test_bad_stored_settings_are_refused_naming_the_field(stored, match):
+    with pytest.raises(MassiveLensError, match=match):
+        TaskSettings.from_dict(stored)
+
+
+def test_a_train_config_knob_a_task_run_does_not_read_is_refused():
+    s = settings()
+    with pytest.raises(MassiveLensError, match=r"train.data='x'.*a task run reads only seed"):
+        check_settings(replace(s, train=replace(s.train, data="x")))
+    object.__setattr__(s, "train", dict(steps=2))  # as a caller without type checking could
+    with pytest.raises(MassiveLensError, match=r"train=\{'steps': 2\} \(a TrainConfig"):
+        check_settings(s)

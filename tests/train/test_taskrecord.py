@@ -140,11 +140,11 @@ def test_the_resumed_grid_rewrites_a_stale_record_instead_of_skipping_it(tmp_pat
     folder = root / SAMPLE[0]
     stored = json.loads((folder / RESULT).read_text())
     edit(folder, sink_step=stored["sink_step"] + 20, definitions=0)
-    settings = TaskSettings(**stored["settings"])
+    settings = TaskSettings.from_dict(stored["settings"])
     assert run_grid(root, [settings]) == 0  # nothing retrained ...
     assert json.loads((folder / RESULT).read_text()) == stored  # ... and the record is current again
     with pytest.raises(MassiveLensError, match="other settings than the grid asks for"):
-        run_grid(root, [TaskSettings(**{**stored["settings"], "lr": 1e-3})])
+        run_grid(root, [TaskSettings.from_dict({**stored["settings"], "lr": 1e-3})])
 
 
 def test_copied_run_folders_are_never_counted_as_seeds(tmp_path, caplog):

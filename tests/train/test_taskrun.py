@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -25,7 +26,7 @@ PAGE = "# t\n\n<!-- gen:answer -->\n<!-- /gen:answer -->\n\n<!-- gen:ends -->\n<
 
 
 def tiny(task: str = "trigger_conditional", **fields) -> TaskSettings:
-    return TaskSettings(task, **{**TINY, "task_options": dict(seq_len=8), **fields})
+    return TaskSettings.of(task, **{**TINY, "task_options": dict(seq_len=8), **fields})
 
 
 def test_a_run_records_every_evaluation_step_and_writes_its_result_last(tmp_path):
@@ -42,7 +43,7 @@ def test_a_run_takes_the_model_style_and_schedule_of_its_settings(tmp_path):
     run = train_task(tiny(style="gpt2", min_lr_ratio=1.0, beta2=0.99, grad_clip=0.0), tmp_path)
     assert run.model.cfg.style == "gpt2" and run.model.W_pos is not None  # LayerNorm, learned positions
     recorded = json.loads((tmp_path / RESULT).read_text())["settings"]
-    assert (recorded["style"], recorded["min_lr_ratio"], recorded["grad_clip"]) == ("gpt2", 1.0, 0.0)
+    assert (recorded["style"], recorded["train"]["min_lr_ratio"], recorded["train"]["grad_clip"]) == ("gpt2", 1.0, 0.0)
 
 
 def test_torch_init_draws_embeddings_from_a_unit_normal_and_matrices_within_their_fan_in_bound():
@@ -52,10 +53,10 @@ def test_torch_init_draws_embeddings_from_a_unit_normal_and_matrices_within_thei
     attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
     for weight, fan_in in ((attn.W_Q, 64), (attn.W_O, 64), (mlp.W_in, 64), (mlp.W_out, mlp.W_out.shape[0])):
         assert float(weight.abs().max()) <= fan_in ** -0.5 and float(weight.abs().max()) > 0.9 * fan_in ** -0.5
-    default = build_model(TaskSettings(**{**settings.__dict__, "init": "massive_lm"}))
+    default = build_model(replace(settings, init="massive_lm"))
     assert float(default.W_E.std()) < 0.05  # MassiveLM's own N(0, 0.02)
     with pytest.raises(MassiveLensError, match="init=.xavier. .one of massive_lm, torch"):
-        build_model(TaskSettings(**{**settings.__dict__, "init": "xavier"}))
+        build_model(replace(settings, init="xavier"))
 
 
 def test_evaluate_reads_the_sink_mass_from_the_pattern_and_leaves_the_mode():
@@ -93,12 +94,12 @@ def test_sink_step_is_the_first_evaluation_above_the_threshold():
 
 def test_grid_gives_seeds_0_and_1_to_every_setting_first_and_resumes(tmp_path):
     runs = grid_settings(seeds=[2, 0, 1])
-    first_late = next(i for i, s in enumerate(runs) if s.seed >= 2)
-    assert {(s.task, s.name) for s in runs[:first_late] if s.seed == 1} == {(s.task, s.name) for s in runs
-                                                                           if s.seed == 2}
-    assert all(s.seed < 2 for s in runs[:first_late]) and len(runs) == 3 * len(TASK_SETTINGS) * len(SETTINGS)
+    first_late = next(i for i, s in enumerate(runs) if s.train.seed >= 2)
+    assert {(s.task, s.name) for s in runs[:first_late] if s.train.seed == 1} == {(s.task, s.name) for s in runs
+                                                                                 if s.train.seed == 2}
+    assert all(s.train.seed < 2 for s in runs[:first_late]) and len(runs) == 3 * len(TASK_SETTINGS) * len(SETTINGS)
     small = [s for s in grid_settings(seeds=[0], tasks=SMALL, **TINY) if s.name in ("softmax-pre", "relu-pre")]
-    small = [TaskSettings(**{**s.__dict__, "task_options": dict(seq_len=8)}) for s in small]
+    small = [replace(s, task_options=dict(seq_len=8)) for s in small]
     assert run_grid(tmp_path, small[:2]) == 2
     assert [s.name for s in pending(tmp_path, small)] == [s.name for s in small[2:]]
     assert run_grid(tmp_path, small) == len(small) - 2  # the finished ones are skipped
@@ -117,7 +118,7 @@ def test_the_page_states_only_differences_whose_interval_excludes_zero():
 
 def test_the_page_is_regenerated_from_the_runs_and_check_sees_a_stale_one(tmp_path):
     for s in grid_settings(seeds=[0, 1], tasks=SMALL, settings=[("softmax", "pre"), ("relu", "pre")], **TINY):
-        train_task(TaskSettings(**{**s.__dict__, "task_options": dict(seq_len=8)}), run_folder(tmp_path / "runs", s))
+        train_task(replace(s, task_options=dict(seq_len=8)), run_folder(tmp_path / "runs", s))
     page = tmp_path / "page.md"
     page.write_text(PAGE)
     assert write_page(tmp_path / "runs", page, check=True) == 1
