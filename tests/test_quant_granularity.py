@@ -187,6 +187,7 @@ def test_sink_predictor_correlates_per_layer(tmp_path):
     assert load(p.save(tmp_path / "p")).summary() == p.summary()
 
 
+@pytest.mark.heavy  # a (small) report
 def test_the_report_quantization_section_leads_with_granularity(tmp_path):
     from massive_lens.report import write_report
 
