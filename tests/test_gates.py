@@ -113,8 +113,11 @@ def test_gate_sites_and_refusals():
     assert gate_sites(ModelView(_gated())) == (HEAD_WISE, [0, 1])
     with pytest.raises(MassiveLensError, match="no output gate"):
         gate_census(tiny_model("llama"), "Hello.")
-    with pytest.raises(MassiveLensError, match="threshold"):
-        gate_census(_gated(), "Hello.", threshold=0.0)
+    with pytest.raises(MassiveLensError, match="no output gate"):
+        gate_sites(ModelView(tiny_model("llama")), required=True)
+    for bad in (0.0, 1.0, float("nan")):  # the open interval (0, 1), core.checks' number rule
+        with pytest.raises(MassiveLensError, match=r"threshold \(a gate value\) must be a"):
+            gate_census(_gated(), "Hello.", threshold=bad)
 
 
 def test_threshold_and_round_trip(tmp_path, qwen3_next):

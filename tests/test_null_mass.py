@@ -133,8 +133,11 @@ def test_refusals():
     with pytest.raises(MassiveLensError, match="no null slot.*sink_attention"):
         null_mass(tiny_model("llama"), "Hello.")
     model, _ = _gpt_oss(1.0)
-    with pytest.raises(MassiveLensError, match="threshold"):
-        null_mass(model, "Hello.", threshold=1.5)
+    for bad in (0.0, 1.0, 1.5, float("inf")):  # the open interval (0, 1), core.checks' number rule
+        with pytest.raises(MassiveLensError, match=r"threshold \(an attention share\) must be a"):
+            null_mass(model, "Hello.", threshold=bad)
+    with pytest.raises(MassiveLensError, match="no null slot.*sink_attention"):
+        off_switch_layers(ModelView(tiny_model("llama")), required=True)
     with pytest.raises(MassiveLensError, match="trained here.*eager"):
         null_mass(_trained("softmax1"), "Hello.", attention="lse")
 

@@ -80,8 +80,9 @@ class GateCensus(Result):
         return ax
 
 
-def gate_sites(view: ModelView) -> tuple[str, list[int]]:
-    """The gate's form and the layers that have one (``("", [])``: no gated attention).
+def gate_sites(view: ModelView, *, required: bool = False) -> tuple[str, list[int]]:
+    """The gate's form and the layers that have one (``("", [])``: no gated attention; with ``required``,
+    a MassiveLensError saying so).
 
     >>> from massive_lens import tiny_model
     >>> gate_sites(ModelView(tiny_model("qwen3_next")))
@@ -92,6 +93,10 @@ def gate_sites(view: ModelView) -> tuple[str, list[int]]:
         if layers:
             return kind, layers
     layers = [layer for layer in range(view.n_layers) if _variant_gate(view, layer) is not None]
+    if required and not layers:
+        raise MassiveLensError(f"{view.name}: its attention has no output gate (no attn.hook_q_gate or attn.hook_gate "
+                               "hook, no gated variant), so there is nothing to count; see null_mass for a sink "
+                               "logit or slot")
     return (HEAD_WISE, layers) if layers else ("", [])
 
 
@@ -123,15 +128,9 @@ def gate_census(model: Any, text: str | Sequence[str] | Tensor, *, threshold: fl
     >>> census.to_frame().layer.unique().tolist(), 0 <= census.shut_share <= 1
     ([3], True)
     """
-    threshold = as_number(threshold, "threshold", above=0)
-    if not 0 < threshold < 1:
-        raise MassiveLensError(f"threshold is a gate value in (0, 1), got {threshold}")
+    threshold = as_number(threshold, "threshold (a gate value)", above=0, below=1)
     view = ModelView(model)
-    kind, layers = gate_sites(view)
-    if not layers:
-        raise MassiveLensError(f"{view.name}: its attention has no output gate (no attn.hook_q_gate or attn.hook_gate "
-                               "hook, no gated variant), so there is nothing to count; see null_mass for a sink "
-                               "logit or slot")
+    kind, layers = gate_sites(view, required=True)
     batch = view.tokenize(text)
     gates: dict[int, Tensor] = {}
     n_heads = int(view.model.cfg.n_heads)

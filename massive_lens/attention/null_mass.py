@@ -39,11 +39,12 @@ SINK_LOGIT = "sink logit (s_aux)"  # a Hugging Face attention with a learned sin
 COLUMNS = ["layer", "head", "null_mass", "first_mass", "first_token_mass", "sink_logit"]
 
 
-def off_switch_layers(view: ModelView) -> tuple[str, dict[int, Tensor | None]]:
+def off_switch_layers(view: ModelView, *, required: bool = False) -> tuple[str, dict[int, Tensor | None]]:
     """Which kind of null slot ``view``'s attention has, and per attention layer the sink logit per
     head (``[head]``, float32; None where the slot's logit depends on the query: a learned key);
-    ``("", {})`` where it has none. Kinds: :data:`SINK_LOGIT` (a Hugging Face attention module
-    with a ``sinks`` parameter, one per head: gpt-oss), or the training variant's name.
+    ``("", {})`` where it has none (with ``required``: a MassiveLensError saying so). Kinds:
+    :data:`SINK_LOGIT` (a Hugging Face attention module with a ``sinks`` parameter, one per head:
+    gpt-oss), or the training variant's name.
 
     >>> from massive_lens import tiny_model
     >>> off_switch_layers(ModelView(tiny_model("gpt_oss")))[0]
@@ -65,6 +66,10 @@ def off_switch_layers(view: ModelView) -> tuple[str, dict[int, Tensor | None]]:
         sinks = getattr(hf, "sinks", None)
         if isinstance(sinks, torch.nn.Parameter) and sinks.ndim == 1:
             kind, found[layer] = SINK_LOGIT, sinks.detach().float().cpu()
+    if required and not found:
+        raise MassiveLensError(f"{view.name}: its attention has no null slot (no learned sink logit, no sink slot "
+                               "variant), so every head's weight goes to tokens; use sink_attention for the mass on "
+                               "the first token")
     return kind, found
 
 
@@ -153,15 +158,9 @@ def null_mass(model: Any, text: str | Sequence[str] | Tensor, *, threshold: floa
     >>> bool(((result.to_frame().null_mass > 0) & (result.to_frame().null_mass < 1)).all())
     True
     """
-    threshold = as_number(threshold, "threshold", above=0)
-    if not 0 < threshold < 1:
-        raise MassiveLensError(f"threshold is an attention share in (0, 1), got {threshold}")
+    threshold = as_number(threshold, "threshold (an attention share)", above=0, below=1)
     view = ModelView(model)
-    kind, logits = off_switch_layers(view)
-    if not logits:
-        raise MassiveLensError(f"{view.name}: its attention has no null slot (no learned sink logit, no sink slot "
-                               "variant), so every head's weight goes to tokens; use sink_attention for the mass on "
-                               "the first token")
+    kind, logits = off_switch_layers(view, required=True)
     batch = view.tokenize(text)
     slots = kind != SINK_LOGIT
     path = EAGER if slots else choose_path(view, attention)

@@ -27,9 +27,10 @@ from massive_lens.errors import MassiveLensError
 __all__ = ["as_int", "as_number", "as_pair", "as_seconds", "full_precision"]
 
 
-def _range(low: float | int | None, high: float | int | None, above: float | int | None) -> str:
+def _range(low: float | int | None, high: float | int | None, above: float | int | None,
+           below: float | int | None = None) -> str:
     parts = ([f"> {above:g}"] if above is not None else []) + ([f">= {low:g}"] if low is not None else []) \
-        + ([f"<= {high:g}"] if high is not None else [])
+        + ([f"<= {high:g}"] if high is not None else []) + ([f"< {below:g}"] if below is not None else [])
     return " and ".join(parts)
 
 
@@ -54,12 +55,16 @@ def as_int(value: Any, name: str, *, low: int | None = None, high: int | None = 
 
 
 def as_number(value: Any, name: str, *, low: float | int | None = None, high: float | int | None = None,
-              above: float | int | None = None, finite: bool = True) -> float:
+              above: float | int | None = None, below: float | int | None = None, finite: bool = True) -> float:
     """``value`` as a ``float``: an int, a float or a numpy number of any width; never a bool, a
-    string or NaN (nor inf with ``finite``), within ``low <= value <= high`` and ``value > above``.
+    string or NaN (nor inf with ``finite``), within ``low <= value <= high`` and ``above < value < below``.
 
     >>> as_number(np.float16(0.25), "share", low=0, high=1)
     0.25
+    >>> as_number(1.0, "threshold", above=0, below=1)
+    Traceback (most recent call last):
+    ...
+    massive_lens.errors.MassiveLensError: threshold must be a number > 0 and < 1, got 1.0
     >>> as_number(float("nan"), "max_seconds")
     Traceback (most recent call last):
     ...
@@ -70,8 +75,9 @@ def as_number(value: Any, name: str, *, low: float | int | None = None, high: fl
     out = float(value)
     if math.isnan(out) or (finite and math.isinf(out)):
         raise MassiveLensError(f"{name} must be a finite number, got {out!r}")
-    if (low is not None and out < low) or (high is not None and out > high) or (above is not None and out <= above):
-        raise MassiveLensError(f"{name} must be a number {_range(low, high, above)}, got {out!r}")
+    if (low is not None and out < low) or (high is not None and out > high) or (above is not None and out <= above) \
+            or (below is not None and out >= below):
+        raise MassiveLensError(f"{name} must be a number {_range(low, high, above, below)}, got {out!r}")
     return out
 
 
