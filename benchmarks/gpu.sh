@@ -19,29 +19,8 @@ set -u
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT=${1:-runs/gpu}
-PY=${PYTHON:-python3}
-HERE=$(cd "$(dirname "$0")/.." && pwd)
-cd "$HERE" || exit 1
-mkdir -p "$OUT"
-export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-printf 'step\texit\tseconds\n' > "$OUT/steps.tsv"
-
-step() {  # step NAME LIMIT_S COMMAND...: run it, log it, record its exit code and time
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    rc=$?
-    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" >> "$OUT/steps.tsv"
-    echo "$name: exit $rc after $(( $(date +%s) - start )) s (log: $OUT/$name.log)"
-}
-
-{
-    date -u +%FT%TZ
-    [ "$DRY" = 1 ] && echo "dry run (CPU, tiny sizes): the numbers measure nothing"
-    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
-} > "$OUT/env.txt" 2>&1
+DRY_NOTE="dry run (CPU, tiny sizes)"
+. "$(dirname "$0")/gpu_steps.sh"  # cd to the repository root, PY, env.txt, steps.tsv, step, finish
 
 if [ "$DRY" = 1 ]; then
     step bench 60 $PY -m benchmarks --models tiny-llama --areas origin --repeats 1 --no-memory \
@@ -64,5 +43,4 @@ else
     fi
     step scratch 150 $PY scripts/gpu_scratch.py train "$TOKENS" --out "$OUT/scratch" --budget-s 100
 fi
-echo "results: $OUT"
-! grep -qv -P '\t0\t|^step\t' "$OUT/steps.tsv"  # exit 1 when any step failed
+finish  # exit 1 when any step failed

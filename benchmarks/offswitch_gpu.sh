@@ -21,31 +21,10 @@ set -u
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT=${1:-runs/offswitch_gpu}
-PY=${PYTHON:-python3}
 GPTOSS=${GPTOSS:-openai/gpt-oss-20b}
 GATED=${GATED:-Qwen/Qwen3-Next-80B-A3B-Instruct}
-HERE=$(cd "$(dirname "$0")/.." && pwd)
-cd "$HERE" || exit 1
-mkdir -p "$OUT"
-export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-printf 'step\texit\tseconds\n' > "$OUT/steps.tsv"
-
-step() {  # step NAME LIMIT_S COMMAND...: run it, log it, record its exit code and time
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    rc=$?
-    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" >> "$OUT/steps.tsv"
-    echo "$name: exit $rc after $(( $(date +%s) - start )) s (log: $OUT/$name.log)"
-}
-
-{
-    date -u +%FT%TZ
-    [ "$DRY" = 1 ] && echo "dry run (CPU, tiny random models): the numbers measure nothing"
-    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
-} > "$OUT/env.txt" 2>&1
+DRY_NOTE="dry run (CPU, tiny random models)"
+. "$(dirname "$0")/gpu_steps.sh"  # cd to the repository root, PY, env.txt, steps.tsv, step, finish
 
 if [ "$DRY" = 1 ]; then
     step gptoss 120 $PY -m massive_lens.cli offswitch --model tiny:gpt_oss --no-precision --out "$OUT/gptoss.md"
@@ -58,5 +37,4 @@ else
 fi
 step page 10 sh -c "{ echo '# The off-switch protocol on a GPU'; echo; cat '$OUT/env.txt'; echo; \
     cat '$OUT/gptoss.md' '$OUT/gated.md'; } > '$OUT/offswitch_gpu.md'"
-echo "results: $OUT"
-! grep -qv -P '\t0\t|^step\t' "$OUT/steps.tsv"  # exit 1 when any step failed
+finish  # exit 1 when any step failed
