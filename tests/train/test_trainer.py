@@ -54,6 +54,18 @@ def test_resuming_with_another_configuration_raises(tmp_path):
         train_model("smoke", out_dir=tmp_path, progress=False, **{**TINY, "steps": 3, "lr": 1.0})
 
 
+def test_grad_clip_zero_leaves_the_gradients_unclipped():
+    """grad_clip=0 (what the sink tasks' paper setting uses) trains as a clip no gradient reaches, and is
+    recorded with the same gradient norms (was refused)."""
+    cfg = {**TINY, "steps": 3, "lr": 1e-2}
+    off, huge = (train_model("smoke", progress=False, grad_clip=c, **cfg) for c in (0.0, 1e9))
+    tight = train_model("smoke", progress=False, grad_clip=1e-3, **cfg)
+    pd.testing.assert_series_equal(off.to_frame()["grad_norm"], huge.to_frame()["grad_norm"])
+    for (name, a), b in zip(off.model.state_dict().items(), huge.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    assert not torch.equal(off.model.W_E, tight.model.W_E)  # a clip that bites changes the weights
+
+
 def test_batches_depend_only_on_seed_and_step_and_start_with_bos():
     stream = torch.arange(1000)
     a = sample_batch(stream, 4, 8, bos=-1, seed=3, step=7)
