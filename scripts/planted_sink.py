@@ -32,6 +32,8 @@ from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import force_self_attention, planted_writers, shift_rotary_position, sink_strength
 
+WRITER_COLUMNS = ["layer", "head", "sink_mass", "logit", "dominant", "dominant_share", "runner_up", "runner_up_share",
+                  "check"]  # what summary.json keeps of the planted writer split (the page reads logit and check)
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
 CLAIM_RANGE = (0.47, 0.84)
 EARLY_SHARE = 0.9
@@ -227,8 +229,7 @@ def main() -> None:
                                 .reset_index().to_dict("records") if len(planted_m) else []),
         trace_births=records(events, born, kind="birth", model_state="planted"),
         trace_births_first_token_untouched=records(events, born, kind="birth", model_state="untouched"),
-        writers_planted=records(pw, ["layer", "head", "sink_mass", "dominant", "dominant_share", "runner_up",
-                                     "runner_up_share"]),
+        writers_planted=records(pw, WRITER_COLUMNS),
         seconds=round(time.time() - t0, 1),
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
@@ -258,8 +259,7 @@ def writers_only(args: argparse.Namespace) -> None:
     w.insert(0, "model_state", "planted")
     saved = pd.read_csv(out / "writers.csv")
     pd.concat([saved[saved["model_state"] != "planted"], w]).to_csv(out / "writers.csv", index=False)
-    summary["writers_planted"] = w[["layer", "head", "sink_mass", "logit", "dominant", "dominant_share",
-                                    "runner_up", "runner_up_share", "check"]].to_dict("records")
+    summary["writers_planted"] = w[WRITER_COLUMNS].to_dict("records")
     summary["writers_run"] = dict(dtype=args.dtype, detail_seqs=len(detail), birth_layer=birth,
                                   seconds=round(time.time() - t0, 1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
