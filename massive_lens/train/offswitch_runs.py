@@ -111,7 +111,14 @@ def _first_head_max(model: torch.nn.Module, tokens: torch.Tensor) -> float:
 
 def where_table(frame: pd.DataFrame) -> str:
     """The sink-task page's row per setting: seeds, where idle attention goes (counts), and the
-    largest null and first-token mass of a head (mean and range over seeds), as Markdown."""
+    largest null and first-token mass of a head (mean and range over seeds), as Markdown.
+
+    Args:
+        frame: :func:`offswitch_task_runs`' table, a row per run.
+
+    Returns:
+        A Markdown table, a row per setting.
+    """
     lines = ["| setting | seeds | idle attention goes to | largest null mass of a head | largest first-token mass "
              "of a head | largest share of shut gates | residual peak | float16 | retrained vs recorded |",
              "|---|---|---|---|---|---|---|---|---|"]

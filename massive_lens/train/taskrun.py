@@ -116,8 +116,21 @@ class TaskSettings:
 
     @classmethod
     def of(cls, task: str, **knobs: Any) -> TaskSettings:
-        """Settings from flat knobs: this class's fields and :data:`TRAIN_KNOBS` (set on :data:`TASK_TRAIN`);
-        a knob that is neither, or a bad count or rate among the latter, is a MassiveLensError."""
+        """Settings from flat knobs: this class's fields and :data:`TRAIN_KNOBS` (set on :data:`TASK_TRAIN`).
+
+        Args:
+            task: the task's name (one of :data:`~massive_lens.train.tasks.TASKS`).
+            **knobs: this class's other fields and any of :data:`TRAIN_KNOBS`, flat.
+
+        Returns:
+            The settings, the training knobs held once, in ``train``.
+
+        Raises:
+            MassiveLensError: a knob that is neither a field nor a training knob, or a bad count or rate.
+
+        >>> TaskSettings.of("trigger_conditional", seed=3).train.seed
+        3
+        """
         schedule = {k: knobs.pop(k) for k in TRAIN_KNOBS if k in knobs}
         unknown = sorted(set(knobs) - {f.name for f in fields(cls)} | ({"train"} & set(knobs)))
         if unknown:
@@ -135,8 +148,21 @@ class TaskSettings:
 
     @classmethod
     def from_dict(cls, stored: dict[str, Any]) -> TaskSettings:
-        """Settings as :meth:`to_dict` wrote them, or flat as records before :data:`SETTINGS_FORMAT` 2 did; an
-        unknown format or field is a MassiveLensError."""
+        """Settings as :meth:`to_dict` wrote them, or flat as records before :data:`SETTINGS_FORMAT` 2 did.
+
+        Args:
+            stored: the ``settings`` of a ``result.json``.
+
+        Returns:
+            The settings.
+
+        Raises:
+            MassiveLensError: not a dict naming a task, an unknown format or an unknown field.
+
+        >>> s = TaskSettings.of("trigger_conditional", seed=3)
+        >>> TaskSettings.from_dict(s.to_dict()) == s
+        True
+        """
         if not isinstance(stored, dict) or "task" not in stored:
             raise MassiveLensError(f"sink-task settings must be a dict naming a task, got {stored!r}")
         raw = dict(stored)
