@@ -8,6 +8,8 @@ import torch
 from helpers import untouched
 
 from massive_lens import MassiveLensError, tiny_model
+from massive_lens.attention.census import sink_census
+from massive_lens.attention.mass import sink_attention
 from massive_lens.attention.null_mass import SINK_LOGIT, null_mass, off_switch_layers
 from massive_lens.core.model_view import ModelView
 from massive_lens.models import byte_tokenizer, wrap_hf_model
@@ -150,3 +152,57 @@ def test_result_round_trip(tmp_path):
     back = massive_lens.load(result.save(tmp_path / "null"))
     assert back.to_frame().equals(result.to_frame()) and back.summary() == result.summary()
     assert "null mass" in result.summary() and result.plot() is not None
+
+
+def _per_head(frame) -> torch.Tensor:
+    return torch.tensor(frame.sort_values(["layer", "head"]).null_mass.to_numpy(), dtype=torch.float32)
+
+
+def _per_layer(census) -> torch.Tensor:
+    return torch.tensor(census.by_layer.drop_duplicates("layer").sort_values("layer").null_mass.to_numpy())
+
+
+@pytest.mark.parametrize("model_of", ["gpt_oss", "learned_sink"])
+def test_sink_attention_and_census_carry_null_mass(gpt_oss, model_of):
+    """Where the attention has a null slot, sink_attention's table gains null_mass per layer and head
+    and sink_census's by_layer its mean over heads: null_mass()'s numbers, on every path, and the
+    eager and LSE paths agree (the eager pattern misses exactly the sink's weight)."""
+    model = gpt_oss[0] if model_of == "gpt_oss" else _trained("learned_sink")
+    paths = ["eager", "lse"] if model_of == "gpt_oss" else ["eager"]
+    seen = {}
+    for path in paths:
+        want = null_mass(model, TEXTS, attention=path).to_frame()
+        with untouched(model):
+            mass = sink_attention(model, TEXTS, attention=path)
+            census = sink_census(model, TEXTS, attention=path, batch_size=1)  # pooled over two batches
+        assert mass.null_kind == census.null_kind == off_switch_layers(ModelView(model))[0] != ""
+        frame = mass.to_frame()
+        assert list(frame.columns) == ["layer", "head", "sink_mass", "first_token_mass", "null_mass"]
+        assert (_per_head(frame) - _per_head(want)).abs().max() < TOL
+        layer_means = torch.tensor(want.groupby("layer").null_mass.mean().to_numpy())
+        assert (_per_layer(census) - layer_means).abs().max() < TOL
+        assert all(f"null mass ({r.null_kind})" in r.summary() for r in (mass, census))
+        seen[path] = (_per_head(frame), _per_layer(census))
+    if len(seen) == 2:
+        assert all((a - b).abs().max() < TOL for a, b in zip(seen["eager"], seen["lse"], strict=True))
+
+
+@pytest.mark.parametrize("path", ["eager", "lse"])
+def test_no_null_column_without_a_slot(path):
+    """A plain softmax attention: sink_attention's and sink_census's tables and summaries stay as they were."""
+    model = tiny_model("llama")
+    mass = sink_attention(model, TEXTS, attention=path)
+    census = sink_census(model, TEXTS, attention=path)
+    assert list(mass.to_frame().columns) == ["layer", "head", "sink_mass", "first_token_mass"]
+    assert list(census.by_layer.columns) == ["layer", "level", "sinks", "sequences"]
+    assert mass.null_kind == census.null_kind == ""
+    assert "null mass" not in mass.summary() and "null mass" not in census.summary()
+
+
+def test_null_columns_round_trip(gpt_oss, tmp_path):
+    import massive_lens
+
+    model = gpt_oss[0]
+    for name, result in (("mass", sink_attention(model, TEXTS)), ("census", sink_census(model, TEXTS))):
+        back = massive_lens.load(result.save(tmp_path / name))
+        assert back.null_kind == result.null_kind and back.summary() == result.summary()

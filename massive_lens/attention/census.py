@@ -37,6 +37,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from massive_lens.attention.null_mass import NullReader
 from massive_lens.core.attention_pass import PassLayer, attention_pass
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import sequences
@@ -67,7 +68,10 @@ class SinkCensus(Result):
     NaN at layer 0), ``neuron`` (that MLP's neuron writing most there; -1 when the MLP has no
     per-neuron weights), ``in_rule`` (the sink rule counts it). ``.by_kind``: per token kind
     over the sequences, how often it became a secondary sink and at which layers; ``.by_layer``:
-    per layer and level, the sinks acting there. ``attention``: ``"lse"`` (each key's attention
+    per layer and level, the sinks acting there, and, only where the attention has a null slot
+    (``null_kind``: a learned sink logit or a trained slot variant), ``null_mass``: that layer's mean
+    over heads of :func:`~massive_lens.attention.null_mass.null_mass` (the real queries after the
+    first token, over all sequences). ``attention``: ``"lse"`` (each key's attention
     from q, k and the SDPA kernel's log-sum-exp, no pattern) or ``"eager"`` (the pattern).
     ``dependence``: a :class:`~massive_lens.interventions.dependence.SinkDependence` attached with
     :meth:`with_dependence` (None: not measured, and the summary says so: a head's attention to
@@ -84,6 +88,7 @@ class SinkCensus(Result):
     min_layers: int = 2
     attention: str = EAGER
     dependence: Result | None = None
+    null_kind: str = ""  # the attention's null slot ("": none, and no null_mass column)
 
     def to_frame(self) -> pd.DataFrame:
         return self.frame.copy()
@@ -139,6 +144,10 @@ class SinkCensus(Result):
             parts.append("no secondary sinks")
         n_tr = int((f["level"] == "transient").sum())
         parts.append(f"{n_tr} transient (sink-like attention in fewer than {self.min_layers} layers)")
+        if self.null_kind:
+            null = self.by_layer.drop_duplicates("layer").set_index("layer")["null_mass"]
+            parts.append(f"null mass ({self.null_kind}) mean over heads and layers {null.mean():.2f}, highest at "
+                         f"layer {int(null.idxmax())} ({null.max():.2f})")
         text = (f"{self.model_name}, {self.n_seqs} sequence(s), sink = a head gives it > {self.rule.threshold:g} "
                 "of its attention: " + "; ".join(parts) + f" ({path_text(self.attention)})")
         if self.dependence is None:
@@ -320,14 +329,17 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
     rows: list[dict[str, Any]] = []
     kind_seqs = torch.zeros(len(TOKEN_KINDS))
-    seq0 = 0
+    seq0, null_sums, n_null = 0, {}, 0.0
     for batch in whole.split(batch_size):
         evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-        tally = _Tally(view, batch, rule, evidence)
-        hooks = tally.hooks()
+        tally, nulls = _Tally(view, batch, rule, evidence), NullReader(view, path)
+        hooks = tally.hooks() + nulls.hooks()
         # the tally's residual norms at every layer are the overflow check (NaN or inf reach them)
-        attention_pass(view, batch, tally.attention, path=path, band=True, evidence=evidence, hooks=hooks,
+        attention_pass(view, batch, partial(_take, tally=tally, nulls=nulls), path=path, band=True,
+                       evidence=evidence, hooks=hooks,
                        stop_after=view.hook_name(view.n_layers - 1, "resid_post"), check_finite=False)
+        sums, n = nulls.head_sums(batch.mask)  # the null slot's mass, pooled over the batches
+        null_sums, n_null = {lay: null_sums.get(lay, 0) + s for lay, s in sums.items()}, n_null + float(n)
         tally.check_finite()
         kinds = view.token_kinds(batch)
         present = torch.zeros(len(batch.tokens), len(TOKEN_KINDS), dtype=torch.bool)
@@ -338,9 +350,18 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         del tally, evidence, hooks
         trim_allocator()  # a pass's freed activations do not pile up as resident memory
     frame = pd.DataFrame(rows, columns=COLUMNS)
-    return SinkCensus(frame=frame, by_kind=_by_kind(frame, kind_seqs), by_layer=_by_layer(frame, view.n_layers),
+    by_layer = _by_layer(frame, view.n_layers)
+    if nulls.kind:  # the attention's own off-switch, per layer: the mean over heads of null_mass's numbers
+        null = {lay: float((s / max(n_null, 1.0)).mean()) for lay, s in null_sums.items()}
+        by_layer["null_mass"] = [null.get(lay, float("nan")) for lay in by_layer.layer]
+    return SinkCensus(frame=frame, by_kind=_by_kind(frame, kind_seqs), by_layer=by_layer,
                       model_name=view.name, n_seqs=seq0, n_layers=view.n_layers, rule=rule, min_layers=min_layers,
-                      attention=path)
+                      attention=path, null_kind=nulls.kind)
+
+
+def _take(at: PassLayer, *, tally: _Tally, nulls: NullReader) -> None:
+    tally.attention(at)
+    nulls.take(at)
 
 
 def _by_kind(frame: pd.DataFrame, kind_seqs: Tensor) -> pd.DataFrame:

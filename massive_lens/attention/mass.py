@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pandas as pd
 import torch
 from torch import Tensor
 
+from massive_lens.attention.null_mass import NullReader
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_pass
 from massive_lens.core.checks import as_number
@@ -25,8 +27,12 @@ from massive_lens.errors import MassiveLensError
 class SinkAttention(Result):
     """Per layer and head: ``sink_mass`` (mean attention of non-sink queries to the sinks)
     and ``first_token_mass`` (mean attention of the first 64 queries to the first token, Gu et al.).
-    ``to_frame()`` columns: ``layer``, ``head``, ``sink_mass``, ``first_token_mass``. ``attention``:
-    ``"lse"`` (from q, k and the SDPA kernel's log-sum-exp) or ``"eager"`` (the pattern)."""
+    ``to_frame()`` columns: ``layer``, ``head``, ``sink_mass``, ``first_token_mass`` and, only where
+    the attention has a null slot (``null_kind``: a learned sink logit, gpt-oss's ``s_aux``, or a
+    trained slot variant; :func:`~massive_lens.attention.null_mass.off_switch_layers`), ``null_mass``:
+    the mean attention of the real queries after the first token to the slot, as
+    :func:`~massive_lens.attention.null_mass.null_mass` reports it. ``attention``: ``"lse"`` (from q,
+    k and the SDPA kernel's log-sum-exp) or ``"eager"`` (the pattern)."""
 
     frame: pd.DataFrame
     threshold: float
@@ -35,6 +41,7 @@ class SinkAttention(Result):
     n_texts: int
     sinks: SinkSet | None = None  # the positions treated as sinks
     attention: str = EAGER  # how attention was read: "lse" or "eager"
+    null_kind: str = ""  # the attention's null slot ("": none, and no null_mass column)
 
     @property
     def sink_metric(self) -> float:
@@ -52,7 +59,13 @@ class SinkAttention(Result):
                 f"{self.sink_metric:.0%} of heads put > {self.threshold:g} of their attention on the "
                 f"first token; mean sink mass over all heads {self.frame['sink_mass'].mean():.2f}; "
                 "highest layers " + ", ".join(f"{int(k)} ({v:.2f})" for k, v in top.items())
-                + f"; {path_text(self.attention)}")
+                + self._null_text() + f"; {path_text(self.attention)}")
+
+    def _null_text(self) -> str:
+        if not self.null_kind:
+            return ""
+        null = self.frame["null_mass"]
+        return f"; null mass ({self.null_kind}) mean over heads {null.mean():.2f}, max {null.max():.2f}"
 
     def plot(self, ax: Any = None) -> Any:
         """Sink mass per layer: mean over heads, with the min-max range of heads."""
@@ -103,15 +116,26 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
     # this same pass, every position that could turn out to be one (a sink elsewhere costs a second pass)
     at = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
     columns = torch.tensor(sorted({0, *at.tolist()}), dtype=torch.long)  # column 0: the first token
-    tally = _ColumnMass(batch.mask, columns)
+    tally, nulls = _ColumnMass(batch.mask, columns), NullReader(view, path)
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None
-    attention_pass(view, batch, tally.add, path=path, columns=columns, evidence=evidence)
+    attention_pass(view, batch, partial(_take, tally=tally, nulls=nulls), path=path, columns=columns,
+                   evidence=evidence, hooks=nulls.hooks())
     found = given if evidence is None else sinks_from(evidence, view.token_kinds(batch), path)
     if given is None and not bool(found.mask[:, columns].sum() == found.mask.sum()):
         return sink_attention(model, text, sinks=found, threshold=threshold, attention=path)  # a sink elsewhere
     frame = tally.frame(found.mask)
+    if nulls.kind:  # the attention's own off-switch: its mass beside the sinks'
+        sums, n = nulls.head_sums(batch.mask)
+        null = {layer: (s / n.clamp(min=1)).tolist() for layer, s in sums.items()}
+        frame["null_mass"] = [null[lay][h] if lay in null else float("nan")
+                              for lay, h in zip(frame["layer"], frame["head"], strict=True)]
     return SinkAttention(frame=frame, threshold=threshold, sink_source=found.source, model_name=view.name,
-                         n_texts=len(batch.tokens), sinks=found, attention=path)
+                         n_texts=len(batch.tokens), sinks=found, attention=path, null_kind=nulls.kind)
+
+
+def _take(at: PassLayer, *, tally: _ColumnMass, nulls: NullReader) -> None:
+    tally.add(at)
+    nulls.take(at)
 
 
 class _ColumnMass:

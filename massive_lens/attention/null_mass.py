@@ -21,15 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pandas as pd
 import torch
 from torch import Tensor
 
+from massive_lens.core.attention_pass import PassLayer, attention_pass
 from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, first_token_mass, sink_metric
-from massive_lens.core.lse import EAGER, LSE, LayerAttention, choose_path, lse_run, path_text
+from massive_lens.core.lse import EAGER, LSE, choose_path, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -167,72 +169,79 @@ def null_mass(model: Any, text: str | Sequence[str] | Tensor, *, threshold: floa
     if slots and attention == LSE:
         raise MassiveLensError(f"{view.name} is a model trained here: it computes its own attention, so there is no "
                                "fused kernel's log-sum-exp to read; use attention='eager' or 'auto'")
-    tally = _Tally(batch.mask)
-    if path == LSE:
-        def from_lse(att: LayerAttention) -> None:
-            null = att.null_mass
-            tally.add(att.layer, att.columns([0])[..., 0], torch.zeros_like(att.lse) if null is None else null)
+    reader, first = NullReader(view, path), {}
 
-        with lse_run(view, from_lse):
-            view.forward(batch, [], stop_after=view.hook_name(max(logits), "attn.hook_out")
-                         if view.has_hook(max(logits), "attn.hook_out") else None)
-    else:
-        hooks = []
-        for layer in logits:
-            hooks.append((view.hook_name(layer, "attn.hook_pattern"), _pattern_hook(tally, layer, slots)))
-            if slots:
-                hooks.append((view.hook_name(layer, "attn.hook_slot_pattern"), _slot_hook(tally, layer)))
-        view.forward(batch, hooks, stop_after=hooks[-1][0])
-    frame = tally.frame(logits)
+    def on_layer(at: PassLayer) -> None:
+        first[at.layer] = at.cols[..., 0].detach().float().cpu()
+        reader.take(at)
+
+    last = max(logits)
+    attention_pass(view, batch, on_layer, path=path, columns=[0], layers=logits, hooks=reader.hooks(),
+                   stop_after=view.hook_name(last, "resid_post") if view.has_hook(last, "resid_post") else None)
+    frame = _frame(first, reader, batch.mask)
     return NullMass(frame=frame, kind=kind, threshold=threshold, model_name=view.name,
                     n_texts=len(batch.tokens), attention=path)
 
 
-class _Tally:
-    """Per layer, each head's first-token weight and null weight ``[batch head query]``."""
+class NullReader:
+    """Each null-slot layer's null weight ``null[layer] [batch head query]`` (the attention each
+    query gives to the slot), read in an attention pass (:func:`~massive_lens.core.attention_pass.attention_pass`:
+    pass it ``hooks=reader.hooks()`` and hand it every layer, ``reader.take(at)``): on the LSE path
+    the kernel's ``exp(s - LSE')`` (``PassLayer.null``); on the eager path one minus the pattern's
+    keys' weights (a sink logit: transformers' eager attention drops the sink's column after the
+    softmax) or the slots' weights (``attn.hook_slot_pattern``). ``kind`` and ``logits``: as
+    :func:`off_switch_layers` (``""``: no null slot, and the reader reads nothing).
 
-    def __init__(self, valid: Tensor):
-        self.valid = valid
-        self.first: dict[int, Tensor] = {}
+    >>> from massive_lens import tiny_model
+    >>> NullReader(ModelView(tiny_model("llama")), "eager").kind
+    ''
+    """
+
+    def __init__(self, view: ModelView, path: str):
+        self.view, self.path = view, path
+        self.kind, self.logits = off_switch_layers(view)
         self.null: dict[int, Tensor] = {}
 
-    def add(self, layer: int, first: Tensor | None, null: Tensor | None) -> None:
-        if first is not None:
-            self.first[layer] = first.detach().float().cpu()
-        if null is not None:
-            self.null[layer] = null.detach().float().cpu()
+    def hooks(self) -> list[tuple[str, Any]]:
+        """The eager path's hooks (none on the LSE path, or without a null slot)."""
+        if not self.kind or self.path == LSE:
+            return []
+        slots = self.kind != SINK_LOGIT
+        point = "attn.hook_slot_pattern" if slots else "attn.hook_pattern"
+        return [(self.view.hook_name(layer, point), partial(_read, reader=self, layer=layer, slots=slots))
+                for layer in self.logits]
 
-    def frame(self, logits: dict[int, Tensor | None]) -> pd.DataFrame:
-        after = self.valid.clone().float()
+    def take(self, at: PassLayer) -> None:
+        """One layer of the pass: on the LSE path its null weight (zero where no sink logit reached the kernel)."""
+        if self.path == LSE and at.layer in self.logits:
+            null = at.null if at.null is not None else torch.zeros(at.shape[:3])
+            self.null[at.layer] = null.detach().float().cpu()
+
+    def head_sums(self, valid: Tensor) -> tuple[dict[int, Tensor], Tensor]:
+        """Per layer each head's null weight summed over the real queries after the first token
+        (``valid [batch pos]``), and how many queries that is: their ratio is ``null_mass``."""
+        after = valid.clone().float()
         after[:, 0] = 0.0  # the queries after the first token
-        n = after.sum().clamp(min=1)
-        rows = []
-        for layer in sorted(logits):
-            first, null = self.first[layer], self.null[layer]
-            heads = first.shape[1]
-            logit = logits[layer] if logits[layer] is not None else torch.full((heads,), float("nan"))
-            gu = first_token_mass(first[..., None], self.valid)
-            rows.append(pd.DataFrame({
-                "layer": layer, "head": range(heads),
-                "null_mass": (torch.einsum("bhq,bq->h", null, after) / n).numpy(),
-                "first_mass": (torch.einsum("bhq,bq->h", first, after) / n).numpy(),
-                "first_token_mass": gu.numpy(), "sink_logit": logit.numpy()}))
-        return pd.concat(rows, ignore_index=True)[COLUMNS]
+        return {layer: torch.einsum("bhq,bq->h", null, after) for layer, null in sorted(self.null.items())}, after.sum()
 
 
-def _pattern_hook(tally: _Tally, layer: int, slots: bool) -> Any:
-    """Reads the first-token column; without slots (a sink logit) also the null mass, one minus the
-    keys' weights (transformers' eager attention drops the sink's column after the softmax)."""
-
-    def hook(pattern: Tensor, hook: Any) -> None:
-        p = pattern.detach().float()
-        tally.add(layer, p[..., 0], None if slots else (1.0 - p.sum(-1)))
-
-    return hook
+def _read(act: Tensor, hook: Any, *, reader: NullReader, layer: int, slots: bool) -> None:
+    weights = act.detach().float().sum(-1)
+    reader.null[layer] = (weights if slots else 1.0 - weights).cpu()
 
 
-def _slot_hook(tally: _Tally, layer: int) -> Any:
-    def hook(slot_pattern: Tensor, hook: Any) -> None:
-        tally.add(layer, None, slot_pattern.detach().float().sum(-1))
-
-    return hook
+def _frame(first: dict[int, Tensor], reader: NullReader, valid: Tensor) -> pd.DataFrame:
+    """One row per null-slot layer and head (:data:`COLUMNS`)."""
+    sums, n = reader.head_sums(valid)
+    after = valid.clone().float()
+    after[:, 0] = 0.0
+    rows = []
+    for layer in sorted(reader.logits):
+        heads = first[layer].shape[1]
+        logit = reader.logits[layer] if reader.logits[layer] is not None else torch.full((heads,), float("nan"))
+        rows.append(pd.DataFrame({
+            "layer": layer, "head": range(heads), "null_mass": (sums[layer] / n.clamp(min=1)).numpy(),
+            "first_mass": (torch.einsum("bhq,bq->h", first[layer], after) / n.clamp(min=1)).numpy(),
+            "first_token_mass": first_token_mass(first[layer][..., None], valid).numpy(),
+            "sink_logit": logit.numpy()}))
+    return pd.concat(rows, ignore_index=True)[COLUMNS]

@@ -56,7 +56,10 @@ class PassLayer:
     None unless asked); ``z [batch query head d_head]``: the attention applied to the values (the
     eager pattern times ``v``, or the kernel's output); ``z_read``: what the output projection reads
     (``attn.hook_z`` where it fires, else ``z``); ``v [batch key kv_head d_head]``; ``out``: the
-    output hook's activation; ``shape``: the pattern's ``(batch, head, query, key)``."""
+    output hook's activation; ``shape``: the pattern's ``(batch, head, query, key)``; ``null
+    [batch head query]``: on the LSE path, the attention to a learned sink logit
+    (:attr:`~massive_lens.core.lse.LayerAttention.null_mass`; None without one, and on the eager
+    path, whose null mass :class:`~massive_lens.attention.null_mass.NullReader` reads)."""
 
     layer: int
     shape: tuple[int, ...]
@@ -66,6 +69,7 @@ class PassLayer:
     z_read: Tensor | None = None
     v: Tensor | None = None
     out: Tensor | None = None
+    null: Tensor | None = None
 
 
 def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None, *, path: str,
@@ -200,7 +204,8 @@ class _Reader:
         self.pending[att.layer] = PassLayer(
             layer=att.layer, shape=(*att.q.shape[:3], att.k.shape[2]), band=band if self.band else None,
             cols=None if self.cols is None else att.columns(self.cols), z=z if "z" in self.want else None,
-            z_read=z if "z_read" in self.want else None, v=att.v.transpose(1, 2) if "v" in self.want else None)
+            z_read=z if "z_read" in self.want else None, v=att.v.transpose(1, 2) if "v" in self.want else None,
+            null=att.null_mass)
         self._try(att.layer)
 
     def _read_z(self, z: Tensor, hook: Any, *, layer: int) -> None:
