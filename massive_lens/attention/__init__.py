@@ -56,8 +56,8 @@ from massive_lens.attention.dormant import DormantHeads, dormant_heads
 from massive_lens.attention.gates import GateCensus, gate_census
 from massive_lens.attention.kv import SinkKV, sink_kv
 from massive_lens.attention.mass import SinkAttention, sink_attention
-from massive_lens.attention.null_mass import NullMass, null_mass
 from massive_lens.attention.norm_roles import NormRoles, norm_roles
+from massive_lens.attention.null_mass import NullMass, null_mass
 from massive_lens.attention.sinks import find_sinks
 
 __all__ = ["AttentionDecomposition", "DormantHeads", "GateCensus", "NormRoles", "NullMass", "SinkAttention",
