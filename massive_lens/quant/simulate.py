@@ -7,9 +7,7 @@ length of its forward, rotate a writer's output back into the stream's own basis
 the key and value projections' outputs (the KV cache). The residual stream itself stays in the
 original basis, which changes nothing: an RMSNorm without its gain commutes with ``Q``, and a
 sum of rotated writes is the rotated sum. Kept positions (the sinks, or a prefix) are computed
-in full precision throughout: their inputs, their outputs and their keys and values. Each
-rotated, quantized weight is made on its first pass and reused until the hooks come off (a copy
-of the hooked layers' weights, freed then), so a setting's passes and head slices share it.
+in full precision throughout: their inputs, their outputs and their keys and values.
 
 Keys are quantized as ``k_proj`` writes them, before RoPE (as KVQuant does); values as
 ``v_proj`` writes them. Per-head Hadamard rotations of values and keys (QuaRot's online
