@@ -10,11 +10,9 @@ from helpers import hook_count, tiny_lm, untouched
 from massive_lens import load
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import tiny_model
-from massive_lens.quant import LowBitGrid, fake, fake_quantized, lowbit_grid, measure_outliers, quantize_grid
+from massive_lens.quant import LowBitGrid, fake_quantized, lowbit_grid, measure_outliers
 from massive_lens.quant.fake import fake_quant_activation, fake_quant_tokens, fake_quant_weight
 from massive_lens.quant.settings import parse_bits
-from massive_lens.quant.simulate import Simulator
-from massive_lens.quant.sites import linear_sites
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 
@@ -176,41 +174,3 @@ def test_bad_bit_widths_raise(bridge):
         pass
     with pytest.raises(MassiveLensError, match="calibration"), fake_quantized(bridge, a_bits=8):
         pass
-
-
-def test_fake_quantized_quantizes_each_weight_once_and_again_when_it_changes(monkeypatch):
-    model = tiny_lm(n_ctx=64)
-    tokens = model.to_tokens(["Calibration text.", "More of it."])
-    made = []
-    real = fake.fake_quant_weight
-    monkeypatch.setattr(fake, "fake_quant_weight", lambda w, *a: made.append(w.shape) or real(w, *a))
-    n_sites = len(linear_sites(model, False))
-    weight = linear_sites(model, False)[0][1]
-    with untouched(model), fake_quantized(model, w_bits=4, a_bits=8, per_token=True), torch.no_grad():
-        passes = [model(tokens) for _ in range(3)]
-        assert len(made) == n_sites  # made on the first pass, reused by the next two
-        assert all(torch.equal(p, passes[0]) for p in passes)
-        weight.mul_(2)  # a changed weight (new version) is quantized again: as a fresh block would
-        changed = model(tokens)
-        assert len(made) == n_sites + 1
-        weight.div_(2)
-    with torch.no_grad():
-        weight.mul_(2)
-        with fake_quantized(model, w_bits=4, a_bits=8, per_token=True):
-            assert torch.equal(model(tokens), changed)
-        weight.div_(2)
-
-
-def test_a_setting_rotates_and_quantizes_each_weight_once(monkeypatch):
-    made: dict[tuple[int, int], int] = {}
-    real = Simulator._weight
-
-    def counted(sim, site, w):
-        made[id(sim), id(site)] = made.get((id(sim), id(site)), 0) + 1
-        return real(sim, site, w)
-
-    monkeypatch.setattr(Simulator, "_weight", counted)
-    model = tiny_model("llama", num_hidden_layers=2)
-    # 48 positions: the head runs in two slices a sequence; three sequences
-    grid = quantize_grid(model, TEXT, settings=["W4A4", "W4A4+hadamard"], seq_len=48, n_seqs=3, include_head=True)
-    assert len(grid.to_frame()) == 2 and made and set(made.values()) == {1}

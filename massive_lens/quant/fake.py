@@ -299,8 +299,8 @@ def fake_quantized(
     >>> m.blocks[0].mlp.W_in.data_ptr() == original  # the very same tensor is back
     True
 
-    Each weight is swapped for its quantized version only while its module runs; each quantized
-    version is made once and kept for the block (one copy of the linear weights), freed on exit.
+    Each weight is swapped for its quantized version only while its module runs, so the block
+    holds one quantized layer at a time, not a second copy of the model.
 
     Raises:
         MassiveLensError: for a bit width below 2, static activations without ``calibration``,
@@ -325,11 +325,8 @@ def fake_quantized(
             else:
                 act = _static(ranges[i], a_bits) if i in ranges else None
             hooks.append((module, *_weight_swap(weight, in_dims if per_channel else None, w_bits, act)))
-        try:
-            with attached(hooks, [weight for _, weight, _ in sites]):
-                yield model
-        finally:
-            hooks.clear()  # their quantized weights go with them
+        with attached(hooks, [weight for _, weight, _ in sites]):
+            yield model
 
 
 def _observer(ranges: dict[int, list[float]], i: int) -> Any:
@@ -350,19 +347,13 @@ def _static(bounds: list[float], bits: int) -> Any:
 def _weight_swap(weight: nn.Parameter, in_dims: tuple[int, ...] | None, w_bits: int | None, act: Any
                  ) -> tuple[Any, Any]:
     """Hooks that quantize the module's input (``act``, if any) and swap in its quantized weight
-    for the length of its forward, then put the full-precision tensor back. The quantized weight
-    is made on the first pass and reused while the weight is unchanged (same tensor and version)."""
+    for the length of its forward, then put the full-precision tensor back."""
     kept: list[Tensor] = []
-    made: dict[tuple[int, int], Tensor] = {}  # at most one entry: the quantized weight, by its source's stamp
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         kept.append(weight.data)
         if w_bits is not None:
-            stamp = (weight.data_ptr(), weight._version)
-            if stamp not in made:
-                made.clear()
-                made[stamp] = fake_quant_weight(weight.data, in_dims, w_bits)
-            weight.data = made[stamp]
+            weight.data = fake_quant_weight(weight.data, in_dims, w_bits)
         if act is None:
             return None
         if args:

@@ -61,7 +61,7 @@ class Run:
 
     def batches(self, tokens: Tensor) -> list[Tensor]:
         """``tokens`` in the loss's passes (:meth:`~massive_lens.core.loss.NextTokenLoss.batches`):
-        each pass's cost is mostly the activations' quantization (the weights' is made once a setting)."""
+        every pass rotates and quantizes every weight again, so fewer, larger passes are faster."""
         return self.loss.batches(tokens)
 
     def calib_sinks(self) -> Tensor:
@@ -133,14 +133,12 @@ class Run:
             with sim.attached():
                 rotated = self.loss.hidden(x)[0]
             diff, top = 0.0, 0.0
-            with sim.attached():  # attached once, so the rotated head is made once ("off": the head itself)
-                for a in range(0, len(plain), self.loss.step):
-                    b = min(a + self.loss.step, len(plain))
-                    sim.mode = "run"
+            for a in range(0, len(plain), self.loss.step):
+                b = min(a + self.loss.step, len(plain))
+                with sim.attached():
                     mine = self.loss.logits(rotated, a, b).float()
-                    sim.mode = "off"
-                    want = self.loss.logits(plain, a, b).float()
-                    diff, top = max(diff, float((mine - want).abs().max())), max(top, float(want.abs().max()))
+                want = self.loss.logits(plain, a, b).float()
+                diff, top = max(diff, float((mine - want).abs().max())), max(top, float(want.abs().max()))
         return diff / max(top, 1e-12)
 
     def evaluate(self, setting: Setting, bits: Bits, *, exempt: frozenset[int] = frozenset(),

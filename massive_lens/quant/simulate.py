@@ -17,7 +17,6 @@ attention rotations) are not applied.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,13 +85,12 @@ class Seen:
 class Simulator:
     """Hooks that make ``sites`` compute as the rotated, quantized model (module docstring).
 
-    ``mode`` is ``"calibrate"`` (record activation and KV ranges, compute in full precision),
-    ``"run"`` or ``"off"`` (the model itself, hooks idle); ``keep`` is the ``[batch, pos]`` mask of
-    full-precision positions of the next pass; ``exempt`` the indices of sites left in full precision
-    (no hooks); ``site_errors``, when a dict, collects each site's own output error in run mode:
-    ``{index: [sum over tokens of |out - fp out| / |fp out|, tokens]}``, ``fp out`` the layer on the
-    same input with its own weight and input unquantized (per token, so a massive token's large
-    output does not hide the others').
+    ``mode`` is ``"calibrate"`` (record activation and KV ranges, compute in full precision) or
+    ``"run"``; ``keep`` is the ``[batch, pos]`` mask of full-precision positions of the next pass;
+    ``exempt`` the indices of sites left in full precision (no hooks); ``site_errors``, when a dict,
+    collects each site's own output error in run mode: ``{index: [sum over tokens of
+    |out - fp out| / |fp out|, tokens]}``, ``fp out`` the layer on the same input with its own weight
+    and input unquantized (per token, so a massive token's large output does not hide the others').
     """
 
     def __init__(self, sites: list[Site], bits: Bits, residual: Rotation | None = None,
@@ -106,9 +104,6 @@ class Simulator:
         self._n_err = 0
         self.exempt: frozenset[int] = frozenset()
         self.site_errors: dict[int, list[float]] | None = None  # index: [sum of relative errors, tokens]
-        # each site's rotated, quantized weight, made on its first pass and reused by every later one
-        # while attached and the weight unchanged: one model's weights in all, freed on exit
-        self._weights: dict[int, tuple[tuple[int, int], Tensor]] = {}
 
     # ------------------------------------------------------------------ transforms
     def _input(self, site: Site, x: Tensor) -> Tensor:
@@ -170,8 +165,6 @@ class Simulator:
         saved: list[Any] = []
 
         def pre(module: Any, args: tuple, kwargs: dict) -> Any:
-            if self.mode == "off":
-                return None
             key = next(iter(kwargs)) if not args else None
             x = args[0] if args else kwargs[key]
             keep = self._keep(x)
@@ -190,15 +183,10 @@ class Simulator:
                 if site.role == "reader":
                     self._add_error((xq - x_in).float().norm(dim=-1) / x_in.float().norm(dim=-1).clamp(min=1e-12))
             saved.append((site.weight.data, x))
-            stamp = (site.weight.data_ptr(), site.weight._version)  # a changed weight is made again
-            if i not in self._weights or self._weights[i][0] != stamp:
-                self._weights[i] = (stamp, self._weight(site, site.weight.data))
-            site.weight.data = self._weights[i][1]
+            site.weight.data = self._weight(site, site.weight.data)
             return ((xq, *args[1:]), kwargs) if args else (args, {**kwargs, key: xq})
 
         def post(module: Any, args: tuple, out: Tensor) -> Any:
-            if self.mode == "off":
-                return None
             if site.role in ("down", "plain"):  # once a layer: freed temporaries leave the process
                 trim_allocator()
             if self.mode == "calibrate":
@@ -240,13 +228,8 @@ class Simulator:
             self.seen.errors.append(self._err / self._n_err)
         self._err, self._n_err = None, 0
 
-    @contextlib.contextmanager
-    def attached(self) -> Iterator[None]:
-        """The hooks on every site for the block; hooks removed, weights put back and the cached
-        quantized weights freed on every exit (:func:`~massive_lens.quant.fake.attached`)."""
-        try:
-            with attached([(site.module, *self._hooks(i, site)) for i, site in enumerate(self.sites)
-                           if i not in self.exempt], [site.weight for site in self.sites]):
-                yield
-        finally:
-            self._weights.clear()
+    def attached(self) -> contextlib.AbstractContextManager[None]:
+        """The hooks on every site for the block; hooks removed and weights put back on every exit
+        (:func:`~massive_lens.quant.fake.attached`)."""
+        return attached([(site.module, *self._hooks(i, site)) for i, site in enumerate(self.sites)
+                         if i not in self.exempt], [site.weight for site in self.sites])
