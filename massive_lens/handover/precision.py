@@ -294,7 +294,7 @@ def precision_check(
             or tolerance < 0:
         raise MassiveLensError(f"tolerance is a relative perplexity change >= 0 (0.01 = 1%), got {tolerance!r}")
     view = ModelView(model)
-    if view.pattern_refusal():  # nnsight: no q/k/v, attention-score or norm sites, no per-block casts
+    if not view.serves_patterns:  # nnsight: no q/k/v, attention-score or norm sites, no per-block casts
         raise view.unsupported("precision_check (its q/k/v, attention-score and norm sites, and the runs with "
                                "blocks cast to float16/bfloat16)")
     if view.dtype != torch.float32:

@@ -140,7 +140,7 @@ def prepare_grid(model: Any, corpus: Corpus, *, settings: Sequence[str | Setting
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise MassiveLensError(f"group_size must be a positive integer, got {group_size!r}")
     view = ModelView(model)
-    if view.pattern_refusal():  # nnsight: its hooks run inside a trace; the readers' inputs cannot be seen
+    if not view.serves_patterns:  # nnsight: its hooks run inside a trace; the readers' inputs cannot be seen
         raise view.unsupported("quantize and quantize_grid (the quantizer's hooks on each linear layer, and what "
                                "it sees at the layers that read the residual stream)")
     planned = [(s, _bits(s, granularity, symmetric, group_size)) for s in specs]
