@@ -27,8 +27,10 @@ from massive_lens import (
 from massive_lens.attention.census import sink_census
 from massive_lens.attention.circuit import sink_circuit
 from massive_lens.attention.dormant import dormant_heads
+from massive_lens.attention.gates import gate_census
 from massive_lens.attention.kv import sink_kv
 from massive_lens.attention.norm_roles import norm_roles
+from massive_lens.attention.null_mass import null_mass
 from massive_lens.core.criterion import SinkRule
 from massive_lens.core.results import Result
 from massive_lens.effects import compression_valley, over_mixing, repeated_token_probe, streaming_window
@@ -36,6 +38,7 @@ from massive_lens.handover import (
     exclusion_mask,
     massive_dims,
     norm_thresholds,
+    offswitch,
     outlier_severity,
     precision_check,
     sae_check,
@@ -53,7 +56,8 @@ RESULT_TYPES = ["MassiveActivations", "LayerProfile", "CorpusScan", "OriginTrace
                 "ExclusionMask", "NormThresholds", "MassiveDims", "PrecisionCheck", "SAECheck", "HeadCurve",
                 "CompressionValley", "StreamingWindow", "OverMixing", "RepeatedToken", "Quantization",
                 "TrainingStability", "SinkCircuit", "NormRoles", "OutlierSeverity", "SinkScaleSweep",
-                "SuperWeightCheck", "SinkDependence", "GranularityTable", "Float16Search", "SinkPredictor"]
+                "SuperWeightCheck", "SinkDependence", "GranularityTable", "Float16Search", "SinkPredictor",
+                "NullMass", "GateCensus", "OffSwitch"]
 
 
 TEXT = "The cat sat. The dog ran!\nA bird sang, loudly. " * 8
@@ -121,6 +125,9 @@ def result_examples() -> dict[str, object]:
                                               seq_len=16, n_seqs=2),
         "Float16Search": fewest_float16(model, TEXT, setting="W4A4@tensor", seq_len=16, n_seqs=2),
         "SinkPredictor": sink_predictor(model, TEXT, seq_len=16, n_seqs=2),
+        "NullMass": null_mass(tiny_model("gpt_oss"), "The cat sat. The dog ran!"),
+        "GateCensus": gate_census(tiny_model("qwen3_next"), "The cat sat. The dog ran!"),
+        "OffSwitch": offswitch(tiny_model("gpt_oss"), "The cat sat. The dog ran!", precision=False),
     }
 
 

@@ -563,7 +563,9 @@ CASES = [
                                   "--seeds", "0"), "cannot use", "cli-tasks-root-is-a-file"),
     row("tiny", lambda m, d: _cli("tasks", "run", "--steps", "0", "--root", d / "r"), "steps=0",
         "cli-tasks-steps-zero"),
-    row("tiny", lambda m, d: _cli("tasks", "page", "--root", d / "none"), "no sink-task runs at",
+    row("tiny", lambda m, d: ((d / "p.md").write_text("<!-- gen:answer -->\n<!-- gen:ends -->\n"),
+                                  _cli("tasks", "page", "--root", d / "none", "--page", d / "p.md"))[1],
+        "no sink-task runs at",
         "cli-tasks-page-missing-root"),
 ]
 

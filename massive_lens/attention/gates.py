@@ -73,9 +73,10 @@ class GateCensus(Result):
         """Share of shut gates per layer and head (a heat map)."""
         ax = ensure_axes(ax, size=(6, 3))
         grid = self.frame.pivot(index="layer", columns="head", values="shut_share")
-        im = ax.imshow(grid.to_numpy(), aspect="auto", vmin=0, vmax=1, cmap="viridis")
-        ax.set(xlabel="head", ylabel="layer", yticks=range(len(grid)), yticklabels=grid.index,
+        im = ax.pcolormesh(grid.to_numpy(), vmin=0, vmax=1, cmap="viridis")
+        ax.set(xlabel="head", ylabel="layer", yticks=[i + 0.5 for i in range(len(grid))], yticklabels=grid.index,
                title=f"{self.model_name}: share of gates < {self.threshold:g}")
+        ax.invert_yaxis()  # the first layer on top
         ax.figure.colorbar(im, ax=ax)
         return ax
 

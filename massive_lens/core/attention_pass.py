@@ -103,7 +103,9 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
     deepest = view.n_layers - 1 if hooks or evidence is not None or on_layer is None else max(layers, default=0)
     last = stop_after or _last(view, all_hooks, deepest)
     with lse_run(view, reader.from_kernel) if path == LSE else contextlib.nullcontext():
-        view.forward(batch, all_hooks, stop_after=last, check_finite=check_finite)
+        # a stop of the pass's own choosing only saves time: where the bridge never fires it
+        # (OpenAI GPT's resid_post), the pass runs to the end
+        view.forward(batch, all_hooks, stop_after=last, check_finite=check_finite, must_stop=stop_after is not None)
     reader.flush()
     missed = sorted(layers.intersection(reader.attn_layers()) - reader.done)
     if on_layer is not None and missed:

@@ -376,7 +376,7 @@ class ModelView:
             yield
 
     def forward(self, batch: Batch, fwd_hooks: list[tuple[str, Any]], stop_after: str | None = None,
-                check_finite: bool = True) -> Any:
+                check_finite: bool = True, must_stop: bool = True) -> Any:
         """One no-grad forward pass with temporary hooks; returns the model's output.
 
         With ``stop_after`` (a hook name) the pass ends right after that hook fires and
@@ -387,6 +387,9 @@ class ModelView:
         real (non-pad) positions, for NaN and inf: an overflow is a ``MassiveLensError``
         naming the first hook that saw it, never a quiet NaN in a result. Pass False where a
         non-finite value is itself the answer (the perplexity of an edited model).
+
+        A ``stop_after`` hook that never fires is a ``MassiveLensError``; with ``must_stop=False``
+        (a stop chosen only to save time) the pass runs to the end instead.
         """
         if batch.pixel_values is None:
             self.require_text()
@@ -416,7 +419,7 @@ class ModelView:
             self._raise_if_nonfinite(seen, exc)
             raise
         self._raise_if_nonfinite(seen)
-        if stop_after is not None and out is not None:  # the pass ran to the end: the hook never fired
+        if stop_after is not None and out is not None and must_stop:  # ran to the end: the hook never fired
             raise MassiveLensError(f"{self.name}: hook {stop_after!r} exists but never fired in a forward pass "
                                    "(this architecture's bridge does not run it), so nothing can be read there")
         return out
