@@ -54,7 +54,9 @@ def off_switch_layers(view: ModelView, *, required: bool = False) -> tuple[str, 
     """
     found: dict[int, Tensor | None] = {}
     kind = ""
-    for layer in range(view.n_layers):
+    # a view without TransformerLens-style blocks (nnsight) is not read here: its blocks are refused
+    # inside its trace, and an error raised there leaves the trace's state behind in the process
+    for layer in range(view.n_layers if view.serves_patterns else 0):
         attn = getattr(view.block(layer), "attn", None)
         variant = getattr(attn, "variant", None)
         if variant is not None and callable(getattr(variant, "slots", None)) and variant.slots() is not None:
