@@ -90,14 +90,49 @@ def pytest_collection_modifyitems(config, items):
     config.hook.pytest_deselected(items=drop)
 
 
+def _global_torch_state() -> dict:
+    """What a test could leave behind for every later test in its worker process: accelerate's
+    meta-device patches of ``nn.Module``, transformers' loading patches (two threads loading at once once
+    left ``tie_weights`` a no-op, and every later model with a meta ``lm_head``), torch's default device and
+    dtype, the mode stacks."""
+    from transformers import PreTrainedModel
+
+    return {"register_parameter": torch.nn.Module.register_parameter,
+            "register_buffer": torch.nn.Module.register_buffer,
+            "tie_weights": PreTrainedModel.tie_weights, "init_weights": PreTrainedModel.init_weights,
+            "normal_": torch.nn.init.normal_,
+            "default device": torch.get_default_device(), "default dtype": torch.get_default_dtype(),
+            "torch function modes": torch._C._len_torch_function_stack(),
+            "grad enabled": torch.is_grad_enabled()}
+
+
 @pytest.fixture(autouse=True)
 def _seed():
+    """Seeded; afterwards, the process's global torch state as it was (a test that changed it fails
+    here, by name, and the state is put back, so the tests after it in the worker are not run on it)."""
     random.seed(0)
     torch.manual_seed(0)
+    before = _global_torch_state()
     yield
     import matplotlib.pyplot as plt
 
     plt.close("all")
+    after = _global_torch_state()
+    changed = [key for key in before if after[key] != before[key]]
+    if changed:
+        torch.nn.Module.register_parameter = before["register_parameter"]
+        torch.nn.Module.register_buffer = before["register_buffer"]
+        from transformers import PreTrainedModel
+
+        PreTrainedModel.tie_weights, PreTrainedModel.init_weights = before["tie_weights"], before["init_weights"]
+        torch.nn.init.normal_ = before["normal_"]
+        torch.set_default_device(None if before["default device"].type == "cpu" else before["default device"])
+        torch.set_default_dtype(before["default dtype"])
+        while torch._C._len_torch_function_stack() > before["torch function modes"]:
+            torch._C._pop_torch_function_stack()
+        torch.set_grad_enabled(before["grad enabled"])
+        pytest.fail(f"the test left the process's global torch state changed: {changed} "
+                    f"({[(before[k], after[k]) for k in changed]}); put back")
 
 
 @pytest.fixture(params=FAMILIES)

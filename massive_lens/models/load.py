@@ -55,6 +55,7 @@ from massive_lens.models.backends import (
 )
 from massive_lens.models.offline import (
     DEFAULT,
+    LOADING,
     find_offline,
     gguf_name,
     load_gguf,
@@ -291,7 +292,7 @@ def _load_hf(name: str, local: bool, dtype: torch.dtype, device_map: Any = None)
     if device_map is not None:
         kwargs["device_map"] = _device_map(device_map)
     try:
-        with hub_offline() if local else contextlib.nullcontext():
+        with LOADING, hub_offline() if local else contextlib.nullcontext():
             hf, info = _model_class(name, local).from_pretrained(name, **kwargs)
             images = getattr(hf, "main_input_name", None) == "pixel_values"  # a ViT: no tokenizer
             tok = None if images else AutoTokenizer.from_pretrained(name)

@@ -36,6 +36,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,13 @@ OFFLINE_MODELS = (
 )
 DEFAULT = OFFLINE_MODELS[0]
 
+# transformers builds a model under context managers that patch classes for the whole process
+# (``no_tie_weights`` sets ``PreTrainedModel.tie_weights`` to a no-op, ``no_init_weights`` the torch.nn.init
+# functions; accelerate's ``init_empty_weights`` patches ``nn.Module.register_parameter``) and put back what
+# they found on exit: two threads loading at once can put back each other's patch, and every model built
+# in the process afterwards has untied (meta) weights. Every load here holds this lock.
+LOADING = threading.RLock()
+
 
 def find_offline(name: Any) -> OfflineModel | None:
     """The offline model ``name`` (its name or an alias, any case; None: the default), else None."""
@@ -235,8 +243,9 @@ def load_offline(entry: OfflineModel, dtype: torch.dtype = torch.float32) -> tup
                 del hf
                 entry.source.cleanup(gguf)
     log.info("loading %s from cache %s", entry.name, folder)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True)
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    with LOADING:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return hf, tok
 
 
@@ -249,10 +258,11 @@ def load_gguf(path: Path) -> tuple[Any, Any]:
     check_gguf_header(path)
     log.info("dequantizing %s (first load only; 20 s to a few minutes on 2 cores)", path.name)
     try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf = dequantized_model(path, AutoConfig.from_pretrained(path.parent, gguf_file=path.name))  # one copy
-        if hf is None:  # an architecture whose tensors this does not place one to one: transformers' loader
-            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        with LOADING:
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            hf = dequantized_model(path, AutoConfig.from_pretrained(path.parent, gguf_file=path.name))  # one copy
+            if hf is None:  # an architecture whose tensors this does not place one to one: transformers' loader
+                hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - the GGUF reader raises many kinds for a damaged file
         raise MassiveLensError(f"{path} could not be read as a GGUF model ({type(exc).__name__}: "
                                f"{str(exc)[:200]}): the file is damaged, truncated or of an unsupported "
