@@ -117,8 +117,14 @@ def linear_sites(model: Any, include_head: bool = False) -> list[tuple[nn.Module
 
 def plain(model: Any, include_head: bool) -> list[Site]:
     """Every linear layer as a ``plain`` site (:func:`linear_sites`, what
-    :func:`~massive_lens.quant.fake.fake_quantized` quantizes)."""
-    return [Site(m, w, "plain", -1, type(m).__name__) for m, w, _ in linear_sites(model, include_head)]
+    :func:`~massive_lens.quant.fake.fake_quantized` quantizes). A site's ``layer`` is the block
+    that holds its weight (a ``MassiveLM``'s ``blocks``; -1 outside them or without blocks) and its
+    name the weight's name in that block (``attn.W_Q``), as ``measure_outliers`` reads them."""
+    blocks = getattr(model, "blocks", None)
+    blocks = list(blocks) if isinstance(blocks, nn.ModuleList) else []
+    owner = {id(p): (i, n) for i, block in enumerate(blocks) for n, p in block.named_parameters()}
+    return [Site(m, w, "plain", *owner.get(id(w), (-1, type(m).__name__)))
+            for m, w, _ in linear_sites(model, include_head)]
 
 
 def norm_gain(norm: Any, width: int, where: str) -> Tensor:
