@@ -75,7 +75,7 @@ def test_a_weight_swap_that_no_longer_acquires_breaks_the_rule(sources):
 PLANTED = '''
 import contextlib
 import torch
-from massive_lens.core.model_view import model_lock
+from massive_lens.core.model_lock import model_lock
 
 
 def halve(model):  # a public function that edits without the lock: the break

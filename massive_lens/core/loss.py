@@ -37,7 +37,8 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from massive_lens.core.budget import logit_batches, loss_positions, trim_allocator
-from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 
 __all__ = ["NextToken", "NextTokenLoss", "next_token_stats", "output_head"]

@@ -10,7 +10,7 @@ from ``q``, ``k`` and the LSE: linear memory in the length, and no second O(n^2)
 
 :func:`lse_run` does it for a TransformerBridge over a Hugging Face model, and for a view that
 runs the Hugging Face model's own decoder layers (nnsight: the view's ``attention_modules()``):
-for the length of the block (under :func:`~massive_lens.core.model_view.model_lock`) each
+for the length of the block (under :func:`~massive_lens.core.model_lock.model_lock`) each
 attention module runs its own Hugging Face code (the bridge's eager re-implementation is set
 aside) with its attention function replaced by the kernel that returns the LSE, and each layer's
 :class:`LayerAttention` (``q`` after rotary, ``k``, ``v``, the heads' output ``z``, the LSE,
@@ -51,7 +51,8 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from massive_lens.core.criterion import SINK_QUERIES
-from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 
 log = logging.getLogger(__name__)

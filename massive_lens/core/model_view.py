@@ -5,8 +5,10 @@ whose few differing hook names :mod:`massive_lens.core.hooked` maps), or a model
 by ``massive_lens.train`` all speak the TransformerLens hook vocabulary
 (``blocks.{l}.hook_resid_post``, ``blocks.{l}.mlp.hook_post``, ...) and expose
 TransformerLens-style weights (``blocks[l].mlp.W_out``). This module is the one place that
-knows how to tokenize for them, run them with temporary hooks, and classify tokens
-(``bos``, ``first``, ``delimiter``, ``other``), so analyses never special-case a model kind.
+knows how to describe them (layers, hooks, blocks), tokenize for them and classify tokens
+(``bos``, ``first``, ``delimiter``, ``other``), so analyses never special-case a model kind;
+running them with temporary hooks is :class:`~massive_lens.core.hook_runner.HookRunner`'s,
+which the view inherits.
 A vision transformer (ViT, DeiT) reads images instead: :meth:`ModelView.tokenize` turns
 ``pixel_values`` into a :class:`Batch` and its positions are ``cls``, ``register`` and
 ``patch`` (:mod:`massive_lens.core.images`), so the same analyses run on images.
@@ -14,53 +16,24 @@ A vision transformer (ViT, DeiT) reads images instead: :meth:`ModelView.tokenize
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-import threading
-import warnings
-import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import PurePath
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from massive_lens.core.hooked import hook_aliases, translate, warn_if_processed
+from massive_lens.core.hook_runner import HookRunner
+from massive_lens.core.hooked import hook_aliases, warn_if_processed
 from massive_lens.core.images import ImageLayout, check_not_images, image_batch, image_layout, not_text
+from massive_lens.core.model_name import readable_name
 from massive_lens.core.tokens import TOKEN_KINDS, Batch, check_token_ids, text_ids, token_kinds
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["ModelView", "model_lock", "readable_name"]
-
-_MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> RLock
-_MODEL_LOCKS_BY_ID: dict[int, Any] = {}  # models that take no weak reference
-_MODEL_LOCKS_GUARD = threading.Lock()
+__all__ = ["ModelView"]
 
 
-def model_lock(model: Any) -> Any:
-    """The one re-entrant lock of ``model``: held while hooks are attached to it and it runs,
-    so analyses on one model from several threads run one forward pass at a time and never
-    see each other's hooks (the same thread may nest).
-
-    >>> from massive_lens.train.model import MassiveLM, MassiveLMConfig
-    >>> m = MassiveLM(MassiveLMConfig(n_layers=1, d_model=16, n_heads=2))
-    >>> model_lock(m) is model_lock(m)
-    True
-    """
-    with _MODEL_LOCKS_GUARD:
-        try:
-            lock = _MODEL_LOCKS.get(model)
-            if lock is None:
-                lock = _MODEL_LOCKS[model] = threading.RLock()
-        except TypeError:  # not weak-referenceable (or unhashable)
-            lock = _MODEL_LOCKS_BY_ID.setdefault(id(model), threading.RLock())
-        return lock
-
-
-class ModelView:
+class ModelView(HookRunner):
     """Uniform access to a TransformerLens-style model (never holds state of its own).
     ``ModelView(lm)`` on an nnsight model builds a :class:`~massive_lens.core.nnsight_view.NnsightView`."""
 
@@ -347,209 +320,3 @@ class ModelView:
             kinds[:, 0] = TOKEN_KINDS.index("bos" if batch.has_bos else "first")
             return kinds
         return token_kinds(batch, tokenizer)
-
-    # ------------------------------------------------------------------ running
-    @contextlib.contextmanager
-    def hooked(self, fwd_hooks: list[tuple[str, Any]]) -> Iterator[None]:
-        """Attach hooks for the block; only these hooks are removed afterwards, always.
-
-        The model's :func:`model_lock` is held throughout, so another thread's analysis waits
-        instead of running with (or adding) hooks of its own. A hook name the model does not
-        have is a :class:`MassiveLensError` (TransformerLens raises a bare ``KeyError``). On a
-        ``HookedTransformer`` a bridge hook name is read where it lives there
-        (:mod:`massive_lens.core.hooked`). A model in train mode runs in eval mode (no dropout,
-        so two identical calls agree) and every module's own mode is put back afterwards.
-        """
-        missing = [name for name, _ in fwd_hooks if isinstance(name, str) and name not in self.hook_names]
-        if missing:
-            raise MassiveLensError(f"{self.name} has no hook {missing[0]!r}; see model.hook_dict for the "
-                                   "hooks it has")
-        with model_lock(self.model), contextlib.ExitStack() as stack:
-            inner = getattr(self.model, "original_model", None)  # a bridge keeps its HF model outside modules()
-            trees = [self.model, *([inner] if isinstance(inner, torch.nn.Module) else [])]
-            training = _training_modules(trees)
-            if training:
-                stack.callback(lambda: [setattr(m, "training", True) for m in training])
-                for m in training:
-                    m.training = False
-            stack.enter_context(self.model.hooks(fwd_hooks=translate(fwd_hooks, self._aliases or {})))
-            yield
-
-    def forward(self, batch: Batch, fwd_hooks: list[tuple[str, Any]], stop_after: str | None = None,
-                check_finite: bool = True, must_stop: bool = True) -> Any:
-        """One no-grad forward pass with temporary hooks; returns the model's output.
-
-        With ``stop_after`` (a hook name) the pass ends right after that hook fires and
-        returns None: analyses that read the residual stream skip the rest (and the
-        unembedding, often the costliest matmul of a small model).
-
-        With ``check_finite`` (the default) the activation each hook receives is checked, at
-        real (non-pad) positions, for NaN and inf: an overflow is a ``MassiveLensError``
-        naming the first hook that saw it, never a quiet NaN in a result. Pass False where a
-        non-finite value is itself the answer (the perplexity of an edited model).
-
-        A ``stop_after`` hook that never fires is a ``MassiveLensError``; with ``must_stop=False``
-        (a stop chosen only to save time) the pass runs to the end instead.
-        """
-        if batch.pixel_values is None:
-            self.require_text()
-        inputs = batch.tokens if batch.pixel_values is None else batch.pixel_values
-        kwargs: dict[str, Any] = {}
-        all_real = bool(batch.mask.all())
-        if not all_real:
-            kwargs["attention_mask"] = batch.mask.to(self.input_device).long()
-        hooks = list(fwd_hooks)
-        seen: list[tuple[str, Tensor]] = []  # (hook name, all finite?) in firing order
-        if check_finite:
-            mask = None if all_real else batch.mask.to(self.input_device)
-            hooks = [(name, _finite_checked(fn, mask, seen)) for name, fn in hooks]
-        if stop_after is not None and stop_after.startswith("ln_final."):
-            # the final norm can also fire before the blocks (NanoChat normalizes the
-            # embeddings with its final norm): stop at the unembedding's input, which fires once, at the end
-            stop_after = "unembed.hook_in" if "unembed.hook_in" in self.hook_names else None
-        if stop_after is not None:
-            hooks.append((stop_after, _stop_forward))
-        try:
-            out = self.run_hooked(inputs.to(self.input_device), kwargs, hooks)
-        except _StopForward:
-            out = None
-        except MassiveLensError:
-            raise
-        except Exception as exc:  # a hook that tripped over a NaN: say so, not the symptom
-            self._raise_if_nonfinite(seen, exc)
-            raise
-        self._raise_if_nonfinite(seen)
-        if stop_after is not None and out is not None and must_stop:  # ran to the end: the hook never fired
-            raise MassiveLensError(f"{self.name}: hook {stop_after!r} exists but never fired in a forward pass "
-                                   "(this architecture's bridge does not run it), so nothing can be read there")
-        return out
-
-    def run_hooked(self, inputs: Tensor, kwargs: dict[str, Any], hooks: list[tuple[str, Any]]) -> Any:
-        """The model on ``inputs`` with ``hooks`` attached (no grad): what :meth:`forward` runs,
-        after its checks (a view of another model kind runs it its own way)."""
-        with torch.no_grad(), self.hooked(hooks):
-            return self.model(inputs, **kwargs)
-
-    def _raise_if_nonfinite(self, seen: list[tuple[str, Tensor]], cause: BaseException | None = None) -> None:
-        if not seen:
-            return
-        ok = torch.stack([flag.to(seen[0][1].device) for _, flag in seen]).cpu()  # one sync per pass
-        if bool(ok.all()):
-            return
-        raise self.overflow_error(seen[int((~ok).nonzero()[0])][0]) from cause
-
-    def overflow_error(self, hook: str) -> MassiveLensError:
-        """The error for NaN or inf reached at ``hook``: where, and what to do about it."""
-        dtype = self.dtype
-        if dtype in (torch.float16, torch.bfloat16):
-            fix = ("the model overflowed there; load it with dtype=torch.float32 (or torch.bfloat16, "
-                   "which has float32's range)")
-        else:
-            fix = (f"in {dtype} this is not a rounding issue: check the weights (torch.isfinite) and any "
-                   "hooks or edits applied before this point")
-        return MassiveLensError(
-            f"{self.name} ({dtype}): the activation at {hook} holds NaN or inf, so every result past "
-            f"it would be wrong; {fix}"
-        )
-
-    def activation(self, batch: Batch, name: str) -> Tensor:
-        """The activation at hook ``name`` for ``batch`` (float32, CPU); the pass stops there."""
-        seen: dict[str, Tensor] = {}
-
-        def keep(x: Tensor, hook: Any) -> None:
-            seen["x"] = x.detach().float().cpu()
-
-        self.forward(batch, [(name, keep)], stop_after=name)
-        return seen["x"]
-
-    def check_precision(self, peak: float, where: str) -> None:
-        """Warn (with numbers) when a half-precision model carries values near its limits."""
-        dtype = self.dtype
-        if dtype not in (torch.float16, torch.bfloat16):
-            return
-        info = torch.finfo(dtype)
-        if not torch.isfinite(torch.tensor(peak)):
-            raise MassiveLensError(
-                f"{self.name} in {dtype} overflowed ({where} reached {peak}); load it with "
-                "dtype=torch.float32 (or bfloat16, which has float32's range)"
-            )
-        spacing = info.eps * 2.0 ** math.floor(math.log2(max(peak, 1e-30)))
-        if peak > info.max / 4 or spacing >= 1.0:
-            warnings.warn(
-                f"{self.name} runs in {dtype}: the largest activation ({where}) is {peak:,.1f}; "
-                f"at that size {dtype} resolves steps of {float(spacing):g} and overflows at "
-                f"{info.max:,.0f}. Values and ratios are approximate; use float32 for exact ones.",
-                stacklevel=3,
-            )
-
-
-def readable_name(name: str) -> str:
-    """A model's name for people: a hub id stays as it is; a local path (a folder saved with
-    ``save_pretrained``, a file, a hub cache snapshot) becomes the name it stands for.
-
-    >>> readable_name("gpt2"), readable_name("Qwen/Qwen2.5-0.5B")
-    ('gpt2', 'Qwen/Qwen2.5-0.5B')
-    >>> readable_name("/home/me/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B/snapshots/4f2c1e/")
-    'Qwen/Qwen2.5-0.5B'
-    >>> readable_name("/data/checkpoints/my-model-v2"), readable_name("./runs/model.gguf")
-    ('my-model-v2', 'model')
-    """
-    text = str(name).strip().rstrip("/\\")
-    parts = PurePath(text).parts
-    hub = [p for p in parts if p.startswith("models--")]  # the hub cache: models--ORG--NAME/snapshots/HASH
-    if hub:
-        return hub[-1].removeprefix("models--").replace("--", "/")
-    is_path = (text.startswith(("/", "~", ".", "\\")) or PurePath(text).is_absolute() or len(parts) > 2
-               or os.path.exists(text))
-    if not is_path or not parts:
-        return text
-    stem = PurePath(text).name
-    return stem.removesuffix(".gguf") if stem.endswith(".gguf") else stem
-
-
-def _training_modules(trees: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Every module in train mode under ``trees``, each once (a plain walk of ``_modules``: several
-    times faster than ``Module.modules()`` on a bridge's thousands of modules)."""
-    seen: set[int] = set()
-    stack, out = list(trees), []
-    while stack:
-        module = stack.pop()
-        if module is None or id(module) in seen:
-            continue
-        seen.add(id(module))
-        if module.training:
-            out.append(module)
-        stack.extend(module._modules.values())
-    return out
-
-
-def _finite_checked(fn: Any, mask: Any, seen: list[tuple[str, Tensor]]) -> Any:
-    """``fn`` as a hook that first records whether its activation is finite at real positions
-    (attention scores may hold -inf by design: there only NaN and +inf count)."""
-
-    padded = mask is not None and not bool(mask.all())
-
-    def hook_fn(x: Any, hook: Any) -> Any:
-        if isinstance(x, Tensor) and x.is_floating_point():
-            name = str(getattr(hook, "name", "?"))
-            part = x
-            if padded and x.ndim >= 2 and tuple(x.shape[:2]) == tuple(mask.shape):
-                part = x[mask]
-            elif padded and x.ndim == 4 and x.shape[0] == mask.shape[0] and x.shape[2] == mask.shape[1]:
-                part = x.transpose(1, 2)[mask]  # [batch, head, query, key]: real queries
-            if name.endswith("attn_scores"):
-                ok = ~(torch.isnan(part).any() | torch.isposinf(part).any())
-            else:  # one reduction: a NaN or an inf anywhere makes the float32 sum non-finite
-                ok = torch.isfinite(part.sum(dtype=torch.float32))
-            seen.append((name, ok))
-        return fn(x, hook=hook)
-
-    return hook_fn
-
-
-class _StopForward(Exception):
-    """Raised by the last hook an analysis needs, to end the forward pass early."""
-
-
-def _stop_forward(activation: Tensor, hook: Any) -> None:
-    raise _StopForward

@@ -47,7 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from massive_lens.core.model_view import ModelView, model_lock, readable_name
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_name import readable_name
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 
 __all__ = ["SUPPORTED_CALLS", "NnsightModel", "NnsightView", "is_nnsight_model", "trace_options"]

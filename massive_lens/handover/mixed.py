@@ -25,14 +25,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_view import ModelView
 
 
 @contextlib.contextmanager
 def cast(model: Any, dtype: torch.dtype, keep: Sequence[int] = ()) -> Iterator[None]:
     """Run the block with ``model``'s floating parameters and buffers in ``dtype``, but those of
     the blocks in ``keep``; every one is put back afterwards (the same tensors: dtype, device
-    and bits), exceptions included. The model's :func:`~massive_lens.core.model_view.model_lock`
+    and bits), exceptions included. The model's :func:`~massive_lens.core.model_lock.model_lock`
     is held from before the tensors are saved until the last one is back, so another thread's
     analysis of the same model waits instead of running on the cast weights.
 

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from huggingface_hub import constants as hf_constants
 
-from massive_lens.core.model_view import ModelView, readable_name
+from massive_lens.core.model_name import readable_name
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.nnsight_view import NnsightView, serves_nnsight
 from massive_lens.errors import MassiveLensError
 

@@ -38,7 +38,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from massive_lens.core.hooked import is_hooked_transformer
-from massive_lens.core.model_view import readable_name
+from massive_lens.core.model_name import readable_name
 from massive_lens.core.nnsight_view import is_nnsight_model
 from massive_lens.core.tokens import mark_bos
 from massive_lens.errors import MassiveLensError

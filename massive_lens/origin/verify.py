@@ -20,7 +20,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.metrics import perplexity
 from massive_lens.origin.capture import Capture

@@ -42,7 +42,7 @@ from jaxtyping import Int
 from torch import Tensor, nn
 
 from massive_lens.core.loss import NextTokenLoss
-from massive_lens.core.model_view import model_lock
+from massive_lens.core.model_lock import model_lock
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant.settings import GRANULARITIES
 from massive_lens.quant.sites import linear_sites

@@ -47,7 +47,8 @@ from torch import Tensor
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import first_norm_ratio, first_token_mass, sink_metric
 from massive_lens.core.loss import NextTokenLoss
-from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.stats import kurtosis, top1_median
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant.dispersion import Tally, site_names

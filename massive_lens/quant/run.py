@@ -20,7 +20,8 @@ from massive_lens.attention.sinks import sinks_of
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.loss import NextTokenLoss
-from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_view import ModelView
 from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant.plan import NO_ROTATION, sites_for

@@ -21,7 +21,8 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from massive_lens.core.model_view import ModelView, model_lock
+from massive_lens.core.model_lock import model_lock
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover.offswitch import offswitch
 from massive_lens.train.taskrun import RESULT, TaskSettings, build_model, check_settings, train_task
