@@ -50,10 +50,10 @@ from massive_lens.quant.cli import HELP as QUANTIZE_HELP
 from massive_lens.quant.cli import add_arguments as quantize_arguments
 from massive_lens.quant.cli import cmd_quantize
 from massive_lens.report import compare_models, write_report
-from massive_lens.report.sections import DEFAULT as REPORT_DEFAULT
-from massive_lens.report.sections import FULL as REPORT_FULL
-from massive_lens.report.sections import QUICK as REPORT_QUICK
-from massive_lens.report.sections import SKIPPABLE
+from massive_lens.report.inputs import DEFAULT as REPORT_DEFAULT
+from massive_lens.report.inputs import FULL as REPORT_FULL
+from massive_lens.report.inputs import QUICK as REPORT_QUICK
+from massive_lens.report.inputs import SKIPPABLE
 from massive_lens.report.write import DEFAULT_TEXT as EXAMPLE_TEXT
 from massive_lens.train.compare import compare_main
 from massive_lens.train.data import TOKENIZERS, write_token_file

@@ -26,8 +26,9 @@ from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions import ablate_massive
 from massive_lens.models.offline import find_offline
+from massive_lens.report.inputs import Inputs
 from massive_lens.report.render import Section
-from massive_lens.report.sections import Inputs, massive_section
+from massive_lens.report.sections import massive_section
 from massive_lens.report.write import settings_for
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]  # `-m "not slow"` skips them in a quick run; CI runs them

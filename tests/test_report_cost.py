@@ -16,6 +16,7 @@ from planting import TEXT, bos_tokens, plant_story
 from massive_lens import MassiveLensError, tiny_model, trace_origin
 from massive_lens.origin import verify
 from massive_lens.report import sections
+from massive_lens.report.inputs import QUICK, Inputs
 from massive_lens.report.render import Section
 from massive_lens.report.write import SECTIONS
 
@@ -101,7 +102,7 @@ def test_the_lowbit_section_keeps_its_kept_sinks_row_on_a_post_norm_model(tmp_pa
 @pytest.mark.heavy  # the intervention table on a tiny model (seconds)
 def test_the_interventions_section_shows_its_own_progress(story, capsys):
     """The report's longest section had no progress inside it: its bar follows the report's."""
-    inputs = sections.Inputs(story, STORY_TEXT, "One two three four. " * 200, sections.QUICK, progress=True)
+    inputs = Inputs(story, STORY_TEXT, "One two three four. " * 200, QUICK, progress=True)
     sections.intervention_section(inputs, Section("Interventions"))
     assert "interventions:" in capsys.readouterr().err
 

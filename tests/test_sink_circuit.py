@@ -168,8 +168,8 @@ def test_command_and_report_section(planted, monkeypatch, tmp_path, capsys):
     from massive_lens.attention import circuit_cli
     from massive_lens.cli import main
     from massive_lens.report.circuit_section import circuit_section
+    from massive_lens.report.inputs import Inputs, ReportOptions
     from massive_lens.report.render import Section
-    from massive_lens.report.sections import Inputs, ReportOptions
 
     def inputs(model, full=True):  # the section reads the model, the evaluation sequences and full
         tokens = _tokens(model)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from massive_lens.attention import sink_circuit
 from massive_lens.errors import MassiveLensError
+from massive_lens.report.inputs import Inputs
 from massive_lens.report.render import Section
-from massive_lens.report.sections import Inputs
 
 HEAD_COLUMNS = ["layer", "head", "sink_mass", "logit", "dominant", "dominant_share", "massive_share", "b_q",
                 "content", "check"]

@@ -17,8 +17,8 @@ import pandas as pd
 
 from massive_lens.quant import quantize_grid
 from massive_lens.quant.cli import COLUMNS
+from massive_lens.report.inputs import Inputs
 from massive_lens.report.render import Section
-from massive_lens.report.sections import Inputs
 
 # (settings, evaluation sequences) by ``full``: every setting is one pass that rotates and quantizes
 # every weight again; W4A16 is the one the light default leaves out

@@ -16,8 +16,9 @@ import torch
 
 from massive_lens.attention import dormant_heads, find_sinks, sink_census, sink_kv
 from massive_lens.handover import precision_check
+from massive_lens.report.inputs import Inputs
 from massive_lens.report.render import Section
-from massive_lens.report.sections import SECOND_TEXT, Inputs, quantize_section
+from massive_lens.report.sections import SECOND_TEXT, quantize_section
 
 CENSUS_COLUMNS = ["seq", "pos", "token", "token_kind", "level", "first_layer", "last_layer", "layer", "peak_mass",
                   "heads", "norm_ratio", "cos_first", "mlp_layer", "neuron", "in_rule"]
