@@ -18,7 +18,8 @@ from massive_lens.models import byte_tokenizer
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.offswitch_runs import offswitch_task_runs, where_table
-from massive_lens.train.taskrun import TaskSettings, train_task
+from massive_lens.train.taskrun import train_task
+from massive_lens.train.tasksettings import TaskSettings
 
 TEXT = "Hello there, how are you? Fine, thanks. Bye now."
 PLANT = (1, 0, 3)  # layer, position, dim

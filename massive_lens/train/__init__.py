@@ -18,8 +18,9 @@ from massive_lens.train.stability import TrainingStability, find_spikes, trainin
 from massive_lens.train.taskgrid import grid_settings, run_grid
 from massive_lens.train.taskpage import task_answer
 from massive_lens.train.taskrecord import run_folder
-from massive_lens.train.taskrun import TaskRun, TaskSettings, train_task
+from massive_lens.train.taskrun import TaskRun, train_task
 from massive_lens.train.tasks import TASKS, make_task
+from massive_lens.train.tasksettings import TaskSettings
 from massive_lens.train.trainer import TrainRun, load_run, train_model
 from massive_lens.train.variants import VARIANTS, VariantConfig
 

@@ -25,7 +25,8 @@ from massive_lens.core.model_lock import model_lock
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.handover.offswitch import offswitch
-from massive_lens.train.taskrun import RESULT, TaskSettings, build_model, check_settings, train_task
+from massive_lens.train.taskrun import RESULT, build_model, train_task
+from massive_lens.train.tasksettings import TaskSettings, check_settings
 
 log = logging.getLogger(__name__)
 VARIANTS = ("softmax", "softmax1", "learned_sink", "kv_bias", "gated")

@@ -29,7 +29,8 @@ import torch
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.taskrecord import read_run, refresh_run, run_folder
-from massive_lens.train.taskrun import RESULT, TaskSettings, check_settings, train_task
+from massive_lens.train.taskrun import RESULT, train_task
+from massive_lens.train.tasksettings import TaskSettings, check_settings
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,11 @@ def grid_settings(seeds: Sequence[int] = (0, 1, 2, 3, 4), tasks: Sequence[str] =
         seeds: the seeds of every setting.
         tasks: task names (:data:`~massive_lens.train.tasks.TASKS`).
         settings: ``(variant, norm)`` pairs.
-        **overrides: :meth:`TaskSettings.of <massive_lens.train.taskrun.TaskSettings.of>` knobs that
+        **overrides: :meth:`TaskSettings.of <massive_lens.train.tasksettings.TaskSettings.of>` knobs that
             replace those of every run (for small CI grids).
 
     Returns:
-        One :class:`~massive_lens.train.taskrun.TaskSettings` per run, in running order.
+        One :class:`~massive_lens.train.tasksettings.TaskSettings` per run, in running order.
     """
     early, late = [s for s in seeds if s < 2], [s for s in seeds if s >= 2]
     runs = []

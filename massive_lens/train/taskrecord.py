@@ -40,11 +40,10 @@ from massive_lens.train.taskrun import (
     DEFINITIONS_VERSION,
     DERIVED_EVALS,
     RESULT,
-    TaskSettings,
-    check_settings,
     derive_evals,
     derived_fields,
 )
+from massive_lens.train.tasksettings import TaskSettings, check_settings
 
 log = logging.getLogger(__name__)
 MAX_RESULT_BYTES = 1 << 20  # a result.json is about 1 kB

@@ -11,16 +11,9 @@ import pytest
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.presets import TrainConfig
 from massive_lens.train.taskgrid import run_grid
-from massive_lens.train.taskrun import (
-    SETTINGS_FORMAT,
-    TASK_TRAIN,
-    TRAIN_KNOBS,
-    TaskSettings,
-    build_model,
-    check_settings,
-    train_task,
-)
+from massive_lens.train.taskrun import build_model, train_task
 from massive_lens.train.tasks import make_task
+from massive_lens.train.tasksettings import SETTINGS_FORMAT, TASK_TRAIN, TRAIN_KNOBS, TaskSettings, check_settings
 
 TINY = dict(steps=2, eval_every=1, eval_seqs=2, batch_size=2, d_model=16, n_heads=2)
 OPTIONS = dict(seq_len=8)

@@ -20,7 +20,8 @@ from massive_lens.train.taskcli import main as taskcli
 from massive_lens.train.taskgrid import run_grid
 from massive_lens.train.taskpage import load_runs, mean_cell, write_page
 from massive_lens.train.taskrecord import read_run, read_runs, refresh_run
-from massive_lens.train.taskrun import DEFINITIONS_VERSION, RESULT, TaskSettings
+from massive_lens.train.taskrun import DEFINITIONS_VERSION, RESULT
+from massive_lens.train.tasksettings import TaskSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 ROOTS = [("docs/sinktasks/runs", "docs/sinktasks.md"), ("docs/sinktasks/long", "docs/sinktasks_long.md")]

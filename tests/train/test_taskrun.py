@@ -16,8 +16,9 @@ from massive_lens.train.taskcli import main as taskcli
 from massive_lens.train.taskgrid import SETTINGS, TASK_SETTINGS, grid_settings, pending, run_grid
 from massive_lens.train.taskpage import fill, load_runs, paired, shown, write_page
 from massive_lens.train.taskrecord import run_folder
-from massive_lens.train.taskrun import RESULT, TaskSettings, build_model, evaluate, lowbit_gaps, sink_step, train_task
+from massive_lens.train.taskrun import RESULT, build_model, evaluate, lowbit_gaps, sink_step, train_task
 from massive_lens.train.tasks import make_task
+from massive_lens.train.tasksettings import TaskSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(steps=3, eval_every=2, eval_seqs=3, batch_size=2, d_model=16, n_heads=2)
