@@ -5,13 +5,20 @@ import pytest
 import torch
 
 from massive_lens import tiny_model
-from massive_lens.core.attention_pass import attention_pass
+from massive_lens.attention import find_sinks
+from massive_lens.core.attention_pass import LSE_FROM, attention_pass, choose_path
 from massive_lens.core.criterion import SinkEvidence, key_attention
-from massive_lens.core.lse import EAGER, LSE, choose_path
+from massive_lens.core.lse import EAGER, LSE
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
 TEXTS = ["Hello there, world. The cat sat on the mat.", "Bye now!"]
+
+
+def _long(view, n=LSE_FROM):
+    """A batch of ``n`` positions, for choosing the path only (a tiny model's context may be shorter)."""
+    return Batch(torch.ones(1, n, dtype=torch.long), torch.ones(1, n, dtype=torch.bool), False)
 
 
 def _reference(view, batch, layer):
@@ -73,10 +80,10 @@ def test_an_attached_edit_is_read():
 
     cols = {}
     with model.hooks(fwd_hooks=[(name, flat)]):
-        path = choose_path(view, "auto")
+        path = choose_path(view, "auto", _long(view))  # above the crossover: the edit decides
         attention_pass(view, batch, lambda at: cols.__setitem__(at.layer, at.cols), path=path, columns=[0])
         with pytest.raises(MassiveLensError, match="hooks attached"):
-            choose_path(view, LSE)
+            choose_path(view, LSE, batch)
     assert path == EAGER
     assert bool((cols[1] == 1).all()) and not bool((cols[0] == 1).all())
 
@@ -95,7 +102,7 @@ def test_the_model_is_left_as_it_was_when_a_reducer_fails(path):
     with pytest.raises(RuntimeError, match="reducer failed"):
         attention_pass(view, batch, fail, path=path, columns=[0])
     assert not any(hp._forward_hooks for hp in model.hook_dict.values())
-    assert choose_path(view, "auto") == LSE  # nothing left attached that the LSE path would skip
+    assert choose_path(view, "auto", _long(view)) == LSE  # nothing left attached that the LSE path would skip
     with torch.no_grad():
         torch.testing.assert_close(model(batch.tokens), before)
 
@@ -109,3 +116,23 @@ def test_bad_requests_are_refused():
         attention_pass(view, batch, None, path=EAGER, want=("out",))
     with pytest.raises(MassiveLensError, match="path"):
         attention_pass(view, batch, None, path="fast")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_auto_takes_the_eager_path_below_the_crossover_and_the_lse_path_from_it(family, monkeypatch):
+    model = tiny_model(family)
+    view = ModelView(model)
+    assert [choose_path(view, "auto", _long(view, n)) for n in (LSE_FROM - 1, LSE_FROM)] == [EAGER, LSE]
+    # either path is there when asked for by name, at any length
+    assert choose_path(view, LSE, _long(view, 8)) == LSE and choose_path(view, EAGER, _long(view)) == EAGER
+    with pytest.raises(MassiveLensError, match="attention must be one of"):
+        choose_path(view, "fast", _long(view, 8))
+    # the analyses ask the pass (a crossover within the tiny model's context): the same sinks on either side
+    text = "Hello there, world. The cat sat on the mat."
+    n = view.tokenize(text).tokens.shape[1]
+    found = {}
+    for crossover in (n + 1, n):
+        monkeypatch.setattr("massive_lens.core.attention_pass.LSE_FROM", crossover)
+        found[crossover] = find_sinks(model, text)
+    assert (found[n + 1].attention, found[n].attention) == (EAGER, LSE)
+    assert torch.equal(found[n + 1].mask, found[n].mask)

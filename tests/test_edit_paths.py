@@ -7,7 +7,9 @@ one of the package's interventions entered with ``with``), ``attention="auto"`` 
 eager pattern and give exactly ``attention="eager"``'s table, ``"lse"`` must refuse by name, and
 once the edit is gone ``"auto"`` goes back to the LSE path. Each edit is planted strong enough to
 move every analysis's table (new sinks by attention), and every hook point the rule leaves to the
-LSE path is checked to be honoured there: an edit at it moves both paths' logits alike.
+LSE path is checked to be honoured there: an edit at it moves both paths' logits alike. The
+length crossover (:data:`~massive_lens.core.attention_pass.LSE_FROM`: ``"auto"`` reads the eager
+pattern on short texts anyway) is set to 0 here, so ``"auto"`` decides by the edit at every length.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ SINK = 5  # the position the planted pattern and score edits make a sink
 FAMILIES = ("llama", "gpt2")
 # the kernel's float32 attention against the eager softmax's (test_lse.py: 1e-5); same-path tables are identical
 RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _long_texts(monkeypatch):
+    """Every text counts as long: ``"auto"`` takes the LSE path unless an edit is attached."""
+    monkeypatch.setattr("massive_lens.core.attention_pass.LSE_FROM", 0)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

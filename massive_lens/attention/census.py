@@ -38,11 +38,11 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.null_mass import NullReader
-from massive_lens.core.attention_pass import PassLayer, attention_pass
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_rule
-from massive_lens.core.lse import EAGER, choose_path, path_text
+from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -300,9 +300,10 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         criterion: when an activation is massive, for the rule (None: ``Criterion()``).
         min_layers: layers a non-primary position must act as a sink in to be ``secondary``
             (None: the rule's ``min_layers``).
-        attention: ``"auto"`` (the default: each key's attention from q, k and the fused SDPA
-            kernel's log-sum-exp where the model supports it, no pattern built; else the eager
-            pattern), ``"lse"`` or ``"eager"`` (:mod:`massive_lens.core.lse`).
+        attention: ``"auto"`` (the default: the eager pattern below 512 tokens, where it is the
+            faster; from there each key's attention from q, k and the fused SDPA kernel's
+            log-sum-exp where the model supports it, no pattern built; see
+            :func:`~massive_lens.core.attention_pass.choose_path`), ``"lse"`` or ``"eager"``.
 
     Returns:
         A :class:`SinkCensus`.
@@ -322,11 +323,11 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     if isinstance(min_layers, bool) or not isinstance(min_layers, int) or min_layers < 1 or batch_size < 1:
         raise MassiveLensError(f"min_layers and batch_size must be integers >= 1, got {min_layers!r}, {batch_size!r}")
     view = ModelView(model)
-    path = choose_path(view, attention)  # an nnsight model: the LSE path, or a MassiveLensError saying so
+    whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
+    path = choose_path(view, attention, whole)  # an nnsight model: the LSE path, or a MassiveLensError saying so
     if path == EAGER and not any(view.has_hook(layer, "attn.hook_pattern") for layer in range(view.n_layers)):
         raise MassiveLensError(f"{view.name} has no attention pattern in any layer (a recurrent or state-space "
                                "model?): sink_census reads the attention that positions draw")
-    whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
     rows: list[dict[str, Any]] = []
     kind_seqs = torch.zeros(len(TOKEN_KINDS))
     seq0, null_sums, n_null = 0, {}, 0.0

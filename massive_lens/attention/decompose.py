@@ -18,7 +18,7 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +29,10 @@ from torch import Tensor
 
 from massive_lens.attention.constancy import constancy, reductions
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
-from massive_lens.core.attention_pass import PassLayer, attention_pass
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.criterion import SinkEvidence
-from massive_lens.core.lse import EAGER, LSE, choose_path, path_text
+from massive_lens.core.lse import EAGER, LSE, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_content_axes
 from massive_lens.core.results import Result
@@ -110,9 +110,10 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         sinks: sink positions (a list of ints, the same for every sequence, or a bool
             ``[batch, pos]`` mask); None: the positions that act as sinks (:func:`find_sinks`),
             else the first token.
-        attention: ``"auto"`` (the default: the attention on the sink columns from q, k and the
-            fused SDPA kernel's log-sum-exp where the model supports it, no pattern built; else
-            the eager pattern), ``"lse"`` or ``"eager"`` (:mod:`massive_lens.core.lse`).
+        attention: ``"auto"`` (the default: the eager pattern below 512 tokens, where it is the
+            faster; from there the attention on the sink columns from q, k and the fused SDPA
+            kernel's log-sum-exp where the model supports it, no pattern built; see
+            :func:`~massive_lens.core.attention_pass.choose_path`), ``"lse"`` or ``"eager"``.
 
     Returns:
         An :class:`AttentionDecomposition`: the terms, their constancy per head, and the
@@ -134,29 +135,30 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     view = ModelView(model)
     layers = tuple(view.chosen_layers(layers))
     batch = view.tokenize(text)
-    path = choose_path(view, attention)
+    path = choose_path(view, attention, batch)
     weights = {layer: output_weights(view, layer) for layer in layers}
     given = None if sinks is None else sink_mask(model, batch, sinks, path)
     # the key columns kept per layer: the given sinks' or, when the sinks are found in this same pass,
     # every position that could turn out to be one (see candidate_columns)
     columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
     terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
-    held: dict[int, tuple[Tensor, tuple[float, float]]] = {}  # per layer, until the pass has found the sinks
+    held: dict[int, tuple[Tensor, Tensor]] = {}  # per layer, until the pass has found the sinks
+    trim = _trim_each_layer(batch, terms.sink.shape[-1])
 
     def take(at: PassLayer) -> None:
         # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v
         _check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
         v = at.v.repeat_interleave(at.shape[1] // at.v.shape[2], dim=2)  # one value head per query head
         parts = (at.z, at.cols.to(at.z.dtype), v[:, columns.to(v.device)])
-        # the output itself is not kept: its check against z W_O + b_O is made here, the split's in _split
-        check = _output_check(view, at.layer, parts[0], weights[at.layer], at.out, batch.mask)
+        # the output itself is kept only on the check rows, where sink + content + b_O is compared with it
+        out = at.out.detach()[:, check_rows(at.out.shape[1], at.out.device)]
         if given is None:
             terms.hold(at.layer, parts[0], parts[1])
-            held[at.layer] = (parts[2].detach().cpu(), check)
+            held[at.layer] = (parts[2].detach().cpu(), out.cpu())
         else:
-            _split(view, at.layer, *parts, check, given.mask[:, columns], weights[at.layer], batch.mask, given.mask,
+            _split(view, at.layer, *parts, out, given.mask[:, columns], weights[at.layer], batch.mask, given.mask,
                    terms)
-        trim_allocator()  # the layer's transients, freed, handed back: held between them they would fragment
+        trim()  # the layer's transients, freed, handed back: held between them they would fragment
 
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None  # the sink rule reads every layer
     attention_pass(view, batch, take, path=path, columns=columns, want=("z", "v", "out"), layers=layers,
@@ -171,7 +173,8 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         for layer in layers:
             z, pattern = terms.held(layer)
             _split(view, layer, z, pattern, *held.pop(layer), inside, weights[layer], batch.mask, found.mask, terms)
-            trim_allocator()
+            trim()
+    trim_allocator()
     stats = constancy([parts for _, _, parts in terms.stats], batch.mask & ~found.mask)  # [term head 5]
     rows = [(layer, h, term, *vals) for (layer, term, _), per_head in zip(terms.stats, stats.tolist(), strict=True)
             for h, vals in enumerate(per_head)]
@@ -182,25 +185,6 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         sink=terms.sink, content=terms.content, bias=torch.stack(terms.bias),
         sink_mask=found.mask, sink_source=found.source, model_name=view.name, sinks=found,
         post_norm=post_attention_norm(model), attention=path)
-
-
-def _output_check(view: ModelView, layer: int, z: Tensor, weights: tuple[Tensor, Tensor | None], attn_out: Tensor,
-                  valid: Tensor) -> tuple[float, float]:
-    """How far the heads' outputs ``z [batch query head d_head]`` through ``W_O`` (+ ``b_O``) are
-    from the attention output, relative, over the real positions of :func:`check_rows`; and that
-    output's norm there. (What it catches, an output that is not ``z W_O + b_O``, such as a gate or
-    a norm after the heads, shows at every row.)"""
-    W_O, b_O = weights
-    rows = check_rows(z.shape[1], attn_out.device)
-    attn_out = attn_out[:, rows]
-    real = valid.to(attn_out.device)[:, rows, None]
-    rebuilt = z[:, rows].to(attn_out).flatten(2) @ W_O.to(attn_out).flatten(0, 1)
-    if b_O is not None:
-        rebuilt = rebuilt + b_O.to(attn_out)
-    norm = float((attn_out * real).norm())
-    err = float(((rebuilt - attn_out) * real).norm()) / max(norm, 1e-12)
-    _check_error(view, layer, err, attn_out.dtype)
-    return err, norm
 
 
 class _Terms:
@@ -233,16 +217,16 @@ class _Terms:
         return self._z[self.index[layer]], self._pattern[self.index[layer]]
 
 
-def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, check: tuple[float, float],
-           keys: Tensor, weights: tuple[Tensor, Tensor | None], valid: Tensor, sinks: Tensor, terms: _Terms) -> None:
+def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor, keys: Tensor,
+           weights: tuple[Tensor, Tensor | None], valid: Tensor, sinks: Tensor, terms: _Terms) -> None:
     """One layer's terms from the heads' outputs ``z [batch query head d_head]``, the attention on
     the kept key columns ``pattern [batch head query col]`` and their values ``v [batch col head
     d_head]``; ``keys [batch col]`` marks the sinks among the columns. The sink term is each
     sink's value through ``W_O``, weighted; the content term is the rest of the heads' outputs
     through ``W_O``; summed over heads (the per-head terms are read only through their factors).
-    ``check``: :func:`_output_check`'s error and output norm; the reconstruction error recorded is
-    that error plus the terms' relative distance from ``z W_O`` (both on :func:`check_rows`),
-    which bounds ``||sink + content + b_O - attn_out||`` (relative) by the triangle inequality."""
+    The reconstruction error recorded is ``||sink + content + b_O - attn_out|| / ||attn_out||`` on
+    the real positions of :func:`check_rows` (``out``: the attention output there). What it catches,
+    an output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows at every row."""
     W_O, b_O = weights
     device = z.device
     W_O = W_O.to(z)
@@ -260,15 +244,11 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, c
     stats = {"sink": reductions(at_sinks, keep, basis=sink_values),
              "content": reductions(z_content.transpose(1, 2), keep, basis=W_O[None])}
     bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
-    real = valid.to(device)[..., None]
-    # sink + content against z W_O, which they split: the same sum in two orders, so they differ only by
-    # rounding; measured on the check rows (all of them would cost one more [pos, d_model] x [d_model,
-    # d_model] product a layer, a tenth of the layer's own matmuls)
     rows = check_rows(z.shape[1], device)
-    whole, on = z[:, rows].flatten(2) @ W_O.flatten(0, 1), real[:, rows]
-    split = float(((sink[:, rows] + content[:, rows] - whole) * on).norm()) / max(float((whole * on).norm()), 1e-12)
-    err = check[0] + split
-    _check_error(view, layer, err, z.dtype)
+    out, on = out.to(device), valid.to(device)[:, rows, None]
+    rebuilt = (sink[:, rows] + content[:, rows] + bias).to(out)
+    err = float(((rebuilt - out) * on).norm()) / max(float((out * on).norm()), 1e-12)
+    _check_error(view, layer, err, out.dtype)
     terms.errors.append((layer, err))
     for name, parts in stats.items():
         terms.stats.append((layer, name, parts))
@@ -278,7 +258,22 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, c
     terms.bias.append(bias.cpu())
 
 
-# query rows (evenly spaced) on which each layer's output and split are checked against z W_O (+ b_O)
+# a layer's term ([batch, pos, d_model] float32) from which the freed transients are handed back after
+# every layer; below it once after the pass: each trim costs the next layer's page faults (at 128 tokens
+# on SmolLM2, per-layer trims took a third of a plain forward's CPU time), and small transients are reused
+TRIM_BYTES = 2 << 20
+
+
+def _trim_each_layer(batch: Any, d_model: int) -> Callable[[], None]:
+    """:func:`~massive_lens.core.budget.trim_allocator` where a layer's terms reach ``TRIM_BYTES``, else nothing."""
+    return trim_allocator if batch.mask.numel() * d_model * 4 >= TRIM_BYTES else _no_trim
+
+
+def _no_trim() -> None:
+    """Nothing: the layer's transients are small and reused by the next layer."""
+
+
+# query rows (evenly spaced) on which each layer's split is checked against the attention output
 CHECK_ROWS = 256
 
 

@@ -29,9 +29,9 @@ from torch import Tensor
 
 from massive_lens.attention.decompose import output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
-from massive_lens.core.attention_pass import PassLayer, attention_pass
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.criterion import SinkEvidence
-from massive_lens.core.lse import EAGER, choose_path, path_text
+from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -116,9 +116,10 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
             positions that act as sinks (``find_sinks``), else the first token.
         sink_share: attention on the sinks above which a head may be dormant, in (0, 1).
         norm_ratio: output norm, as a share of its layer's mean head, below which it may be dormant (> 0).
-        attention: ``"auto"`` (the default: the attention on the sinks from q, k and the fused SDPA
-            kernel's log-sum-exp where the model supports it, no pattern built; else the eager
-            pattern), ``"lse"`` or ``"eager"`` (:mod:`massive_lens.core.lse`).
+        attention: ``"auto"`` (the default: the eager pattern below 512 tokens, where it is the
+            faster; from there the attention on the sinks from q, k and the fused SDPA kernel's
+            log-sum-exp where the model supports it, no pattern built; see
+            :func:`~massive_lens.core.attention_pass.choose_path`), ``"lse"`` or ``"eager"``.
 
     Returns:
         A :class:`DormantHeads`.
@@ -137,7 +138,7 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
         raise MassiveLensError(f"sink_share must be in (0, 1) and norm_ratio > 0, got {sink_share}, {norm_ratio}")
     view = ModelView(model)
     batch = view.tokenize(text)
-    path = choose_path(view, attention)
+    path = choose_path(view, attention, batch)
     given = None if sinks is None else sink_mask(model, batch, sinks, path)
     # the key columns read per layer: the given sinks' or, when the sinks are found in this same pass, every
     # position that could turn out to be one (a sink elsewhere costs a second pass)

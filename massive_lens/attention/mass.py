@@ -13,10 +13,10 @@ from torch import Tensor
 
 from massive_lens.attention.null_mass import NullReader
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
-from massive_lens.core.attention_pass import PassLayer, attention_pass
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, SinkEvidence, first_token_mass, sink_metric
-from massive_lens.core.lse import EAGER, choose_path, path_text
+from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
@@ -86,9 +86,10 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
             they draw attention from many heads or carry a persistent massive activation),
             else the first token.
         threshold: the sink metric's attention share, in (0, 1) (default 0.3, Gu et al.).
-        attention: ``"auto"`` (the default: the attention on the sink columns from q, k and the
-            fused SDPA kernel's log-sum-exp where the model supports it, with no pattern built;
-            else the eager pattern), ``"lse"`` or ``"eager"`` (:mod:`massive_lens.core.lse`).
+        attention: ``"auto"`` (the default: the eager pattern below 512 tokens, where it is the
+            faster; from there the attention on the sink columns from q, k and the fused SDPA
+            kernel's log-sum-exp where the model supports it, no pattern built; see
+            :func:`~massive_lens.core.attention_pass.choose_path`), ``"lse"`` or ``"eager"``.
 
     Returns:
         A :class:`SinkAttention` (one row per layer and head) with its ``sink_metric`` and
@@ -110,7 +111,7 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
         raise MassiveLensError(f"threshold is an attention share in (0, 1), got {threshold}")
     view = ModelView(model)
     batch = view.tokenize(text)
-    path = choose_path(view, attention)
+    path = choose_path(view, attention, batch)
     given = None if sinks is None else sink_mask(model, batch, sinks, path)
     # the key columns read per layer: the given sinks' and the first token's or, when the sinks are found in
     # this same pass, every position that could turn out to be one (a sink elsewhere costs a second pass)

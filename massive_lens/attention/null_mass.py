@@ -28,10 +28,10 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from massive_lens.core.attention_pass import PassLayer, attention_pass
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, first_token_mass, sink_metric
-from massive_lens.core.lse import EAGER, LSE, choose_path, path_text
+from massive_lens.core.lse import EAGER, LSE, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -146,8 +146,9 @@ def null_mass(model: Any, text: str | Sequence[str] | Tensor, *, threshold: floa
         text: a string, a list of strings (padded into one batch) or a token tensor.
         threshold: the share of attention in (0, 1) that counts a head for the sink metric and
             the null metric (default 0.3, Gu et al.).
-        attention: ``"auto"``, ``"lse"`` (from q, k and the fused kernel's log-sum-exp with the
-            sink logit folded in; Hugging Face models only) or ``"eager"`` (the pattern).
+        attention: ``"auto"`` (:func:`~massive_lens.core.attention_pass.choose_path`), ``"lse"``
+            (from q, k and the fused kernel's log-sum-exp with the sink logit folded in; Hugging
+            Face models only) or ``"eager"`` (the pattern).
 
     Returns:
         A :class:`NullMass`, one row per attention layer and head.
@@ -167,7 +168,7 @@ def null_mass(model: Any, text: str | Sequence[str] | Tensor, *, threshold: floa
     kind, logits = off_switch_layers(view, required=True)
     batch = view.tokenize(text)
     slots = kind != SINK_LOGIT
-    path = EAGER if slots else choose_path(view, attention)
+    path = EAGER if slots else choose_path(view, attention, batch)
     if slots and attention == LSE:
         raise MassiveLensError(f"{view.name} is a model trained here: it computes its own attention, so there is no "
                                "fused kernel's log-sum-exp to read; use attention='eager' or 'auto'")

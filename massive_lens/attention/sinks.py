@@ -20,9 +20,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from massive_lens.core.attention_pass import attention_pass
+from massive_lens.core.attention_pass import attention_pass, choose_path
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule
-from massive_lens.core.lse import choose_path
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
@@ -171,9 +170,11 @@ def find_sinks(model: Any, text: str | Sequence[str] | Tensor, *, rule: SinkRule
             vision model, ``pixel_values`` ``[batch, channels, height, width]``.
         rule: the sink rule (None: ``SinkRule()``).
         criterion: when an activation is massive (None: ``Criterion()``).
-        attention: ``"auto"`` (the default: each key's attention from q, k and the fused SDPA
-            kernel's log-sum-exp where the model supports it, else the eager pattern), ``"lse"``
-            or ``"eager"`` (:mod:`massive_lens.core.lse`); the set's ``attention`` says which.
+        attention: ``"auto"`` (the default: the eager pattern below 512 tokens, where it is the
+            faster; from there each key's attention from q, k and the fused SDPA kernel's
+            log-sum-exp where the model supports it; see
+            :func:`~massive_lens.core.attention_pass.choose_path`), ``"lse"`` or ``"eager"``;
+            the set's ``attention`` says which.
 
     Returns:
         A :class:`SinkSet`.
@@ -193,7 +194,7 @@ def find_sinks(model: Any, text: str | Sequence[str] | Tensor, *, rule: SinkRule
 def sinks_of(view: ModelView, batch: Batch, rule: SinkRule | None = None, criterion: Criterion | None = None,
              attention: str = "auto") -> SinkSet:
     """The sinks of an already tokenized ``batch`` (what :func:`find_sinks` does after tokenizing)."""
-    path = choose_path(view, attention)
+    path = choose_path(view, attention, batch)
     evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
     attention_pass(view, batch, None, path=path, evidence=evidence)
     return sinks_from(evidence, view.token_kinds(batch), path)

@@ -7,9 +7,10 @@ output projection reads (``z_read``, ``attn.hook_z`` where it fires), the values
 attention output ``out``: only what the caller asks for in ``want``. On the eager path they come
 from the pattern, ``z``/``v`` and output hooks; on the LSE path (:mod:`massive_lens.core.lse`)
 from the fused kernel's ``q``, ``k`` and log-sum-exp; an nnsight view takes the LSE path. The
-caller picks the path with :func:`~massive_lens.core.lse.choose_path` (``"auto"``: the eager
-pattern whenever an edit is attached, which the kernel would skip) and reduces what it is
-handed: no analysis branches on the path. With a
+caller picks the path with :func:`choose_path` (``"auto"``: the eager pattern below
+:data:`LSE_FROM` tokens, where it is the faster, and whenever an edit is attached, which the
+kernel would skip; the LSE path above) and reduces what it is handed: no analysis branches on
+the path. With a
 :class:`~massive_lens.core.criterion.SinkEvidence` the pass also feeds the sink rule (every
 layer's residual stream and key attention) in the same forward. Hooks and the kernel are put
 back on exit, exceptions included.
@@ -28,6 +29,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,14 +40,23 @@ from torch import Tensor
 
 from massive_lens.core.criterion import SinkEvidence, key_attention
 from massive_lens.core.gather import LayerGather
-from massive_lens.core.lse import EAGER, LSE, LayerAttention, lse_run
+from massive_lens.core.lse import EAGER, LSE, PATHS, LayerAttention, attached_attention_edits, lse_run, lse_support
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["PassLayer", "attention_pass"]
+__all__ = ["LSE_FROM", "PassLayer", "attention_pass", "choose_path"]
+
+log = logging.getLogger(__name__)
 
 WANTS = ("z", "z_read", "v", "out")
+# "auto" reads the eager pattern below this many positions, the LSE path from it: the measured
+# crossover (CPU time, one thread, SmolLM2-135M: every attention analysis is faster on the eager
+# path at 128 tokens, even at 512, and 2.1-2.5x faster on the LSE path at 2,048; docs/benchmarks.md,
+# issue 50, `python -m benchmarks.path_crossover`). Both paths' attention costs grow alike with the
+# heads and their width; what differs is the eager pattern's O(length^2) per head against the LSE
+# path's band of O(length x 128), so the crossover is a length, not a model size.
+LSE_FROM = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +91,7 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
                    stop_after: str | None = None, check_finite: bool = True) -> None:
     """One forward of ``batch`` handing every attention layer of ``layers`` (None: all) to
     ``on_layer`` as a :class:`PassLayer` read on ``path`` (``"eager"`` or ``"lse"``, from
-    :func:`~massive_lens.core.lse.choose_path`).
+    :func:`choose_path`).
 
     ``columns``: key positions whose attention every query gives (``cols``); ``band``: the sink
     rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"v"``, ``"out"`` (``out_hooks``
@@ -112,6 +123,54 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
         raise MassiveLensError(f"{view.name}: the attention hooks (pattern, and the values, heads' or attention "
                                f"output asked for) of layer {missed[0]} did not all fire; the attention pass "
                                "cannot read that layer")
+
+
+def choose_path(view: ModelView, attention: str, batch: Batch) -> str:
+    """``"eager"`` or ``"lse"``, the path that reads ``batch``'s attention as ``attention`` asks:
+    ``"auto"`` takes the eager pattern where the view serves one and ``batch`` is shorter than
+    :data:`LSE_FROM` positions (the faster path there), else the LSE path where the model supports
+    it and no hook the LSE path would skip is attached
+    (:func:`~massive_lens.core.lse.attached_attention_edits`), else the eager pattern. An nnsight
+    view serves no pattern: the LSE path at every length. ``"lse"`` where it cannot run, or would
+    skip an attached edit, and ``"eager"`` on a view without patterns are a :class:`MassiveLensError`
+    naming why.
+
+    >>> from massive_lens import tiny_model
+    >>> view = ModelView(tiny_model("llama"))
+    >>> batch = view.tokenize("Hello there.")  # shorter than LSE_FROM
+    >>> choose_path(view, "auto", batch), choose_path(view, "lse", batch)
+    ('eager', 'lse')
+    """
+    if attention not in PATHS:
+        raise MassiveLensError(f"attention must be one of {PATHS} ('auto': the eager pattern below {LSE_FROM} "
+                               "tokens, the fused kernel's log-sum-exp from there where the model supports it), "
+                               f"got {attention!r}")
+    refusal = view.pattern_refusal()  # a view that serves no pattern (nnsight): the LSE path or nothing
+    if attention == EAGER or (attention == "auto" and not refusal and batch.mask.shape[-1] < LSE_FROM):
+        if refusal:
+            raise MassiveLensError(refusal)
+        return EAGER
+    reason = lse_support(view)
+    if reason is None:
+        edits = attached_attention_edits(view)
+        if not edits:
+            return LSE
+        if attention == LSE:
+            more = f" and {len(edits) - 3} more" if len(edits) > 3 else ""
+            raise MassiveLensError(
+                f"{view.name} has hooks attached at {', '.join(edits[:3])}{more}, which the LSE path does not run "
+                "(it runs the attention on the fused kernel, where score, pattern and rotary hooks never fire and "
+                "the heads' output is read before hook_z), so it would measure the unedited model; use "
+                "attention='eager' or 'auto' (which read the edited pattern while such hooks are attached)")
+        log.info("%s: hooks at %s edit the attention; reading the eager pattern", view.name, ", ".join(edits))
+        return EAGER
+    if refusal:
+        raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
+                               f"and the eager pattern does not run either: {refusal.split('; ', 1)[0]}")
+    if attention == LSE:
+        raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
+                               "use attention='eager' (the pattern) or 'auto'")
+    return EAGER
 
 
 def _last(view: ModelView, hooks: Sequence[tuple[str, Any]], deepest: int) -> str:

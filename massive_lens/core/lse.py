@@ -23,7 +23,8 @@ analyses then read the eager pattern instead and say so. A learned sink logit pe
 
 The kernel bypasses the bridge's eager attention: hooks on its scores, pattern and rotary never
 fire, and ``z`` is read before ``hook_z``. With a hook attached there (:func:`attached_attention_edits`)
-:func:`choose_path` takes the eager path under ``"auto"`` and refuses ``"lse"``: an edit is always read.
+:func:`~massive_lens.core.attention_pass.choose_path` takes the eager path under ``"auto"`` and
+refuses ``"lse"``: an edit is always read.
 
 >>> from massive_lens import tiny_model
 >>> from massive_lens.core.model_view import ModelView
@@ -38,7 +39,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import types
 import weakref
@@ -54,8 +54,6 @@ from massive_lens.core.criterion import SINK_QUERIES
 from massive_lens.core.model_lock import model_lock
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
-
-log = logging.getLogger(__name__)
 
 LSE = "lse"  # attention from q, k and the kernel's log-sum-exp, the model run on SDPA
 EAGER = "eager"  # attention read from the eager pattern (hook_pattern)
@@ -403,42 +401,6 @@ def attached_attention_edits(view: ModelView) -> list[str]:
         if bypassed is None:
             return sorted(name for name, hp in _hook_points(view.model.hook_dict).values() if _attached(hp))
         return sorted(name for name, ref in bypassed if (hp := ref()) is not None and _attached(hp))
-
-
-def choose_path(view: ModelView, attention: str) -> str:
-    """``"lse"`` or ``"eager"`` for ``attention`` (``"auto"``: the LSE path where the model supports
-    it and no hook the LSE path would skip is attached, see :func:`attached_attention_edits`);
-    ``"lse"`` where it cannot run, or would skip an attached edit, is a :class:`MassiveLensError`
-    naming why."""
-    if attention not in PATHS:
-        raise MassiveLensError(f"attention must be one of {PATHS} ('auto': the fused kernel's log-sum-exp where the "
-                               f"model supports it, else the eager pattern), got {attention!r}")
-    refusal = view.pattern_refusal()  # a view that serves no pattern (nnsight): the LSE path or nothing
-    if attention == EAGER:
-        if refusal:
-            raise MassiveLensError(refusal)
-        return EAGER
-    reason = lse_support(view)
-    if reason is None:
-        edits = attached_attention_edits(view)
-        if not edits:
-            return LSE
-        if attention == LSE:
-            more = f" and {len(edits) - 3} more" if len(edits) > 3 else ""
-            raise MassiveLensError(
-                f"{view.name} has hooks attached at {', '.join(edits[:3])}{more}, which the LSE path does not run "
-                "(it runs the attention on the fused kernel, where score, pattern and rotary hooks never fire and "
-                "the heads' output is read before hook_z), so it would measure the unedited model; use "
-                "attention='eager' or 'auto' (which read the edited pattern while such hooks are attached)")
-        log.info("%s: hooks at %s edit the attention; reading the eager pattern", view.name, ", ".join(edits))
-        return EAGER
-    if refusal:
-        raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
-                               f"and the eager pattern does not run either: {refusal.split('; ', 1)[0]}")
-    if attention == LSE:
-        raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
-                               "use attention='eager' (the pattern) or 'auto'")
-    return EAGER
 
 
 def path_text(path: str) -> str:
