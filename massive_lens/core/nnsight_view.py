@@ -32,14 +32,12 @@ trace without any pattern. What needs TransformerLens's own modules (per-head ho
 attention patterns, TransformerLens-style weights) is a :class:`MassiveLensError` naming the
 calls that run here.
 
->>> is_nnsight_model(object())
-False
+The nnsight model itself, as the package reads it, is :mod:`massive_lens.core.nnsight_model`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +46,11 @@ import torch
 from torch import Tensor
 
 from massive_lens.core.model_lock import model_lock
-from massive_lens.core.model_name import readable_name
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.nnsight_model import NnsightModel, is_nnsight_model, nnsight_model, trace_options
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["SUPPORTED_CALLS", "NnsightModel", "NnsightView", "is_nnsight_model", "trace_options"]
+__all__ = ["SUPPORTED_CALLS", "NnsightView", "serves_nnsight"]
 
 # the per-block sites served, in the order a block computes them
 SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
@@ -63,42 +61,6 @@ _MLP = ("mlp", "feed_forward", "ffn")
 _DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "fc_out", "w2")  # the MLP's output projection
 _MID_NORM = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")  # first found: resid_mid is its input
 _POST_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")  # a sublayer output normed before the add
-_OPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nnsight model -> trace keyword arguments
-_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nnsight model -> its NnsightModel
-
-
-def is_nnsight_model(model: Any) -> bool:
-    """Whether ``model`` is an nnsight model (``nnsight.NNsight``, ``LanguageModel``, ...),
-    checked without importing nnsight."""
-    return any(c.__module__.split(".")[0] == "nnsight" for c in type(model).__mro__)
-
-
-def trace_options(model: Any, **options: Any) -> dict[str, Any]:
-    """Keyword arguments every ``model.trace(...)`` of massive_lens passes on as they are (for
-    NDIF: ``remote=True``, which needs an NDIF API key and a model NDIF hosts); returns them.
-    Called with none, returns the current ones.
-
-    >>> trace_options(object.__new__(type("Envoy", (), {})))
-    {}
-    """
-    if options:
-        _OPTIONS[model] = {**_OPTIONS.get(model, {}), **options}
-    return dict(_OPTIONS.get(model, {}))
-
-
-@dataclass
-class _Config:
-    """The few TransformerLens config fields the analyses read, from the Hugging Face config."""
-
-    n_layers: int
-    d_model: int
-    n_ctx: int | None
-    d_vocab: int | None
-    model_name: str
-    default_prepend_bos: bool = True  # TransformerLens's usual default; it turns it off for a few architectures
-    n_heads: int | None = None
-    d_head: int | None = None
-    n_key_value_heads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,43 +73,12 @@ class _Hook:
         return int(self.name.split(".")[1])
 
 
-class NnsightModel:
-    """An nnsight model as the rest of massive_lens reads a model: ``cfg``, ``tokenizer``, the
-    parameters and the Hugging Face model (``original_model``, as a bridge has it). One per nnsight
-    model (so :func:`model_lock` is the same); ``ModelView`` of it is its :class:`NnsightView`."""
-
-    def __init__(self, lm: Any, hf: torch.nn.Module, cfg: _Config, layers_path: str):
-        self._lm = weakref.ref(lm)  # _ADAPTERS maps lm to this: a strong reference would keep lm alive
-        self.original_model, self.cfg, self.layers_path = hf, cfg, layers_path
-
-    @property
-    def lm(self) -> Any:
-        """The nnsight model."""
-        return self._lm()
-
-    @property
-    def tokenizer(self) -> Any:
-        return getattr(self.lm, "tokenizer", None)
-
-    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
-        return self.original_model.parameters(recurse)
-
-    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
-        return self.original_model.buffers(recurse)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        return self.original_model.named_parameters(*args, **kwargs)
-
-    def modules(self) -> Iterator[torch.nn.Module]:
-        return self.original_model.modules()
-
-
 class NnsightView(ModelView):
     """:class:`ModelView` over an nnsight model (``ModelView(lm)`` builds one); ``.model`` is its
     :class:`NnsightModel`, ``.lm`` the nnsight model, ``.hf`` the Hugging Face model inside."""
 
     def __init__(self, model: Any):
-        adapter = model if isinstance(model, NnsightModel) else _ADAPTERS.get(model) or self._adapter(model)
+        adapter = model if isinstance(model, NnsightModel) else nnsight_model(model)
         self.lm, self.hf, self.model, self.cfg = adapter.lm, adapter.original_model, adapter, adapter.cfg
         self.layers_path = adapter.layers_path
         self._hook_names = frozenset(self.block_hook(layer, site) for layer in range(self.cfg.n_layers)
@@ -155,26 +86,6 @@ class NnsightView(ModelView):
         self._aliases = {}
         self.image_layout = None
 
-    @staticmethod
-    def _adapter(model: Any) -> NnsightModel:
-        hf = getattr(getattr(model, "pipeline", None), "model", None) or getattr(model, "_module", None)
-        if not isinstance(hf, torch.nn.Module):
-            raise MassiveLensError(f"{type(model).__name__}: an nnsight model with no torch module inside")
-        config = getattr(hf, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        n_layers = getattr(text, "num_hidden_layers", None)
-        layers_path = _layers_path(hf, n_layers)
-        if text is None or layers_path is None:
-            raise MassiveLensError(f"{type(hf).__name__} is not a Hugging Face decoder the nnsight backend reads: it "
-                                   "needs a config with num_hidden_layers and a list of that many decoder layers")
-        name = getattr(config, "_name_or_path", None) or type(hf).__name__
-        heads = getattr(text, "num_attention_heads", None)
-        d_head = getattr(text, "head_dim", None) or (int(text.hidden_size) // heads if heads else None)
-        cfg = _Config(int(n_layers), int(text.hidden_size), getattr(text, "max_position_embeddings", None),
-                      getattr(text, "vocab_size", None), readable_name(str(name)), n_heads=heads, d_head=d_head,
-                      n_key_value_heads=getattr(text, "num_key_value_heads", None))
-        _ADAPTERS[model] = adapter = NnsightModel(model, hf, cfg, layers_path)
-        return adapter
 
     # ------------------------------------------------------------------ facts
     @property
@@ -376,13 +287,6 @@ def replace_residual(raw: Any, new: Tensor, split: Tensor | None) -> Any:
     rest = tuple(raw[2:]) if split is not None else tuple(raw[1:])
     head = (new, torch.zeros_like(split)) if split is not None else (new,)
     return type(raw)((*head, *rest)) if isinstance(raw, tuple) else [*head, *rest]
-
-
-def _layers_path(hf: torch.nn.Module, n_layers: Any) -> str | None:
-    if not isinstance(n_layers, int):
-        return None
-    return next((name for name, m in hf.named_modules()
-                 if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers and name), None)
 
 
 def _child(hf: torch.nn.Module, path: str, names: tuple[str, ...]) -> str | None:

@@ -10,7 +10,7 @@
 2
 """
 
-from massive_lens.core.nnsight_view import trace_options
+from massive_lens.core.nnsight_model import trace_options
 from massive_lens.core.tokens import byte_tokenizer
 from massive_lens.models.load import DEFAULT_MODEL, load_model, wrap_hf_model
 from massive_lens.models.tiny import FAMILIES, VISION_FAMILIES, tiny_model

@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from massive_lens.core.hooked import is_hooked_transformer
 from massive_lens.core.model_name import readable_name
-from massive_lens.core.nnsight_view import is_nnsight_model
+from massive_lens.core.nnsight_model import is_nnsight_model
 from massive_lens.core.tokens import mark_bos
 from massive_lens.errors import MassiveLensError
 from massive_lens.models.backends import (
