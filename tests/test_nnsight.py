@@ -270,11 +270,11 @@ def test_sink_attention_and_census_same_as_bridge(family):
     with untouched(view.hf):
         assert lse_support(view) is None
         for sinks in (None, [0, 3]):
-            a, b = sink_attention(bridge, TEXTS, sinks=sinks), sink_attention(lm, TEXTS, sinks=sinks)
+            a, b = sink_attention(bridge, TEXTS, sinks=sinks, attention="lse"), sink_attention(lm, TEXTS, sinks=sinks)
             assert a.attention == b.attention == "lse" and float(a.to_frame()["sink_mass"].abs().max()) > 0
             pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), rtol=1e-5, atol=1e-7)
             assert torch.equal(a.sinks.mask, b.sinks.mask)
-        same_census(sink_census(bridge, TEXTS, rule=SINK_RULE), sink_census(lm, TEXTS, rule=SINK_RULE))
+        same_census(sink_census(bridge, TEXTS, rule=SINK_RULE, attention="lse"), sink_census(lm, TEXTS, rule=SINK_RULE))
     assert config._attn_implementation == implementation
     assert all(getattr(m, "config", config)._attn_implementation == implementation for m in view.hf.modules()
                if hasattr(getattr(m, "config", None), "_attn_implementation"))
@@ -328,7 +328,8 @@ def test_real_models_same_numbers(name):
         results.append((find_massive(model, REAL_TEXTS, prepend_bos=bos),
                         layer_profile(model, REAL_TEXTS, prepend_bos=bos).to_frame(),
                         perplexity(model, tokens, hooks=hooks, progress=False).loss, ModelView(model).name,
-                        sink_attention(model, REAL_TEXTS), sink_census(model, REAL_TEXTS),
+                        sink_attention(model, REAL_TEXTS, attention="lse"),
+                        sink_census(model, REAL_TEXTS, attention="lse"),
                         run_interventions(model, None, calibration=text, seq_len=24, n_seqs=2,  # offline default text
                                           calibration_seqs=2, settings=["original", "zero", "mean"],
                                           progress=False)))
