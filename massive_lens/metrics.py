@@ -32,10 +32,10 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from massive_lens.core.charts import loss_axes
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.render import loss_axes
 from massive_lens.core.results import Result
 from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError

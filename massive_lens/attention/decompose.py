@@ -31,10 +31,10 @@ from massive_lens.attention.constancy import constancy, reductions
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.budget import trim_allocator
+from massive_lens.core.charts import sink_content_axes
 from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.lse import EAGER, LSE, path_text
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.render import sink_content_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 

@@ -14,11 +14,11 @@ from torch import Tensor
 from massive_lens.attention.null_mass import NullReader
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
+from massive_lens.core.charts import sink_mass_axes
 from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, SinkEvidence, first_token_mass, sink_metric
 from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 

@@ -20,11 +20,11 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
+from massive_lens.core.charts import profile_axes
 from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.reduce import ProfileSums, ResidualReducer
-from massive_lens.core.render import profile_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.detect.scope import layer_span, outlier_lines, outlier_table, scoped

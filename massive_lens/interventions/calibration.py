@@ -41,13 +41,13 @@ from tqdm.auto import tqdm
 
 from massive_lens.attention.sinks import FOUND, LEVEL, SinkSet, sinks_from
 from massive_lens.core.attention_pass import attention_pass
+from massive_lens.core.charts import sink_mass_axes
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_criterion, as_rule, massive_mask
 from massive_lens.core.fmt import num, short
 from massive_lens.core.lse import EAGER, LSE
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outliers import OutlierTally, token_specific
-from massive_lens.core.render import sink_mass_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.arm_stats import TemplateTally, build_pool, empty_pool

@@ -32,11 +32,11 @@ from tqdm.auto import tqdm
 
 from massive_lens.attention.sinks import LEVEL, SinkSet, sinks_of
 from massive_lens.core.budget import logit_batches
+from massive_lens.core.charts import intervention_bars
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import ratio as _num
 from massive_lens.core.lse import lse_run
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.render import intervention_bars
 from massive_lens.core.results import Result
 from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError

@@ -42,10 +42,10 @@ from typing import Any
 import pandas as pd
 import torch
 
+from massive_lens.core.charts import waterfall_axes
 from massive_lens.core.corpora import Corpus
 from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.render import waterfall_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.detect.find import find_in_batch

@@ -14,7 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from massive_lens.core.render import ensure_axes, profile_axes
+from massive_lens.core.charts import profile_axes
+from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 
 GROUPS = ("sink", "massive", "other")

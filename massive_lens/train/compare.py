@@ -30,9 +30,10 @@ from typing import Any
 
 import pandas as pd
 
+from massive_lens.core.charts import curve_axes
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.outputs import check_out_dir
-from massive_lens.core.render import curve_axes, save_figure
+from massive_lens.core.render import save_figure
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant import measure_outliers

@@ -37,8 +37,9 @@ from typing import Any
 import pandas as pd
 import torch
 
+from massive_lens.core.charts import curve_axes
 from massive_lens.core.corpora import data_file
-from massive_lens.core.render import close_figure, curve_axes, save_figure
+from massive_lens.core.render import close_figure, save_figure
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant import measure_outliers

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from massive_lens.core.charts import curve_axes
 from massive_lens.core.outputs import check_out_dir
-from massive_lens.core.render import curve_axes
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
 from massive_lens.train.checkpoint import (

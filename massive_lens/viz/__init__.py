@@ -13,17 +13,17 @@
 'hidden dimension'
 """
 
-from massive_lens.core.render import (
+from massive_lens.core.charts import (
     curve_axes,
     intervention_bars,
     loss_axes,
     overlay_profiles,
     profile_axes,
-    save_figure,
     sink_content_axes,
     sink_mass_axes,
     waterfall_axes,
 )
+from massive_lens.core.render import save_figure
 from massive_lens.viz.figures import activation_landscape, attention_maps, capture_one
 from massive_lens.viz.landscape import landscape_axes
 from massive_lens.viz.patches import patch_grid_axes, patch_map
