@@ -387,10 +387,14 @@ def _by_kind(frame: pd.DataFrame, kind_seqs: Tensor) -> pd.DataFrame:
 
 def _by_layer(frame: pd.DataFrame, n_layers: int) -> pd.DataFrame:
     """Per layer and level: ``sinks`` whose life covers the layer and ``sequences`` holding one."""
-    rows = []
-    for layer in range(n_layers):
-        alive = frame[(frame["first_layer"] <= layer) & (frame["last_layer"] >= layer)]
-        for lvl in LEVELS:
-            mine = alive[alive["level"] == lvl]
-            rows.append(dict(layer=layer, level=lvl, sinks=len(mine), sequences=int(mine["seq"].nunique())))
-    return pd.DataFrame(rows, columns=["layer", "level", "sinks", "sequences"])
+    layer = torch.arange(n_layers)[:, None, None]
+    first, last = (torch.tensor(frame[c].to_numpy(dtype="int64")) for c in ("first_layer", "last_layer"))
+    level = torch.tensor(frame["level"].map(LEVELS.index).to_numpy(dtype="int64"))
+    seq = torch.unique(torch.tensor(frame["seq"].to_numpy(dtype="int64")), return_inverse=True)[1]
+    # [layer level row]: the rows alive at the layer, at the level
+    alive = (first <= layer) & (last >= layer) & (level == torch.arange(len(LEVELS))[None, :, None])
+    seqs = torch.zeros(len(frame), int(seq.max()) + 1 if len(frame) else 0)
+    seqs[torch.arange(len(frame)), seq] = 1.0  # [row sequence]
+    return pd.DataFrame({"layer": layer.flatten().repeat_interleave(len(LEVELS)).numpy(),
+                         "level": list(LEVELS) * n_layers, "sinks": alive.sum(-1).flatten().numpy(),
+                         "sequences": ((alive.float() @ seqs) > 0).sum(-1).flatten().numpy()})
