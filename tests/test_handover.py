@@ -40,8 +40,8 @@ from massive_lens.handover import (
     read_dims,
 )
 from massive_lens.handover import precision as precision_module
+from massive_lens.handover.headroom import spacing
 from massive_lens.handover.mixed import cast
-from massive_lens.handover.precision import spacing
 
 
 @pytest.fixture(scope="module")
