@@ -168,7 +168,7 @@ def test_cli_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
                                       '{"version": 1, "files": {"model.safetensors": 3}}', '"text"'])
 def test_an_odd_cache_manifest_means_a_rebuild_not_a_crash(tmp_path, manifest):
     from massive_lens.models import byte_tokenizer
-    from massive_lens.models.offline import cache_is_valid, write_cache
+    from massive_lens.models.cache import cache_is_valid, write_cache
 
     folder = tmp_path / "cache"
     write_cache(folder, _hf_model(), byte_tokenizer())

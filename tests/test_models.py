@@ -8,7 +8,7 @@ import torch
 from massive_lens import MassiveLensError, load_model, tiny_model
 from massive_lens.models import byte_tokenizer
 from massive_lens.models.backends import default_backend
-from massive_lens.models.offline import cache_is_valid, write_cache
+from massive_lens.models.cache import cache_is_valid, write_cache
 
 
 def test_tiny_families_run(family):

@@ -175,7 +175,7 @@ def test_two_loads_at_once_convert_once_and_both_read_the_cache(part_packages, m
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from massive_lens.models import offline
+    from massive_lens.models import cache, offline
 
     converted = []
 
@@ -203,7 +203,7 @@ def test_two_loads_at_once_convert_once_and_both_read_the_cache(part_packages, m
     for w in workers:
         w.join()
     assert not errors and len(results) == 2 and len(converted) == 1
-    assert offline.cache_is_valid(offline.cache_dir() / f"fake-model-v{offline.CACHE_VERSION}")
+    assert cache.cache_is_valid(cache.cache_dir() / f"fake-model-v{cache.CACHE_VERSION}")
     assert not converted[0].exists()  # the assembled file is gone once the cache holds the weights
 
 

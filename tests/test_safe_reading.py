@@ -334,7 +334,7 @@ def test_an_analysis_of_a_model_in_train_mode_runs_without_dropout_and_keeps_the
 
 
 def test_a_cache_the_disk_refuses_gives_a_warning_and_the_model_from_memory(tmp_path, monkeypatch, caplog):
-    from massive_lens.models.offline import write_cache
+    from massive_lens.models.cache import write_cache
 
     model_cls, config = tiny_config("llama", byte_tokenizer(), {"num_hidden_layers": 1})
     hf = model_cls(config)
@@ -350,16 +350,16 @@ def test_a_cache_the_disk_refuses_gives_a_warning_and_the_model_from_memory(tmp_
 
 
 def test_the_cache_writer_keeps_a_folder_another_process_published(tmp_path, monkeypatch):
-    from massive_lens.models import offline
+    from massive_lens.models import cache
 
     model_cls, config = tiny_config("llama", byte_tokenizer(), {"num_hidden_layers": 1})
     hf, folder = model_cls(config), tmp_path / "m-v1"
-    assert offline.write_cache(folder, hf, byte_tokenizer())
+    assert cache.write_cache(folder, hf, byte_tokenizer())
     published = folder.stat().st_ino
     removed = []
-    monkeypatch.setattr(offline.shutil, "rmtree", lambda path, **kw: removed.append(Path(path)))
-    assert offline.write_cache(folder, hf, byte_tokenizer())  # a second writer finds it valid: keeps it
+    monkeypatch.setattr(cache.shutil, "rmtree", lambda path, **kw: removed.append(Path(path)))
+    assert cache.write_cache(folder, hf, byte_tokenizer())  # a second writer finds it valid: keeps it
     assert folder.stat().st_ino == published and folder not in removed
     (folder / "manifest.json").write_text("{}")  # damaged: replaced
     monkeypatch.undo()
-    assert offline.write_cache(folder, hf, byte_tokenizer()) and offline.cache_is_valid(folder)
+    assert cache.write_cache(folder, hf, byte_tokenizer()) and cache.cache_is_valid(folder)
