@@ -40,7 +40,8 @@ from torch import Tensor
 
 from massive_lens.core.criterion import SinkEvidence, key_attention
 from massive_lens.core.gather import LayerGather
-from massive_lens.core.lse import EAGER, LSE, PATHS, LayerAttention, attached_attention_edits, lse_run, lse_support
+from massive_lens.core.layer_attention import LayerAttention
+from massive_lens.core.lse import EAGER, LSE, PATHS, attached_attention_edits, lse_run, lse_support
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
@@ -69,7 +70,7 @@ class PassLayer:
     (``attn.hook_z`` where it fires, else ``z``); ``v [batch key kv_head d_head]``; ``out``: the
     output hook's activation; ``shape``: the pattern's ``(batch, head, query, key)``; ``null
     [batch head query]``: on the LSE path, the attention to a learned sink logit
-    (:attr:`~massive_lens.core.lse.LayerAttention.null_mass`; None without one, and on the eager
+    (:attr:`~massive_lens.core.layer_attention.LayerAttention.null_mass`; None without one, and on the eager
     path, whose null mass :class:`~massive_lens.attention.null_mass.NullReader` reads)."""
 
     layer: int

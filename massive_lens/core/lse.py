@@ -6,7 +6,8 @@ FlashAttention and the memory-efficient kernel on GPU) never build the ``[head, 
 pattern, but they return the LSE. So an analysis that needs attention on a few key columns
 (the sinks, candidate columns, the first token) or on a narrow band (each key's next 64
 queries, the sink rule's test) runs the model on that kernel and computes just those entries
-from ``q``, ``k`` and the LSE: linear memory in the length, and no second O(n^2) pass.
+from ``q``, ``k`` and the LSE (:class:`~massive_lens.core.layer_attention.LayerAttention`): linear
+memory in the length, and no second O(n^2) pass.
 
 :func:`lse_run` does it for a TransformerBridge over a Hugging Face model, and for a view that
 runs the Hugging Face model's own decoder layers (nnsight: the view's ``attention_modules()``):
@@ -42,15 +43,13 @@ import contextlib
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float
 from torch import Tensor
 
-from massive_lens.core.criterion import SINK_QUERIES
+from massive_lens.core.layer_attention import LayerAttention
 from massive_lens.core.model_lock import model_lock
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
@@ -59,90 +58,6 @@ LSE = "lse"  # attention from q, k and the kernel's log-sum-exp, the model run o
 EAGER = "eager"  # attention read from the eager pattern (hook_pattern)
 PATHS = ("auto", LSE, EAGER)
 _NAME = "massive_lens_lse"  # the attention implementation registered with transformers
-BAND_BLOCK = 64  # keys per block of the band reduction
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """One attention layer as the kernel saw it: ``q [batch head query d_head]`` (after rotary),
-    ``k``/``v [batch kv_head key d_head]``, ``z [batch head query d_head]`` (the heads' output),
-    ``lse [batch head query]`` (float32), the score ``scale``, and the ``mask`` the kernel was
-    given (None: causal when ``causal``, else none; bool: True attends; float: added). ``sinks``:
-    the learned sink logit per head ``[head]`` (float32; gpt-oss's ``s_aux``), already in ``lse``."""
-
-    layer: int
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    z: Tensor
-    lse: Tensor
-    scale: float
-    mask: Tensor | None
-    causal: bool
-    sinks: Tensor | None = None
-
-    @property
-    def null_mass(self) -> Float[Tensor, "batch head query"] | None:
-        """The attention each query gives to the learned sink logit, ``exp(s - LSE)`` (None: no sink)."""
-        return None if self.sinks is None else _softmax_entries(self.sinks[None, :, None], self.lse)
-
-    @property
-    def group(self) -> int:
-        """Query heads per kv head."""
-        return self.q.shape[1] // self.k.shape[1]
-
-    def columns(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query col"]:
-        """The attention every query gives to the key positions ``cols`` (float32), exactly the
-        pattern's columns."""
-        cols = torch.as_tensor(cols, dtype=torch.long, device=self.q.device).flatten()
-        b, h, n, d = self.q.shape
-        k = self.k[:, :, cols].float()  # [batch kv_head col d_head]
-        q = self.q.float().reshape(b, self.k.shape[1], self.group, n, d)
-        scores = (q @ k[:, :, None].transpose(-1, -2)).reshape(b, h, n, len(cols)) * self.scale
-        qi = torch.arange(n, device=scores.device)[:, None]
-        scores = scores + self._bias(qi, cols[None, :])
-        return _softmax_entries(scores, self.lse)
-
-    def band(self, valid: Bool[Tensor, "batch pos"]
-             ) -> tuple[Float[Tensor, "batch head pos"], Float[Tensor, "batch pos"]]:
-        """Per head, each key's mean attention from the (up to ``SINK_QUERIES``) real queries
-        after it, and how many such queries each key has: exactly
-        :func:`~massive_lens.core.criterion.key_attention` of the pattern, from a band of
-        ``SINK_QUERIES`` diagonals (linear in the length)."""
-        b, h, n, d = self.q.shape
-        dev, w, blk = self.q.device, SINK_QUERIES, BAND_BLOCK
-        nb = -(-n // blk)
-        q = torch.nn.functional.pad(self.q.float(), (0, 0, 0, nb * blk + w - n))
-        lse = torch.nn.functional.pad(self.lse.float(), (0, nb * blk + w - n), value=float("inf"))
-        k = torch.nn.functional.pad(self.k.float(), (0, 0, 0, nb * blk - n)).repeat_interleave(self.group, 1)
-        qw = q.unfold(2, blk + w, blk)  # [b h nb d blk+w]: each key block's queries
-        scores = torch.einsum("bhnds,bhnkd->bhnsk", qw, k.reshape(b, h, nb, blk, d)) * self.scale
-        qi = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk + w, device=dev))[:, :, None]
-        ki = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk, device=dev))[:, None, :]
-        real = torch.nn.functional.pad(valid.to(dev, torch.float32), (0, nb * blk + w - n))
-        band = ((qi > ki) & (qi <= ki + w) & (qi < n)).float()[None] * real[:, qi[..., 0]][..., None]  # [b nb s k]
-        scores = scores + self._bias(qi.clamp(max=n - 1), ki.clamp(max=n - 1))
-        p = _softmax_entries(scores, lse.unfold(2, blk + w, blk)[..., None]) * band[:, None]
-        mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
-        count = band.sum(2).reshape(b, nb * blk)[:, :n]
-        return mass / count.clamp(min=1)[:, None], count
-
-    def _bias(self, qi: Tensor, ki: Tensor) -> Tensor:
-        """The mask's additive bias at query positions ``qi`` and key positions ``ki``
-        (broadcast together), shaped to add to ``[batch head ...]`` scores."""
-        if self.mask is None:
-            if not self.causal:
-                return torch.zeros((), device=self.q.device)
-            return torch.where(ki <= qi, 0.0, float("-inf")).to(self.q.device)
-        m = self.mask[:, :, qi, ki]  # [batch|1 head|1 ...]
-        return torch.where(m, 0.0, float("-inf")) if m.dtype == torch.bool else m.float()
-
-
-def _softmax_entries(scores: Tensor, lse: Tensor) -> Tensor:
-    """``exp(score - LSE)``: 0 where the score is masked, or the query saw no key at all."""
-    lse = lse if lse.ndim == scores.ndim else lse[..., None]
-    out = torch.exp(scores - lse)
-    return torch.where(torch.isfinite(lse) & torch.isfinite(scores), out, torch.zeros((), device=out.device))
 
 
 # ---------------------------------------------------------------------------------------------- the kernel

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from massive_lens.attention.sinks import sink_term
 from massive_lens.core.gather import LayerGather
-from massive_lens.core.lse import LayerAttention, lse_run
+from massive_lens.core.layer_attention import LayerAttention
+from massive_lens.core.lse import lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions.access import attention_access
 
