@@ -25,7 +25,6 @@ SHA-256) and rebuilt when a write was interrupted.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import warnings
@@ -33,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformer_lens.model_bridge import TransformerBridge
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from massive_lens.core.hooked import is_hooked_transformer
 from massive_lens.core.model_name import readable_name
@@ -53,14 +51,13 @@ from massive_lens.models.backends import (
     nnsight_from_hf,
     unsupported,
 )
+from massive_lens.models.hf_load import checked_device_map, load_hf, local_tokenizer, looks_local, not_loaded
 from massive_lens.models.offline import (
     DEFAULT,
-    LOADING,
     find_offline,
     gguf_name,
     load_gguf,
     load_offline,
-    offline_names,
     offline_of_file,
 )
 
@@ -170,11 +167,11 @@ def load_model(
     if isinstance(name_or_model, PreTrainedModel):
         as_found(name_or_model, device, asked, device_map)
         if kind == "nnsight":  # nnsight hooks the model in place of TransformerLens: used as it is
-            tok = tokenizer if tokenizer is not None else _local_tokenizer(_source(name_or_model))
+            tok = tokenizer if tokenizer is not None else local_tokenizer(_source(name_or_model))
             return nnsight_from_hf(name_or_model, tok, name or _source(name_or_model),
                                    dtype=next(name_or_model.parameters()).dtype)
         if kind == "hooked":  # a copy of the weights: the Hugging Face model stays as it is
-            tok = tokenizer if tokenizer is not None else _local_tokenizer(_source(name_or_model))
+            tok = tokenizer if tokenizer is not None else local_tokenizer(_source(name_or_model))
             return _build(name_or_model, tok, _source(name_or_model), **build, display=name)
         warnings.warn(
             f"load_model takes over the {type(name_or_model).__name__} it was given: it is now in eval mode "
@@ -199,11 +196,11 @@ def load_model(
         hf, tok = load_gguf(path)
         known = offline_of_file(path)  # an offline model's own file goes by that model's name
         return _build(hf, tok, known.name if known else gguf_name(path) or path.stem, **build, display=name)
-    if not path.exists() and _looks_local(str(name_or_model)):
+    if not path.exists() and looks_local(str(name_or_model)):
         raise MassiveLensError(f"no folder or file at {path}; a local model is a folder saved with save_pretrained "
                                "(config.json and *.safetensors) or a .gguf file")
     if kind in ("hooked", "nnsight") or path.is_dir():  # local folders: loaded here, checked tensor by tensor
-        hf, tok = _load_hf(str(name_or_model), path.is_dir(), dtype, device_map)
+        hf, tok = load_hf(str(name_or_model), path.is_dir(), dtype, device_map)
         return _build(hf, tok, str(name_or_model), **{**build, "device": None if device_map else device},
                       display=name)
     model = _boot(str(name_or_model), device, dtype, device_map)
@@ -245,7 +242,7 @@ def wrap_hf_model(hf_model: Any, tokenizer: Any = None, name: str | None = None)
     source = _source(hf_model)
     images = getattr(hf_model, "main_input_name", None) == "pixel_values"
     if tokenizer is None and not images:
-        tokenizer = _local_tokenizer(source)
+        tokenizer = local_tokenizer(source)
     if tokenizer is not None:
         mark_bos(tokenizer, source)
     hf_model.eval()
@@ -265,82 +262,18 @@ def _boot(name: str, device: Any, dtype: torch.dtype, device_map: Any) -> Any:
     """A hub id through TransformerBridge's own loader."""
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device_map is not None:
-        kwargs["device_map"] = _device_map(device_map)
+        kwargs["device_map"] = checked_device_map(device_map)
     elif device is not None:
         kwargs["device"] = str(device)
     try:
         bridge = TransformerBridge.boot_transformers(name, **kwargs)
     except OSError as exc:
-        raise _not_loaded(name, exc) from exc
+        raise not_loaded(name, exc) from exc
     except Exception as exc:
         raise unsupported(name, None, exc) from exc
     bridge.cfg.model_name = readable_name(name)
     return bridge.eval()
 
-
-def _load_hf(name: str, local: bool, dtype: torch.dtype, device_map: Any = None) -> tuple[Any, Any]:
-    """The Hugging Face model and tokenizer of a hub id or local folder. A local folder is read
-    from safetensors only (a ``*.bin`` file is a pickle, which can run code), and a tensor
-    missing from it, left over, or of another shape than its ``config.json`` says is an error
-    (transformers would otherwise fill a missing one with random weights)."""
-    if local and not (Path(name) / "config.json").is_file():
-        raise MassiveLensError(f"{name} is not a model folder: it has no config.json (save one with "
-                               "model.save_pretrained(folder) and tokenizer.save_pretrained(folder))")
-    kwargs: dict[str, Any] = dict(dtype=dtype, output_loading_info=True)
-    if local:
-        kwargs.update(local_files_only=True, use_safetensors=True)
-    if device_map is not None:
-        kwargs["device_map"] = _device_map(device_map)
-    try:
-        with LOADING, hub_offline() if local else contextlib.nullcontext():
-            hf, info = _model_class(name, local).from_pretrained(name, **kwargs)
-            images = getattr(hf, "main_input_name", None) == "pixel_values"  # a ViT: no tokenizer
-            tok = None if images else AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:
-        if local:
-            raise MassiveLensError(f"could not read the model in {name}: {type(exc).__name__}: {str(exc)[:300]} (a "
-                                   "folder needs a valid config.json, *.safetensors weights and a tokenizer)") from exc
-        raise _not_loaded(name, exc) from exc
-    except Exception as exc:  # noqa: BLE001 - safetensors' and torch's errors for damaged or mis-sized files
-        raise MassiveLensError(f"the weights in {name} are damaged or do not fit its config.json: "
-                               f"{type(exc).__name__}: {str(exc)[:300]}") from exc
-    problems = {k: v for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if (v := list(info.get(k) or []))}
-    if problems:
-        listed = "; ".join(f"{k.replace('_', ' ')}: {', '.join(map(str, v[:6]))}{' ...' if len(v) > 6 else ''}"
-                           for k, v in problems.items())
-        raise MassiveLensError(f"the weights in {name} do not match its config.json ({listed}); a missing tensor "
-                               "would be random weights: save the model again with save_pretrained")
-    return hf.eval(), tok
-
-
-def _model_class(name: str, local: bool) -> Any:
-    """The class a local folder's ``config.json`` names (a causal LM, or a ViT's class), else
-    ``AutoModelForCausalLM``."""
-    if local:
-        architectures = getattr(AutoConfig.from_pretrained(name, local_files_only=True), "architectures", None) or []
-        found = getattr(transformers, architectures[0], None) if architectures else None
-        if isinstance(found, type) and issubclass(found, PreTrainedModel):
-            return found
-    return AutoModelForCausalLM
-
-
-def _device_map(device_map: Any) -> Any:
-    if importlib.util.find_spec("accelerate") is None:
-        raise MassiveLensError("device_map needs accelerate: pip install accelerate")
-    return device_map
-
-
-def _looks_local(name: str) -> bool:
-    """A path rather than a hub id ``owner/name``: absolute, relative (``./``, ``~``), or deeper."""
-    return name.startswith((".", "~", os.sep)) or name.count("/") > 1 or "\\" in name
-
-
-def _not_loaded(name: str, exc: Exception) -> MassiveLensError:
-    return MassiveLensError(
-        f"could not load {name!r}: {exc}. Pass a local folder saved with "
-        "save_pretrained, a .gguf file, nothing for the offline default, or the name of an "
-        f"offline model ({offline_names()}); hub ids need network access"
-    )
 
 
 def _build(hf: Any, tok: Any, label: str, *, backend: str, explicit: bool, device: Any,
@@ -388,15 +321,6 @@ def _finish(model: Any, device: Any, dtype: torch.dtype) -> Any:
     model = model.to(dtype) if dtype != torch.float32 else model
     return (model.to(device) if device is not None else model).eval()
 
-
-def _local_tokenizer(name: str) -> Any:
-    try:
-        with hub_offline():
-            return AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise MassiveLensError(
-            f"no tokenizer found for {name!r} offline; pass tokenizer= to load_model"
-        ) from exc
 
 
 def _is_hooked(obj: Any) -> bool:
