@@ -119,7 +119,7 @@ def test_calibration_without_the_online_check_says_not_measured():
 
 @pytest.mark.parametrize("field", ["online_missed", "online_extra"])
 def test_calibration_counts_have_no_measured_looking_default(field):
-    from massive_lens.interventions.calibration import Calibration
+    from massive_lens.interventions.calibration_result import Calibration
 
     default = {f.name: f.default for f in dataclasses.fields(Calibration)}[field]
     assert default is None

@@ -21,7 +21,8 @@ from massive_lens.interventions.builders import (
     patch_sink_from,
     remove_sink_attention,
 )
-from massive_lens.interventions.calibration import Calibration, calibrate
+from massive_lens.interventions.calibration import calibrate
+from massive_lens.interventions.calibration_result import Calibration
 from massive_lens.interventions.checks import REBUILT
 from massive_lens.interventions.dependence import SinkDependence, sink_dependence
 from massive_lens.interventions.head_curve import HeadCurve, head_curve

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, post_attention_norm
 from massive_lens.core.model_view import ModelView
-from massive_lens.interventions.calibration import Calibration, calibrate
+from massive_lens.interventions.calibration import calibrate
+from massive_lens.interventions.calibration_result import Calibration
 from massive_lens.interventions.edits import ResidPlan, measure_pattern, reset, resid_step
 from massive_lens.interventions.intervention import Intervention
 from massive_lens.interventions.state import HookState

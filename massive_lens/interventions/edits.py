@@ -23,7 +23,7 @@ from transformer_lens.patching import layer_pos_patch_setter
 from massive_lens.attention.sinks import sink_term
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.layer_attention import LayerAttention
-from massive_lens.interventions.calibration import massive_entries, online_sinks
+from massive_lens.interventions.calibration_result import massive_entries, online_sinks
 from massive_lens.interventions.state import HookState
 
 

@@ -23,7 +23,7 @@ from massive_lens.core.corpora import default_text, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.assemble import acts_on
-from massive_lens.interventions.calibration import Calibration
+from massive_lens.interventions.calibration_result import Calibration
 from massive_lens.interventions.intervention import Intervention
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, SinkSet
 from massive_lens.errors import MassiveLensError
-from massive_lens.interventions.calibration import Calibration
+from massive_lens.interventions.calibration_result import Calibration
 from massive_lens.interventions.checks import Record
 
 

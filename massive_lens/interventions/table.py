@@ -41,7 +41,8 @@ from massive_lens.core.results import Result
 from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.arm_stats import arm_lines
-from massive_lens.interventions.calibration import Calibration, calibrate, describe_source
+from massive_lens.interventions.calibration import calibrate, describe_source
+from massive_lens.interventions.calibration_result import Calibration
 from massive_lens.interventions.checks import Record, downstream, reading
 from massive_lens.interventions.edits import measure_columns
 from massive_lens.interventions.registry import ATTN, EVERY, REGISTRY, SETTINGS
