@@ -45,6 +45,7 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.quant import measure_outliers
 from massive_lens.train.data import sample_batch, start_token, token_stream
 from massive_lens.train.hf_attention import init_slots, plain_copy, swap_attention
+from massive_lens.train.loop import lr_at
 from massive_lens.train.model import lm_loss
 from massive_lens.train.presets import TrainConfig
 from massive_lens.train.retrofit_parts import (
@@ -58,7 +59,7 @@ from massive_lens.train.retrofit_parts import (
     tracked_eval,
     zero_super_weights,
 )
-from massive_lens.train.trainer import lr_at, make_optimizer
+from massive_lens.train.trainer import make_optimizer
 
 log = logging.getLogger(__name__)
 RETROFIT_SETTINGS = ("softmax-kept", "softmax-removed", "softmax1-removed", "kv_bias-removed", "learned_sink-removed",

@@ -48,10 +48,11 @@ from massive_lens.core.criterion import SINK_THRESHOLD, first_norm_ratio
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.stats import MEDIAN_FLOOR, top1_median
 from massive_lens.quant import fake_quantized
+from massive_lens.train.loop import lr_at
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.tasks import TaskBatch
 from massive_lens.train.tasksettings import TaskSettings, check_settings, model_config
-from massive_lens.train.trainer import lr_at, make_optimizer
+from massive_lens.train.trainer import make_optimizer
 
 RESULT = "result.json"
 # the version of the definitions of the derived fields (head_summary, sink_step with SINK_THRESHOLD,

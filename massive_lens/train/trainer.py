@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.core.charts import curve_axes
@@ -50,7 +48,6 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.train.checkpoint import (
     CKPT,
     LEGACY,
-    interrupt_after,
     read_checkpoint,
     resume_from,
     save_checkpoint,
@@ -60,13 +57,13 @@ from massive_lens.train.checkpoint import (
 from massive_lens.train.data import (
     Stream,
     get_tokenizer,
-    sample_batch,
     split_held_out,
     start_token,
     token_stream,
 )
-from massive_lens.train.ddp import mean_over_ranks, setup_distributed, wrap_ddp
+from massive_lens.train.ddp import setup_distributed, wrap_ddp
 from massive_lens.train.layers import MassiveLMConfig
+from massive_lens.train.loop import TrainLoop
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.presets import TrainConfig, get_preset
 from massive_lens.train.recorder import StepRecorder
@@ -142,15 +139,6 @@ class TrainRun(Result):
         return super()._from_stored({**fields, "model": model.eval()})
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not norms, biases, slots or sink logits)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -223,8 +211,8 @@ def train_model(
         start, history, per_step = resume_from(out / CKPT, model, optimizer, cfg.to_dict(), TrainConfig().to_dict())
     train, val = _split(cfg, stream, model.cfg.n_ctx, world)
     recorder = StepRecorder(model) if record else None
-    loop = _Loop(cfg, model, optimizer, wrap_ddp(model, world, dev), train, start_token(tokenizer, cfg.prepend_bos),
-                 _autocast(cfg, dev), rank, world, dev, recorder, per_step)
+    loop = TrainLoop(cfg, model, optimizer, wrap_ddp(model, world, dev), train, start_token(tokenizer, cfg.prepend_bos),
+                     _autocast(cfg, dev), rank, world, dev, recorder, per_step)
     stop = min(cfg.steps, until_step if until_step is not None else cfg.steps)
     bar = tqdm(total=stop, initial=start, disable=not progress or rank != 0, desc="train")
     applied_at_start = updates_applied(optimizer)  # the checkpointed step is read from the optimizer
@@ -243,64 +231,6 @@ def train_model(
     model.eval()
     return TrainRun(model=model, config=cfg, history=history, steps=max(stop, start),
                     out_dir=None if out is None else str(out), per_step=pd.DataFrame(per_step))
-
-
-@dataclass
-class _Loop:
-    """One training step at a time: the batch, the micro-batches' forward and backward passes
-    (DDP-synchronised on the last), clipping, the update, and the history row when one is due."""
-
-    cfg: TrainConfig
-    model: MassiveLM
-    optimizer: Any
-    wrapped: Any
-    train: Stream
-    bos: int | None
-    amp: Any
-    rank: int
-    world: int
-    dev: torch.device
-    recorder: StepRecorder | None
-    per_step: list
-    t0: float = field(default_factory=time.perf_counter)
-    tokens_seen: int = 0
-
-    def step(self, step: int, history: list, val: Stream, stop: int, bar: Any) -> None:
-        cfg = self.cfg
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        batch = sample_batch(self.train, cfg.batch_size, self.model.cfg.n_ctx, self.bos, cfg.seed, step)
-        loss_sum = self._gradients(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)  # 0: no clip
-        if self.recorder is not None:  # before the update: an interrupted save keeps rows <= the updates applied
-            self.per_step.append(self.recorder.row(step=step + 1, loss=mean_over_ranks(loss_sum, self.world),
-                                                   grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"]))
-        with interrupt_after():  # a Ctrl-C here waits until the update is whole
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.tokens_seen += batch.numel()
-        bar.update(1)
-        done = step + 1
-        if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == stop:
-            val_loss = _evaluate(self.model, val, cfg, self.bos, self.amp) if _due(done, cfg, stop) else math.nan
-            elapsed = time.perf_counter() - self.t0
-            history.append(dict(step=done, tokens=done * batch.numel(), loss=mean_over_ranks(loss_sum, self.world),
-                                val_loss=val_loss, lr=lr_at(cfg, step), grad_norm=float(grad_norm),
-                                tokens_per_s=self.tokens_seen / elapsed, elapsed_s=elapsed))
-
-    def _gradients(self, batch: Tensor) -> Tensor:
-        """Accumulate the gradients of the batch's micro-batches; their summed loss."""
-        cfg, micro = self.cfg, self.cfg.batch_size // self.cfg.grad_accum
-        loss_sum = torch.zeros((), device=self.dev)
-        for i in range(cfg.grad_accum):
-            rows = batch[i * micro : (i + 1) * micro][self.rank :: self.world].to(self.dev)
-            last = i == cfg.grad_accum - 1
-            sync = contextlib.nullcontext() if last or self.world == 1 else self.wrapped.no_sync()
-            with sync, self.amp, self.recorder.watching() if self.recorder else contextlib.nullcontext():
-                loss = self.wrapped(rows, return_type="loss") / cfg.grad_accum
-            loss.backward()
-            loss_sum += loss.detach()
-        return loss_sum
 
 
 def _build(cfg: TrainConfig, tokenizer: Any, dev: torch.device) -> tuple[MassiveLM, Any]:
@@ -365,24 +295,6 @@ def load_run(out_dir: str | os.PathLike, device: str | None = None) -> MassiveLM
 def _model_config(cfg: TrainConfig, tokenizer: Any, dev: torch.device) -> MassiveLMConfig:
     fields = {"d_vocab": len(tokenizer), "default_prepend_bos": cfg.prepend_bos, **cfg.model, "device": str(dev)}
     return MassiveLMConfig(**fields)
-
-
-def _due(done: int, cfg: TrainConfig, stop: int) -> bool:
-    return done % cfg.eval_every == 0 or done == stop
-
-
-@torch.no_grad()
-def _evaluate(model: MassiveLM, val: Stream, cfg: TrainConfig, bos: int | None, amp: Any) -> float:
-    model.eval()
-    n_ctx, dev = model.cfg.n_ctx, model.W_E.device
-    n_seq = max(1, min(cfg.batch_size, (len(val) - 1) // (n_ctx - 1)))
-    losses = []
-    for i in range(cfg.eval_batches):  # fixed windows: the same for every run and step
-        batch = sample_batch(val, n_seq, n_ctx, bos, seed=-1 - i, step=0).to(dev)
-        with amp:
-            losses.append(float(model(batch, return_type="loss")))
-    model.train()
-    return sum(losses) / len(losses)
 
 
 def run_and_exit(preset: str, out_dir: str, overrides: dict[str, Any]) -> None:

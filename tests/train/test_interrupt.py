@@ -15,7 +15,7 @@ from helpers import TRAIN_TEXT
 from safetensors.torch import save_file
 
 from massive_lens.errors import MassiveLensError
-from massive_lens.train import checkpoint, trainer
+from massive_lens.train import checkpoint, loop, trainer
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.trainer import load_run, train_model
 
@@ -91,14 +91,14 @@ class _Bar(trainer.tqdm):
 
 # Where in step 3 (0-based) the interrupt lands: (name, how to install the tripwire at call k)
 POINTS = {
-    "sampling the batch": lambda mp, trip: _wrap(mp, trainer, "sample_batch", trip),
+    "sampling the batch": lambda mp, trip: _wrap(mp, loop, "sample_batch", trip),
     "forward pass": lambda mp, trip: _wrap(mp, MassiveLM, "forward", trip),
     "gradient clipping": lambda mp, trip: _wrap(mp, torch.nn.utils, "clip_grad_norm_", trip, after=True),
     "inside optimizer.step, before the update": lambda mp, trip: _optimizer_hook(mp, trip, post=False),
     "inside optimizer.step, after the update": lambda mp, trip: _optimizer_hook(mp, trip, post=True),
     "progress bar": lambda mp, trip: (setattr(_Bar, "trip", staticmethod(trip)), mp.setattr(trainer, "tqdm", _Bar)),
-    "logging (lr_at for the history row)": lambda mp, trip: _wrap(mp, trainer, "lr_at", trip),
-    "evaluation": lambda mp, trip: _wrap(mp, trainer, "_evaluate", trip),
+    "logging (lr_at for the history row)": lambda mp, trip: _wrap(mp, loop, "lr_at", trip),
+    "evaluation": lambda mp, trip: _wrap(mp, loop, "evaluate_held_out", trip),
     "periodic checkpoint": lambda mp, trip: _wrap(mp, trainer, "save_checkpoint", trip),
 }
 # the call of each tripwire that falls in step 3: once per step; the forward pass also runs in

@@ -14,8 +14,10 @@ from helpers import TRAIN_TEXT
 
 from massive_lens.errors import MassiveLensError
 from massive_lens.models import byte_tokenizer
+from massive_lens.train.data import sample_batch, token_stream
+from massive_lens.train.loop import lr_at
 from massive_lens.train.presets import get_preset
-from massive_lens.train.trainer import load_run, lr_at, sample_batch, token_stream, train_model
+from massive_lens.train.trainer import load_run, train_model
 
 TINY = dict(model=dict(n_layers=1, d_model=16, n_heads=2, n_ctx=16), data=TRAIN_TEXT, batch_size=4,
             warmup_steps=2, log_every=1, eval_every=3, eval_batches=1, ckpt_every=3)
