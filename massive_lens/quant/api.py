@@ -40,7 +40,7 @@ from typing import Any
 import pandas as pd
 
 from massive_lens.core.corpora import Corpus
-from massive_lens.core.criterion import as_criterion
+from massive_lens.core.criterion import Criterion, as_criterion
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant.outlier_stats import eval_and_calibration
