@@ -3,6 +3,7 @@ pattern and hooks read independently; an attached edit is read; the model is lef
 
 import pytest
 import torch
+from matrix import build
 
 from massive_lens import tiny_model
 from massive_lens.attention import find_sinks
@@ -136,3 +137,23 @@ def test_auto_takes_the_eager_path_below_the_crossover_and_the_lse_path_from_it(
         found[crossover] = find_sinks(model, text)
     assert (found[n + 1].attention, found[n].attention) == (EAGER, LSE)
     assert torch.equal(found[n + 1].mask, found[n].mask)
+
+
+def test_the_eager_path_reads_a_latent_attention_bridge_as_the_lse_path_does():
+    """DeepSeek-V2's bridge hands ``hook_v`` as [batch head key d_head] and ``hook_z`` not split per
+    query head; the eager path reads both as the LSE path does (it failed on the values before)."""
+    model = build("DeepseekV2ForCausalLM").model
+    view = ModelView(model)
+    batch = view.tokenize(TEXTS)
+    got = {EAGER: {}, LSE: {}}
+    for path, seen in got.items():
+        attention_pass(view, batch, lambda at, seen=seen: seen.__setitem__(at.layer, at), path=path, columns=[0],
+                       want=("z", "z_read", "v"))
+    assert sorted(got[EAGER]) == sorted(got[LSE]) and got[EAGER]
+    q = batch.mask[:, :, None, None]  # padded queries attend differently on the two paths; they are never read
+    for layer, at in got[EAGER].items():
+        lse = got[LSE][layer]
+        torch.testing.assert_close(at.v.float(), lse.v.float(), atol=1e-5, rtol=1e-4)
+        for name in ("z", "z_read"):
+            eager, kernel = getattr(at, name).float() * q, getattr(lse, name).float() * q
+            torch.testing.assert_close(eager, kernel, atol=1e-5, rtol=1e-4)

@@ -90,7 +90,8 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
                    evidence: SinkEvidence | None = None, evidence_resid: bool = True,
                    hooks: Sequence[tuple[str, Any]] = (),
                    stop_after: str | None = None, check_finite: bool = True) -> None:
-    """One forward of ``batch`` handing every attention layer of ``layers`` (None: all) to
+    """One forward of ``batch`` handing every attention layer of ``layers`` (None: every layer with an
+    attention pattern; a hybrid model's linear-attention layers have none) to
     ``on_layer`` as a :class:`PassLayer` read on ``path`` (``"eager"`` or ``"lse"``, from
     :func:`choose_path`).
 
@@ -104,7 +105,8 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
         raise MassiveLensError(f"want is a subset of {WANTS} and path 'eager' or 'lse', got {sorted(want)}, {path!r}")
     if "out" in want and not out_hooks:
         raise MassiveLensError("want='out' needs out_hooks: each layer's output hook")
-    layers = set(range(view.n_layers) if layers is None else layers)
+    # None: the layers with a pattern; a model with none is refused below, naming the pattern hook it lacks
+    layers = set((_attention_layers(view) or range(view.n_layers)) if layers is None else layers)
     cols = None if columns is None else torch.as_tensor(columns, dtype=torch.long).flatten()
     reader = _Reader(view, batch, on_layer, layers, cols, band, want, evidence)
     own = reader.lse_hooks(out_hooks) if path == LSE else reader.eager_hooks(out_hooks)
@@ -174,6 +176,11 @@ def choose_path(view: ModelView, attention: str, batch: Batch) -> str:
     return EAGER
 
 
+def _attention_layers(view: ModelView) -> list[int]:
+    """The layers with an attention pattern (not a recurrent or linear-attention layer)."""
+    return [layer for layer in range(view.n_layers) if view.has_hook(layer, "attn.hook_pattern")]
+
+
 def _last(view: ModelView, hooks: Sequence[tuple[str, Any]], deepest: int) -> str:
     """Where the forward can stop: the residual stream after block ``deepest`` (every hook of a
     block fires before it), or the last of ``hooks`` in a model without one."""
@@ -196,7 +203,7 @@ class _Reader:
         self.keys: tuple[str, ...] = ()  # eager: what the layer's hooks gather besides the pattern
 
     def attn_layers(self) -> list[int]:
-        return [layer for layer in range(self.view.n_layers) if self.view.has_hook(layer, "attn.hook_pattern")]
+        return _attention_layers(self.view)
 
     def resid_hooks(self) -> list[tuple[str, Any]]:
         if self.evidence is None:
@@ -227,11 +234,16 @@ class _Reader:
         got = dict(zip(self.keys, acts, strict=True))
         band = self.band_of(pattern)
         v, z = got.get("v"), None
+        if v is not None and v.shape[1] != pattern.shape[-1] and v.shape[2] == pattern.shape[-1]:
+            v = v.transpose(1, 2)  # a bridge whose hook_v is [batch kv_head key d_head] (DeepSeek-V2's)
+        z_read, heads = got.get("z_read"), pattern.shape[1]
+        if z_read is not None and z_read.shape[2] != heads and z_read[0, 0].numel() % heads == 0:
+            z_read = z_read.reshape(*z_read.shape[:2], heads, -1)  # per query head, as the LSE path reads hook_z
         if "z" in self.want:  # the pattern applied to the values: one value head per query head
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2))
         self._hand(PassLayer(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
                              cols=None if self.cols is None else pattern[..., self.cols.to(pattern.device)],
-                             z=z, z_read=got.get("z_read"), v=v if "v" in self.want else None, out=got.get("out")))
+                             z=z, z_read=z_read, v=v if "v" in self.want else None, out=got.get("out")))
 
     def band_of(self, pattern: Tensor) -> tuple[Tensor, Tensor] | None:
         """The sink rule's key attention from an eager pattern (fed to the evidence), where wanted."""
