@@ -61,10 +61,10 @@ def test_bad_token_files_raise(tmp_path):
 
 
 def test_prepend_bos_false_trains_on_bare_windows_and_the_model_knows_it(monkeypatch):
-    import massive_lens.train.trainer as trainer
+    import massive_lens.train.loop as loop  # where the training steps draw their batches
 
     seen = []
-    monkeypatch.setattr(trainer, "sample_batch", lambda *a, **k: seen.append(a[3]) or sample_batch(*a, **k))
+    monkeypatch.setattr(loop, "sample_batch", lambda *a, **k: seen.append(a[3]) or sample_batch(*a, **k))
     bare = train_model("smoke", progress=False, data=TRAIN_TEXT, prepend_bos=False, **TINY)
     assert set(seen) == {None}
     assert bare.model.cfg.default_prepend_bos is False
