@@ -3,8 +3,8 @@
 :func:`attention_pass` runs one forward and hands each attention layer one :class:`PassLayer`:
 the attention on a few key ``columns``, the sink rule's ``band`` (each key's mean attention from
 the queries after it), the heads' outputs ``z`` (the attention applied to the values), what the
-output projection reads (``z_read``, ``attn.hook_z`` where it fires), the values ``v`` and the
-attention output ``out``: only what the caller asks for in ``want``. On the eager path they come
+output projection reads (``z_read``, ``attn.hook_z`` where it fires), the keys ``k`` and values ``v``
+and the attention output ``out``: only what the caller asks for in ``want``. On the eager path they come
 from the pattern, ``z``/``v`` and output hooks; on the LSE path (:mod:`massive_lens.core.lse`)
 from the fused kernel's ``q``, ``k`` and log-sum-exp; an nnsight view takes the LSE path. The
 caller picks the path with :func:`choose_path` (``"auto"``: the eager pattern below
@@ -50,7 +50,7 @@ __all__ = ["LSE_FROM", "PassLayer", "attention_pass", "choose_path"]
 
 log = logging.getLogger(__name__)
 
-WANTS = ("z", "z_read", "v", "out")
+WANTS = ("z", "z_read", "k", "v", "out")
 # "auto" reads the eager pattern below this many positions, the LSE path from it: the measured
 # crossover (CPU time, one thread, SmolLM2-135M: every attention analysis is faster on the eager
 # path at 128 tokens, even at 512, and 2.1-2.5x faster on the LSE path at 2,048; docs/benchmarks.md,
@@ -67,7 +67,9 @@ class PassLayer:
     ``(mass [batch head key], count [batch key])`` (:func:`~massive_lens.core.criterion.key_attention`;
     None unless asked); ``z [batch query head d_head]``: the attention applied to the values (the
     eager pattern times ``v``, or the kernel's output); ``z_read``: what the output projection reads
-    (``attn.hook_z`` where it fires, else ``z``); ``v [batch key kv_head d_head]``; ``out``: the
+    (``attn.hook_z`` where it fires, else ``z``); ``k``/``v [batch key kv_head d_head]``: the keys as the
+    scores use them (after any rotary embedding) and the values (None on the eager path where the
+    caller's ``eager_reads`` leaves the layer out); ``out``: the
     output hook's activation; ``shape``: the pattern's ``(batch, head, query, key)``; ``null
     [batch head query]``: on the LSE path, the attention to a learned sink logit
     (:attr:`~massive_lens.core.layer_attention.LayerAttention.null_mass`; None without one, and on the eager
@@ -79,6 +81,7 @@ class PassLayer:
     band: tuple[Tensor, Tensor] | None = None
     z: Tensor | None = None
     z_read: Tensor | None = None
+    k: Tensor | None = None
     v: Tensor | None = None
     out: Tensor | None = None
     null: Tensor | None = None
@@ -87,6 +90,7 @@ class PassLayer:
 def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None, *, path: str,
                    columns: Sequence[int] | Tensor | None = None, band: bool = False, want: Iterable[str] = (),
                    layers: Iterable[int] | None = None, out_hooks: dict[int, str] | None = None,
+                   eager_reads: dict[str, Iterable[int]] | None = None,
                    evidence: SinkEvidence | None = None, evidence_resid: bool = True,
                    hooks: Sequence[tuple[str, Any]] = (),
                    stop_after: str | None = None, check_finite: bool = True) -> None:
@@ -96,19 +100,25 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
     :func:`choose_path`).
 
     ``columns``: key positions whose attention every query gives (``cols``); ``band``: the sink
-    rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"v"``, ``"out"`` (``out_hooks``
-    names each layer's output hook, e.g. ``"attn.hook_out"``); ``evidence``: fed every layer's
+    rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"k"``, ``"v"``, ``"out"`` (``out_hooks``
+    names each layer's output hook, e.g. ``"attn.hook_out"``); ``eager_reads``: for ``"k"`` and ``"v"``,
+    the layers whose eager hooks give them per head (``attn.hook_rot_k`` where the model names it, else
+    ``attn.hook_k``; ``attn.hook_v``), a capability the caller knows (e.g. from a probe): elsewhere the
+    eager path hands None (and no ``z``) and reads no such hook; the LSE path reads them from the kernel at
+    every layer (default: every layer, both); ``evidence``: fed every layer's
     key attention and (``evidence_resid``) residual stream; ``hooks``: the caller's own, run in the same forward.
     The forward stops after ``stop_after`` (None: the last layer the pass reads)."""
     want = set(want)
-    if want - set(WANTS) or path not in (EAGER, LSE):
-        raise MassiveLensError(f"want is a subset of {WANTS} and path 'eager' or 'lse', got {sorted(want)}, {path!r}")
+    if want - set(WANTS) or path not in (EAGER, LSE) or set(eager_reads or {}) - {"k", "v"}:
+        raise MassiveLensError(f"want is a subset of {WANTS}, path 'eager' or 'lse' and eager_reads keyed by 'k' or "
+                               f"'v', got {sorted(want)}, {path!r}, {sorted(eager_reads or {})}")
     if "out" in want and not out_hooks:
         raise MassiveLensError("want='out' needs out_hooks: each layer's output hook")
     # None: the layers with a pattern; a model with none is refused below, naming the pattern hook it lacks
     layers = set((_attention_layers(view) or range(view.n_layers)) if layers is None else layers)
     cols = None if columns is None else torch.as_tensor(columns, dtype=torch.long).flatten()
-    reader = _Reader(view, batch, on_layer, layers, cols, band, want, evidence)
+    reader = _Reader(view, batch, on_layer, layers, cols, band, want, evidence,
+                     {key: set(at) for key, at in (eager_reads or {}).items()})
     own = reader.lse_hooks(out_hooks) if path == LSE else reader.eager_hooks(out_hooks)
     own = [*(reader.resid_hooks() if evidence_resid else []), *own]
     all_hooks = [*hooks, *own]
@@ -194,13 +204,14 @@ class _Reader:
     for their ``attn.hook_z`` (``z_read``), and the layers handed over."""
 
     def __init__(self, view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None,
-                 layers: set[int], cols: Tensor | None, band: bool, want: set[str], evidence: SinkEvidence | None):
+                 layers: set[int], cols: Tensor | None, band: bool, want: set[str], evidence: SinkEvidence | None,
+                 eager_reads: dict[str, set[int]]):
         self.view, self.batch, self.on_layer, self.layers = view, batch, on_layer, layers
         self.cols, self.band, self.want, self.evidence = cols, band, want, evidence
+        self.eager_reads = eager_reads
         self.pending: dict[int, PassLayer] = {}  # LSE: layers waiting for their attn.hook_z or output
         self.z_seen: set[int] = set()
         self.done: set[int] = set()
-        self.keys: tuple[str, ...] = ()  # eager: what the layer's hooks gather besides the pattern
 
     def attn_layers(self) -> list[int]:
         return _attention_layers(self.view)
@@ -212,38 +223,49 @@ class _Reader:
                 for layer in range(self.view.n_layers)]
 
     # ------------------------------------------------------------------ eager: the pattern and hooks
+    def eager_keys(self, layer: int) -> tuple[str, ...]:
+        """What the eager path gathers at ``layer`` besides the pattern."""
+        def served(key: str) -> bool:
+            return key not in self.eager_reads or layer in self.eager_reads[key]
+        return (*(["v"] if self.want & {"z", "v"} and served("v") else []),
+                *(["k"] if "k" in self.want and served("k") else []),
+                *(["z_read"] if "z_read" in self.want else []), *(["out"] if "out" in self.want else []))
+
     def eager_hooks(self, out_hooks: dict[int, str] | None) -> list[tuple[str, Any]]:
         names = {"pattern": "attn.hook_pattern", "v": "attn.hook_v", "z_read": "attn.hook_z"}
         names.update({f"out{layer}": name for layer, name in (out_hooks or {}).items()})
-        keys = ("pattern", *(["v"] if self.want & {"z", "v"} else []), *(["z_read"] if "z_read" in self.want else []),
-                *(["out"] if "out" in self.want else []))
-        self.keys = keys[1:]
-        gather = LayerGather(keys, self._eager)  # the hooks fire in any order (some bridges: the pattern last)
+        gathers: dict[tuple[str, ...], LayerGather] = {}  # one per set of hooks (layers may give different ones)
         hooks = []
         # every layer read must serve a pattern (an error naming the hook where one does not)
         reads = sorted(self.layers) if self.on_layer is not None else []
         for layer in sorted(set(reads) | set(self.attn_layers())):
             if layer in reads:
+                keys = ("pattern", *self.eager_keys(layer))
+                # the hooks fire in any order (some bridges: the pattern last)
+                gather = gathers.setdefault(keys, LayerGather(keys, partial(self._eager, keys=keys[1:])))
+                names["k"] = "attn.hook_rot_k" if self.view.has_hook(layer, "attn.hook_rot_k") else "attn.hook_k"
                 hooks += [(self.view.hook_name(layer, names[f"out{layer}" if key == "out" else key]),
                            gather.hook(key, layer)) for key in keys]
             elif self.evidence is not None:
                 hooks.append((self.view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, reader=self)))
         return hooks
 
-    def _eager(self, layer: int, pattern: Tensor, *acts: Tensor) -> None:
-        got = dict(zip(self.keys, acts, strict=True))
+    def _eager(self, layer: int, pattern: Tensor, *acts: Tensor, keys: tuple[str, ...]) -> None:
+        got = dict(zip(keys, acts, strict=True))
         band = self.band_of(pattern)
-        v, z = got.get("v"), None
+        v, k, z = got.get("v"), got.get("k"), None
         if v is not None and v.shape[1] != pattern.shape[-1] and v.shape[2] == pattern.shape[-1]:
             v = v.transpose(1, 2)  # a bridge whose hook_v is [batch kv_head key d_head] (DeepSeek-V2's)
+        if k is not None and k.shape[1] != pattern.shape[-1] and k.shape[2] == pattern.shape[-1]:
+            k = k.transpose(1, 2)
         z_read, heads = got.get("z_read"), pattern.shape[1]
         if z_read is not None and z_read.shape[2] != heads and z_read[0, 0].numel() % heads == 0:
             z_read = z_read.reshape(*z_read.shape[:2], heads, -1)  # per query head, as the LSE path reads hook_z
-        if "z" in self.want:  # the pattern applied to the values: one value head per query head
+        if "z" in self.want and v is not None:  # the pattern applied to the values: one value head per query head
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2))
         self._hand(PassLayer(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
                              cols=None if self.cols is None else pattern[..., self.cols.to(pattern.device)],
-                             z=z, z_read=z_read, v=v if "v" in self.want else None, out=got.get("out")))
+                             z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out")))
 
     def band_of(self, pattern: Tensor) -> tuple[Tensor, Tensor] | None:
         """The sink rule's key attention from an eager pattern (fed to the evidence), where wanted."""
@@ -278,7 +300,8 @@ class _Reader:
         self.pending[att.layer] = PassLayer(
             layer=att.layer, shape=(*att.q.shape[:3], att.k.shape[2]), band=band if self.band else None,
             cols=None if self.cols is None else att.columns(self.cols), z=z if "z" in self.want else None,
-            z_read=z if "z_read" in self.want else None, v=att.v.transpose(1, 2) if "v" in self.want else None,
+            z_read=z if "z_read" in self.want else None, k=att.k.transpose(1, 2) if "k" in self.want else None,
+            v=att.v.transpose(1, 2) if "v" in self.want else None,
             null=att.null_mass)
         self._try(att.layer)
 
