@@ -6,9 +6,11 @@ is massive, its mean value there) and the sinks of every calibration sequence, b
 rule of :class:`~massive_lens.core.criterion.SinkRule`: a position is a sink when it draws
 attention as one or carries a massive activation that persists across layers; a dim that
 crosses the criterion at one early layer makes no sink. A second pass measures, per layer
-and head, the mean sink term, sink key and sink value at those sinks. On a model that serves
-no attention pattern (nnsight), both passes read attention from q, k, v and the fused kernel's
-log-sum-exp (:mod:`massive_lens.core.lse`) instead, inside the pass: the same numbers, to float rounding.
+and head, the mean sink term, sink key and sink value at those sinks. Both passes read attention
+from the one attention pass (:func:`~massive_lens.core.attention_pass.attention_pass`) on the path
+:func:`~massive_lens.core.attention_pass.choose_path` picks: the eager pattern, or q, k, v and the
+fused kernel's log-sum-exp (:mod:`massive_lens.core.lse`; always on nnsight): the same numbers, to
+float rounding.
 
 During an intervention on new text the sinks must be known before the layers where they are
 used, so an intervention without ``sinks=`` finds them *online* with a rule fitted here:
@@ -39,11 +41,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.attention.sinks import FOUND, SinkSet, sinks_from
-from massive_lens.core.attention_pass import attention_pass
+from massive_lens.core.attention_pass import attention_pass, choose_path
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_criterion, as_rule, massive_mask
 from massive_lens.core.fmt import short
-from massive_lens.core.lse import EAGER, LSE
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outliers import OutlierTally, token_specific
 from massive_lens.errors import MassiveLensError
@@ -64,6 +65,7 @@ def calibrate(
     criterion: Criterion | None = None,
     rule: SinkRule | None = None,
     outliers: str = "exclude",
+    attention: str = "auto",
     progress: bool = True,
 ) -> Calibration:
     """Measure the massive dims, their means, the sinks and the sink keys/values/terms on ``corpus``.
@@ -87,6 +89,9 @@ def calibrate(
         outliers: ``"exclude"`` (default) leaves the entries of outlier dimensions (massive at
             most tokens of a layer, see ``docs/detection.md``) out of the massive dims, so no
             intervention edits them; ``"include"`` keeps them. It sets ``criterion.outliers``.
+        attention: how both passes read attention: ``"auto"`` (default;
+            :func:`~massive_lens.core.attention_pass.choose_path`), ``"eager"`` (the pattern) or ``"lse"``
+            (q, k and the fused kernel's log-sum-exp; Hugging Face models).
         progress: show a progress bar.
 
     Returns:
@@ -107,9 +112,10 @@ def calibrate(
     view, rule = ModelView(model), as_rule(rule)
     criterion = replace(as_criterion(criterion), outliers=outliers)  # checks the choice
     tokens = sequences(view, corpus, seq_len, n_seqs)
+    choose_path(view, attention, view.full_batch(tokens[:1]))  # a path that cannot run is refused before any pass
     chunks = [(start, tokens[start:start + batch_size]) for start in range(0, len(tokens), batch_size)]
     bar = tqdm(total=2 * len(chunks), desc="calibrate", disable=not progress, leave=False)
-    massive = _massive_pass(view, chunks, criterion, rule, bar)
+    massive = _massive_pass(view, chunks, criterion, rule, bar, attention)
     sinks, entries, first_massive = massive["sinks"], massive["entries"], massive["first_massive"]
     counts, sums, squares = massive["counts"], massive["sums"], massive["squares"]
     dims_at = {layer: counts[layer].nonzero().flatten() for layer in range(view.n_layers) if bool(counts[layer].any())}
@@ -127,7 +133,7 @@ def calibrate(
     sink_from = int(at_sinks.min()) if len(at_sinks) and int(at_sinks.min()) < view.n_layers else -1
     attn_layers = tuple(range(sink_from + 1, view.n_layers))
     online = _fit_online(sinks.mask, entries)
-    stats = _sink_pass(view, model, chunks, sinks.mask, attn_layers, bar)
+    stats = _sink_pass(view, model, chunks, sinks.mask, attn_layers, bar, attention=attention)
     bar.close()
     return Calibration(
         source=describe_source(corpus), dims=dims, means=means, attn_layers=attn_layers, criterion=criterion,
@@ -139,7 +145,7 @@ def calibrate(
 
 
 def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: Criterion, rule: SinkRule,
-                  bar: Any) -> dict[str, Any]:
+                  bar: Any, attention: str) -> dict[str, Any]:
     """Massive entries (layer, seq, pos, dim, value), per-layer sums and counts, and the sinks."""
     n_layers, d_model = view.n_layers, view.d_model
     sums = torch.zeros(n_layers, d_model, dtype=torch.float64)
@@ -149,7 +155,6 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
     entries: list[Tensor] = []  # token-specific entries, for the online sink rule
     gathered: list[tuple[SinkEvidence, Tensor]] = []
     tally = OutlierTally()  # the whole calibration text is one run: its outlier dimensions, decided once
-    path = EAGER if view.serves_patterns else LSE  # a view that serves no pattern (nnsight): the LSE path
     for layer in range(n_layers) if view.serves_patterns else ():  # the sink rule reads every layer's pattern
         view.hook_name(layer, "attn.hook_pattern")  # (a model without one in a layer is refused, naming the hook)
     for start, chunk in chunks:
@@ -176,8 +181,8 @@ def _massive_pass(view: ModelView, chunks: list[tuple[int, Tensor]], criterion: 
         hooks = [(view.hook_name(layer, "resid_post"), partial(on_resid, layer=layer)) for layer in range(n_layers)]
         hooks += template.hooks(view)
         # the sink rule's key attention from the pass; the residual stream's massive entries from on_resid
-        attention_pass(view, batch, None, path=path, evidence=evidence, evidence_resid=False, hooks=hooks,
-                       stop_after=hooks[-1][0])
+        attention_pass(view, batch, None, path=choose_path(view, attention, batch), evidence=evidence,
+                       evidence_resid=False, hooks=hooks, stop_after=hooks[-1][0])
         gathered.append((evidence, view.token_kinds(batch)))
         bar.update()
     scope = torch.stack([tally.at(layer) for layer in range(n_layers)])  # [layer d_model] outlier-dimension entries

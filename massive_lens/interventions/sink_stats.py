@@ -1,97 +1,81 @@
 """Per layer and head, what the sinks hold on calibration text: the mean sink term (over
 non-sink queries), the mean sink key and value, and the attention paid to the sinks (the
-second pass of :func:`~massive_lens.interventions.calibrate`)."""
+second pass of :func:`~massive_lens.interventions.calibrate`), reduced from the attention pass
+(:func:`~massive_lens.core.attention_pass.attention_pass`) whichever path read it."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-from massive_lens.attention.sinks import sink_term
-from massive_lens.core.gather import LayerGather
-from massive_lens.core.layer_attention import LayerAttention
-from massive_lens.core.lse import lse_run
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions.access import attention_access
 
 
 def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mask: Bool[Tensor, "seq pos"],
-               attn_layers: tuple[int, ...], bar: Any) -> dict[str, Tensor]:
+              attn_layers: tuple[int, ...], bar: Any, *, attention: str = "auto") -> dict[str, Tensor]:
     """Mean sink term (non-sink queries), sink key and value, and attention to the sinks, per
-    layer and head. Read in whatever order the bridge fires the hooks; a quantity whose hooks
-    the bridge does not give per head (see :mod:`~massive_lens.interventions.access`) is NaN.
-    On a view that serves no attention pattern (nnsight), all four come from q, k, v and the
-    fused kernel's log-sum-exp (:mod:`massive_lens.core.lse`), inside the pass."""
-    sums: dict[tuple[str, int], Tensor] = {}
-    counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
-
-    def add(key: str, layer: int, value: Tensor) -> None:
-        value = value.double().cpu()
-        sums[key, layer] = sums[key, layer] + value if (key, layer) in sums else value
-
-    if not view.serves_patterns:  # a view that serves no per-head hooks or patterns (nnsight): the LSE path
-        for start, chunk in chunks:
-            sinks = mask[start:start + len(chunk)]
-            counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
-            if attn_layers:
-                with lse_run(view, partial(_lse_layer, add=add, sinks=sinks, layers=set(attn_layers))):
-                    view.forward(view.full_batch(chunk), [],
-                                 stop_after=view.hook_name(attn_layers[-1], "resid_post"))
-            bar.update()
-        return _stacked(view, model, sums, counts, attn_layers)
-    access = attention_access(model)
-
-    def on_act(act: Tensor, hook: Any, layer: int, kind: str, sinks: Tensor) -> None:
-        sinks = sinks.to(act.device)
-        if kind == "pattern":
-            add("mass", layer, torch.einsum("bhqk,bk,bq->h", act.double(), sinks.double(), (~sinks).double()))
-        else:
-            add(kind, layer, torch.einsum("bkhd,bk->hd", act.double(), sinks.double()))
-
-    def on_term(layer: int, pattern: Tensor, v: Tensor, sinks: Tensor) -> None:
-        sinks = sinks.to(v.device)
-        term = sink_term(pattern, v, sinks)
-        add("z", layer, torch.einsum("bqhd,bq->hd", term.double(), (~sinks).double()))
-
+    layer and head, from one attention pass per chunk on the path ``attention`` asks for
+    (:func:`~massive_lens.core.attention_pass.choose_path`). The eager path reads the keys and
+    values only where the bridge gives them per head (see :mod:`~massive_lens.interventions.access`;
+    elsewhere those quantities are NaN); the LSE path reads them from the kernel at every layer."""
+    sums = SinkSums()
+    reads = eager_reads(model, attn_layers) if view.serves_patterns else None  # nnsight: no eager hooks to probe
     for start, chunk in chunks:
         sinks = mask[start:start + len(chunk)]
-        counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
-        hooks, term = [], LayerGather(("pattern", "v"), partial(on_term, sinks=sinks))  # the two in any order
-        for layer in attn_layers:
-            a = access[layer]
-            per_head = a.per_head("v")  # else (latent attention) neither keys nor values are per head
-            reads = {"pattern": "pattern" if a.fires("pattern") else None,
-                     "v": "v" if per_head else None, "k": a.key_hook if per_head else None}
-            for kind, hook in reads.items():
-                if hook is not None:
-                    name = view.hook_name(layer, f"attn.hook_{hook}")
-                    hooks.append((name, partial(on_act, layer=layer, kind=kind, sinks=sinks)))
-                    if kind in term.keys:
-                        hooks.append((name, term.hook(kind, layer)))
-        if hooks:
-            view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(attn_layers[-1], "resid_post"))
+        sums.counts += torch.tensor([float((~sinks).sum()), float(sinks.sum())], dtype=torch.float64)
+        if attn_layers:
+            batch = view.full_batch(chunk)
+            cols = sinks.any(0).nonzero().flatten()
+            sums.sinks, sums.cols = sinks, cols
+            attention_pass(view, batch, sums.take, path=choose_path(view, attention, batch), columns=cols,
+                           want=("k", "v"), layers=attn_layers, eager_reads=reads)
         bar.update()
-    return _stacked(view, model, sums, counts, attn_layers)
+    return _stacked(view, model, sums.sums, sums.counts, attn_layers)
 
 
-def _lse_layer(att: LayerAttention, *, add: Any, sinks: Tensor, layers: set[int]) -> None:
-    """One layer's sums of :func:`sink_pass` from q, k, v and the kernel's log-sum-exp: the
-    attention on the sink columns only (keys after rotary, as the kernel gets them)."""
-    if att.layer not in layers:
-        return
-    s = sinks.to(att.q.device)
-    cols = s.any(0).nonzero().flatten()
-    p = att.columns(cols).double()  # [batch head query col]
-    at, queries = s[:, cols].double(), (~s).double()
-    v = att.v[:, :, cols].double().repeat_interleave(att.group, 1)  # [batch head col d_head]
-    add("mass", att.layer, torch.einsum("bhqc,bc,bq->h", p, at, queries))
-    add("k", att.layer, torch.einsum("bhkd,bk->hd", att.k.double(), s.double()))
-    add("v", att.layer, torch.einsum("bhkd,bk->hd", att.v.double(), s.double()))
-    add("z", att.layer, torch.einsum("bhqc,bc,bhcd,bq->hd", p, at, v, queries))
+def eager_reads(model: Any, layers: tuple[int, ...]) -> dict[str, list[int]]:
+    """The layers whose eager hooks give the values (``"v"``) and the keys as the scores use them
+    (``"k"``: after the rotary embedding) per head, by :func:`~massive_lens.interventions.access.attention_access`'s
+    probe: latent attention gives neither per head, and a bridge that rotates inside the Hugging
+    Face module never shows the rotated keys."""
+    access = attention_access(model)
+    values = [layer for layer in layers if access[layer].per_head("v")]
+    return {"v": values, "k": [layer for layer in values if access[layer].key_hook is not None]}
+
+
+class SinkSums:
+    """Sums over the calibration text of each layer's sink quantities (``sums[key, layer]``: ``z``,
+    ``mass`` over non-sink queries, ``k``, ``v`` over sink keys) and the two counts, taken from each
+    :class:`~massive_lens.core.attention_pass.PassLayer` of the chunk whose ``sinks [batch pos]`` and
+    sink columns ``cols`` are set."""
+
+    def __init__(self) -> None:
+        self.sums: dict[tuple[str, int], Tensor] = {}
+        self.counts = torch.zeros(2, dtype=torch.float64)  # non-sink queries, sink keys
+        self.sinks = torch.zeros(0, 0, dtype=torch.bool)
+        self.cols = torch.zeros(0, dtype=torch.long)
+
+    def add(self, key: str, layer: int, value: Tensor) -> None:
+        value = value.double().cpu()
+        self.sums[key, layer] = self.sums[key, layer] + value if (key, layer) in self.sums else value
+
+    def take(self, at: PassLayer) -> None:
+        """One layer: the attention on the sink columns, the keys and values at the sinks (where read)."""
+        s = self.sinks.to(at.cols.device)
+        p, on, queries = at.cols.double(), s[:, self.cols].double(), (~s).double()  # p [batch head query col]
+        self.add("mass", at.layer, torch.einsum("bhqc,bc,bq->h", p, on, queries))
+        if at.v is not None:
+            v = at.v[:, self.cols.to(at.v.device)].double()  # [batch col kv_head d_head]
+            v = v.repeat_interleave(p.shape[1] // v.shape[2], 2)
+            self.add("z", at.layer, torch.einsum("bhqc,bc,bchd,bq->hd", p, on, v, queries))
+            self.add("v", at.layer, torch.einsum("bkhd,bk->hd", at.v.double(), s.double()))
+        if at.k is not None:
+            self.add("k", at.layer, torch.einsum("bkhd,bk->hd", at.k.double(), s.double()))
 
 
 def _stacked(view: ModelView, model: Any, sums: dict[tuple[str, int], Tensor], counts: Tensor,
