@@ -32,8 +32,10 @@ def sink_pass(view: ModelView, model: Any, chunks: list[tuple[int, Tensor]], mas
             batch = view.full_batch(chunk)
             cols = sinks.any(0).nonzero().flatten()
             sums.sinks, sums.cols = sinks, cols
+            # stop at the last layer's resid_post, which must fire: a bridge that never runs it is refused
             attention_pass(view, batch, sums.take, path=choose_path(view, attention, batch), columns=cols,
-                           want=("k", "v"), layers=attn_layers, eager_reads=reads)
+                           want=("k", "v"), layers=attn_layers, eager_reads=reads,
+                           stop_after=view.hook_name(attn_layers[-1], "resid_post"))
         bar.update()
     return _stacked(view, model, sums.sums, sums.counts, attn_layers)
 
