@@ -1,26 +1,28 @@
 """Is sink mass a predictor of quantization damage on the retrofitted SmolLM2 models? (issue 52)
 
-    .venv/bin/python scripts/quant_retrofit_predictor.py measure MODELS [JOB ...]  # sink_predictor per model
-    .venv/bin/python scripts/quant_retrofit_predictor.py table                      # the docs' table
+    .venv/bin/python scripts/quant_retrofit_predictor.py measure MODELS [JOB ...] [--setting S]
+    .venv/bin/python scripts/quant_retrofit_predictor.py table [--setting S]
 
 ``MODELS`` is the folder the retrofit runs save their models into (``--save-models``, a local run
-output: ``runs/retrofit_models``); each ``JOB`` a subfolder ``<setting>_seed<s>`` (default: all).
-Each model is read back with :func:`~massive_lens.train.retrofit_parts.load_retrofitted`
-(safetensors) and measured on a bridge that computes its attention variant, held dims held
+output: ``runs/retrofit_models``); each ``JOB`` a subfolder ``<setting>_seed<s>`` (default: all),
+or ``untouched`` (SmolLM2 itself, :func:`~massive_lens.load_model`). Each retrofitted model is read
+back with :func:`~massive_lens.train.retrofit_parts.load_retrofitted` (safetensors) and measured on
+a bridge that computes its attention variant, held dims held
 (:func:`~massive_lens.train.retrofit_parts.analysis_bridge`), with
-:func:`~massive_lens.quant.predictor.sink_predictor` at ``W8A8@tensor`` on the windows of the
-untouched model's run (``scripts/quant_granularity.py measure default predictor --n-seqs 2
---seq-len 128``): the first 2 windows of 128 tokens of WikiText-2 test evaluated, the first 2 of
-WikiText-2 valid calibrating. Before measuring, the model's tokenizer is checked to cut the same
-windows as the untouched model's. One JSON per model goes to
-``docs/quantization/granularity/retrofit_<job>_predictor.json``; ``table`` reads them beside the
-untouched model's ``default_predictor.json``.
+:func:`~massive_lens.quant.predictor.sink_predictor` at ``S`` (default ``W8A8@tensor``) on the
+windows of the untouched model's run (``scripts/quant_granularity.py measure default predictor
+--n-seqs 2 --seq-len 128``): the first 2 windows of 128 tokens of WikiText-2 test evaluated, the
+first 2 of WikiText-2 valid calibrating; before measuring, the model's tokenizer is checked to cut
+the same windows as the untouched model's. One JSON per model and setting goes to
+``docs/quantization/granularity/retrofit_<job>_<S>.json`` (``@`` as ``_``); ``table`` reads them,
+with the untouched model's ``default_predictor.json`` for ``W8A8@tensor`` when no
+``retrofit_untouched_W8A8_tensor.json`` exists.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from massive_lens.train.retrofit_parts import analysis_bridge, load_retrofitted
 
 OUT = Path(__file__).resolve().parents[1] / "docs/quantization/granularity"
 REFERENCE = OUT / "default_predictor.json"
-SETTING = "W8A8@tensor"
+SETTING = "W8A8@tensor"  # the untouched model's run (default_predictor.json)
 N_SEQS, SEQ_LEN = 2, 128
 
 
@@ -55,23 +57,26 @@ def same_windows(bridge: object) -> None:
             raise SystemExit(f"the retrofitted model's windows of {text} differ from the untouched model's")
 
 
-def measure(models: Path, job: str) -> None:
-    hf, tokenizer, meta = load_retrofitted(models / job)
-    hold = (meta["dims"], meta["hold_start"]) if meta.get("hold_start") is not None else None
-    bridge = analysis_bridge(hf, tokenizer, hold=hold, name=job)
-    del hf
-    same_windows(bridge)
+def measure(models: Path, job: str, setting: str) -> None:
+    if job == "untouched":
+        model, meta, hold = load_model(), dict(setting="untouched", seed=0, variant="softmax"), None
+    else:
+        hf, tokenizer, meta = load_retrofitted(models / job)
+        hold = (meta["dims"], meta["hold_start"]) if meta.get("hold_start") is not None else None
+        model = analysis_bridge(hf, tokenizer, hold=hold, name=job)
+        del hf
+        same_windows(model)
     start = time.time()
-    p = sink_predictor(bridge, **options(), setting=SETTING)
+    p = sink_predictor(model, **options(), setting=setting)
     seconds = time.time() - start
     print(p.summary(), f"\n({seconds:.0f} s)", flush=True)
     record = dict(job=job, setting=meta["setting"], seed=int(meta["seed"]), variant=meta.get("variant"),
-                  held=hold is not None, quant_setting=SETTING, n_seqs=N_SEQS, seq_len=SEQ_LEN,
+                  held=hold is not None, quant_setting=setting, n_seqs=N_SEQS, seq_len=SEQ_LEN,
                   seconds=round(seconds), summary=p.summary(),
                   frames=dict(layers=json.loads(p.to_frame().to_json(orient="records")),
                               correlations=json.loads(p.correlations.to_json(orient="records"))))
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"retrofit_{job}_predictor.json").write_text(json.dumps(record, indent=1) + "\n")
+    (OUT / f"retrofit_{job}_{setting.replace('@', '_')}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def row(name: str, record: dict) -> dict:
@@ -85,32 +90,38 @@ def row(name: str, record: dict) -> dict:
             "most damaging layer": f"{int(top.layer)} ({top.damage:+.3f})", **cells}
 
 
-def table() -> str:
-    """The Markdown table: the untouched model, then each retrofitted one."""
-    rows = [row("untouched SmolLM2", json.loads(REFERENCE.read_text()))]
-    records = [json.loads(path.read_text()) for path in sorted(OUT.glob("retrofit_*_predictor.json"))]
-    rows += [row(r["job"], r) for r in records]
+def table(setting: str = SETTING) -> str:
+    """The Markdown table at ``setting``: the untouched model, then each retrofitted one."""
+    tag = setting.replace("@", "_")
+    paths = sorted(OUT.glob(f"retrofit_*_{tag}.json"), key=lambda p: ("untouched" not in p.name, p.name))
+    records = [json.loads(path.read_text()) for path in paths]
+    rows = [row(r["job"], r) for r in records]
+    if setting == SETTING and not any(r["job"] == "untouched" for r in records):
+        rows.insert(0, row("untouched (default_predictor.json)", json.loads(REFERENCE.read_text())))
     frame = pd.DataFrame(rows)
     head = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
     return head + "\n".join("| " + " | ".join(str(v) for v in r) + " |" for r in frame.itertuples(index=False))
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["measure"] and len(argv) >= 2:
-        torch.set_num_threads(1)
-        models = Path(argv[1])
-        jobs = argv[2:] or sorted(p.parent.name for p in models.glob("*/retrofit.json"))
-        for job in jobs:
-            start = time.time()
-            measure(models, job)
-            print(f"{job}: {time.time() - start:.0f} s wall", flush=True)
-        return 0
-    if argv == ["table"]:
-        print(table())
-        return 0
-    print(__doc__, file=sys.stderr)
-    return 2
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("action", choices=["measure", "table"])
+    parser.add_argument("models", nargs="?", type=Path, help="measure: the folder of saved retrofit models")
+    parser.add_argument("jobs", nargs="*", help="measure: <setting>_seed<s> subfolders or 'untouched' (default: all)")
+    parser.add_argument("--setting", default=SETTING)
+    args = parser.parse_args()
+    if args.action == "table":
+        print(table(args.setting))
+        return
+    if args.models is None:
+        parser.error("measure needs the models folder")
+    torch.set_num_threads(1)
+    jobs = args.jobs or sorted(p.parent.name for p in args.models.glob("*/retrofit.json"))
+    for job in jobs:
+        start = time.time()
+        measure(args.models, job, args.setting)
+        print(f"{job} {args.setting}: {time.time() - start:.0f} s wall", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main()
