@@ -167,11 +167,7 @@ def null_mass(model: Any, text: str | Sequence[str] | Tensor, *, threshold: floa
     view = ModelView(model)
     kind, logits = off_switch_layers(view, required=True)
     batch = view.tokenize(text)
-    slots = kind != SINK_LOGIT
-    path = EAGER if slots else choose_path(view, attention, batch)
-    if slots and attention == LSE:
-        raise MassiveLensError(f"{view.name} is a model trained here: it computes its own attention, so there is no "
-                               "fused kernel's log-sum-exp to read; use attention='eager' or 'auto'")
+    path = choose_path(view, attention, batch)  # a model trained here (slots) has no kernel: 'auto' reads its pattern
     reader, first = NullReader(view, path), {}
 
     def on_layer(at: PassLayer) -> None:
