@@ -46,7 +46,7 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["LSE_FROM", "PassLayer", "attention_pass", "choose_path"]
+__all__ = ["LSE_FROM", "PassLayer", "attention_output_hook", "attention_pass", "choose_path"]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
 
     ``columns``: key positions whose attention every query gives (``cols``); ``band``: the sink
     rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"k"``, ``"v"``, ``"out"`` (``out_hooks``
-    names each layer's output hook, e.g. ``"attn.hook_out"``); ``eager_reads``: for ``"k"`` and ``"v"``,
+    names each layer's output hook, e.g. :func:`attention_output_hook`'s); ``eager_reads``: for ``"k"`` and ``"v"``,
     the layers whose eager hooks give them per head (``attn.hook_rot_k`` where the model names it, else
     ``attn.hook_k``; ``attn.hook_v``), a capability the caller knows (e.g. from a probe): elsewhere the
     eager path hands None (and no ``z``) and reads no such hook; the LSE path reads them from the kernel at
@@ -113,7 +113,8 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
         raise MassiveLensError(f"want is a subset of {WANTS}, path 'eager' or 'lse' and eager_reads keyed by 'k' or "
                                f"'v', got {sorted(want)}, {path!r}, {sorted(eager_reads or {})}")
     if "out" in want and not out_hooks:
-        raise MassiveLensError("want='out' needs out_hooks: each layer's output hook")
+        raise MassiveLensError("want='out' needs out_hooks: each layer's output hook (attention_output_hook's "
+                               "for the attention output)")
     # None: the layers with a pattern; a model with none is refused below, naming the pattern hook it lacks
     layers = set((_attention_layers(view) or range(view.n_layers)) if layers is None else layers)
     cols = None if columns is None else torch.as_tensor(columns, dtype=torch.long).flatten()
@@ -184,6 +185,28 @@ def choose_path(view: ModelView, attention: str, batch: Batch) -> str:
         raise MassiveLensError(f"{view.name} cannot give the attention's log-sum-exp from a fused kernel: {reason}; "
                                "use attention='eager' (the pattern) or 'auto'")
     return EAGER
+
+
+def attention_output_hook(view: ModelView, layer: int, path: str) -> str:
+    """Where the pass reads a layer's attention output on ``path``: the output projection's own hook
+    (``attn.o.hook_out``: ``z @ W_O + b_O`` and nothing else) where there is one, else ``attn.hook_out``
+    (which on some bridges, e.g. BLOOM's, also holds the residual added inside the HF attention
+    module). On the LSE path the Hugging Face attention runs its own code, so ``attn.o`` fires only
+    where that code calls the bridge's projection (Llama's ``o_proj``; GPT-2's ``c_proj`` is its own
+    module).
+
+    >>> from massive_lens import tiny_model
+    >>> attention_output_hook(ModelView(tiny_model("llama")), 0, "lse")
+    'attn.o.hook_out'
+    """
+    if not view.has_hook(layer, "attn.o.hook_out"):
+        return "attn.hook_out"
+    if path == LSE:
+        attn = view.block(layer).attn
+        hf = getattr(attn, "original_component", None)
+        if hf is not None and not any(child is attn.o for child in hf.children()):
+            return "attn.hook_out"
+    return "attn.o.hook_out"
 
 
 def _attention_layers(view: ModelView) -> list[int]:
