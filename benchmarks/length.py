@@ -34,6 +34,7 @@ LENGTHS = (128, 256, 512, 1024, 2048)
 def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> dict[str, Callable[[], Any]]:
     """The analyses on one sequence ``one`` (``two``: two sequences of the same length)."""
     import massive_lens as ml
+    from massive_lens.attention import dormant_heads, find_sinks
     from massive_lens.core.lse import lse_run
     from massive_lens.core.model_view import ModelView
 
@@ -59,6 +60,8 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
         "sink_attention": lambda: ml.sink_attention(model, one),
         "decompose_attention": lambda: ml.decompose_attention(model, one),
         "sink_census": lambda: ml.sink_census(model, one),
+        "find_sinks": lambda: find_sinks(model, one),
+        "dormant_heads": lambda: dormant_heads(model, one),
         "sink_attention (eager)": lambda: ml.sink_attention(model, one, attention="eager"),
         "sink_census (eager)": lambda: ml.sink_census(model, one, attention="eager"),
         "perplexity": lambda: ml.perplexity(model, one, progress=False),
@@ -114,6 +117,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def versus(rows: list[dict[str, Any]], base: str = "plain_forward (SDPA)") -> str:
+    """Each analysis's time and memory as multiples of ``base`` of the same length (the issue's
+    yardstick for the LSE path: a plain forward of the model on transformers' own SDPA)."""
+    lengths = sorted({r["length"] for r in rows})
+    at = {(r["analysis"], r["length"]): r for r in rows}
+    lines = [f"| analysis / {base} | " + " | ".join(f"{n} tokens (time, memory)" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for name in dict.fromkeys(r["analysis"] for r in rows):
+        cells = []
+        for n in lengths:
+            r, b = at.get((name, n)), at.get((base, n))
+            cells.append(f"{r['cpu_seconds'] / b['cpu_seconds']:.2f}x, {r['peak_mb'] / max(b['peak_mb'], 1e-9):.2f}x"
+                         if r and b else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def figure(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -161,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as handle:
                 json.dump(rows, handle, indent=1)
     print(table(rows))
+    if any(r["analysis"] == "plain_forward (SDPA)" for r in rows):
+        print(versus(rows))
     if args.figure and rows:
         figure(rows, args.figure)
     return 0

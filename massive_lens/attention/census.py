@@ -324,10 +324,9 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         raise MassiveLensError(f"min_layers and batch_size must be integers >= 1, got {min_layers!r}, {batch_size!r}")
     view = ModelView(model)
     whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
-    path = choose_path(view, attention, whole)  # an nnsight model: the LSE path, or a MassiveLensError saying so
-    if path == EAGER and not any(view.has_hook(layer, "attn.hook_pattern") for layer in range(view.n_layers)):
-        raise MassiveLensError(f"{view.name} has no attention pattern in any layer (a recurrent or state-space "
-                               "model?): sink_census reads the attention that positions draw")
+    # an nnsight model: the LSE path, or a MassiveLensError saying so; a model with no attention pattern on
+    # either path is refused by the pass, naming the pattern hook it lacks
+    path = choose_path(view, attention, whole)
     rows: list[dict[str, Any]] = []
     kind_seqs = torch.zeros(len(TOKEN_KINDS))
     seq0, null_sums, n_null = 0, {}, 0.0

@@ -25,6 +25,7 @@ def reductions(x: Float[Tensor, "batch head_index pos dim"], keep: Bool[Tensor, 
     the mean vector, the sum of unit vectors, the mean squared norm and the mean norm. With
     ``basis``, the term's vectors are ``x @ basis`` (e.g. attention on a few sinks times their
     values), never built: the norms come from the basis's Gram matrix."""
+    x = x.contiguous()  # read by three products: one copy, not one each
     w = keep.to(x.dtype)
     share = w / w.sum(1).clamp(min=1)[:, None]  # [batch pos]
     if basis is None:

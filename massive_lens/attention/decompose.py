@@ -29,11 +29,11 @@ from torch import Tensor
 
 from massive_lens.attention.constancy import constancy, reductions
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
-from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
+from massive_lens.core.attention_pass import PassLayer, attention_output_hook, attention_pass, choose_path
 from massive_lens.core.budget import trim_allocator
 from massive_lens.core.charts import sink_content_axes
 from massive_lens.core.criterion import SinkEvidence
-from massive_lens.core.lse import EAGER, LSE, path_text
+from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.errors import MassiveLensError
@@ -70,9 +70,10 @@ class AttentionDecomposition(Result):
 
     @property
     def reconstruction_error(self) -> float:
-        """Largest relative error ||sink + content + b_O - attn_out|| / ||attn_out|| over the layers (a
-        bound: the output's distance from the heads' outputs through W_O, plus the terms' from those,
-        measured on up to 256 evenly spaced query positions)."""
+        """Largest relative error ||sink + content + b_O - attn_out|| / ||attn_out|| over the layers, the
+        content term taken through W_O (the heads' outputs from the non-sink keys), measured on up to
+        ``CHECK_ROWS`` (32) evenly spaced query positions; elsewhere the content term is the output less
+        the sink term and b_O."""
         return float(self.errors["rel_error"].max())
 
     def to_frame(self) -> pd.DataFrame:
@@ -142,27 +143,26 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     # every position that could turn out to be one (see candidate_columns)
     columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
     terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
-    held: dict[int, tuple[Tensor, Tensor]] = {}  # per layer, until the pass has found the sinks
+    held: dict[int, Tensor] = {}  # per layer, the values of the kept columns, until the pass has found the sinks
     trim = _trim_each_layer(batch, terms.sink.shape[-1])
 
     def take(at: PassLayer) -> None:
         # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v
         _check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
-        v = at.v.repeat_interleave(at.shape[1] // at.v.shape[2], dim=2)  # one value head per query head
-        parts = (at.z, at.cols.to(at.z.dtype), v[:, columns.to(v.device)])
-        # the output itself is kept only on the check rows, where sink + content + b_O is compared with it
-        out = at.out.detach()[:, check_rows(at.out.shape[1], at.out.device)]
+        v = at.v[:, columns.to(at.v.device)].repeat_interleave(at.shape[1] // at.v.shape[2], dim=2)  # per query head
+        parts = (at.z, at.cols.to(at.z.dtype), v)
         if given is None:
-            terms.hold(at.layer, parts[0], parts[1])
-            held[at.layer] = (parts[2].detach().cpu(), out.cpu())
+            terms.hold(at.layer, parts[0], parts[1], at.out)
+            held[at.layer] = parts[2].detach().cpu()
         else:
-            _split(view, at.layer, *parts, out, given.mask[:, columns], weights[at.layer], batch.mask, given.mask,
-                   terms)
+            _split(view, at.layer, *parts, at.out.detach(), given.mask[:, columns], weights[at.layer], batch.mask,
+                   given.mask, terms)
         trim()  # the layer's transients, freed, handed back: held between them they would fragment
 
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None  # the sink rule reads every layer
+    terms.out_hooks = {i: attention_output_hook(view, i, path) for i in layers}  # as the pass reads them
     attention_pass(view, batch, take, path=path, columns=columns, want=("z", "v", "out"), layers=layers,
-                   out_hooks={i: _output_hook(view, i, path) for i in layers}, evidence=evidence,
+                   out_hooks=terms.out_hooks, evidence=evidence,
                    stop_after=None if given is None else view.hook_name(max(layers), "resid_post"))
     found = given
     if given is None:
@@ -171,8 +171,9 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         if int(inside.sum()) < int(found.mask.sum()):  # a sink outside the kept columns: a second pass
             return decompose_attention(model, text, layers=layers, sinks=found, attention=path)
         for layer in layers:
-            z, pattern = terms.held(layer)
-            _split(view, layer, z, pattern, *held.pop(layer), inside, weights[layer], batch.mask, found.mask, terms)
+            z, pattern, out = terms.held(layer)
+            _split(view, layer, z, pattern, held.pop(layer), out, inside, weights[layer], batch.mask, found.mask,
+                   terms)
             trim()
     trim_allocator()
     stats = constancy([parts for _, _, parts in terms.stats], batch.mask & ~found.mask)  # [term head 5]
@@ -190,31 +191,37 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
 class _Terms:
     """The result, filled layer by layer: ``sink``/``content`` ``[layer batch pos d_model]`` on the
     CPU, one allocation each (no copy at the end). While the pass finds the sinks, every layer's
-    heads' outputs ``z`` and attention on the kept columns are held in one buffer each (not one per
-    layer, so that the pass's transients do not fragment around them); where ``z``'s heads fill
-    ``d_model`` (heads x d_head = d_model), the content term is written over the layer's ``z``
-    once it is split, so the result costs no memory beyond what the pass held."""
+    heads' outputs ``z``, attention on the kept columns and attention output are held in one buffer
+    each (not one per layer, so that the pass's transients do not fragment around them): the output
+    in ``content``, which the layer's content term (the output less the sink term and ``b_O``)
+    replaces once it is split, and, where ``z``'s heads fill ``d_model`` (heads x d_head =
+    d_model), ``z`` in ``sink``'s memory, which the sink term replaces: the result costs no memory
+    beyond what the pass held."""
 
     def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, hold: bool):
         self.index = {layer: i for i, layer in enumerate(layers)}
         heads, d_head, d_model = W_O.shape
-        self.sink = torch.empty(len(layers), *shape, d_model, dtype=W_O.dtype)
+        self.content = torch.empty(len(layers), *shape, d_model, dtype=W_O.dtype)
         self._z = torch.empty(len(layers), *shape, heads, d_head, dtype=W_O.dtype) if hold else None
-        self.content = (self._z.view(*self.sink.shape) if hold and heads * d_head == d_model
-                        else torch.empty_like(self.sink))
+        self.sink = (self._z.view(*self.content.shape) if hold and heads * d_head == d_model
+                     else torch.empty_like(self.content))
         self._pattern: Tensor | None = None
         self.bias: list[Tensor] = []
         self.stats: list[tuple[int, str, tuple[Tensor, ...]]] = []
         self.errors: list[tuple[int, float]] = []
+        self.out_hooks: dict[int, str] = {}  # where each layer's attention output is read
 
-    def hold(self, layer: int, z: Tensor, pattern: Tensor) -> None:
+    def hold(self, layer: int, z: Tensor, pattern: Tensor, out: Tensor) -> None:
         if self._pattern is None:
             self._pattern = torch.empty(len(self.index), *pattern.shape, dtype=pattern.dtype)
-        self._z[self.index[layer]].copy_(z.detach())
-        self._pattern[self.index[layer]].copy_(pattern.detach())
+        i = self.index[layer]
+        self._z[i].copy_(z.detach())
+        self._pattern[i].copy_(pattern.detach())
+        self.content[i].copy_(out.detach())
 
-    def held(self, layer: int) -> tuple[Tensor, Tensor]:
-        return self._z[self.index[layer]], self._pattern[self.index[layer]]
+    def held(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        i = self.index[layer]
+        return self._z[i], self._pattern[i], self.content[i]
 
 
 def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor, keys: Tensor,
@@ -222,39 +229,49 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     """One layer's terms from the heads' outputs ``z [batch query head d_head]``, the attention on
     the kept key columns ``pattern [batch head query col]`` and their values ``v [batch col head
     d_head]``; ``keys [batch col]`` marks the sinks among the columns. The sink term is each
-    sink's value through ``W_O``, weighted; the content term is the rest of the heads' outputs
-    through ``W_O``; summed over heads (the per-head terms are read only through their factors).
-    The reconstruction error recorded is ``||sink + content + b_O - attn_out|| / ||attn_out||`` on
-    the real positions of :func:`check_rows` (``out``: the attention output there). What it catches,
-    an output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows at every row."""
+    sink's value through ``W_O``, weighted; the content term is the rest, the attention output ``out
+    [batch query d_model]`` less the sink term and ``b_O`` (its per-head statistics from the other
+    keys' share of the heads' outputs, through ``W_O``); summed over heads (the per-head terms are
+    read only through their factors). The reconstruction error recorded is ``||sink + z_content W_O
+    + b_O - attn_out|| / ||attn_out||`` on the real positions of :func:`check_rows`: where it is
+    small the output is the heads' outputs through ``W_O`` plus ``b_O`` and the content term is theirs.
+    What it catches, an output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows
+    at every row."""
     W_O, b_O = weights
     device = z.device
     W_O = W_O.to(z)
     pattern, v, keys = pattern.to(device), v.to(device), keys.to(device)
     used = keys.any(0).nonzero()[:, 0]  # the columns that are a sink in some sequence
-    pattern, v, keys = pattern[..., used], v[:, used], keys[:, used]
+    pattern, v, keys = pattern[..., used], v[:, used].transpose(1, 2), keys[:, used]  # v: [batch head sink d_head]
     at_sinks = pattern * keys[:, None, None, :].to(pattern.dtype)  # [batch head query sink]
-    sink_values = torch.einsum("bkhd,hdm->bhkm", v, W_O)  # each sink's value through W_O
+    sink_values = v @ W_O[None]  # [batch head sink d_model]: each sink's value through W_O
     keep = (valid & ~sinks).to(device)
-    sink = torch.einsum("bhqk,bhkm->bqm", at_sinks, sink_values)
-    z_content = z - torch.einsum("bhqk,bkhd->bqhd", at_sinks, v)  # the heads' outputs from the other keys
-    content = z_content.flatten(2) @ W_O.flatten(0, 1)
+    sink = at_sinks.transpose(1, 2).flatten(2) @ sink_values.flatten(1, 2)  # [batch query d_model], summed over heads
+    z_content = z - (at_sinks @ v).transpose(1, 2)  # the heads' outputs from the other keys
     # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows):
     # its constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
     stats = {"sink": reductions(at_sinks, keep, basis=sink_values),
              "content": reductions(z_content.transpose(1, 2), keep, basis=W_O[None])}
     bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
     rows = check_rows(z.shape[1], device)
-    out, on = out.to(device), valid.to(device)[:, rows, None]
-    rebuilt = (sink[:, rows] + content[:, rows] + bias).to(out)
-    err = float(((rebuilt - out) * on).norm()) / max(float((out * on).norm()), 1e-12)
-    _check_error(view, layer, err, out.dtype)
+    every = len(rows) == z.shape[1]  # every row checked: no gather
+    out = out.to(device)
+    seen, on = (out, valid.to(device)) if every else (out[:, rows], valid.to(device)[:, rows])
+    # the check: on its rows the content term is also taken through W_O (z_content W_O, the product the
+    # model's own output projection computes), and sink + that + b_O is compared with the output
+    through = (z_content if every else z_content[:, rows]).flatten(2) @ W_O.flatten(0, 1)
+    rebuilt = (sink if every else sink[:, rows]) + through
+    rebuilt = rebuilt.add_(bias).to(out.dtype).sub_(seen)
+    if not bool(on.all()):
+        rebuilt, seen = rebuilt * on[..., None], seen * on[..., None]
+    err = float(rebuilt.norm()) / max(float(seen.norm()), 1e-12)
+    _check_error(view, layer, err, out.dtype, terms.out_hooks[layer])
     terms.errors.append((layer, err))
     for name, parts in stats.items():
         terms.stats.append((layer, name, parts))
-    i = terms.index[layer]  # z is not read after this point: the content may be written over it
+    i = terms.index[layer]  # z and out are not read after this point: the terms may be written over them
+    terms.content[i].copy_(out - sink.to(out.dtype) - bias.to(out.dtype))  # the output less the sink term and b_O
     terms.sink[i].copy_(sink)
-    terms.content[i].copy_(content)
     terms.bias.append(bias.cpu())
 
 
@@ -273,8 +290,10 @@ def _no_trim() -> None:
     """Nothing: the layer's transients are small and reused by the next layer."""
 
 
-# query rows (evenly spaced) on which each layer's split is checked against the attention output
-CHECK_ROWS = 256
+# query rows (evenly spaced) on which each layer's split is checked against the attention output: what
+# the check catches (an output that is not z W_O + b_O) shows at every row, and these rows are the only
+# ones where the content term is also taken through W_O (elsewhere it is the output less sink and b_O)
+CHECK_ROWS = 32
 
 
 def check_rows(n: int, device: torch.device | str) -> Tensor:
@@ -284,22 +303,6 @@ def check_rows(n: int, device: torch.device | str) -> Tensor:
 # relative error of sink + content + b_O above which a decomposition is refused, by dtype
 RECONSTRUCTION_TOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
 RECONSTRUCTION_TOL_FLOAT32 = 1e-3
-
-
-def _output_hook(view: ModelView, layer: int, path: str = EAGER) -> str:
-    """Where the attention output is read: the output projection's own hook (``attn.o.hook_out``:
-    ``z @ W_O + b_O`` and nothing else) where there is one, else ``attn.hook_out`` (which on some
-    bridges, e.g. BLOOM's, also holds the residual added inside the HF attention module). On the
-    LSE path the Hugging Face attention runs its own code, so ``attn.o`` fires only where that code
-    calls the bridge's projection (Llama's ``o_proj``; GPT-2's ``c_proj`` is its own module)."""
-    if not view.has_hook(layer, "attn.o.hook_out"):
-        return "attn.hook_out"
-    if path == LSE:
-        attn = view.block(layer).attn
-        hf = getattr(attn, "original_component", None)
-        if hf is not None and not any(child is attn.o for child in hf.children()):
-            return "attn.hook_out"
-    return "attn.o.hook_out"
 
 
 def output_weights(view: ModelView, layer: int) -> tuple[Tensor, Tensor | None]:
@@ -331,11 +334,11 @@ def _check_shapes(view: ModelView, layer: int, pattern: tuple[int, ...], v: Tens
             f"W_O {tuple(W_O.shape)} [head, d_head, d_model] (e.g. latent or compressed attention)")
 
 
-def _check_error(view: ModelView, layer: int, err: float, dtype: torch.dtype) -> None:
+def _check_error(view: ModelView, layer: int, err: float, dtype: torch.dtype, hook: str) -> None:
     """Refuse a decomposition that does not reconstruct the attention output."""
     tol = RECONSTRUCTION_TOL.get(dtype, RECONSTRUCTION_TOL_FLOAT32)
     if not math.isfinite(err):  # NaN or inf reached the layer: an overflow, not a wrong split
-        raise view.overflow_error(view.hook_name(layer, _output_hook(view, layer)))
+        raise view.overflow_error(view.hook_name(layer, hook))
     if not err <= tol:
         raise MassiveLensError(
             f"{view.name}: sink + content + b_O misses the attention output of layer {layer} by {err:.1e} "

@@ -187,7 +187,9 @@ class _Rows:
                                    "pos, head, d_head] z and one pattern per head of W_O (multi-head latent attention "
                                    "is not read)")
         r = self.valid.to(z.device).float()
-        out = torch.einsum("bqhd,hdm->bqhm", z, self.weights[layer].to(z)).norm(dim=-1)  # [b q h]
+        W_O = self.weights[layer].to(z)  # [h d m]: ||z_h W_O[h]|| from W_O[h]'s Gram matrix, z_h W_O[h] never built
+        out = ((z.transpose(1, 2) @ (W_O @ W_O.transpose(1, 2))) * z.transpose(1, 2)).sum(-1)
+        out = out.clamp(min=0).sqrt().transpose(1, 2)  # [b q h]
         out = torch.einsum("bqh,bq->bh", out, r) / r.sum(1, keepdim=True).clamp(min=1)
         ratio = out / out.mean(1, keepdim=True).clamp(min=1e-12)
         p = at.cols.detach().float() * r[:, None, :, None]  # [b h q col], the real queries only

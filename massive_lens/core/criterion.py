@@ -188,11 +188,47 @@ def massive_mask(
     [[1, 1, 0]]
     """
     mag = resid.abs().float()
-    scale, _ = median_scale(mag, criterion, valid)
-    massive = criterion.passes(mag, scale)
-    if valid is not None:
+    every = valid is None or bool(valid.all())
+    massive = _few_massive(mag, criterion) if every else None
+    if massive is None:
+        scale, _ = median_scale(mag, criterion, valid)
+        massive = criterion.passes(mag, scale)
+    if not every:
         massive &= valid.to(massive.device)[..., None]
     return token_specific(massive, valid) if criterion.outliers == "exclude" else massive
+
+
+FEW_MASSIVE = 4  # values above abs_threshold tested by _few_massive before it takes the median
+
+
+def _few_massive(mag: Float[Tensor, "batch pos d_model"], criterion: Criterion) -> Tensor | None:
+    """``criterion.passes(mag, median)`` over whole hidden states without pads, without the median
+    where few entries pass (None: take it). ``fl(ratio * m) < c`` for the lower median ``m`` (the
+    ``k``-th smallest of ``n``, ``k = (n - 1) // 2``) exactly when at least ``k + 1`` entries ``x``
+    have ``fl(ratio * x) < c`` (rounding is monotone), so the values above ``abs_threshold`` are
+    tested from the largest down: the first that fails bounds the mask (``mag > it``)."""
+    if criterion.median_over != "hidden_state" or mag.device.type != "cpu" or not mag.numel():
+        return None
+    flat = mag.flatten(1)
+    k = (flat.shape[1] - 1) // 2
+    bounds = []
+    for row in flat:  # per sequence (its own median)
+        scaled, left, bound = criterion.ratio_threshold * row, row, None
+        for _ in range(FEW_MASSIVE + 1):  # the values, largest first
+            c = float(left.max())
+            if c != c:  # NaN (ranked above every number): the slow path
+                return None
+            if not c > criterion.abs_threshold:  # every value above abs_threshold passed
+                bound = criterion.abs_threshold
+                break
+            if int((scaled < c).sum()) < k + 1:  # fails, and so does every smaller value
+                bound = c
+                break
+            left = torch.where(left < c, left, -1.0)  # the values below c
+        if bound is None:
+            return None  # more pass than were tested: take the median
+        bounds.append(bound)
+    return mag > torch.tensor(bounds, dtype=mag.dtype)[:, None, None]
 
 
 def first_token_mass(

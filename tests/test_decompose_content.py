@@ -1,0 +1,36 @@
+"""decompose_attention takes the content term as the attention output less the sink term and b_O,
+and through W_O only on the check rows: on every row it must equal the heads' outputs from the
+non-sink keys through W_O, computed here from the model's own pattern, values and W_O."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from massive_lens.attention import decompose_attention
+from massive_lens.attention.decompose import CHECK_ROWS, check_rows
+from massive_lens.core.model_view import ModelView
+
+TEXT = "The cat sat on the mat. It slept, and then, much later, it woke: the mat was warm. "
+
+
+@pytest.mark.parametrize("sinks", [None, [0, 5]])
+def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks):
+    view = ModelView(tiny)
+    batch = view.tokenize(TEXT)
+    n = batch.tokens.shape[1]
+    assert n > CHECK_ROWS and len(check_rows(n, "cpu")) < n  # rows the check does not take through W_O
+    result = decompose_attention(tiny, TEXT, sinks=sinks, attention="eager")
+    names = {"attn.hook_pattern", "attn.hook_v"}
+    _, cache = tiny.run_with_cache(batch.tokens, names_filter=lambda name: any(name.endswith(x) for x in names))
+    keys = result.sink_mask.float()  # [batch key]
+    for i, layer in enumerate(result.layers):
+        pattern = cache[view.hook_name(layer, "attn.hook_pattern")]  # [batch head query key]
+        v = cache[view.hook_name(layer, "attn.hook_v")]
+        v = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)  # [batch key head d_head]
+        other = pattern * (1 - keys)[:, None, None, :]
+        z_content = torch.einsum("bhqk,bkhd->bqhd", other, v)
+        W_O = view.block(layer).attn.W_O.detach()
+        expected = torch.einsum("bqhd,hdm->bqm", z_content, W_O)
+        scale = float(expected.abs().max())
+        assert float((result.content[i] - expected).abs().max()) <= 1e-5 * scale, layer

@@ -1,0 +1,39 @@
+"""massive_mask skips the median where few entries pass (criterion._few_massive): the mask must be
+exactly the one the median gives, for any thresholds, ties, NaN and several sequences."""
+
+from __future__ import annotations
+
+import torch
+
+from massive_lens.core.criterion import Criterion, massive_mask, median_scale
+
+
+def _by_median(x: torch.Tensor, criterion: Criterion) -> torch.Tensor:
+    mag = x.abs().float()
+    return criterion.passes(mag, median_scale(mag, criterion)[0])
+
+
+def test_mask_equals_the_medians_on_random_states():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        b, n, d = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (3, 12, 30))
+        x = torch.randn(b, n, d, generator=gen) * float(torch.rand(1, generator=gen)) * 3
+        for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):  # a few large entries, some tied
+            i = [int(torch.randint(0, s, (1,), generator=gen)) for s in (b, n, d)]
+            x[i[0], i[1], i[2]] = float(torch.randint(40, 3000, (1,), generator=gen)) * (1 if trial % 2 else -1)
+        if trial % 5 == 0:
+            x[..., 0] = 900.0  # many pass: more than the fast path tests
+        if trial % 7 == 0:
+            x[0, 0, 0] = float("nan")
+        criterion = Criterion(abs_threshold=float(torch.randint(0, 200, (1,), generator=gen)),
+                              ratio_threshold=float(torch.randint(1, 1500, (1,), generator=gen)))
+        assert torch.equal(massive_mask(x, criterion), _by_median(x, criterion)), (trial, criterion)
+
+
+def test_the_boundary_of_the_ratio_is_exact():
+    """An entry exactly at ratio x median is not massive, the next float above it is."""
+    x = torch.ones(1, 4, 8)
+    x[0, 0, 0] = 1000.0
+    x[0, 1, 0] = torch.nextafter(torch.tensor(1000.0), torch.tensor(2000.0))
+    assert massive_mask(x, Criterion()).nonzero().tolist() == [[0, 1, 0]]
+    assert torch.equal(massive_mask(x, Criterion()), _by_median(x, Criterion()))
