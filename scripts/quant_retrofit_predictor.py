@@ -1,7 +1,7 @@
 """Is sink mass a predictor of quantization damage on the retrofitted SmolLM2 models? (issue 52)
 
     .venv/bin/python scripts/quant_retrofit_predictor.py measure MODELS [JOB ...] [--setting S]
-    .venv/bin/python scripts/quant_retrofit_predictor.py table [--setting S]
+    .venv/bin/python scripts/quant_retrofit_predictor.py table   # the docs' table, from the JSONs
 
 ``MODELS`` is the folder the retrofit runs save their models into (``--save-models``, a local run
 output: ``runs/retrofit_models``); each ``JOB`` a subfolder ``<setting>_seed<s>`` (default: all),
@@ -14,9 +14,8 @@ windows of the untouched model's run (``scripts/quant_granularity.py measure def
 --n-seqs 2 --seq-len 128``): the first 2 windows of 128 tokens of WikiText-2 test evaluated, the
 first 2 of WikiText-2 valid calibrating; before measuring, the model's tokenizer is checked to cut
 the same windows as the untouched model's. One JSON per model and setting goes to
-``docs/quantization/granularity/retrofit_<job>_<S>.json`` (``@`` as ``_``); ``table`` reads them,
-with the untouched model's ``default_predictor.json`` for ``W8A8@tensor`` when no
-``retrofit_untouched_W8A8_tensor.json`` exists.
+``docs/quantization/granularity/retrofit_<job>_<S>.json`` (``@`` as ``_``; the untouched model's
+``W8A8@tensor`` file reproduces ``default_predictor.json``); ``table`` reads them all.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from massive_lens.quant.predictor import sink_predictor
 from massive_lens.train.retrofit_parts import analysis_bridge, load_retrofitted
 
 OUT = Path(__file__).resolve().parents[1] / "docs/quantization/granularity"
-REFERENCE = OUT / "default_predictor.json"
 SETTING = "W8A8@tensor"  # the untouched model's run (default_predictor.json)
+SETTINGS = (SETTING, "W4A4@tensor", "W4A4@token")  # the trained variants' three
 N_SEQS, SEQ_LEN = 2, 128
 
 
@@ -79,26 +78,25 @@ def measure(models: Path, job: str, setting: str) -> None:
     (OUT / f"retrofit_{job}_{setting.replace('@', '_')}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
-def row(name: str, record: dict) -> dict:
+def row(record: dict) -> dict:
     layers = pd.DataFrame(record["frames"]["layers"])
     cells = {f"{c['x']} vs {c['y']}": f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
              for c in record["frames"]["correlations"]}
     top = layers.sort_values("damage", ascending=False).iloc[0]
-    return {"model": name, "sink mass (layers)": f"{layers.sink_mass.min():.2f}-{layers.sink_mass.max():.2f}",
+    return {"model": record["job"], "setting": record["quant_setting"],
+            "sink mass (layers)": f"{layers.sink_mass.min():.2f}-{layers.sink_mass.max():.2f}",
             "damage (nats, layers)": f"{layers.damage.min():+.3f} to {layers.damage.max():+.3f}",
             "layers with damage != 0": int(((layers.damage_low > 0) | (layers.damage_high < 0)).sum()),
             "most damaging layer": f"{int(top.layer)} ({top.damage:+.3f})", **cells}
 
 
-def table(setting: str = SETTING) -> str:
-    """The Markdown table at ``setting``: the untouched model, then each retrofitted one."""
-    tag = setting.replace("@", "_")
-    paths = sorted(OUT.glob(f"retrofit_*_{tag}.json"), key=lambda p: ("untouched" not in p.name, p.name))
-    records = [json.loads(path.read_text()) for path in paths]
-    rows = [row(r["job"], r) for r in records]
-    if setting == SETTING and not any(r["job"] == "untouched" for r in records):
-        rows.insert(0, row("untouched (default_predictor.json)", json.loads(REFERENCE.read_text())))
-    frame = pd.DataFrame(rows)
+def table() -> str:
+    """The Markdown table: per model (the untouched one first) and setting, each predictor's rho
+    [95% interval]."""
+    records = [json.loads(path.read_text()) for path in OUT.glob("retrofit_*.json")]
+    order = {s: i for i, s in enumerate(SETTINGS)}
+    records.sort(key=lambda r: (r["job"] != "untouched", r["job"], order.get(r["quant_setting"], len(order))))
+    frame = pd.DataFrame([row(r) for r in records])
     head = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
     return head + "\n".join("| " + " | ".join(str(v) for v in r) + " |" for r in frame.itertuples(index=False))
 
@@ -111,7 +109,7 @@ def main() -> None:
     parser.add_argument("--setting", default=SETTING)
     args = parser.parse_args()
     if args.action == "table":
-        print(table(args.setting))
+        print(table())
         return
     if args.models is None:
         parser.error("measure needs the models folder")
