@@ -1,6 +1,7 @@
-"""Issue 52 on a retrofitted model: ``sink_predictor`` on a Hugging Face model with its attention
-swapped, saved and read back through the retrofit's own path (``save_retrofitted`` /
-``load_retrofitted``, safetensors), measured on the bridge that computes its variant
+"""Issue 52 on a retrofitted model: ``sink_predictor`` on a model built by ``retrofit`` (a tiny
+Llama with a planted massive activation, removed, its attention swapped, one fine-tuning step),
+saved by the run (``save_models``) and read back through the retrofit's own path
+(``load_retrofitted``, safetensors), measured on the bridge that computes its variant
 (``analysis_bridge``), as ``scripts/quant_retrofit_predictor.py`` does with the real ones."""
 
 from __future__ import annotations
@@ -9,20 +10,23 @@ import math
 
 import pytest
 import torch
+from planting import TEXT, plant_sink
 
 from massive_lens import tiny_model
 from massive_lens.core.criterion import SINK_QUERIES
 from massive_lens.quant.predictor import sink_predictor
-from massive_lens.train.hf_attention import attention_modules, plain_copy, swap_attention
-from massive_lens.train.retrofit_parts import analysis_bridge, load_retrofitted, save_retrofitted
+from massive_lens.train.hf_attention import attention_modules
+from massive_lens.train.retrofit import retrofit
+from massive_lens.train.retrofit_parts import analysis_bridge, load_retrofitted
 
 
 def retrofitted(tmp_path, variant: str):
-    """A tiny Llama swapped to ``variant``, saved and loaded back as the retrofit runs do."""
-    bridge = tiny_model("llama")
-    hf = swap_attention(plain_copy(bridge), variant)
-    folder = save_retrofitted(hf, tmp_path / variant, dict(setting=f"{variant}-removed", seed=0), bridge.tokenizer)
-    return load_retrofitted(folder)
+    """``<variant>-removed`` after one retrofit step, saved by the run and loaded back."""
+    model = tiny_model("llama")
+    plant_sink(model)  # a massive activation for the retrofit to remove
+    retrofit(model, [f"{variant}-removed"], steps=1, batch_size=2, seq_len=16, data=TEXT, eval_data=TEXT,
+             eval_every=1, eval_seqs=1, measure=False, progress=False, save_models=tmp_path)
+    return load_retrofitted(tmp_path / f"{variant}-removed_seed0")
 
 
 def tokens(bos: int, n: int = 4, seq_len: int = 24) -> torch.Tensor:
