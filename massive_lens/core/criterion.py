@@ -354,6 +354,7 @@ class SinkEvidence:
     def __init__(self, valid: Bool[Tensor, "batch pos"], n_layers: int, rule: SinkRule | None = None,
                  criterion: Criterion | None = None, outliers: OutlierTally | None = None):
         self.valid, self.n_layers = valid.cpu(), n_layers
+        self.all_valid = bool(self.valid.all())  # no pads: nothing to mask
         self.rule, self.criterion = as_rule(rule), as_criterion(criterion)
         self.outliers = outliers or OutlierTally()  # the run's outlier dimensions (shared by a caller's batches)
         batch, pos = valid.shape
@@ -371,9 +372,11 @@ class SinkEvidence:
         """Count ``layer``'s massive entries (every one, found by the caller with
         :func:`massive_mask`): which of them are token-specific, and so mark positions, is
         decided over the run by :attr:`outliers` when the sinks are asked for."""
-        massive = massive.cpu() & self.valid[..., None]
+        massive = massive.cpu() if self.all_valid else massive.cpu() & self.valid[..., None]
         flags = self.outliers.add(layer, massive, self.valid)
-        self._entries.append((layer, (massive & ~flags[:, None, :]).nonzero()))  # this layer's outlier dims never count
+        if bool(flags.any()):  # this layer's outlier dims never count
+            massive = massive & ~flags[:, None, :]
+        self._entries.append((layer, massive.nonzero()))
 
     def _massive(self) -> tuple[Tensor, Tensor]:
         layers = torch.zeros(self.valid.shape, dtype=torch.long)
