@@ -1,0 +1,209 @@
+"""The attention pass's reader (:func:`~massive_lens.core.attention_pass.attention_reading`): the
+hooks that read each attention layer of a forward on the eager path (the pattern gathered with the
+values, keys, ``attn.hook_z`` and output asked for), or the fused kernel's callback on the LSE path
+(:func:`~massive_lens.core.lse.lse_run`, run while the reader is entered), handing each layer over as
+one :class:`~massive_lens.core.attention_pass.PassLayer` (built with ``make``) whichever path ran, and
+feeding the sink rule's evidence in the same forward.
+
+>>> from massive_lens import tiny_model
+>>> from massive_lens.core.model_view import ModelView
+>>> attention_layers(ModelView(tiny_model("llama", num_hidden_layers=2)))
+[0, 1]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from massive_lens.core.criterion import SinkEvidence, key_attention
+from massive_lens.core.gather import LayerGather
+from massive_lens.core.layer_attention import LayerAttention
+from massive_lens.core.lse import LSE, lse_run
+from massive_lens.core.model_view import ModelView
+from massive_lens.core.tokens import Batch
+from massive_lens.errors import MassiveLensError
+
+__all__ = ["PassReader", "attention_layers"]
+
+
+def attention_layers(view: ModelView) -> list[int]:
+    """The layers with an attention pattern (not a recurrent or linear-attention layer)."""
+    return [layer for layer in range(view.n_layers) if view.has_hook(layer, "attn.hook_pattern")]
+
+
+class PassReader:
+    """The pass's reading (:func:`~massive_lens.core.attention_pass.attention_reading`): ``hooks``
+    to attach to each forward, run inside ``with reader:``; its per-layer state: the eager path's gathered hooks, the LSE path's
+    layers waiting for their ``attn.hook_z`` (``z_read``), and the layers handed over (``done``)."""
+
+    def __init__(self, view: ModelView, batch: Batch | None, on_layer: Callable[[Any], None] | None,
+                 layers: set[int], cols: Tensor | Callable[[int, int, int], Tensor] | None, band: bool,
+                 want: set[str], evidence: SinkEvidence | None, eager_reads: dict[str, set[int]], *, path: str,
+                 out_hooks: dict[int, str] | None, evidence_resid: bool, make: Callable[..., Any]):
+        self.view, self.batch, self.on_layer, self.layers, self.path = view, batch, on_layer, layers, path
+        self.cols, self.band, self.want, self.evidence = cols, band, want, evidence
+        self.eager_reads, self.make = eager_reads, make
+        self.pending: dict[int, Any] = {}  # LSE: layers waiting for their attn.hook_z or output
+        self.z_seen: set[int] = set()
+        self.done: set[int] = set()
+        self.kernel: contextlib.ExitStack | None = None
+        own = self.lse_hooks(out_hooks) if path == LSE else self.eager_hooks(out_hooks)
+        self.hooks: list[tuple[str, Any]] = [*(self.resid_hooks() if evidence_resid else []), *own]
+
+    def __enter__(self) -> PassReader:
+        if self.kernel is not None:
+            raise MassiveLensError(f"{self.view.name}: this attention reading is running already (with reader: once)")
+        self.kernel = contextlib.ExitStack()
+        if self.path == LSE:
+            self.kernel.enter_context(lse_run(self.view, self.from_kernel))
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        kernel, self.kernel = self.kernel, None
+        kernel.__exit__(*exc)
+        if exc[0] is None:
+            self.flush()
+        return False
+
+    def columns_at(self, layer: int, batch: int, pos: int) -> Tensor | None:
+        """The key columns read at ``layer`` (a function of the columns asked now)."""
+        if callable(self.cols):
+            return torch.as_tensor(self.cols(layer, batch, pos), dtype=torch.long).flatten()
+        return self.cols
+
+    def resid_hooks(self) -> list[tuple[str, Any]]:
+        if self.evidence is None:
+            return []
+        return [(self.view.hook_name(layer, "resid_post"), partial(_add_resid, evidence=self.evidence, layer=layer))
+                for layer in range(self.view.n_layers)]
+
+    # ------------------------------------------------------------------ eager: the pattern and hooks
+    def eager_keys(self, layer: int) -> tuple[str, ...]:
+        """What the eager path gathers at ``layer`` besides the pattern."""
+        def served(key: str) -> bool:
+            return key not in self.eager_reads or layer in self.eager_reads[key]
+        return (*(["v"] if self.want & {"z", "v"} and served("v") else []),
+                *(["k"] if "k" in self.want and served("k") else []),
+                *(["z_read"] if "z_read" in self.want else []), *(["out"] if "out" in self.want else []))
+
+    def eager_hooks(self, out_hooks: dict[int, str] | None) -> list[tuple[str, Any]]:
+        names = {"pattern": "attn.hook_pattern", "v": "attn.hook_v", "z_read": "attn.hook_z"}
+        names.update({f"out{layer}": name for layer, name in (out_hooks or {}).items()})
+        gathers: dict[tuple[str, ...], LayerGather] = {}  # one per set of hooks (layers may give different ones)
+        hooks = []
+        # every layer read must serve a pattern (an error naming the hook where one does not)
+        reads = sorted(self.layers) if self.on_layer is not None else []
+        for layer in sorted(set(reads) | set(attention_layers(self.view))):
+            if layer in reads:
+                keys = ("pattern", *self.eager_keys(layer))
+                # the hooks fire in any order (some bridges: the pattern last)
+                gather = gathers.setdefault(keys, LayerGather(keys, partial(self._eager, keys=keys[1:])))
+                names["k"] = "attn.hook_rot_k" if self.view.has_hook(layer, "attn.hook_rot_k") else "attn.hook_k"
+                hooks += [(self.view.hook_name(layer, names[f"out{layer}" if key == "out" else key]),
+                           gather.hook(key, layer)) for key in keys]
+            elif self.evidence is not None:
+                hooks.append((self.view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, reader=self)))
+        return hooks
+
+    def _eager(self, layer: int, pattern: Tensor, *acts: Tensor, keys: tuple[str, ...]) -> None:
+        got = dict(zip(keys, acts, strict=True))
+        band = self.band_of(pattern)
+        v, k, z = got.get("v"), got.get("k"), None
+        if v is not None and v.shape[1] != pattern.shape[-1] and v.shape[2] == pattern.shape[-1]:
+            v = v.transpose(1, 2)  # a bridge whose hook_v is [batch kv_head key d_head] (DeepSeek-V2's)
+        if k is not None and k.shape[1] != pattern.shape[-1] and k.shape[2] == pattern.shape[-1]:
+            k = k.transpose(1, 2)
+        z_read, heads = got.get("z_read"), pattern.shape[1]
+        if z_read is not None and z_read.shape[2] != heads and z_read[0, 0].numel() % heads == 0:
+            z_read = z_read.reshape(*z_read.shape[:2], heads, -1)  # per query head, as the LSE path reads hook_z
+        if "z" in self.want and v is not None:  # the pattern applied to the values: one value head per query head
+            z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2))
+        cols = self.columns_at(layer, pattern.shape[0], pattern.shape[-1])
+        self._hand(self.make(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
+                             cols=None if cols is None else pattern[..., cols.to(pattern.device)],
+                             z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out")))
+
+    def band_of(self, pattern: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The sink rule's key attention from an eager pattern (fed to the evidence), where wanted."""
+        if not self.band and self.evidence is None:
+            return None
+        band = key_attention(pattern.detach(), self.batch.mask)
+        if self.evidence is not None:
+            self.evidence.add_key_attention(*band)
+        return band
+
+    # ------------------------------------------------------------------ LSE: the kernel
+    def lse_hooks(self, out_hooks: dict[int, str] | None) -> list[tuple[str, Any]]:
+        hooks = []
+        for layer in sorted(self.layers) if self.on_layer is not None else []:
+            if "z_read" in self.want and self.view.has_hook(layer, "attn.hook_z"):
+                hooks.append((self.view.hook_name(layer, "attn.hook_z"), partial(self._read_z, layer=layer)))
+            if "out" in self.want:
+                hooks.append((self.view.hook_name(layer, out_hooks[layer]), partial(self._out, layer=layer)))
+        return hooks
+
+    def from_kernel(self, att: LayerAttention) -> None:
+        for layer in sorted(k for k in self.pending if k < att.layer):  # no attn.hook_z fired there: the kernel's
+            self._try(layer, force=True)
+        band = att.band(self.batch.mask) if self.band or self.evidence is not None else None
+        if self.evidence is not None:
+            self.evidence.add_key_attention(*band)
+        if att.layer not in self.layers or self.on_layer is None:
+            return
+        z = att.z.transpose(1, 2) if self.want & {"z", "z_read"} else None  # [batch query head d_head]
+        cols = self.columns_at(att.layer, att.q.shape[0], att.q.shape[2])
+        self.pending[att.layer] = self.make(
+            layer=att.layer, shape=(*att.q.shape[:3], att.k.shape[2]), band=band if self.band else None,
+            cols=None if cols is None else att.columns(cols), z=z if "z" in self.want else None,
+            z_read=z if "z_read" in self.want else None, k=att.k.transpose(1, 2) if "k" in self.want else None,
+            v=att.v.transpose(1, 2) if "v" in self.want else None,
+            null=att.null_mass)
+        self._try(att.layer)
+
+    def _read_z(self, z: Tensor, hook: Any, *, layer: int) -> None:
+        if layer in self.pending:  # after any gate or sub-norm the attention applies to the kernel's output
+            at = self.pending[layer]
+            self.pending[layer] = dataclasses.replace(at, z_read=z.detach().reshape(at.z_read.shape))
+            self.z_seen.add(layer)
+            self._try(layer)
+
+    def _out(self, out: Tensor, hook: Any, *, layer: int) -> None:
+        if layer in self.pending:
+            self.pending[layer] = dataclasses.replace(self.pending[layer], out=out)
+            self._try(layer)
+
+    def _try(self, layer: int, force: bool = False) -> None:
+        """Hand ``layer`` over once it has its output (where wanted) and its ``attn.hook_z`` (where
+        wanted and served; ``force``: the kernel's output stands in, the hook did not fire)."""
+        at = self.pending[layer]
+        if "out" in self.want and at.out is None:
+            return
+        if not force and "z_read" in self.want and self.view.has_hook(layer, "attn.hook_z") \
+                and layer not in self.z_seen:
+            return
+        self._hand(self.pending.pop(layer))
+
+    def flush(self) -> None:
+        """Hand over what is still pending once the forward is done."""
+        for layer in sorted(self.pending):
+            self._try(layer, force=True)
+
+    def _hand(self, at: Any) -> None:
+        self.done.add(at.layer)
+        if self.on_layer is not None:
+            self.on_layer(at)
+
+
+def _add_pattern(pattern: Tensor, hook: Any, *, reader: PassReader) -> None:
+    reader.band_of(pattern)
+
+
+def _add_resid(resid: Tensor, hook: Any, *, evidence: SinkEvidence, layer: int) -> None:
+    evidence.add_resid(layer, resid)
