@@ -1,5 +1,5 @@
 """decompose_attention takes the content term as the attention output less the sink term and b_O,
-and through W_O only on the check rows: on every row it must equal the heads' outputs from the
+and through W_O only on the check rows (or, finding the sinks on a long text, through W_O): on every row it must equal the heads' outputs from the
 non-sink keys through W_O, computed here from the model's own pattern, values and W_O."""
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ from massive_lens.core.model_view import ModelView
 TEXT = "The cat sat on the mat. It slept, and then, much later, it woke: the mat was warm. "
 
 
+@pytest.mark.parametrize("hold", ["whole", "check rows"])
 @pytest.mark.parametrize("sinks", [None, [0, 5]])
-def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks):
+def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks, hold, monkeypatch):
+    """Found sinks hold the output whole on a short text, its check rows only on a long one (set here
+    by the budget): the content term is the same."""
+    import massive_lens.attention.decompose as module
+
+    if hold == "check rows":
+        monkeypatch.setattr(module, "HOLD_OUTPUT_BYTES", 0)
     view = ModelView(tiny)
     batch = view.tokenize(TEXT)
     n = batch.tokens.shape[1]

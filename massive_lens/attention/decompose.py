@@ -192,19 +192,25 @@ class _Terms:
     """The result, filled layer by layer: ``sink``/``content`` ``[layer batch pos d_model]`` on the
     CPU, one allocation each (no copy at the end). While the pass finds the sinks, every layer's
     heads' outputs ``z``, attention on the kept columns and attention output are held in one buffer
-    each (not one per layer, so that the pass's transients do not fragment around them): the output
-    in ``content``, which the layer's content term (the output less the sink term and ``b_O``)
-    replaces once it is split, and, where ``z``'s heads fill ``d_model`` (heads x d_head =
-    d_model), ``z`` in ``sink``'s memory, which the sink term replaces: the result costs no memory
-    beyond what the pass held."""
+    each (not one per layer, so that the pass's transients do not fragment around them). Where a
+    term's buffer is at most ``HOLD_OUTPUT_BYTES`` the output is held whole in ``content``, which
+    the layer's content term (the output less the sink term and ``b_O``) replaces once it is split,
+    and ``z`` in ``sink``'s memory, which the sink term replaces; above it (a long text, where a
+    third buffer held through the forward would raise its peak) only the check rows of the output
+    are held, ``z`` in ``content``'s memory, and the content term is taken through ``W_O`` at every
+    row. Where ``z``'s heads do not fill ``d_model`` (heads x d_head != d_model) nothing is shared.
+    Either way the result costs no memory beyond what the pass held."""
 
     def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, hold: bool):
         self.index = {layer: i for i, layer in enumerate(layers)}
         heads, d_head, d_model = W_O.shape
-        self.content = torch.empty(len(layers), *shape, d_model, dtype=W_O.dtype)
+        size = (len(layers), *shape, d_model)
+        self.whole = math.prod(size) * W_O.element_size() <= HOLD_OUTPUT_BYTES  # the output held at every row
         self._z = torch.empty(len(layers), *shape, heads, d_head, dtype=W_O.dtype) if hold else None
-        self.sink = (self._z.view(*self.content.shape) if hold and heads * d_head == d_model
-                     else torch.empty_like(self.content))
+        shared = self._z.view(size) if hold and heads * d_head == d_model else None  # z's memory, once split
+        self.content = shared if shared is not None and not self.whole else torch.empty(size, dtype=W_O.dtype)
+        self.sink = shared if shared is not None and self.whole else torch.empty(size, dtype=W_O.dtype)
+        self._rows: dict[int, Tensor] = {}  # the output's check rows, where it is not held whole
         self._pattern: Tensor | None = None
         self.bias: list[Tensor] = []
         self.stats: list[tuple[int, str, tuple[Tensor, ...]]] = []
@@ -217,11 +223,14 @@ class _Terms:
         i = self.index[layer]
         self._z[i].copy_(z.detach())
         self._pattern[i].copy_(pattern.detach())
-        self.content[i].copy_(out.detach())
+        if self.whole:
+            self.content[i].copy_(out.detach())
+        else:
+            self._rows[i] = out.detach()[:, check_rows(out.shape[1], out.device)].cpu()
 
     def held(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         i = self.index[layer]
-        return self._z[i], self._pattern[i], self.content[i]
+        return self._z[i], self._pattern[i], self.content[i] if self.whole else self._rows.pop(i)
 
 
 def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor, keys: Tensor,
@@ -232,7 +241,8 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     sink's value through ``W_O``, weighted; the content term is the rest, the attention output ``out
     [batch query d_model]`` less the sink term and ``b_O`` (its per-head statistics from the other
     keys' share of the heads' outputs, through ``W_O``); summed over heads (the per-head terms are
-    read only through their factors). The reconstruction error recorded is ``||sink + z_content W_O
+    read only through their factors; where ``out`` holds only the check rows, the content term is
+    ``z_content W_O`` at every row). The reconstruction error recorded is ``||sink + z_content W_O
     + b_O - attn_out|| / ||attn_out||`` on the real positions of :func:`check_rows`: where it is
     small the output is the heads' outputs through ``W_O`` plus ``b_O`` and the content term is theirs.
     What it catches, an output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows
@@ -255,11 +265,16 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
     rows = check_rows(z.shape[1], device)
     every = len(rows) == z.shape[1]  # every row checked: no gather
-    out = out.to(device)
-    seen, on = (out, valid.to(device)) if every else (out[:, rows], valid.to(device)[:, rows])
+    whole = out.shape[1] == z.shape[1]  # else ``out`` holds the check rows only
+    out, on = out.to(device), valid.to(device) if every else valid.to(device)[:, rows]
+    seen = out if every or not whole else out[:, rows]
     # the check: on its rows the content term is also taken through W_O (z_content W_O, the product the
     # model's own output projection computes), and sink + that + b_O is compared with the output
-    through = (z_content if every else z_content[:, rows]).flatten(2) @ W_O.flatten(0, 1)
+    if whole:  # through W_O on the check rows only
+        content, through = None, (z_content if every else z_content[:, rows]).flatten(2) @ W_O.flatten(0, 1)
+    else:  # the output held on the check rows only (a long text): the content term through W_O at every row
+        content = z_content.flatten(2) @ W_O.flatten(0, 1)
+        through = content[:, rows]
     rebuilt = (sink if every else sink[:, rows]) + through
     rebuilt = rebuilt.add_(bias).to(out.dtype).sub_(seen)
     if not bool(on.all()):
@@ -270,10 +285,16 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     for name, parts in stats.items():
         terms.stats.append((layer, name, parts))
     i = terms.index[layer]  # z and out are not read after this point: the terms may be written over them
-    terms.content[i].copy_(out - sink.to(out.dtype) - bias.to(out.dtype))  # the output less the sink term and b_O
+    if content is None:  # the output less the sink term and b_O
+        content = out - sink.to(out.dtype) - bias.to(out.dtype)
+    terms.content[i].copy_(content)
     terms.sink[i].copy_(sink)
     terms.bias.append(bias.cpu())
 
+
+# a term's buffer ([layer, batch, pos, d_model]) up to which, when the sinks are found in the pass, the attention
+# output is held whole (its content term then costs no product); above it the output's check rows only
+HOLD_OUTPUT_BYTES = 32 << 20
 
 # a layer's term ([batch, pos, d_model] float32) from which the freed transients are handed back after
 # every layer; below it once after the pass: each trim costs the next layer's page faults (at 128 tokens
