@@ -1,6 +1,7 @@
 """decompose_attention takes the content term as the attention output less the sink term and b_O,
-and through W_O only on the check rows (or, finding the sinks on a long text, through W_O): on every row it must equal the heads' outputs from the
-non-sink keys through W_O, computed here from the model's own pattern, values and W_O."""
+through W_O only on the check rows (finding the sinks on a long text: through W_O at every row): on
+every row it must equal the heads' outputs from the non-sink keys through W_O, computed here from the
+model's own pattern, values and W_O."""
 
 from __future__ import annotations
 
