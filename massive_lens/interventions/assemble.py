@@ -15,10 +15,11 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, post_attention_norm
+from massive_lens.core.attention_pass import attention_reading, choose_path
 from massive_lens.core.model_view import ModelView
 from massive_lens.interventions.calibration import calibrate
 from massive_lens.interventions.calibration_result import Calibration
-from massive_lens.interventions.edits import ResidPlan, measure_pattern, reset, resid_step
+from massive_lens.interventions.edits import ResidPlan, record_sink_attention, reset, resid_step
 from massive_lens.interventions.intervention import Intervention
 from massive_lens.interventions.state import HookState
 
@@ -31,10 +32,12 @@ def build_hooks(model: Any, calib: Calibration, state: HookState, *,
     targets, the online sinks, the residual edit (``fill(layer, dims)``: the value each of
     ``dims`` gets at ``layer``) and the record of what stays; then ``per_layer(view, layer,
     state)`` for every attention layer after the sinks appear, and the record of the
-    attention still on the sinks (on a view that serves no pattern, nnsight, it is measured on
-    the LSE path: ``state.lse_layers`` names the layers for
-    :func:`~massive_lens.interventions.edits.measure_columns`, run inside the pass under
-    :func:`~massive_lens.core.lse.lse_run`)."""
+    attention still on the sinks: the attention pass's reading of the forward the hooks run in
+    (:func:`~massive_lens.core.attention_pass.attention_reading`, its path
+    :func:`~massive_lens.core.attention_pass.choose_path`'s for a forward of unknown length: the
+    eager pattern where the view serves one, read after the edits; else, nnsight, the fused
+    kernel, run around each forward by ``state.reading``) reduced by
+    :func:`~massive_lens.interventions.edits.record_sink_attention`."""
     view = ModelView(model)
     hooks: list = [(view.hook_name(0, "resid_pre"), partial(reset, state=state))]
     first_layer = calib.first_layer
@@ -64,15 +67,13 @@ def build_hooks(model: Any, calib: Calibration, state: HookState, *,
             detect=layer == detect, last_first=layer == last_first, sticky=where == "every", control=control)
         hooks.append((view.hook_name(layer, "resid_post"),
                       partial(resid_step, state=state, dims=dims, plan=plan, criterion=calib.criterion)))
-    lse = not view.serves_patterns  # no pattern (nnsight): the attention is measured on the LSE path
-    for layer in calib.attn_layers:
-        if per_layer is not None:
-            hooks += per_layer(view, layer, state)
-        if measure_attention and lse:
-            state.lse_layers[layer] = layer == calib.attn_layers[0]
-        elif measure_attention:
-            hooks.append((view.hook_name(layer, "attn.hook_pattern"),
-                          partial(measure_pattern, state=state, layer=layer, first=layer == calib.attn_layers[0])))
+    for layer in calib.attn_layers if per_layer is not None else ():
+        hooks += per_layer(view, layer, state)
+    if measure_attention and calib.attn_layers:  # its hooks after the edits': it reads the edited attention
+        state.reading = attention_reading(view, partial(record_sink_attention, state=state, first=calib.attn_layers[0]),
+                                          path=choose_path(view, "auto", None), columns=state.sink_columns,
+                                          layers=calib.attn_layers)
+        hooks += state.reading.hooks
     return hooks
 
 

@@ -1,7 +1,8 @@
 """The edit functions of the interventions, one per hook kind, bound with ``functools.partial``
 (like TransformerLens's ``patching.py``): the residual-stream step (targets, online sinks,
 the edit, the record), the attention edits (drop the sinks, replace the sink term, the bias
-slot) and the residual patch.
+slot), the record of the attention still on the sinks (a reducer over the attention pass's layers)
+and the residual patch.
 
 >>> state = HookState(sinks=[0])
 >>> pattern = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
@@ -21,8 +22,8 @@ from torch import Tensor
 from transformer_lens.patching import layer_pos_patch_setter
 
 from massive_lens.attention.sinks import sink_term
+from massive_lens.core.attention_pass import PassLayer
 from massive_lens.core.criterion import Criterion
-from massive_lens.core.layer_attention import LayerAttention
 from massive_lens.interventions.calibration_result import massive_entries, online_sinks
 from massive_lens.interventions.state import HookState
 
@@ -94,39 +95,28 @@ def zero_median_entries(resid: Float[Tensor, "batch pos d_model"], counts: Tenso
             resid[b].view(-1)[gap.topk(int(k), largest=False).indices] = 0.0
 
 
-def measure_pattern(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, state: HookState,
-                     layer: int, first: bool) -> None:
-    """Record the attention non-sink queries still pay to the sinks (and to a bias slot)."""
-    sinks = state.mask(pattern.shape[0], pattern.shape[-1], pattern.device)
-    if first:
-        state.record.sinks.append(sinks.cpu())
-    queries = (~sinks).to(torch.float32)
-    n = float(queries.sum()) * pattern.shape[1]
-    total = torch.einsum("bhqk,bk,bq->", pattern.detach().float(), sinks.to(torch.float32), queries)
-    state.record.add_mass(state.record.mass, layer, float(total), n)
-    slot = state.stash.get("slot")
-    if slot is not None and slot.shape[-1] == pattern.shape[-2]:
-        state.record.add_mass(state.record.slot, layer, float(torch.einsum("bhq,bq->", slot.detach().float(), queries)),
-                              n)
-
-
-def measure_columns(att: LayerAttention, *, state: HookState) -> None:
-    """:func:`measure_pattern` from one layer of the LSE path (a view that serves no pattern,
-    nnsight): the attention on the sink columns from q, k and the kernel's log-sum-exp, for the
-    layers of ``state.lse_layers``, in the passes its hooks run in (not a pass before them, such
-    as the perplexity's check of its output head, run with no hooks)."""
-    first = state.lse_layers.get(att.layer)
-    if first is None or not state.passes:
+def record_sink_attention(at: PassLayer, *, state: HookState, first: int) -> None:
+    """Record the attention non-sink queries still pay to the sinks (and to a bias slot) at one
+    layer of the attention pass, whichever path read it: ``at.cols`` are the columns of
+    :meth:`~massive_lens.interventions.state.HookState.sink_columns` (the sinks of this forward), read
+    after the intervention's own edits; the sinks themselves are recorded at layer ``first``. Only in
+    the passes its hooks run in (the fused kernel also reads a pass run without them, such as the
+    perplexity's check of its output head)."""
+    if not state.passes:
         return
-    batch, heads, pos = att.q.shape[:3]
-    sinks = state.mask(batch, pos, att.q.device)
-    if first:
+    batch, heads, queries_n, pos = at.shape
+    sinks = state.mask(batch, pos, at.cols.device)
+    if at.layer == first:
         state.record.sinks.append(sinks.cpu())
     cols = sinks.any(0).nonzero().flatten()
     queries = (~sinks).to(torch.float32)
     n = float(queries.sum()) * heads
-    total = torch.einsum("bhqc,bc,bq->", att.columns(cols).float(), sinks[:, cols].to(torch.float32), queries)
-    state.record.add_mass(state.record.mass, att.layer, float(total), n)
+    total = torch.einsum("bhqc,bc,bq->", at.cols.detach().float(), sinks[:, cols].to(torch.float32), queries)
+    state.record.add_mass(state.record.mass, at.layer, float(total), n)
+    slot = state.stash.get("slot")
+    if slot is not None and slot.shape[-1] == queries_n:
+        state.record.add_mass(state.record.slot, at.layer,
+                              float(torch.einsum("bhq,bq->", slot.detach().float(), queries)), n)
 
 
 def drop_sinks(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, *, state: HookState,

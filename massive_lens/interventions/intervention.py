@@ -9,6 +9,7 @@ and the check of what its targets hold downstream.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -27,7 +28,8 @@ class Intervention:
 
     ``record``: what its hooks measured so far (see :meth:`check`); ``acts_on``: where it
     edits the forward pass, relative to the model's norms; ``where``: ``first`` or
-    ``every`` for massive-activation edits.
+    ``every`` for massive-activation edits. Its record of the attention on the sinks needs
+    :meth:`reading` around each forward on a view that serves no pattern (nnsight).
     """
 
     descriptions: ClassVar[dict[str, str]] = {}  # name -> what it does: filled from the registry's rows
@@ -52,6 +54,22 @@ class Intervention:
     def record(self) -> Record:
         """What this intervention's hooks measured over every forward pass so far."""
         return self._state.record
+
+    def reading(self) -> contextlib.AbstractContextManager:
+        """What a forward run with its hooks needs around it for the record of the attention on
+        the sinks: on a view that serves no pattern (nnsight) the fused kernel, whose log-sum-exp
+        gives that attention; elsewhere nothing (its hooks read the pattern).
+
+        >>> from massive_lens import tiny_model
+        >>> from massive_lens.interventions import observe
+        >>> from massive_lens.metrics import perplexity
+        >>> iv = observe(tiny_model("llama"), calibration="Calibrate on this. " * 10)
+        >>> with iv.reading():
+        ...     _ = perplexity(iv.model, "Some text to read. " * 10, seq_len=16, hooks=iv, progress=False)
+        >>> len(iv.record.mass) > 0
+        True
+        """
+        return self._state.reading_context()
 
     @property
     def label(self) -> str:
@@ -81,10 +99,12 @@ class Intervention:
         view = ModelView(self.model)
         batch = view.tokenize(text)
         base = self._observer()
-        view.forward(batch, base.fwd_hooks)
+        with base.reading():
+            view.forward(batch, base.fwd_hooks)
         kept, self._state.record = self._state.record, Record()
         try:
-            view.forward(batch, self.fwd_hooks)
+            with self.reading():
+                view.forward(batch, self.fwd_hooks)
         finally:
             mine, self._state.record = self._state.record, kept
         frame = downstream(base.record, mine)

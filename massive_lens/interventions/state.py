@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, SinkSet
+from massive_lens.core.pass_reader import PassReader
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.calibration_result import Calibration
 from massive_lens.interventions.checks import Record
@@ -22,7 +24,8 @@ from massive_lens.interventions.checks import Record
 class HookState:
     """Per-forward scratch shared by the hooks of one intervention: the sinks (given, or found
     online), the positions each massive dim targets, the current layer's pattern, values and
-    queries, and the :class:`~massive_lens.interventions.checks.Record` of what it measured."""
+    queries, the :class:`~massive_lens.interventions.checks.Record` of what it measured, and the
+    attention pass's ``reading`` that records the attention on the sinks (None: not recorded)."""
 
     def __init__(self, calib: Calibration | None = None, sinks: Sinks = None):
         self.calib = calib
@@ -31,13 +34,26 @@ class HookState:
         self.targets: Tensor | None = None  # [batch pos n_dims] where each dim was massive at its first layer
         self.stash: dict[str, Tensor] = {}
         self.record = Record()
-        self.lse_layers: dict[int, bool] = {}  # layer -> first: the sink attention measured on the LSE path
+        self.reading: PassReader | None = None
         self.passes = 0  # forward passes with its hooks so far (reset() starts one)
 
     def reset(self) -> None:
         self.sinks, self.targets = None, None
         self.passes += 1
         self.stash.clear()
+
+    def reading_context(self) -> contextlib.AbstractContextManager:
+        """What a forward run with these hooks needs around it for the attention record: the
+        reading (on the LSE path the fused kernel runs there), else nothing."""
+        return self.reading if self.reading is not None else contextlib.nullcontext()
+
+    def sink_columns(self, layer: int, batch: int, pos: int) -> Tensor:
+        """The key columns of the current forward's sinks (any sequence's): what the attention pass
+        reads at ``layer`` for the record (none in a pass its hooks do not run in, such as the
+        perplexity's check of its output head, which the fused kernel reads too)."""
+        if not self.passes:
+            return torch.zeros(0, dtype=torch.long)
+        return self.mask(batch, pos, torch.device("cpu")).any(0).nonzero().flatten()
 
     def mask(self, batch: int, pos: int, device: torch.device) -> Bool[Tensor, "batch pos"]:
         """The sinks of the current forward pass (a sequence with none: its first token)."""

@@ -18,11 +18,9 @@ which removes the value at every layer where it is massive, is added to the tabl
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -35,7 +33,6 @@ from massive_lens.core.budget import logit_batches
 from massive_lens.core.charts import intervention_bars
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.fmt import ratio as _num
-from massive_lens.core.lse import lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
 from massive_lens.core.stats import bootstrap_mean
@@ -44,7 +41,6 @@ from massive_lens.interventions.arm_stats import arm_lines
 from massive_lens.interventions.calibration import calibrate, describe_source
 from massive_lens.interventions.calibration_result import Calibration
 from massive_lens.interventions.checks import Record, downstream, reading
-from massive_lens.interventions.edits import measure_columns
 from massive_lens.interventions.registry import ATTN, EVERY, REGISTRY, SETTINGS
 from massive_lens.metrics import perplexity
 
@@ -155,11 +151,7 @@ def _evaluate(model: Any, setting: str, calib: Calibration, batches: list[tuple[
     for chunk, sinks in batches:
         iv = REGISTRY[setting].build(model, calib, sinks=sinks)
         first = first or iv
-        state = iv._state
-        # on a view that serves no pattern (nnsight) the attention on the sinks is measured on the LSE path
-        measure = lse_run(ModelView(model), partial(measure_columns, state=state)) if state.lse_layers \
-            else contextlib.nullcontext()
-        with measure:
+        with iv.reading():  # the record of the attention on the sinks: the kernel's, where no pattern is served
             res = perplexity(model, chunk, batch_size=len(chunk), hooks=iv, progress=False)
         losses.append(res.per_seq)
         accs.append(res.accuracy_per_seq)
