@@ -13,7 +13,9 @@ kernel would skip; the LSE path above) and reduces what it is handed: no analysi
 the path. With a
 :class:`~massive_lens.core.criterion.SinkEvidence` the pass also feeds the sink rule (every
 layer's residual stream and key attention) in the same forward. Hooks and the kernel are put
-back on exit, exceptions included.
+back on exit, exceptions included. :func:`attention_reading` is the same reading of forwards that
+someone else runs (an intervention's record, on the user's forward): its hooks go on each of them,
+run inside ``with reader:``.
 
 >>> from massive_lens import tiny_model
 >>> from massive_lens.core.model_view import ModelView
