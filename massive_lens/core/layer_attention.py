@@ -90,10 +90,16 @@ class LayerAttention:
         ki = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk, device=dev))[:, None, :]
         real = torch.nn.functional.pad(valid.to(dev, torch.float32), (0, nb * blk + w - n))
         band = ((qi > ki) & (qi <= ki + w) & (qi < n)).float()[None] * real[:, qi[..., 0]][..., None]  # [b nb s k]
-        scores = scores + self._bias(qi.clamp(max=n - 1), ki.clamp(max=n - 1))
-        p = _softmax_entries(scores, lse.unfold(2, blk + w, blk)[..., None]) * band[:, None]
-        mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
         count = band.sum(2).reshape(b, nb * blk)[:, :n]
+        lse = lse.unfold(2, blk + w, blk)[..., None]
+        if self.mask is None and self.causal:  # every key of the band is before its query: no bias, one select
+            p = torch.where(band[:, None] != 0, torch.exp(scores - lse), torch.zeros((), device=dev))
+            mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
+            if bool(torch.isfinite(mass).all()):  # else a NaN or inf reached the band: the entries' own rule
+                return mass / count.clamp(min=1)[:, None], count
+        scores = scores + self._bias(qi.clamp(max=n - 1), ki.clamp(max=n - 1))
+        p = _softmax_entries(scores, lse) * band[:, None]
+        mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
         return mass / count.clamp(min=1)[:, None], count
 
     def _bias(self, qi: Tensor, ki: Tensor) -> Tensor:
