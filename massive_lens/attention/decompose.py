@@ -73,7 +73,7 @@ class AttentionDecomposition(Result):
         """Largest relative error ||sink + content + b_O - attn_out|| / ||attn_out|| over the layers, the
         content term taken through W_O (the heads' outputs from the non-sink keys), measured on up to
         ``CHECK_ROWS`` (32) evenly spaced query positions; elsewhere the content term is the output less
-        the sink term and b_O."""
+        the sink term and b_O (finding the sinks on a long text: the heads' outputs through W_O)."""
         return float(self.errors["rel_error"].max())
 
     def to_frame(self) -> pd.DataFrame:
