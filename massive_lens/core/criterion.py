@@ -37,6 +37,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from massive_lens.core.few_massive import few_massive
 from massive_lens.core.outliers import (  # noqa: F401  (the rule's names, importable from the criterion too)
     OUTLIER_DIM_MIN_TOKENS,
     OUTLIER_DIM_SHARE,
@@ -189,46 +190,12 @@ def massive_mask(
     """
     mag = resid.abs().float()
     every = valid is None or bool(valid.all())
-    massive = _few_massive(mag, criterion) if every else None
+    massive = few_massive(mag, criterion) if every else None
     if massive is None:
-        scale, _ = median_scale(mag, criterion, valid)
-        massive = criterion.passes(mag, scale)
+        massive = criterion.passes(mag, median_scale(mag, criterion, valid)[0])
     if not every:
         massive &= valid.to(massive.device)[..., None]
     return token_specific(massive, valid) if criterion.outliers == "exclude" else massive
-
-
-FEW_MASSIVE = 4  # values above abs_threshold tested by _few_massive before it takes the median
-
-
-def _few_massive(mag: Float[Tensor, "batch pos d_model"], criterion: Criterion) -> Tensor | None:
-    """``criterion.passes(mag, median)`` over whole hidden states without pads, without the median
-    where few entries pass (None: take it). ``fl(ratio * m) < c`` for the lower median ``m`` (the
-    ``k``-th smallest of ``n``, ``k = (n - 1) // 2``) exactly when at least ``k + 1`` entries ``x``
-    have ``fl(ratio * x) < c`` (rounding is monotone), so the values above ``abs_threshold`` are
-    tested from the largest down: the first that fails bounds the mask (``mag > it``)."""
-    if criterion.median_over != "hidden_state" or mag.device.type != "cpu" or not mag.numel():
-        return None
-    flat = mag.flatten(1)
-    k = (flat.shape[1] - 1) // 2
-    bounds = []
-    for row in flat:  # per sequence (its own median)
-        scaled, left, bound = criterion.ratio_threshold * row, row, None
-        for _ in range(FEW_MASSIVE + 1):  # the values, largest first
-            c = float(left.max())
-            if c != c:  # NaN (ranked above every number): the slow path
-                return None
-            if not c > criterion.abs_threshold:  # every value above abs_threshold passed
-                bound = criterion.abs_threshold
-                break
-            if int((scaled < c).sum()) < k + 1:  # fails, and so does every smaller value
-                bound = c
-                break
-            left = torch.where(left < c, left, -1.0)  # the values below c
-        if bound is None:
-            return None  # more pass than were tested: take the median
-        bounds.append(bound)
-    return mag > torch.tensor(bounds, dtype=mag.dtype)[:, None, None]
 
 
 def first_token_mass(
@@ -258,7 +225,6 @@ def sink_metric(mass: Float[Tensor, " head"], threshold: float = SINK_THRESHOLD)
     if not 0 < threshold < 1:
         raise MassiveLensError(f"threshold is an attention share in (0, 1), got {threshold}")
     return float((mass > threshold).float().mean()) if mass.numel() else float("nan")
-
 
 
 def first_norm_ratio(norms: Float[Tensor, "*batch pos"]) -> Float[Tensor, "*batch"]:
@@ -374,9 +340,8 @@ class SinkEvidence:
         decided over the run by :attr:`outliers` when the sinks are asked for."""
         massive = massive.cpu() if self.all_valid else massive.cpu() & self.valid[..., None]
         flags = self.outliers.add(layer, massive, self.valid)
-        if bool(flags.any()):  # this layer's outlier dims never count
-            massive = massive & ~flags[:, None, :]
-        self._entries.append((layer, massive.nonzero()))
+        kept = massive & ~flags[:, None, :] if bool(flags.any()) else massive  # this layer's outlier dims never count
+        self._entries.append((layer, kept.nonzero()))
 
     def _massive(self) -> tuple[Tensor, Tensor]:
         layers = torch.zeros(self.valid.shape, dtype=torch.long)
