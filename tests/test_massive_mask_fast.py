@@ -1,4 +1,4 @@
-"""massive_mask skips the median where few entries pass (criterion._few_massive): the mask must be
+"""massive_mask skips the median where few entries pass (core.few_massive): the mask must be
 exactly the one the median gives, for any thresholds, ties, NaN and several sequences."""
 
 from __future__ import annotations
