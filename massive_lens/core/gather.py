@@ -14,6 +14,10 @@ whose hooks reduce what they see (``reduce``) and hand it over (``ready``) or ke
 >>> gather.hook("pattern", 3)(torch.tensor(2.0), None)
 >>> seen, gather.done, gather.pending
 ([(3, tensor(3.))], [3], [])
+>>> for key in ("v", "pattern"):  # the next forward: handed over again, listed once
+...     gather.hook(key, 3)(torch.tensor(1.0), None)
+>>> len(seen), gather.done
+(2, [3])
 >>> norms = LayerGather(("resid",), reduce=lambda x: x.norm(dim=-1))  # no ready: kept by layer and key
 >>> norms.hook("resid", 0)(torch.tensor([[3.0, 4.0]]), None)
 >>> norms.kept[0]["resid"]
@@ -34,8 +38,9 @@ class LayerGather:
     ``ready`` the layer's activations stay in ``kept[layer]`` (a dict by key, replaced by the
     next pass). ``reduce`` (default: none) is applied to each activation as it arrives.
 
-    ``done`` lists the layers handed over; ``pending`` the layers with some but not all of
-    their activations (a hook that never fired), for the caller's error."""
+    ``done`` lists the layers handed over (each once, however many forwards: an intervention's
+    reading is reused); ``pending`` the layers with some but not all of their activations (a
+    hook that never fired), for the caller's error."""
 
     def __init__(self, keys: Sequence[str], ready: Callable[..., None] | None = None,
                  reduce: Callable[[Tensor], Any] | None = None):
@@ -56,7 +61,8 @@ class LayerGather:
                     self.kept[layer] = dict(zip(self.keys, acts, strict=True))
                 else:
                     self.ready(layer, *acts)
-                self.done.append(layer)
+                if layer not in self.done:  # a gather reused over many forwards stays bounded
+                    self.done.append(layer)
 
         return keep
 

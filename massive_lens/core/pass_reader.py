@@ -40,8 +40,9 @@ def attention_layers(view: ModelView) -> list[int]:
 
 class PassReader:
     """The pass's reading (:func:`~massive_lens.core.attention_pass.attention_reading`): ``hooks``
-    to attach to each forward, run inside ``with reader:``; its per-layer state: the eager path's gathered hooks, the LSE path's
-    layers waiting for their ``attn.hook_z`` (``z_read``), and the layers handed over (``done``)."""
+    to attach to each forward, run inside ``with reader:``; its per-layer state: the eager path's
+    gathered hooks, the LSE path's layers waiting for their ``attn.hook_z`` (``z_read``), and the
+    layers handed over (``done``)."""
 
     def __init__(self, view: ModelView, batch: Batch | None, on_layer: Callable[[Any], None] | None,
                  layers: set[int], cols: Tensor | Callable[[int, int, int], Tensor] | None, band: bool,
