@@ -11,6 +11,7 @@ from massive_lens import MassiveLensError, tiny_model
 from massive_lens.attention.census import sink_census
 from massive_lens.attention.mass import sink_attention
 from massive_lens.attention.null_mass import SINK_LOGIT, null_mass, off_switch_layers
+from massive_lens.core.attention_pass import attention_pass
 from massive_lens.core.model_view import ModelView
 from massive_lens.models import byte_tokenizer, wrap_hf_model
 from massive_lens.models.tiny import tiny_config
@@ -206,3 +207,50 @@ def test_null_columns_round_trip(gpt_oss, tmp_path):
     for name, result in (("mass", sink_attention(model, TEXTS)), ("census", sink_census(model, TEXTS))):
         back = massive_lens.load(result.save(tmp_path / name))
         assert back.null_kind == result.null_kind and back.summary() == result.summary()
+
+
+@pytest.mark.parametrize("texts", [TEXTS[0], TEXTS], ids=["one", "padded"])
+def test_pass_hands_the_null_on_both_paths(gpt_oss, texts):
+    """The attention pass hands each layer's null weight (want="null") whichever path ran: the kernel's
+    exp(s - LSE) and one minus the eager pattern's keys' weights agree on every real query; without
+    want="null" it hands none."""
+    view = ModelView(gpt_oss[0])
+    batch = view.tokenize(texts)
+    null_from = dict.fromkeys(off_switch_layers(view)[1], "pattern")
+    seen: dict = {}
+    for path in ("eager", "lse"):
+        got = seen.setdefault(path, {})
+        attention_pass(view, batch, lambda at, got=got: got.__setitem__(at.layer, at.null), path=path,
+                       want=("null",), null_from=null_from)
+        plain: dict = {}
+        attention_pass(view, batch, lambda at, plain=plain: plain.__setitem__(at.layer, at.null), path=path,
+                       null_from=null_from)
+        assert set(plain) == set(got) and all(null is None for null in plain.values())
+    assert set(seen["eager"]) == set(seen["lse"]) >= set(null_from) != set()
+    real = batch.mask[:, None, :]
+    for layer in null_from:
+        eager, lse = seen["eager"][layer], seen["lse"][layer]
+        assert eager.shape == lse.shape and lse.shape[::2] == batch.mask.shape
+        assert ((eager - lse).abs() * real).max() < TOL
+        assert bool((lse.masked_select(real) > 0).all())
+
+
+def test_pass_hands_the_slots_null():
+    """A model trained with sink slots: the eager pass's null weight is the slots' weights summed
+    (attn.hook_slot_pattern, read by the caller's own hook in the same forward); a null_from naming
+    no source is refused."""
+    model = _trained("kv_bias")
+    view = ModelView(model)
+    batch = view.tokenize(TEXTS)
+    layers = off_switch_layers(view)[1]
+    got: dict = {}
+    slots: dict = {}
+    hooks = [(view.hook_name(layer, "attn.hook_slot_pattern"),
+              lambda act, hook, layer=layer: slots.__setitem__(layer, act.detach().sum(-1))) for layer in layers]
+    attention_pass(view, batch, lambda at: got.__setitem__(at.layer, at.null), path="eager", want=("null",),
+                   null_from=dict.fromkeys(layers, "slot_pattern"), hooks=hooks)
+    assert set(slots) == set(layers) != set()
+    for layer in layers:
+        assert (got[layer] - slots[layer]).abs().max() < TOL and bool((got[layer] > 0).all())
+    with pytest.raises(MassiveLensError, match="null_from"):
+        attention_pass(view, batch, None, path="eager", want=("null",), null_from={0: "keys"})

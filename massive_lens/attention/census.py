@@ -332,11 +332,11 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     seq0, null_sums, n_null = 0, {}, 0.0
     for batch in whole.split(batch_size):
         evidence = SinkEvidence(batch.mask, view.n_layers, rule, criterion)
-        tally, nulls = _Tally(view, batch, rule, evidence), NullReader(view, path)
-        hooks = tally.hooks() + nulls.hooks()
+        tally, nulls = _Tally(view, batch, rule, evidence), NullReader(view)
+        hooks = tally.hooks()
         # the tally's residual norms at every layer are the overflow check (NaN or inf reach them)
         attention_pass(view, batch, partial(_take, tally=tally, nulls=nulls), path=path, band=True,
-                       evidence=evidence, hooks=hooks,
+                       evidence=evidence, hooks=hooks, **nulls.reads,
                        stop_after=view.hook_name(view.n_layers - 1, "resid_post"), check_finite=False)
         sums, n = nulls.head_sums(batch.mask)  # the null slot's mass, pooled over the batches
         null_sums, n_null = {lay: null_sums.get(lay, 0) + s for lay, s in sums.items()}, n_null + float(n)

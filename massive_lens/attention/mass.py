@@ -117,10 +117,10 @@ def sink_attention(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sin
     # this same pass, every position that could turn out to be one (a sink elsewhere costs a second pass)
     at = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
     columns = torch.tensor(sorted({0, *at.tolist()}), dtype=torch.long)  # column 0: the first token
-    tally, nulls = _ColumnMass(batch.mask, columns), NullReader(view, path)
+    tally, nulls = _ColumnMass(batch.mask, columns), NullReader(view)
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None
     attention_pass(view, batch, partial(_take, tally=tally, nulls=nulls), path=path, columns=columns,
-                   evidence=evidence, hooks=nulls.hooks())
+                   evidence=evidence, **nulls.reads)
     found = given if evidence is None else sinks_from(evidence, view.token_kinds(batch), path)
     if given is None and not bool(found.mask[:, columns].sum() == found.mask.sum()):
         return sink_attention(model, text, sinks=found, threshold=threshold, attention=path)  # a sink elsewhere

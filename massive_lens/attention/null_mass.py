@@ -11,17 +11,17 @@ denominator *with* the sink logit in it; the keys' weights then sum to one minus
 weight, the first token: ``null_mass`` and ``first_mass`` (the mean attention of the real queries
 after the first token to the sink slot and to the first token, the same queries for both),
 Gu et al.'s ``first_token_mass`` (the first 64 queries' attention to the first token) and, from
-it, the sink metric. Two paths, as everywhere in the package (:mod:`massive_lens.core.lse`): on
-a Hugging Face model the LSE path folds the sink logit into the kernel's log-sum-exp; the eager
-path reads the pattern, whose keys' weights miss exactly the null mass (``1 - sum``). A model
-trained here exposes its slots' weights at ``attn.hook_slot_pattern``.
+it, the sink metric. The attention pass (:mod:`massive_lens.core.attention_pass`) hands each layer's
+null weight over whichever path ran: on a Hugging Face model the LSE path folds the sink logit into
+the kernel's log-sum-exp; the eager path reads the pattern, whose keys' weights miss exactly the
+null mass (``1 - sum``), or, on a model trained here, its slots' weights at ``attn.hook_slot_pattern``
+(where: :class:`NullReader`'s ``reads``, from the slot's kind).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -31,7 +31,7 @@ from torch import Tensor
 from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.checks import as_number
 from massive_lens.core.criterion import SINK_THRESHOLD, first_token_mass, sink_metric
-from massive_lens.core.lse import EAGER, LSE, path_text
+from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -168,14 +168,14 @@ def null_mass(model: Any, text: str | Sequence[str] | Tensor, *, threshold: floa
     kind, logits = off_switch_layers(view, required=True)
     batch = view.tokenize(text)
     path = choose_path(view, attention, batch)  # a model trained here (slots) has no kernel: 'auto' reads its pattern
-    reader, first = NullReader(view, path), {}
+    reader, first = NullReader(view), {}
 
     def on_layer(at: PassLayer) -> None:
         first[at.layer] = at.cols[..., 0].detach().float().cpu()
         reader.take(at)
 
     last = max(logits)
-    attention_pass(view, batch, on_layer, path=path, columns=[0], layers=logits, hooks=reader.hooks(),
+    attention_pass(view, batch, on_layer, path=path, columns=[0], layers=logits, **reader.reads,
                    stop_after=view.hook_name(last, "resid_post") if view.has_hook(last, "resid_post") else None)
     frame = _frame(first, reader, batch.mask)
     return NullMass(frame=frame, kind=kind, threshold=threshold, model_name=view.name,
@@ -184,35 +184,31 @@ def null_mass(model: Any, text: str | Sequence[str] | Tensor, *, threshold: floa
 
 class NullReader:
     """Each null-slot layer's null weight ``null[layer] [batch head query]`` (the attention each
-    query gives to the slot), read in an attention pass (:func:`~massive_lens.core.attention_pass.attention_pass`:
-    pass it ``hooks=reader.hooks()`` and hand it every layer, ``reader.take(at)``): on the LSE path
-    the kernel's ``exp(s - LSE')`` (``PassLayer.null``); on the eager path one minus the pattern's
-    keys' weights (a sink logit: transformers' eager attention drops the sink's column after the
-    softmax) or the slots' weights (``attn.hook_slot_pattern``). ``kind`` and ``logits``: as
-    :func:`off_switch_layers` (``""``: no null slot, and the reader reads nothing).
+    query gives to the slot), reduced from an attention pass's ``PassLayer.null``
+    (:func:`~massive_lens.core.attention_pass.attention_pass`: pass it ``**reader.reads`` and hand it
+    every layer, ``reader.take(at)``), whichever path ran. ``kind`` and ``logits``: as
+    :func:`off_switch_layers` (``""``: no null slot, and the reader asks for nothing).
 
     >>> from massive_lens import tiny_model
-    >>> NullReader(ModelView(tiny_model("llama")), "eager").kind
-    ''
+    >>> NullReader(ModelView(tiny_model("gpt_oss"))).reads["want"]
+    ('null',)
     """
 
-    def __init__(self, view: ModelView, path: str):
-        self.view, self.path = view, path
+    def __init__(self, view: ModelView):
         self.kind, self.logits = off_switch_layers(view)
         self.null: dict[int, Tensor] = {}
 
-    def hooks(self) -> list[tuple[str, Any]]:
-        """The eager path's hooks (none on the LSE path, or without a null slot)."""
-        if not self.kind or self.path == LSE:
-            return []
-        slots = self.kind != SINK_LOGIT
-        point = "attn.hook_slot_pattern" if slots else "attn.hook_pattern"
-        return [(self.view.hook_name(layer, point), partial(_read, reader=self, layer=layer, slots=slots))
-                for layer in self.logits]
+    @property
+    def reads(self) -> dict[str, Any]:
+        """The pass's arguments that read the null weight: ``want`` and, per layer, where the eager
+        path finds it (``null_from``: the pattern for a sink logit, which transformers' eager attention
+        drops after the softmax; ``attn.hook_slot_pattern`` for a trained slot variant)."""
+        source = "pattern" if self.kind == SINK_LOGIT else "slot_pattern"
+        return {"want": ("null",) if self.kind else (), "null_from": dict.fromkeys(self.logits, source)}
 
     def take(self, at: PassLayer) -> None:
-        """One layer of the pass: on the LSE path its null weight (zero where no sink logit reached the kernel)."""
-        if self.path == LSE and at.layer in self.logits:
+        """One layer of the pass: its null weight (zero where no sink logit reached the kernel)."""
+        if at.layer in self.logits:
             null = at.null if at.null is not None else torch.zeros(at.shape[:3])
             self.null[at.layer] = null.detach().float().cpu()
 
@@ -222,11 +218,6 @@ class NullReader:
         after = valid.clone().float()
         after[:, 0] = 0.0  # the queries after the first token
         return {layer: torch.einsum("bhq,bq->h", null, after) for layer, null in sorted(self.null.items())}, after.sum()
-
-
-def _read(act: Tensor, hook: Any, *, reader: NullReader, layer: int, slots: bool) -> None:
-    weights = act.detach().float().sum(-1)
-    reader.null[layer] = (weights if slots else 1.0 - weights).cpu()
 
 
 def _frame(first: dict[int, Tensor], reader: NullReader, valid: Tensor) -> pd.DataFrame:

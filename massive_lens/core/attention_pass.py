@@ -3,10 +3,11 @@
 :func:`attention_pass` runs one forward and hands each attention layer one :class:`PassLayer`:
 the attention on a few key ``columns``, the sink rule's ``band`` (each key's mean attention from
 the queries after it), the heads' outputs ``z`` (the attention applied to the values), what the
-output projection reads (``z_read``, ``attn.hook_z`` where it fires), the keys ``k`` and values ``v``
-and the attention output ``out``: only what the caller asks for in ``want``. On the eager path they come
-from the pattern, ``z``/``v`` and output hooks; on the LSE path (:mod:`massive_lens.core.lse`)
-from the fused kernel's ``q``, ``k`` and log-sum-exp; an nnsight view takes the LSE path. The
+output projection reads (``z_read``, ``attn.hook_z`` where it fires), the keys ``k`` and values ``v``,
+the attention output ``out`` and the attention to a null slot ``null``: only what the caller asks
+for in ``want``. On the eager path they come from the pattern, ``z``/``v``, output and slot hooks;
+on the LSE path (:mod:`massive_lens.core.lse`) from the fused kernel's ``q``, ``k`` and log-sum-exp;
+an nnsight view takes the LSE path. The
 caller picks the path with :func:`choose_path` (``"auto"``: the eager pattern below
 :data:`LSE_FROM` tokens, where it is the faster, and whenever an edit is attached, which the
 kernel would skip; the LSE path above) and reduces what it is handed: no analysis branches on
@@ -49,7 +50,8 @@ __all__ = ["LSE_FROM", "PassLayer", "attention_output_hook", "attention_pass", "
 
 log = logging.getLogger(__name__)
 
-WANTS = ("z", "z_read", "k", "v", "out")
+WANTS = ("z", "z_read", "k", "v", "out", "null")
+NULL_FROM = ("pattern", "slot_pattern")  # where the eager path reads a layer's null mass
 # "auto" reads the eager pattern below this many positions, the LSE path from it: the measured
 # crossover (CPU time, one thread, SmolLM2-135M: every attention analysis is faster on the eager
 # path at 128 tokens, even at 512, and 2.1-2.5x faster on the LSE path at 2,048; docs/benchmarks.md,
@@ -70,9 +72,9 @@ class PassLayer:
     scores use them (after any rotary embedding) and the values (None on the eager path where the
     caller's ``eager_reads`` leaves the layer out); ``out``: the
     output hook's activation; ``shape``: the pattern's ``(batch, head, query, key)``; ``null
-    [batch head query]``: on the LSE path, the attention to a learned sink logit
-    (:attr:`~massive_lens.core.layer_attention.LayerAttention.null_mass`; None without one, and on the eager
-    path, whose null mass :class:`~massive_lens.attention.null_mass.NullReader` reads)."""
+    [batch head query]`` (float32): the attention each query gives to a null slot; on the LSE path to a learned
+    sink logit (:attr:`~massive_lens.core.layer_attention.LayerAttention.null_mass`; None without one), on the
+    eager path from where ``null_from`` says (None at a layer it leaves out)."""
 
     layer: int
     shape: tuple[int, ...]
@@ -89,7 +91,7 @@ class PassLayer:
 def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None, *, path: str,
                    columns: Sequence[int] | Tensor | None = None, band: bool = False, want: Iterable[str] = (),
                    layers: Iterable[int] | None = None, out_hooks: dict[int, str] | None = None,
-                   eager_reads: dict[str, Iterable[int]] | None = None,
+                   eager_reads: dict[str, Iterable[int]] | None = None, null_from: dict[int, str] | None = None,
                    evidence: SinkEvidence | None = None, evidence_resid: bool = True,
                    hooks: Sequence[tuple[str, Any]] = (),
                    stop_after: str | None = None, check_finite: bool = True) -> None:
@@ -99,18 +101,21 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
     :func:`choose_path`).
 
     ``columns``: key positions whose attention every query gives (``cols``); ``band``: the sink
-    rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"k"``, ``"v"``, ``"out"`` (``out_hooks``
+    rule's key attention; ``want``: any of ``"z"``, ``"z_read"``, ``"k"``, ``"v"``, ``"out"``, ``"null"`` (``out_hooks``
     names each layer's output hook, e.g. :func:`attention_output_hook`'s); ``eager_reads``: for ``"k"`` and ``"v"``,
     the layers whose eager hooks give them per head (``attn.hook_rot_k`` where the model names it, else
     ``attn.hook_k``; ``attn.hook_v``), a capability the caller knows (e.g. from a probe): elsewhere the
     eager path hands None (and no ``z``) and reads no such hook; the LSE path reads them from the kernel at
-    every layer (default: every layer, both); ``evidence``: fed every layer's
+    every layer (default: every layer, both); ``null_from``: for ``"null"``, per layer where the eager path reads
+    the null mass, a capability the caller knows (the null slot's kind): ``"pattern"``, one minus the keys'
+    weights (a sink logit the eager attention drops after the softmax), or ``"slot_pattern"``, the sum of
+    ``attn.hook_slot_pattern`` (sink slots); elsewhere the eager path hands None; ``evidence``: fed every layer's
     key attention and (``evidence_resid``) residual stream; ``hooks``: the caller's own, run in the same forward.
     The forward stops after ``stop_after`` (None: the last layer the pass reads). It is
     :func:`attention_reading` and one forward."""
     reading = attention_reading(view, on_layer, path=path, batch=batch, columns=columns, band=band, want=want,
-                                layers=layers, out_hooks=out_hooks, eager_reads=eager_reads, evidence=evidence,
-                                evidence_resid=evidence_resid)
+                                layers=layers, out_hooks=out_hooks, eager_reads=eager_reads, null_from=null_from,
+                                evidence=evidence, evidence_resid=evidence_resid)
     own = reading.hooks
     if path == LSE and not own and evidence is None:  # hooks that read nothing: the forward checks them for NaN, inf
         own = [(view.hook_name(layer, "resid_post"), _watch) for layer in range(view.n_layers)]
@@ -134,7 +139,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
                       batch: Batch | None = None, columns: Sequence[int] | Tensor | Callable[[int, int, int], Tensor]
                       | None = None, band: bool = False, want: Iterable[str] = (), layers: Iterable[int] | None = None,
                       out_hooks: dict[int, str] | None = None, eager_reads: dict[str, Iterable[int]] | None = None,
-                      evidence: SinkEvidence | None = None, evidence_resid: bool = True) -> PassReader:
+                      null_from: dict[int, str] | None = None, evidence: SinkEvidence | None = None,
+                      evidence_resid: bool = True) -> PassReader:
     """The attention pass's reading of forwards that someone else runs (an intervention's hooks on
     the user's forward; :func:`attention_pass` is this and one forward): a :class:`PassReader` whose
     ``hooks`` go on each forward, run inside ``with reader:`` (on the LSE path the model runs on the
@@ -158,6 +164,9 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     if want - set(WANTS) or path not in (EAGER, LSE) or set(eager_reads or {}) - {"k", "v"}:
         raise MassiveLensError(f"want is a subset of {WANTS}, path 'eager' or 'lse' and eager_reads keyed by 'k' or "
                                f"'v', got {sorted(want)}, {path!r}, {sorted(eager_reads or {})}")
+    if set((null_from or {}).values()) - set(NULL_FROM):
+        raise MassiveLensError(f"null_from names each layer's null mass source, one of {NULL_FROM}, got "
+                               f"{sorted(set(null_from.values()))}")
     if "out" in want and not out_hooks:
         raise MassiveLensError("want='out' needs out_hooks: each layer's output hook (attention_output_hook's "
                                "for the attention output)")
@@ -168,7 +177,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     cols = columns if columns is None or callable(columns) else torch.as_tensor(columns, dtype=torch.long).flatten()
     return PassReader(view, batch, on_layer, layers, cols, band, want, evidence,
                       {key: set(at) for key, at in (eager_reads or {}).items()}, path=path, out_hooks=out_hooks,
-                      evidence_resid=evidence_resid, make=PassLayer)
+                      evidence_resid=evidence_resid, make=PassLayer,
+                      null_from=dict(null_from or {}))
 
 
 def choose_path(view: ModelView, attention: str, batch: Batch | None) -> str:

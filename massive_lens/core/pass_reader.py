@@ -1,6 +1,6 @@
 """The attention pass's reader (:func:`~massive_lens.core.attention_pass.attention_reading`): the
 hooks that read each attention layer of a forward on the eager path (the pattern gathered with the
-values, keys, ``attn.hook_z`` and output asked for), or the fused kernel's callback on the LSE path
+values, keys, ``attn.hook_z``, output and null slots' weights asked for), or the fused kernel's callback on the LSE path
 (:func:`~massive_lens.core.lse.lse_run`, run while the reader is entered), handing each layer over as
 one :class:`~massive_lens.core.attention_pass.PassLayer` (built with ``make``) whichever path ran, and
 feeding the sink rule's evidence in the same forward.
@@ -47,10 +47,12 @@ class PassReader:
     def __init__(self, view: ModelView, batch: Batch | None, on_layer: Callable[[Any], None] | None,
                  layers: set[int], cols: Tensor | Callable[[int, int, int], Tensor] | None, band: bool,
                  want: set[str], evidence: SinkEvidence | None, eager_reads: dict[str, set[int]], *, path: str,
-                 out_hooks: dict[int, str] | None, evidence_resid: bool, make: Callable[..., Any]):
+                 out_hooks: dict[int, str] | None, evidence_resid: bool, make: Callable[..., Any],
+                 null_from: dict[int, str] | None = None):
         self.view, self.batch, self.on_layer, self.layers, self.path = view, batch, on_layer, layers, path
         self.cols, self.band, self.want, self.evidence = cols, band, want, evidence
         self.eager_reads, self.make = eager_reads, make
+        self.null_from = (null_from or {}) if "null" in want else {}  # eager: per layer "pattern" or "slot_pattern"
         self.pending: dict[int, Any] = {}  # LSE: layers waiting for their attn.hook_z or output
         self.z_seen: set[int] = set()
         self.done: set[int] = set()
@@ -92,10 +94,12 @@ class PassReader:
             return key not in self.eager_reads or layer in self.eager_reads[key]
         return (*(["v"] if self.want & {"z", "v"} and served("v") else []),
                 *(["k"] if "k" in self.want and served("k") else []),
-                *(["z_read"] if "z_read" in self.want else []), *(["out"] if "out" in self.want else []))
+                *(["z_read"] if "z_read" in self.want else []), *(["out"] if "out" in self.want else []),
+                *(["null"] if self.null_from.get(layer) == "slot_pattern" else []))
 
     def eager_hooks(self, out_hooks: dict[int, str] | None) -> list[tuple[str, Any]]:
-        names = {"pattern": "attn.hook_pattern", "v": "attn.hook_v", "z_read": "attn.hook_z"}
+        names = {"pattern": "attn.hook_pattern", "v": "attn.hook_v", "z_read": "attn.hook_z",
+                 "null": "attn.hook_slot_pattern"}
         names.update({f"out{layer}": name for layer, name in (out_hooks or {}).items()})
         gathers: dict[tuple[str, ...], LayerGather] = {}  # one per set of hooks (layers may give different ones)
         hooks = []
@@ -129,7 +133,17 @@ class PassReader:
         cols = self.columns_at(layer, pattern.shape[0], pattern.shape[-1])
         self._hand(self.make(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
                              cols=None if cols is None else pattern[..., cols.to(pattern.device)],
-                             z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out")))
+                             z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out"),
+                             null=self.null_of(layer, pattern, got.get("null"))))
+
+    def null_of(self, layer: int, pattern: Tensor, slots: Tensor | None) -> Tensor | None:
+        """The eager path's null mass ``[batch head query]`` where ``null_from`` names the layer: one minus
+        the keys' weights (``"pattern"``) or the slots' weights summed (``"slot_pattern"``)."""
+        source = self.null_from.get(layer)
+        if source is None:
+            return None
+        weights = (pattern if source == "pattern" else slots).detach().float().sum(-1)
+        return 1.0 - weights if source == "pattern" else weights
 
     def band_of(self, pattern: Tensor) -> tuple[Tensor, Tensor] | None:
         """The sink rule's key attention from an eager pattern (fed to the evidence), where wanted."""
@@ -165,7 +179,7 @@ class PassReader:
             cols=None if cols is None else att.columns(cols), z=z if "z" in self.want else None,
             z_read=z if "z_read" in self.want else None, k=att.k.transpose(1, 2) if "k" in self.want else None,
             v=att.v.transpose(1, 2) if "v" in self.want else None,
-            null=att.null_mass)
+            null=att.null_mass if "null" in self.want else None)
         self._try(att.layer)
 
     def _read_z(self, z: Tensor, hook: Any, *, layer: int) -> None:
