@@ -44,6 +44,7 @@ from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion, SinkEvidence, SinkRule, as_rule
 from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.pass_reader import attention_layers
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
@@ -324,9 +325,10 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
         raise MassiveLensError(f"min_layers and batch_size must be integers >= 1, got {min_layers!r}, {batch_size!r}")
     view = ModelView(model)
     whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
-    # an nnsight model: the LSE path, or a MassiveLensError saying so; a model with no attention pattern on
-    # either path is refused by the pass, naming the pattern hook it lacks
-    path = choose_path(view, attention, whole)
+    path = choose_path(view, attention, whole)  # an nnsight model: the LSE path, or a MassiveLensError saying so
+    if not attention_layers(view):  # a capability, on either path
+        raise MassiveLensError(f"{view.name} has no attention pattern in any layer (a recurrent or state-space "
+                               "model?): sink_census reads the attention that positions draw")
     rows: list[dict[str, Any]] = []
     kind_seqs = torch.zeros(len(TOKEN_KINDS))
     seq0, null_sums, n_null = 0, {}, 0.0
