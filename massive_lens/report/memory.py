@@ -16,7 +16,9 @@ inside another first folds the mark into the outer one, so nesting them loses no
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import logging
 import re
 import sys
 import threading
@@ -153,10 +155,33 @@ def largest_tensors(exclude: set[int], n: int = 3) -> list[tuple[int, str]]:
     return sorted(found.values(), key=lambda item: -item[0])[:n]
 
 
+_WAITING: set[_Watch] = set()  # watches whose walk of the live tensors is queued for the main thread
+
+
+def _walk_waiting(_: Any) -> int:
+    """The queued walks, run by the main thread between two of its bytecodes (``Py_AddPendingCall``).
+    Never from the watching thread: ``gc.get_objects()`` there holds every object, a tuple being built
+    by the main thread included, while the main thread runs on, and CPython then fails that tuple's
+    resize (``SystemError: bad argument to internal function``, seen in a report's run)."""
+    while _WAITING:
+        watch = _WAITING.pop()
+        try:
+            if not watch.stop.is_set():
+                watch.top = largest_tensors(watch.exclude)
+        except Exception:  # naming tensors is a courtesy: it never raises into the user's code
+            logging.getLogger(__name__).debug("could not list the live tensors", exc_info=True)
+    return 0
+
+
+_PYTHON = getattr(ctypes, "pythonapi", None)  # CPython's own API (absent elsewhere: no tensors named)
+_WALK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(_walk_waiting)  # module-level: outlives any queued call
+
+
 class _Watch(threading.Thread):
     """Polls the resident size every ``interval`` seconds, keeping its largest value; each time it has
-    grown by ``step`` bytes since the last look, notes the largest tensors alive
-    (:func:`largest_tensors`), so the tensors near the peak are named."""
+    grown by ``step`` bytes since the last look, has the main thread note the largest tensors alive
+    (:func:`largest_tensors`, at its next bytecode), so the tensors near the peak are named (when the
+    block runs on the main thread, as in a notebook; elsewhere none are named)."""
 
     def __init__(self, exclude: set[int], step: int, interval: float = 0.02):
         super().__init__(daemon=True, name="massive_lens-memory")
@@ -164,14 +189,17 @@ class _Watch(threading.Thread):
         self.stop = threading.Event()
         self.top: list[tuple[int, str]] = []
         self.at = self.most = (_status_kib("VmRSS") or 0) * 1024  # only growth within the block is looked at
+        self.names = _PYTHON is not None and threading.current_thread() is threading.main_thread()
 
     def run(self) -> None:
         while not self.stop.wait(self.interval):
             rss = (_status_kib("VmRSS") or 0) * 1024
             self.most = max(self.most, rss)
-            if rss > self.at + self.step:
+            if rss > self.at + self.step and self.names and self not in _WAITING:
                 self.at = rss
-                self.top = largest_tensors(self.exclude)
+                _WAITING.add(self)
+                if _PYTHON.Py_AddPendingCall(_WALK, None) != 0:  # the queue is full: look next time
+                    _WAITING.discard(self)
 
 
 class SectionPeaks:
@@ -218,6 +246,7 @@ class SectionPeaks:
         finally:
             watch.stop.set()
             watch.join()
+            _WAITING.discard(watch)
         after = _status_kib("VmHWM")
         exact = mark is not None and after is not None and after > mark
         peak = after * 1024 if exact else max(watch.most, (_status_kib("VmRSS") or 0) * 1024)
