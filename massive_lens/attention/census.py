@@ -326,7 +326,7 @@ def sink_census(model: Any, text: str | Sequence[str] | Tensor, *, seq_len: int 
     view = ModelView(model)
     whole = view.full_batch(sequences(view, text, seq_len, n_seqs)) if seq_len is not None else view.tokenize(text)
     path = choose_path(view, attention, whole)  # an nnsight model: the LSE path, or a MassiveLensError saying so
-    if not attention_layers(view):  # a capability, on either path
+    if view.serves_patterns and not attention_layers(view):  # a capability (nnsight's layers: the pass's)
         raise MassiveLensError(f"{view.name} has no attention pattern in any layer (a recurrent or state-space "
                                "model?): sink_census reads the attention that positions draw")
     rows: list[dict[str, Any]] = []
