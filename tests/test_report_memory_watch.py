@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from massive_lens.report.memory import _Watch
+from massive_lens.report.memory import SectionPeaks, _Watch
 
 
 def _build_tuples(seconds: float) -> int:
@@ -53,3 +53,17 @@ def test_a_watch_started_off_the_main_thread_names_no_tensors():
     worker.start()
     worker.join()
     assert seen == {"names": False, "top": [], "most": seen["most"]} and seen["most"] > 0
+
+
+def test_a_section_tracked_off_the_main_thread_says_its_tensors_were_not_looked_for():
+    """The row says so rather than "none seen"."""
+    peaks = SectionPeaks(base=0)
+
+    def block() -> None:
+        with peaks.track("off"):
+            _ = torch.zeros(50_000)
+
+    worker = threading.Thread(target=block)
+    worker.start()
+    worker.join()
+    assert "not looked for" in peaks.line()

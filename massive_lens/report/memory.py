@@ -254,7 +254,8 @@ class SectionPeaks:
         self.rows.append(dict(
             section=name, seconds=round(time.perf_counter() - start, 1), peak_MiB=round(peak / 2**20),
             added_MiB=round(added / 2**20), added=added, exact=exact,
-            largest_tensors="; ".join(f"{what} {size / 2**20:.0f} MiB" for size, what in watch.top)))
+            largest_tensors="; ".join(f"{what} {size / 2**20:.0f} MiB" for size, what in watch.top) if watch.names
+            else "not looked for (the block ran off the main thread)"))
 
     def line(self) -> str:
         """The last row in words, for the run's log."""
