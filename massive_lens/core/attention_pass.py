@@ -4,7 +4,8 @@
 the attention on a few key ``columns``, the sink rule's ``band`` (each key's mean attention from
 the queries after it), the heads' outputs ``z`` (the attention applied to the values), what the
 output projection reads (``z_read``, ``attn.hook_z`` where it fires), the keys ``k`` and values ``v``,
-the attention output ``out`` and the attention to a null slot ``null``: only what the caller asks
+the attention output ``out``, the attention to a null slot ``null`` and each query's largest attention on
+one key ``max_attention``: only what the caller asks
 for in ``want``. On the eager path they come from the pattern, ``z``/``v``, output and slot hooks;
 on the LSE path (:mod:`massive_lens.core.lse`) from the fused kernel's ``q``, ``k`` and log-sum-exp;
 an nnsight view takes the LSE path. The
@@ -50,7 +51,7 @@ __all__ = ["LSE_FROM", "PassLayer", "attention_output_hook", "attention_pass", "
 
 log = logging.getLogger(__name__)
 
-WANTS = ("z", "z_read", "k", "v", "out", "null")
+WANTS = ("z", "z_read", "k", "v", "out", "null", "max_attention")
 NULL_FROM = ("pattern", "slot_pattern")  # where the eager path reads a layer's null mass
 # "auto" reads the eager pattern below this many positions, the LSE path from it: the measured
 # crossover (CPU time, one thread, SmolLM2-135M: every attention analysis is faster on the eager
@@ -74,7 +75,8 @@ class PassLayer:
     output hook's activation; ``shape``: the pattern's ``(batch, head, query, key)``; ``null
     [batch head query]`` (float32): the attention each query gives to a null slot; on the LSE path to a learned
     sink logit (:attr:`~massive_lens.core.layer_attention.LayerAttention.null_mass`; None without one), on the
-    eager path from where ``null_from`` says (None at a layer it leaves out)."""
+    eager path from where ``null_from`` says (None at a layer it leaves out); ``max_attention [batch head query]``
+    (float32): each query's largest attention on any one key, at the reading's ``max_queries``."""
 
     layer: int
     shape: tuple[int, ...]
@@ -86,6 +88,7 @@ class PassLayer:
     v: Tensor | None = None
     out: Tensor | None = None
     null: Tensor | None = None
+    max_attention: Tensor | None = None
 
 
 def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None, *, path: str,
@@ -140,14 +143,15 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
                       | None = None, band: bool = False, want: Iterable[str] = (), layers: Iterable[int] | None = None,
                       out_hooks: dict[int, str] | None = None, eager_reads: dict[str, Iterable[int]] | None = None,
                       null_from: dict[int, str] | None = None, evidence: SinkEvidence | None = None,
-                      evidence_resid: bool = True) -> PassReader:
+                      evidence_resid: bool = True, max_queries: Sequence[int] | Tensor | None = None) -> PassReader:
     """The attention pass's reading of forwards that someone else runs (an intervention's hooks on
     the user's forward; :func:`attention_pass` is this and one forward): a :class:`PassReader` whose
     ``hooks`` go on each forward, run inside ``with reader:`` (on the LSE path the model runs on the
     fused kernel there; what is pending is handed over on exit). The arguments are
     :func:`attention_pass`'s; ``columns`` may also be a function ``(layer, batch, pos) -> positions``,
     asked as each layer is read (columns found during that forward, such as sinks found online);
-    ``batch`` (its mask) is needed for ``band`` and ``evidence`` only. ``path=choose_path(view, "auto",
+    ``batch`` (its mask) is needed for ``band`` and ``evidence`` only; ``max_queries``: the query positions
+    at which ``want="max_attention"`` is read (None: every query). ``path=choose_path(view, "auto",
     None)`` reads a forward of unknown length.
 
     >>> from massive_lens import tiny_model
@@ -178,7 +182,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     return PassReader(view, batch, on_layer, layers, cols, band, want, evidence,
                       {key: set(at) for key, at in (eager_reads or {}).items()}, path=path, out_hooks=out_hooks,
                       evidence_resid=evidence_resid, make=PassLayer,
-                      null_from=dict(null_from or {}))
+                      null_from=dict(null_from or {}),
+                      max_queries=None if max_queries is None else torch.as_tensor(max_queries, dtype=torch.long))
 
 
 def choose_path(view: ModelView, attention: str, batch: Batch | None) -> str:

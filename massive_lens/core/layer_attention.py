@@ -26,9 +26,10 @@ from torch import Tensor
 
 from massive_lens.core.criterion import SINK_QUERIES
 
-__all__ = ["BAND_BLOCK", "LayerAttention"]
+__all__ = ["BAND_BLOCK", "MAX_BLOCK", "LayerAttention"]
 
 BAND_BLOCK = 64  # keys per block of the band reduction
+MAX_BLOCK = 512  # keys per block of max_attention
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,26 @@ class LayerAttention:
         qi = torch.arange(n, device=scores.device)[:, None]
         scores = scores + self._bias(qi, cols[None, :])
         return _softmax_entries(scores, self.lse)
+
+    def max_attention(self, queries: Sequence[int] | Tensor | None = None) -> Float[Tensor, "batch head query"]:
+        """Each query's largest attention on any one key (float32), ``exp(max_j (s_j + bias_j) - LSE)``
+        taken over blocks of :data:`MAX_BLOCK` keys: the pattern's ``amax(-1)``, at the query
+        positions ``queries`` (None: every query; a causal kernel skips the keys after them)."""
+        b, h, n, d = self.q.shape
+        dev, keys = self.q.device, self.k.shape[2]
+        qi = torch.arange(n, device=dev) if queries is None else \
+            torch.as_tensor(queries, dtype=torch.long, device=dev).flatten()
+        q = self.q[:, :, qi].float().reshape(b, self.k.shape[1], self.group, len(qi), d)
+        best = torch.full((b, h, len(qi)), float("-inf"), device=dev)
+        causal = self.mask is None and self.causal and bool((qi[1:] >= qi[:-1]).all())  # sorted: skip what is masked
+        for start in range(0, min(keys, int(qi.max()) + 1) if causal and len(qi) else keys, MAX_BLOCK):
+            first = int(torch.searchsorted(qi, start)) if causal else 0  # the queries before start see none of it
+            ki = torch.arange(start, min(start + MAX_BLOCK, keys), device=dev)
+            k = self.k[:, :, ki].float()[:, :, None]  # [batch kv_head 1 key d_head]
+            scores = (q[:, :, :, first:] @ k.transpose(-1, -2)).reshape(b, h, len(qi) - first, len(ki)) * self.scale
+            scores = scores + self._bias(qi[first:, None], ki[None, :])
+            best[..., first:] = torch.maximum(best[..., first:], scores.amax(-1))
+        return _softmax_entries(best, self.lse[:, :, qi])
 
     def band(self, valid: Bool[Tensor, "batch pos"]
              ) -> tuple[Float[Tensor, "batch head pos"], Float[Tensor, "batch pos"]]:

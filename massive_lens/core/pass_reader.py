@@ -1,6 +1,7 @@
 """The attention pass's reader (:func:`~massive_lens.core.attention_pass.attention_reading`): the
 hooks that read each attention layer of a forward on the eager path (the pattern gathered with the
-values, keys, ``attn.hook_z``, output and null slots' weights asked for), or the fused kernel's callback on the LSE path
+values, keys, ``attn.hook_z``, output and null slots' weights asked for; each query's largest attention
+is the pattern's row maximum), or the fused kernel's callback on the LSE path
 (:func:`~massive_lens.core.lse.lse_run`, run while the reader is entered), handing each layer over as
 one :class:`~massive_lens.core.attention_pass.PassLayer` (built with ``make``) whichever path ran, and
 feeding the sink rule's evidence in the same forward.
@@ -48,10 +49,10 @@ class PassReader:
                  layers: set[int], cols: Tensor | Callable[[int, int, int], Tensor] | None, band: bool,
                  want: set[str], evidence: SinkEvidence | None, eager_reads: dict[str, set[int]], *, path: str,
                  out_hooks: dict[int, str] | None, evidence_resid: bool, make: Callable[..., Any],
-                 null_from: dict[int, str] | None = None):
+                 null_from: dict[int, str] | None = None, max_queries: Tensor | None = None):
         self.view, self.batch, self.on_layer, self.layers, self.path = view, batch, on_layer, layers, path
         self.cols, self.band, self.want, self.evidence = cols, band, want, evidence
-        self.eager_reads, self.make = eager_reads, make
+        self.eager_reads, self.make, self.max_queries = eager_reads, make, max_queries
         self.null_from = (null_from or {}) if "null" in want else {}  # eager: per layer "pattern" or "slot_pattern"
         self.pending: dict[int, Any] = {}  # LSE: layers waiting for their attn.hook_z or output
         self.z_seen: set[int] = set()
@@ -134,7 +135,15 @@ class PassReader:
         self._hand(self.make(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
                              cols=None if cols is None else pattern[..., cols.to(pattern.device)],
                              z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out"),
-                             null=self.null_of(layer, pattern, got.get("null"))))
+                             null=self.null_of(layer, pattern, got.get("null")),
+                             max_attention=self.max_of(pattern)))
+
+    def max_of(self, pattern: Tensor) -> Tensor | None:
+        """Each query's largest attention on one key, at ``max_queries``, from an eager pattern (where wanted)."""
+        if "max_attention" not in self.want:
+            return None
+        top = pattern.detach().amax(-1).float()
+        return top if self.max_queries is None else top[..., self.max_queries.to(top.device)]
 
     def null_of(self, layer: int, pattern: Tensor, slots: Tensor | None) -> Tensor | None:
         """The eager path's null mass ``[batch head query]`` where ``null_from`` names the layer: one minus
@@ -179,7 +188,8 @@ class PassReader:
             cols=None if cols is None else att.columns(cols), z=z if "z" in self.want else None,
             z_read=z if "z_read" in self.want else None, k=att.k.transpose(1, 2) if "k" in self.want else None,
             v=att.v.transpose(1, 2) if "v" in self.want else None,
-            null=att.null_mass if "null" in self.want else None)
+            null=att.null_mass if "null" in self.want else None,
+            max_attention=att.max_attention(self.max_queries) if "max_attention" in self.want else None)
         self._try(att.layer)
 
     def _read_z(self, z: Tensor, hook: Any, *, layer: int) -> None:
