@@ -12,6 +12,12 @@ applied after the hook), the embedding term is read where the first block reads 
 A hook that fires with the positions flattened (``[batch * pos, ...]``, as in OPT's MLP) is
 reshaped back.
 
+The heads' outputs and where each head looks (its attention on the first token and its largest
+attention on one key, at the traced positions) are read through the attention pass
+(:func:`~massive_lens.core.attention_pass.attention_reading`, ``want={"z_read", "max_attention"}``,
+``columns=[0]``) on the path :func:`~massive_lens.core.attention_pass.choose_path` takes for the text:
+the eager pattern on a short text or with an edit attached, the fused kernel on a long one.
+
 Tracing every massive entry of a text, the pass cannot know which positions it traces until
 the last layer, yet only those need the MLP's neuron-level activations (``d_mlp`` wide, the
 bulk of what a pass would keep). So each layer keeps them only at its *candidates*: positions
@@ -24,6 +30,7 @@ always kept at every position.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -32,9 +39,11 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.outliers import token_specific
+from massive_lens.core.pass_reader import PassReader, attention_layers
 from massive_lens.core.reduce import ResidualReducer
 from massive_lens.core.stats import rel_error
 from massive_lens.core.tokens import Batch
@@ -102,6 +111,7 @@ class Capture:
 
 
 _LAYERED = ("resid_pre", "resid_post", "attn", "mlp", "resid_mid")  # [layer, pos, d_model] in Capture.layers
+_READ = ("z", "pattern")  # plan keys read through the attention pass (where a path runs)
 _NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw", "attn_raw", "z", "pattern")
 
 
@@ -149,6 +159,7 @@ class _Pass:
         self.kept: dict[int, Tensor] = {}  # layer -> the rows its SCOPED keys hold (see Capture.kept)
         self.stale = False  # a kept activation changed in place before its layer was settled
         self.moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in self.plans if p.experts is not None}
+        self.reader = self.attention()
 
     def hooks(self) -> list[tuple[str, Any]]:
         """(hook name, function) for every key of every block, and the embeddings."""
@@ -158,6 +169,8 @@ class _Pass:
             hooks.append(("hook_pos_embed", partial(self.keep, "pos_embed", -1)))
         for plan in self.plans:
             for key, name in plan.hooks.items():
+                if key in _READ and self.reader is not None:  # read through the attention pass
+                    continue
                 fn = partial(self.keep, key, plan.layer)
                 if key == "resid_post" and self.reducer is not None:  # one hook: the copy, then the reduction
                     fn = _then(fn, self.reducer.hook(plan.layer))
@@ -166,14 +179,15 @@ class _Pass:
 
     def run(self) -> None:
         """The forward pass (to the last block's residual), then the overflow check."""
-        hooks = self.hooks()
+        hooks = self.hooks() + (self.reader.hooks if self.reader is not None else [])
         handles = [h for p in self.plans if p.experts is not None
                    for h in record(p.experts, self.positions, self.n_batch, self.seq, self.moe[p.layer])]
         try:
-            # with a reducer the residual's largest |x| per layer is the overflow check (see
-            # below), so the per-hook checks are not needed
-            self.view.forward(self.batch, hooks, stop_after=self.view.hook_name(self.view.n_layers - 1, "resid_post"),
-                              check_finite=self.reducer is None)
+            with self.reader if self.reader is not None else contextlib.nullcontext():
+                # with a reducer the residual's largest |x| per layer is the overflow check (see
+                # below), so the per-hook checks are not needed
+                self.view.forward(self.batch, hooks, check_finite=self.reducer is None,
+                                  stop_after=self.view.hook_name(self.view.n_layers - 1, "resid_post"))
         finally:
             for handle in handles:
                 handle.remove()
@@ -182,6 +196,26 @@ class _Pass:
             first = next((key for key in ("resid_pre", "attn", "resid_mid", "mlp") if (key, bad) in self.filled
                           and not bool(torch.isfinite(self.layered[key][bad]).all())), "resid_post")
             raise self.view.overflow_error(self.plans[bad].hooks.get(first, self.plans[bad].hooks["resid_post"]))
+
+    def attention(self) -> PassReader | None:
+        """The attention pass's reading of the heads' outputs and where they look, on the path
+        :func:`~massive_lens.core.attention_pass.choose_path` takes for this text (None where neither the
+        pattern nor the kernel runs: ``hook_z`` and ``hook_pattern`` are then read where they fire)."""
+        try:
+            path = choose_path(self.view, "auto", self.batch)
+        except MassiveLensError:
+            return None
+        layers = [layer for layer in attention_layers(self.view) if "z" in self.plans[layer].hooks]
+        return attention_reading(self.view, self.read, path=path, columns=[0], want={"z_read", "max_attention"},
+                                 layers=layers, max_queries=None if self.every else self.positions)
+
+    def read(self, at: PassLayer) -> None:
+        """One attention layer from the pass: ``hook_z`` kept as :meth:`keep` keeps it, and per
+        traced query and head the attention on the first token and the largest on one key."""
+        self.keep("z", at.layer, at.z_read)
+        first = at.cols[:1, :, :, 0] if self.every else at.cols[:1, :, self.idx.to(at.cols.device), 0]
+        summary = torch.stack([first.float(), at.max_attention[:1]], -1).transpose(1, 2)  # [1, pos, head, 2]
+        self.store["pattern", at.layer] = summary[0].detach().float().cpu()
 
     def keep(self, key: str, layer: int, act: Tensor, hook: Any = None) -> None:
         """The hook of ``key`` at ``layer``: keep the activation at the traced positions."""

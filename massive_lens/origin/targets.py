@@ -6,10 +6,12 @@ largest value where ``dim`` or ``pos`` points).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from massive_lens.core.attention_pass import attention_reading, choose_path
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
@@ -42,13 +44,23 @@ def capture_positions(view: ModelView, batch: Batch, pos: int | None, dim: int |
         return torch.tensor([pos])
     if seq * d_mlp(view) * view.n_layers * 12 <= CAPTURE_BUDGET:
         return torch.arange(seq)
-    found = find_in_batch(view, batch, criterion, view.chosen_layers(None)).to_frame()
+    with _reading(view, batch):  # on a long text, the fused kernel (the detection reads the residual only)
+        found = find_in_batch(view, batch, criterion, view.chosen_layers(None)).to_frame()
     found = found[found.dim == dim] if dim is not None else found
     if dim is None and (found.scope == "token").any():  # outlier dimensions are traced only when asked
         found = found[found.scope == "token"]
     if found.empty:
         raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
     return torch.tensor(sorted(found.pos.unique().tolist()))
+
+
+def _reading(view: ModelView, batch: Batch) -> Any:
+    """The forward on the path :func:`~massive_lens.core.attention_pass.choose_path` takes for ``batch``,
+    reading no attention (a null context where neither path runs)."""
+    try:
+        return attention_reading(view, None, path=choose_path(view, "auto", batch), layers=[])
+    except MassiveLensError:
+        return contextlib.nullcontext()
 
 
 def trace_targets(view: ModelView, batch: Batch, cap: Capture, dim: int | None, pos: int | None,
