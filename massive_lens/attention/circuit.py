@@ -378,7 +378,8 @@ def sink_circuit(model: Any, text: Any, *, heads: Sequence[Any] | None = None, n
         raise MassiveLensError("sink_circuit needs at least one query after the first token; give a longer text")
     cap = CircuitCapture(view, batch, chosen, criterion)
     start = time.perf_counter()
-    view.forward(batch, cap.hooks(), stop_after=view.hook_name(max(chosen), "attn.hook_pattern"))
+    last = view.block_hook(max(chosen), "resid_post") if view.has_hook(max(chosen), "resid_post") else None
+    cap.run(lambda hooks: view.forward(batch, hooks, stop_after=last, must_stop=False))
     token_seconds = (time.perf_counter() - start) / batch.tokens.numel()
     picked = chosen_heads(view, cap, heads, n_heads, rule.threshold)
     rows, infos, splits = [], [], {}

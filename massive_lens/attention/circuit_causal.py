@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -47,10 +48,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.attention.circuit_split import CircuitCapture, content_lse, rotate, split_layer
+from massive_lens.core.attention_pass import PassLayer, attention_reading
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.pass_reader import AttentionEdit
 from massive_lens.core.stats import normal_interval
 from massive_lens.errors import MassiveLensError
 
@@ -145,19 +148,15 @@ def _cut(head: tuple[Tensor, Tensor, Tensor, Tensor, float], part: Tensor) -> tu
     return _mean_over(torch.sigmoid(s0 - change - lse), valid), _mean_over(change, valid)
 
 
-def _key_hooks(view: ModelView, layer: int, chosen: list[int], removal: str, parts: dict[Any, Any],
-               scale: float, keys: Tensor, valid: Tensor, record: ControlRecord) -> list[tuple[str, Any]]:
-    seen: dict[str, Tensor] = {}
-    rot = view.has_hook(layer, "attn.hook_rot_q")
-
-    def keep_q(q: Tensor, hook: Any) -> None:
-        seen["q"] = q.detach()
-
-    def edit(scores: Tensor, hook: Any) -> Tensor:
+def _key_edit(layer: int, chosen: list[int], removal: str, parts: dict[Any, Any], scale: float, keys: Tensor,
+              valid: Tensor, record: ControlRecord) -> AttentionEdit:
+    """The key-side removal at ``layer``'s ``chosen`` heads: the part's logit taken off each query's
+    score on the sink, with each control measured in its place."""
+    def edit(scores: Tensor, q_all: Tensor, k_all: Tensor) -> Tensor:
         lse = content_lse(scores, keys)  # [B H Q]: the content keys, unedited by a key-side removal
         scores = scores.clone()
         for h in chosen:
-            q = seen["q"][:, :, h].float()  # [B Q dh]
+            q = q_all[:, :, h].float()  # [B Q dh]
             head = (q, scores[:, h, :, 0].float(), lse[:, h], valid, scale)
             part = parts[layer, h, removal]
             record.applies[layer, h] = bool(part.abs().sum() > 0)  # massive dims at a layer without any: nothing
@@ -169,34 +168,32 @@ def _key_hooks(view: ModelView, layer: int, chosen: list[int], removal: str, par
             scores[:, h, 1:, 0] -= change[:, 1:].to(scores.dtype)
         return scores
 
-    return [(view.hook_name(layer, "attn.hook_rot_q" if rot else "attn.hook_q"), keep_q),
-            (view.hook_name(layer, "attn.hook_attn_scores"), edit)]
+    return AttentionEdit(scores=edit)
 
 
-def _bq_hooks(view: ModelView, layer: int, chosen: list[int], parts: dict[Any, Any], split: Any, keep: Any,
-              keys: Tensor, valid: Tensor, record: ControlRecord) -> list[tuple[str, Any]]:
-    attn, seen = view.block(layer).attn, {}
-    rot = view.has_hook(layer, "attn.hook_rot_k")
+def _bq_edit(view: ModelView, layer: int, chosen: list[int], parts: dict[Any, Any], split: Any, keep: Any,
+             keys: Tensor, valid: Tensor, record: ControlRecord) -> AttentionEdit | None:
+    """``b_Q`` zeroed in ``layer``'s ``chosen`` heads that have one, with the random query directions of
+    its norm measured in its place."""
+    attn = view.block(layer).attn
     with_bq = [h for h in chosen if parts[layer, h, "b_Q"]]
     if not with_bq:
-        return []
+        return None
 
-    def zero_bq(q: Tensor, hook: Any) -> Tensor:
+    def zero_bq(q: Tensor) -> Tensor:
         b = attn.b_Q.detach().reshape(q.shape[2], -1).to(q.dtype)
         q = q.clone()
         q[:, :, with_bq] -= b[with_bq]
         return q
 
-    def keep_k(k: Tensor, hook: Any) -> None:
-        seen["k"] = k.detach().float()
-
-    def controls(scores: Tensor, hook: Any) -> None:
-        group = scores.shape[1] // seen["k"].shape[2]
+    def controls(scores: Tensor, q_all: Tensor, k_all: Tensor) -> None:
+        k_all = k_all.detach().float()
+        group = scores.shape[1] // k_all.shape[2]
         n = len(scores)
         cos = None if keep.cos is None else keep.cos.expand(n, -1, -1)[None].to(scores.device)  # [1 B Q r]
         sin = None if keep.sin is None else keep.sin.expand(n, -1, -1)[None].to(scores.device)
         for h in with_bq:
-            k = seen["k"][:, :, h // group]  # [B K dh]
+            k = k_all[:, :, h // group]  # [B K dh]
             edited = scores[:, h].float()  # b_Q removed at h
             bq = split.q_bias[:, :, h].to(k.device)  # [B Q dh], rotated to each query
             rand = parts[layer, h, "b_Q", "controls"]["random"].to(k.device)  # [draw dh]
@@ -210,29 +207,31 @@ def _bq_hooks(view: ModelView, layer: int, chosen: list[int], parts: dict[Any, A
                                        "random": _mean_over(split.scale * torch.einsum("dbqe,be->dbq", r, k[:, 0]),
                                                             valid)}
 
-    return [(view.hook_name(layer, "attn.hook_q"), zero_bq),
-            (view.hook_name(layer, "attn.hook_rot_k" if rot else "attn.hook_k"), keep_k),
-            (view.hook_name(layer, "attn.hook_attn_scores"), controls)]
+    return AttentionEdit(queries=zero_bq, scores=controls)
 
 
-def _hooks(view: ModelView, heads: pd.DataFrame, removal: str, parts: dict[Any, Any], splits: dict[int, Any],
-           cap: CircuitCapture, masses: dict[tuple[int, int], Tensor], valid: Tensor,
-           record: ControlRecord) -> list[tuple[str, Any]]:
-    hooks: list[tuple[str, Any]] = []
+def _edits(view: ModelView, heads: pd.DataFrame, removal: str, parts: dict[Any, Any], splits: dict[int, Any],
+           cap: CircuitCapture, valid: Tensor, record: ControlRecord) -> dict[int, AttentionEdit]:
+    """Per layer, the removal's edit of its sink heads (none for ``"none"``)."""
+    edits: dict[int, AttentionEdit] = {}
     keys = cap.batch.mask
     for layer, group in heads.groupby("layer"):
         layer, chosen = int(layer), [int(h) for h in group["head"]]
-
-        def mass(pattern: Tensor, hook: Any, layer: int = layer, chosen: list[int] = chosen) -> None:
-            for h in chosen:
-                masses[layer, h] = _mass(pattern.detach().float()[..., 0], valid, h).cpu()
-
+        edit = None
         if removal == "b_Q":
-            hooks += _bq_hooks(view, layer, chosen, parts, splits[layer], cap.keep[layer], keys, valid, record)
+            edit = _bq_edit(view, layer, chosen, parts, splits[layer], cap.keep[layer], keys, valid, record)
         elif removal != "none":
-            hooks += _key_hooks(view, layer, chosen, removal, parts, splits[layer].scale, keys, valid, record)
-        hooks.append((view.hook_name(layer, "attn.hook_pattern"), mass))
-    return hooks
+            edit = _key_edit(layer, chosen, removal, parts, splits[layer].scale, keys, valid, record)
+        if edit is not None:
+            edits[layer] = edit
+    return edits
+
+
+def _keep_mass(at: PassLayer, *, heads: pd.DataFrame, valid: Tensor, masses: dict[tuple[int, int], Tensor]) -> None:
+    """The attention on the sink of the chosen heads at one layer, as the edited pass read it."""
+    pattern = at.cols.detach().float()[..., 0]
+    for h in heads.loc[heads["layer"] == at.layer, "head"]:
+        masses[at.layer, int(h)] = _mass(pattern, valid, int(h)).cpu()
 
 
 def causal_check(view: ModelView, heads: pd.DataFrame, corpus: Any, *, n_seqs: int, seq_len: int,
@@ -270,7 +269,7 @@ def causal_check(view: ModelView, heads: pd.DataFrame, corpus: Any, *, n_seqs: i
             valid[:, :1] = False
             cap = CircuitCapture(view, batch, layers, criterion)
             start = time.perf_counter()
-            base_loss.append(loss(x, hooks=cap.hooks()).loss)
+            base_loss.append(cap.run(lambda hooks, x=x: loss(x, hooks=hooks).loss))
             bar.update(1)
             if n == 0:
                 per_pass = time.perf_counter() - start
@@ -287,8 +286,11 @@ def causal_check(view: ModelView, heads: pd.DataFrame, corpus: Any, *, n_seqs: i
             for removal in arms:
                 masses: dict[tuple[int, int], Tensor] = {}
                 record = ControlRecord()
-                hooks = _hooks(view, heads, removal, parts, splits, cap, masses, valid, record)
-                edited_loss[removal].append(loss(x, hooks=hooks).loss)
+                reader = attention_reading(view, partial(_keep_mass, heads=heads, valid=valid, masses=masses),
+                                           path=cap.path, columns=[0], layers=layers,
+                                           edits=_edits(view, heads, removal, parts, splits, cap, valid, record))
+                with reader:
+                    edited_loss[removal].append(loss(x, hooks=reader.hooks).loss)
                 bar.update(1)
                 records[removal].append(record)
                 for (layer, head), m in masses.items():

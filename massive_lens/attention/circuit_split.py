@@ -4,7 +4,8 @@ One forward pass keeps, per layer, what the logit ``s_i = c * q_i . k_sink`` is 
 attention's scale): the sink position's residual by its writers (``hook_embed``, ``hook_pos_embed``,
 each block's attention and MLP output as added to the residual: after the post-norm where the
 model has one, the rule of :func:`~massive_lens.origin.blocks.block_plan`),
-the layer's norm at the sink (input, scale, output), the sink's key, every query, the sink column of
+the layer's norm at the sink (input, scale, output) and, from the attention pass
+(:mod:`~massive_lens.core.attention_pass`), the sink's key, every query, the sink column of
 the attention scores and pattern. Afterwards each writer part ``p`` is carried to the key:
 
     key(p) = R_sink( knorm( W_K^T ( C(p) * w / scale ) ) )
@@ -19,24 +20,32 @@ from the architecture's name; a key, a score or a norm that the parts do not rep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
 from massive_lens.core.criterion import Criterion, massive_mask
+from massive_lens.core.layer_attention import rest_lse
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.pass_reader import missing_attention, rotates
 from massive_lens.core.stats import rel_error
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
 TOL = 1e-4  # relative, float32: what "exact" means here
+# what the split reads of each layer's attention from the pass: every query and the sink's key as the
+# scores use them, the scores and the pattern on the sink's column, the content keys' log-sum-exp, and
+# the rotary cos/sin (which only the eager hooks show: the pass then reads the eager path)
+WANTS = ("q", "k", "scores", "rest_lse", "rotary")
 
 
 @dataclass
 class LayerKeep:
-    """What one layer's hooks kept (sink rows, or every query for ``q``)."""
+    """What the pass and the hooks kept of one layer (sink rows, or every query for ``q``)."""
 
     x: Tensor | None = None  # [B d] the norm's input at the sink
     scale: Tensor | None = None  # [B 1]
@@ -76,25 +85,52 @@ def content_lse(scores: Tensor, keys: Tensor, sink: int = 0) -> Tensor:
     """[B H P]: the log-sum-exp of each query's scores over the keys it sees other than the sink
     (``keys`` [B P] the real positions; causal), so ``scores[..., sink] - content_lse`` is the sink
     logit's margin over the content logits, ``log(p_sink / (1 - p_sink))``: a key-side removal of
-    ``d`` from the sink's logit leaves it a sink while ``d`` is under that margin plus ``log(7/3)``."""
-    n = scores.shape[-1]
-    seen = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
-    seen = seen[None, None] & keys.to(scores.device)[:, None, None, :]
-    seen[..., sink] = False
-    x = scores.detach().float().masked_fill(~seen, float("-inf"))
-    return torch.logsumexp(x, -1)
+    ``d`` from the sink's logit leaves it a sink while ``d`` is under that margin plus ``log(7/3)``
+    (:func:`~massive_lens.core.layer_attention.rest_lse`, the pass's ``rest_lse``)."""
+    return rest_lse(scores, keys, [sink])
 
 
 class CircuitCapture:
-    """Hooks for one pass that keep, per chosen layer, a :class:`LayerKeep`, and each writer's
-    output at the sink (``writers``: name -> [B d])."""
+    """One pass that keeps, per chosen layer, a :class:`LayerKeep`, and each writer's output at the
+    sink (``writers``: name -> [B d]). The attention (queries, the sink's key, the scores and the
+    pattern on the sink's column, the content keys' log-sum-exp, the rotary cos/sin) is the attention
+    pass's (:func:`~massive_lens.core.attention_pass.attention_reading`, its path chosen by
+    :func:`~massive_lens.core.attention_pass.choose_path` for :data:`WANTS`); the writers' outputs and the
+    norms' sites are ordinary hooks on the same forward. :meth:`run` runs a forward under both."""
 
     def __init__(self, view: ModelView, batch: Batch, layers: list[int], criterion: Criterion, sink: int = 0):
         self.view, self.batch, self.layers, self.criterion, self.sink = view, batch, layers, criterion, sink
         self.keep = {layer: LayerKeep() for layer in layers}
         self.writers: dict[str, Tensor] = {}
+        self.path = choose_path(view, "auto", batch, want=WANTS)
+
+    def run(self, forward: Callable[[list[tuple[str, Any]]], Any]) -> Any:
+        """``forward(hooks)`` (one forward of the capture's batch with ``hooks``) under the capture's
+        reading; returns what ``forward`` returns."""
+        hooks = self.hooks()
+        reader = attention_reading(self.view, self.on_layer, path=self.path, batch=self.batch, columns=[self.sink],
+                                   want=WANTS, layers=self.layers)
+        with reader:
+            out = forward([*hooks, *reader.hooks])
+        for layer in sorted(set(self.layers) - reader.done):
+            why = reader.unread(layer) or "its attention was not read"
+            raise MassiveLensError(f"{self.view.name}, layer {layer}: {why}; sink_circuit cannot read them")
+        return out
+
+    def on_layer(self, at: PassLayer) -> None:
+        """Keep what the pass read of one layer (its sink column, every query, the sink's key)."""
+        keep, s = self.keep[at.layer], self.sink
+        keep.k = _sink_row(at.k, s)
+        keep.q = at.q.detach().float().clone()
+        keep.scores = at.scores.detach()[..., 0].float().clone()
+        keep.pattern = at.cols.detach()[..., 0].float().clone()
+        keep.content_lse = at.rest_lse.detach().float().clone()
+        if at.rotary is not None:
+            keep.cos, keep.sin = (x.detach().float().clone() for x in at.rotary)
 
     def hooks(self) -> list[tuple[str, Any]]:
+        """The writers' outputs at the sink and the norms' sites of each chosen layer (the attention is
+        the pass's: :meth:`run`)."""
         v, out = self.view, []
         for name in ("hook_embed", "hook_pos_embed"):
             if name in v.hook_names:
@@ -110,7 +146,7 @@ class CircuitCapture:
                                            "attend")
                 out.append((v.hook_name(layer, hook), self._writer(f"{kind} {layer}")))
         for layer in self.layers:
-            for hook, fn in self._layer_hooks(layer):
+            for hook, fn in self._norm_hooks(layer):
                 out.append((v.hook_name(layer, hook), fn))
         return out
 
@@ -119,31 +155,23 @@ class CircuitCapture:
             self.writers[name] = _sink_row(x, self.sink)
         return keep
 
-    def _layer_hooks(self, layer: int) -> list[tuple[str, Any]]:
+    def _norm_hooks(self, layer: int) -> list[tuple[str, Any]]:
         v, keep, s = self.view, self.keep[layer], self.sink
         if not v.has_hook(layer, "ln1.hook_in") or not v.has_hook(layer, "ln1.hook_scale"):
             raise MassiveLensError(f"{v.name}: layer {layer} has no ln1.hook_in/hook_scale; sink_circuit splits the "
                                    "key through the norm before attention and needs its input and scale")
-        if not v.has_hook(layer, "attn.hook_attn_scores") or not v.has_hook(layer, "attn.hook_pattern"):
-            raise MassiveLensError(f"{v.name}: layer {layer} has no attention scores and pattern hooks "
-                                   "(attn.hook_attn_scores, attn.hook_pattern): sink_circuit needs an attention layer")
-        rot = v.has_hook(layer, "attn.hook_rot_k")
+        why = missing_attention(v, layer, set(WANTS))
+        if why is not None:
+            raise MassiveLensError(f"{v.name}: {why}: sink_circuit needs an attention layer")
         valid = self.batch.mask
 
         def norm_in(x: Tensor, hook: Any) -> None:
             keep.x = _sink_row(x, s)
             keep.massive = massive_mask(x.detach(), self.criterion, valid.to(x.device))[:, s].cpu()
 
-        def setter(attr: str, row: bool) -> Any:
+        def setter(attr: str) -> Any:
             def fn(x: Tensor, hook: Any) -> None:
-                keep.put(attr, _sink_row(x, s) if row else x.detach().float().clone())
-            return fn
-
-        def column(attr: str) -> Any:
-            def fn(x: Tensor, hook: Any) -> None:
-                keep.put(attr, x.detach()[..., s].float().clone())
-                if attr == "scores":  # the margin: what the content keys offer against the sink
-                    keep.put("content_lse", content_lse(x, valid, s))
+                keep.put(attr, _sink_row(x, s))
             return fn
 
         n_pos = self.batch.tokens.shape[1]
@@ -156,13 +184,7 @@ class CircuitCapture:
         def qn(x: Tensor, hook: Any) -> None:
             keep.qn_scale = (x if x.shape[1] == n_pos else x.transpose(1, 2)).detach().float().clone()
 
-        hooks = [("ln1.hook_in", norm_in), ("ln1.hook_scale", setter("scale", True)),
-                 ("ln1.hook_out", setter("out", True)),
-                 ("attn.hook_rot_k" if rot else "attn.hook_k", setter("k", True)),
-                 ("attn.hook_rot_q" if rot else "attn.hook_q", setter("q", False)),
-                 ("attn.hook_attn_scores", column("scores")), ("attn.hook_pattern", column("pattern"))]
-        if rot and v.has_hook(layer, "attn.hook_cos") and v.has_hook(layer, "attn.hook_sin"):
-            hooks += [("attn.hook_cos", setter("cos", False)), ("attn.hook_sin", setter("sin", False))]
+        hooks = [("ln1.hook_in", norm_in), ("ln1.hook_scale", setter("scale")), ("ln1.hook_out", setter("out"))]
         if v.has_hook(layer, "attn.k_norm.hook_scale"):
             hooks += [(f"attn.k_norm.hook_{k}", kn(k)) for k in ("in", "scale", "out")]
         if v.has_hook(layer, "attn.q_norm.hook_scale"):
@@ -225,11 +247,6 @@ def rotate(v: Tensor, cos: Tensor | None, sin: Tensor | None) -> Tensor:
     return torch.cat([a * cos + half * sin, v[..., r:]], -1)
 
 
-def v_rot(view: ModelView, layer: int) -> bool:
-    """Whether ``layer`` rotates its queries and keys (a rotary hook)."""
-    return view.has_hook(layer, "attn.hook_rot_k")
-
-
 @dataclass(frozen=True)
 class LayerSplit:
     """The key side of one layer, per sequence: ``keys`` [B part kv dh] (each part's contribution
@@ -261,13 +278,11 @@ def _bias(attn: Any, name: str, heads: int, dh: int) -> Tensor | None:
 def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
     """The key parts of ``layer`` for every sequence, checked to add up to the sink's key."""
     keep, block, where = cap.keep[layer], view.block(layer), f"{view.name}, layer {layer}"
-    silent = [name for name, got in (("queries", keep.q), ("keys", keep.k), ("scores", keep.scores),
-                                     ("ln1 input", keep.x)) if got is None]
+    silent = [name for name, got in (("ln1 input", keep.x), ("ln1 scale", keep.scale), ("ln1 output", keep.out))
+              if got is None]
     if silent:
-        rot = " (attn.hook_rot_q/hook_rot_k: the rotary embedding is applied where no hook shows it)" \
-            if v_rot(view, layer) and keep.scores is not None else ""
-        raise MassiveLensError(f"{where}: the hooks of the {', '.join(silent)} did not fire{rot}; sink_circuit "
-                               "cannot read them")
+        raise MassiveLensError(f"{where}: the hooks of the {', '.join(silent)} did not fire; sink_circuit cannot "
+                               "read them")
     names = ["embed"] + (["pos_embed"] if "pos_embed" in cap.writers else [])
     names += [f"{kind} {i}" for i in range(layer) for kind in ("attn", "mlp")]
     missing = [n for n in names if n not in cap.writers]
@@ -329,7 +344,7 @@ def split_layer(view: ModelView, cap: CircuitCapture, layer: int) -> LayerSplit:
         if keep.qn_scale is not None:
             raise MassiveLensError(f"{where}: a query bias followed by a query norm: b_Q's share of each query "
                                    "is not split by sink_circuit (the key side would be; pass heads of another layer)")
-        if keep.cos is None and v_rot(view, layer):
+        if keep.cos is None and rotates(view, layer):
             raise MassiveLensError(f"{where}: the model rotates its queries but shows no attn.hook_cos/hook_sin, so "
                                    "b_Q cannot be carried to each query's position; sink_circuit needs those hooks")
         if keep.cos is not None:

@@ -4,8 +4,9 @@
 the attention on a few key ``columns``, the sink rule's ``band`` (each key's mean attention from
 the queries after it), the heads' outputs ``z`` (the attention applied to the values), what the
 output projection reads (``z_read``, ``attn.hook_z`` where it fires), the keys ``k`` and values ``v``,
-the attention output ``out``, the attention to a null slot ``null`` and each query's largest attention on
-one key ``max_attention``: only what the caller asks
+the attention output ``out``, the attention to a null slot ``null``, each query's largest attention on
+one key ``max_attention``, the queries ``q``, the scores on the columns ``scores``, each query's log-sum-exp
+over the other keys ``rest_lse`` and the rotary ``cos``/``sin`` (``rotary``): only what the caller asks
 for in ``want``. On the eager path they come from the pattern, ``z``/``v``, output and slot hooks;
 on the LSE path (:mod:`massive_lens.core.lse`) from the fused kernel's ``q``, ``k`` and log-sum-exp;
 an nnsight view takes the LSE path. The
@@ -43,15 +44,17 @@ from torch import Tensor
 from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.lse import EAGER, LSE, PATHS, attached_attention_edits, lse_support
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.pass_reader import PassReader, attention_layers
+from massive_lens.core.pass_reader import AttentionEdit, PassReader, attention_layers
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["LSE_FROM", "PassLayer", "attention_output_hook", "attention_pass", "attention_reading", "choose_path"]
+__all__ = ["EAGER_WANTS", "LSE_FROM", "PassLayer", "attention_output_hook", "attention_pass", "attention_reading",
+           "choose_path"]
 
 log = logging.getLogger(__name__)
 
-WANTS = ("z", "z_read", "k", "v", "out", "null", "max_attention")
+WANTS = ("z", "z_read", "k", "v", "out", "null", "max_attention", "q", "scores", "rest_lse", "rotary")
+EAGER_WANTS = ("rotary",)  # only the eager hooks show them (the kernel runs the rotary embedding unhooked)
 NULL_FROM = ("pattern", "slot_pattern")  # where the eager path reads a layer's null mass
 # "auto" reads the eager pattern below this many positions, the LSE path from it: the measured
 # crossover (CPU time, one thread, SmolLM2-135M: every attention analysis is faster on the eager
@@ -76,7 +79,12 @@ class PassLayer:
     [batch head query]`` (float32): the attention each query gives to a null slot; on the LSE path to a learned
     sink logit (:attr:`~massive_lens.core.layer_attention.LayerAttention.null_mass`; None without one), on the
     eager path from where ``null_from`` says (None at a layer it leaves out); ``max_attention [batch head query]``
-    (float32): each query's largest attention on any one key, at the reading's ``max_queries``."""
+    (float32): each query's largest attention on any one key, at the reading's ``max_queries``; ``q [batch
+    query head d_head]``: the queries as the scores use them (after any rotary embedding); ``scores [batch head
+    query col]``: the attention scores (logits, the mask's ``-inf`` included) on the ``columns``; ``rest_lse
+    [batch head query]`` (float32): each query's log-sum-exp over the keys it sees other than the ``columns``
+    (causal; on the LSE path ``LSE + log(1 - p_columns)``); ``rotary``: the rotary embedding's ``(cos, sin)``
+    (``[batch|1 pos rotary_dim]``) where the layer shows them (eager path only), else None."""
 
     layer: int
     shape: tuple[int, ...]
@@ -89,6 +97,10 @@ class PassLayer:
     out: Tensor | None = None
     null: Tensor | None = None
     max_attention: Tensor | None = None
+    q: Tensor | None = None
+    scores: Tensor | None = None
+    rest_lse: Tensor | None = None
+    rotary: tuple[Tensor, Tensor] | None = None
 
 
 def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer], None] | None, *, path: str,
@@ -143,7 +155,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
                       | None = None, band: bool = False, want: Iterable[str] = (), layers: Iterable[int] | None = None,
                       out_hooks: dict[int, str] | None = None, eager_reads: dict[str, Iterable[int]] | None = None,
                       null_from: dict[int, str] | None = None, evidence: SinkEvidence | None = None,
-                      evidence_resid: bool = True, max_queries: Sequence[int] | Tensor | None = None) -> PassReader:
+                      evidence_resid: bool = True, max_queries: Sequence[int] | Tensor | None = None,
+                      edits: dict[int, AttentionEdit] | None = None) -> PassReader:
     """The attention pass's reading of forwards that someone else runs (an intervention's hooks on
     the user's forward; :func:`attention_pass` is this and one forward): a :class:`PassReader` whose
     ``hooks`` go on each forward, run inside ``with reader:`` (on the LSE path the model runs on the
@@ -151,7 +164,9 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     :func:`attention_pass`'s; ``columns`` may also be a function ``(layer, batch, pos) -> positions``,
     asked as each layer is read (columns found during that forward, such as sinks found online);
     ``batch`` (its mask) is needed for ``band`` and ``evidence`` only; ``max_queries``: the query positions
-    at which ``want="max_attention"`` is read (None: every query). ``path=choose_path(view, "auto",
+    at which ``want="max_attention"`` is read (None: every query); ``edits``: per layer an
+    :class:`~massive_lens.core.pass_reader.AttentionEdit` applied on the eager path before anything of that
+    layer is read (the LSE path refuses them, and :data:`EAGER_WANTS`). ``path=choose_path(view, "auto",
     None)`` reads a forward of unknown length.
 
     >>> from massive_lens import tiny_model
@@ -171,6 +186,12 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     if set((null_from or {}).values()) - set(NULL_FROM):
         raise MassiveLensError(f"null_from names each layer's null mass source, one of {NULL_FROM}, got "
                                f"{sorted(set(null_from.values()))}")
+    if path == LSE and (edits or want & set(EAGER_WANTS)):
+        raise MassiveLensError(f"{view.name}: edits of the attention and {sorted(want & set(EAGER_WANTS))} are read "
+                               "on the eager path only (the fused kernel skips the hooks they need); pass the "
+                               "path choose_path(view, attention, batch, want=...) gives")
+    if want & {"scores", "rest_lse"} and columns is None:
+        raise MassiveLensError("want='scores' and 'rest_lse' are read on the columns: pass columns=")
     if "out" in want and not out_hooks:
         raise MassiveLensError("want='out' needs out_hooks: each layer's output hook (attention_output_hook's "
                                "for the attention output)")
@@ -183,10 +204,11 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
                       {key: set(at) for key, at in (eager_reads or {}).items()}, path=path, out_hooks=out_hooks,
                       evidence_resid=evidence_resid, make=PassLayer,
                       null_from=dict(null_from or {}),
-                      max_queries=None if max_queries is None else torch.as_tensor(max_queries, dtype=torch.long))
+                      max_queries=None if max_queries is None else torch.as_tensor(max_queries, dtype=torch.long),
+                      edits=edits)
 
 
-def choose_path(view: ModelView, attention: str, batch: Batch | None) -> str:
+def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: Iterable[str] = ()) -> str:
     """``"eager"`` or ``"lse"``, the path that reads ``batch``'s attention as ``attention`` asks:
     ``"auto"`` takes the eager pattern where the view serves one and ``batch`` is shorter than
     :data:`LSE_FROM` positions (the faster path there), else the LSE path where the model supports
@@ -195,7 +217,8 @@ def choose_path(view: ModelView, attention: str, batch: Batch | None) -> str:
     view serves no pattern: the LSE path at every length. ``"lse"`` where it cannot run, or would
     skip an attached edit, and ``"eager"`` on a view without patterns are a :class:`MassiveLensError`
     naming why. ``batch`` None: hooks on a forward of unknown length that the caller runs (an
-    intervention's), read from the eager pattern wherever the view serves one.
+    intervention's), read from the eager pattern wherever the view serves one. A ``want`` of
+    :data:`EAGER_WANTS` (the rotary cos/sin) is read on the eager path at any length.
 
     >>> from massive_lens import tiny_model
     >>> view = ModelView(tiny_model("llama"))
@@ -208,8 +231,8 @@ def choose_path(view: ModelView, attention: str, batch: Batch | None) -> str:
                                "tokens, the fused kernel's log-sum-exp from there where the model supports it), "
                                f"got {attention!r}")
     refusal = view.pattern_refusal()  # a view that serves no pattern (nnsight): the LSE path or nothing
-    if attention == EAGER or (attention == "auto" and not refusal and (batch is None or
-                                                                       batch.mask.shape[-1] < LSE_FROM)):
+    if attention == EAGER or (attention == "auto" and (set(want) & set(EAGER_WANTS) or not refusal and (
+            batch is None or batch.mask.shape[-1] < LSE_FROM))):
         if refusal:
             raise MassiveLensError(refusal)
         return EAGER

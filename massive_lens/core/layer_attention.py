@@ -26,7 +26,7 @@ from torch import Tensor
 
 from massive_lens.core.criterion import SINK_QUERIES
 
-__all__ = ["BAND_BLOCK", "MAX_BLOCK", "LayerAttention"]
+__all__ = ["BAND_BLOCK", "MAX_BLOCK", "LayerAttention", "rest_lse"]
 
 BAND_BLOCK = 64  # keys per block of the band reduction
 MAX_BLOCK = 512  # keys per block of max_attention
@@ -64,14 +64,26 @@ class LayerAttention:
     def columns(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query col"]:
         """The attention every query gives to the key positions ``cols`` (float32), exactly the
         pattern's columns."""
+        return _softmax_entries(self.scores(cols), self.lse)
+
+    def scores(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query col"]:
+        """Every query's attention score (logit, float32) on the key positions ``cols``, the mask's
+        bias added (``-inf`` where a query does not see the key)."""
         cols = torch.as_tensor(cols, dtype=torch.long, device=self.q.device).flatten()
         b, h, n, d = self.q.shape
         k = self.k[:, :, cols].float()  # [batch kv_head col d_head]
         q = self.q.float().reshape(b, self.k.shape[1], self.group, n, d)
         scores = (q @ k[:, :, None].transpose(-1, -2)).reshape(b, h, n, len(cols)) * self.scale
         qi = torch.arange(n, device=scores.device)[:, None]
-        scores = scores + self._bias(qi, cols[None, :])
-        return _softmax_entries(scores, self.lse)
+        return scores + self._bias(qi, cols[None, :])
+
+    def rest_lse(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query"]:
+        """Each query's log-sum-exp over the keys it sees other than ``cols`` (float32; ``-inf`` where
+        it sees no other): ``LSE + log(1 - p_cols)``, in float64 (the kernel's LSE is float32: where
+        ``p_cols`` is near one the result carries its error over ``1 - p_cols``, but the attention it
+        gives back, ``sigmoid(s - rest_lse)``, keeps the LSE's precision)."""
+        p = self.columns(cols).double().sum(-1).clamp(max=1.0)
+        return (self.lse.double() + torch.log1p(-p)).float()
 
     def max_attention(self, queries: Sequence[int] | Tensor | None = None) -> Float[Tensor, "batch head query"]:
         """Each query's largest attention on any one key (float32), ``exp(max_j (s_j + bias_j) - LSE)``
@@ -139,3 +151,20 @@ def _softmax_entries(scores: Tensor, lse: Tensor) -> Tensor:
     lse = lse if lse.ndim == scores.ndim else lse[..., None]
     out = torch.exp(scores - lse)
     return torch.where(torch.isfinite(lse) & torch.isfinite(scores), out, torch.zeros((), device=out.device))
+
+
+def rest_lse(scores: Tensor, keys: Tensor | None, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query"]:
+    """From full causal ``scores [batch head query key]``: each query's log-sum-exp (float32) over the
+    keys it sees (``keys [batch key]`` the real positions; None: all) other than ``cols``.
+
+    >>> s = torch.zeros(1, 1, 3, 3)
+    >>> [round(x, 4) for x in rest_lse(s, None, [0])[0, 0].exp().tolist()]  # query i sees i other keys
+    [0.0, 1.0, 2.0]
+    """
+    n = scores.shape[-1]
+    real = torch.ones(scores.shape[0], n, dtype=torch.bool) if keys is None else keys
+    seen = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()[None, None] \
+        & real.to(scores.device)[:, None, None, :]
+    seen[..., torch.as_tensor(cols, dtype=torch.long, device=scores.device)] = False
+    x = scores.detach().float().masked_fill(~seen, float("-inf"))
+    return torch.logsumexp(x, -1)

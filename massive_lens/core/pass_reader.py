@@ -25,18 +25,82 @@ from torch import Tensor
 
 from massive_lens.core.criterion import SinkEvidence, key_attention
 from massive_lens.core.gather import LayerGather
-from massive_lens.core.layer_attention import LayerAttention
+from massive_lens.core.layer_attention import LayerAttention, rest_lse
 from massive_lens.core.lse import LSE, lse_run
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["PassReader", "attention_layers"]
+__all__ = ["AttentionEdit", "PassReader", "attention_layers", "edit_hooks", "missing_attention", "rotates"]
 
 
 def attention_layers(view: ModelView) -> list[int]:
     """The layers with an attention pattern (not a recurrent or linear-attention layer)."""
     return [layer for layer in range(view.n_layers) if view.has_hook(layer, "attn.hook_pattern")]
+
+
+def rotates(view: ModelView, layer: int) -> bool:
+    """Whether ``layer`` rotates its queries and keys (a rotary hook)."""
+    return view.has_hook(layer, "attn.hook_rot_k")
+
+
+def missing_attention(view: ModelView, layer: int, want: set[str]) -> str | None:
+    """Why ``layer`` has no attention that the eager path reads for ``want`` (its pattern, and its scores
+    for ``"scores"``/``"rest_lse"``), naming the hooks; None where it has."""
+    need = (["attn.hook_attn_scores"] if want & {"scores", "rest_lse"} else []) + ["attn.hook_pattern"]
+    if all(view.has_hook(layer, hook) for hook in need):
+        return None
+    what = "scores and pattern" if len(need) > 1 else "pattern"
+    return f"layer {layer} has no attention {what} hooks ({', '.join(need)})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionEdit:
+    """An edit of one layer's attention, run on the eager path (the kernel would skip it):
+    ``queries(q)`` gets the queries ``[batch query head d_head]`` before any rotary embedding and
+    returns them edited; ``scores(scores, q, k)`` gets the scores ``[batch head query key]`` with the
+    queries ``[batch query head d_head]`` and keys ``[batch key kv_head d_head]`` they came from (after
+    any rotary embedding and ``queries``' edit) and returns the edited scores (None: left as they are)."""
+
+    queries: Callable[[Tensor], Tensor] | None = None
+    scores: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
+
+
+class _Edit:
+    """One layer's :class:`AttentionEdit` as hooks: the queries and keys of the current forward kept
+    for the scores' edit."""
+
+    def __init__(self, edit: AttentionEdit):
+        self.edit, self.seen = edit, {}
+
+    def queries(self, q: Tensor, hook: Any) -> Tensor:
+        return self.edit.queries(q)
+
+    def keep(self, x: Tensor, hook: Any, *, key: str) -> None:
+        self.seen[key] = x.detach()
+
+    def scores(self, scores: Tensor, hook: Any) -> Tensor:
+        q, k = self.seen.pop("q"), self.seen.pop("k")
+        if q.shape[1] != scores.shape[2] and q.shape[2] == scores.shape[2]:
+            q = q.transpose(1, 2)
+        if k.shape[1] != scores.shape[3] and k.shape[2] == scores.shape[3]:
+            k = k.transpose(1, 2)
+        out = self.edit.scores(scores, q, k)
+        return scores if out is None else out
+
+
+def edit_hooks(view: ModelView, edits: dict[int, AttentionEdit]) -> list[tuple[str, Any]]:
+    """The eager hooks that apply ``edits`` (per layer), to run before any hook reading that layer."""
+    hooks = []
+    for layer, edit in sorted(edits.items()):
+        state, rot = _Edit(edit), rotates(view, layer)
+        if edit.queries is not None:
+            hooks.append((view.hook_name(layer, "attn.hook_q"), state.queries))
+        if edit.scores is not None:
+            hooks += [(view.hook_name(layer, f"attn.hook_{'rot_' if rot else ''}{key}"), partial(state.keep, key=key))
+                      for key in ("q", "k")]
+            hooks.append((view.hook_name(layer, "attn.hook_attn_scores"), state.scores))
+    return hooks
 
 
 class PassReader:
@@ -49,7 +113,8 @@ class PassReader:
                  layers: set[int], cols: Tensor | Callable[[int, int, int], Tensor] | None, band: bool,
                  want: set[str], evidence: SinkEvidence | None, eager_reads: dict[str, set[int]], *, path: str,
                  out_hooks: dict[int, str] | None, evidence_resid: bool, make: Callable[..., Any],
-                 null_from: dict[int, str] | None = None, max_queries: Tensor | None = None):
+                 null_from: dict[int, str] | None = None, max_queries: Tensor | None = None,
+                 edits: dict[int, AttentionEdit] | None = None):
         self.view, self.batch, self.on_layer, self.layers, self.path = view, batch, on_layer, layers, path
         self.cols, self.band, self.want, self.evidence = cols, band, want, evidence
         self.eager_reads, self.make, self.max_queries = eager_reads, make, max_queries
@@ -58,8 +123,11 @@ class PassReader:
         self.z_seen: set[int] = set()
         self.done: set[int] = set()
         self.kernel: contextlib.ExitStack | None = None
+        self.gathers: dict[int, LayerGather] = {}  # eager: each read layer's gather
+        self.rotary: dict[int, dict[str, Tensor]] = {}  # eager: each layer's rotary cos/sin of this forward
         own = self.lse_hooks(out_hooks) if path == LSE else self.eager_hooks(out_hooks)
-        self.hooks: list[tuple[str, Any]] = [*(self.resid_hooks() if evidence_resid else []), *own]
+        self.hooks: list[tuple[str, Any]] = [*edit_hooks(view, edits or {}),
+                                             *(self.resid_hooks() if evidence_resid else []), *own]
 
     def __enter__(self) -> PassReader:
         if self.kernel is not None:
@@ -96,11 +164,13 @@ class PassReader:
         return (*(["v"] if self.want & {"z", "v"} and served("v") else []),
                 *(["k"] if "k" in self.want and served("k") else []),
                 *(["z_read"] if "z_read" in self.want else []), *(["out"] if "out" in self.want else []),
-                *(["null"] if self.null_from.get(layer) == "slot_pattern" else []))
+                *(["null"] if self.null_from.get(layer) == "slot_pattern" else []),
+                *(["q"] if "q" in self.want else []), *(["scores"] if self.want & {"scores", "rest_lse"} else []))
 
     def eager_hooks(self, out_hooks: dict[int, str] | None) -> list[tuple[str, Any]]:
         names = {"pattern": "attn.hook_pattern", "v": "attn.hook_v", "z_read": "attn.hook_z",
-                 "null": "attn.hook_slot_pattern"}
+                 "null": "attn.hook_slot_pattern", "scores": "attn.hook_attn_scores", "cos": "attn.hook_cos",
+                 "sin": "attn.hook_sin"}
         names.update({f"out{layer}": name for layer, name in (out_hooks or {}).items()})
         gathers: dict[tuple[str, ...], LayerGather] = {}  # one per set of hooks (layers may give different ones)
         hooks = []
@@ -111,12 +181,36 @@ class PassReader:
                 keys = ("pattern", *self.eager_keys(layer))
                 # the hooks fire in any order (some bridges: the pattern last)
                 gather = gathers.setdefault(keys, LayerGather(keys, partial(self._eager, keys=keys[1:])))
-                names["k"] = "attn.hook_rot_k" if self.view.has_hook(layer, "attn.hook_rot_k") else "attn.hook_k"
+                names["k"] = "attn.hook_rot_k" if rotates(self.view, layer) else "attn.hook_k"
+                names["q"] = "attn.hook_rot_q" if self.view.has_hook(layer, "attn.hook_rot_q") else "attn.hook_q"
                 hooks += [(self.view.hook_name(layer, names[f"out{layer}" if key == "out" else key]),
                            gather.hook(key, layer)) for key in keys]
+                self.gathers[layer] = gather
+                if "rotary" in self.want:  # kept apart: a bridge may name cos/sin hooks it never fires
+                    hooks += [(self.view.hook_name(layer, f"attn.hook_{key}"), partial(self._rotary, layer=layer,
+                                                                                      key=key))
+                              for key in ("cos", "sin") if self.view.has_hook(layer, f"attn.hook_{key}")]
             elif self.evidence is not None:
                 hooks.append((self.view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, reader=self)))
         return hooks
+
+    def _rotary(self, x: Tensor, hook: Any, *, layer: int, key: str) -> None:
+        self.rotary.setdefault(layer, {})[key] = x
+
+    def unread(self, layer: int) -> str | None:
+        """Which hooks of ``layer`` the eager path gathers but did not see fire in the last forward (the
+        layer was not handed over), in words; None where the layer was read."""
+        gather = self.gathers.get(layer)
+        if gather is None or layer in self.done:
+            return None
+        first = ("q", "k", "scores")  # as the scores are made of them
+        silent = sorted((key for key in gather.keys if (key, layer) not in gather.held),
+                        key=lambda key: first.index(key) if key in first else len(first))
+        words = {"q": "queries", "k": "keys", "v": "values", "z_read": "heads' output", "out": "output",
+                 "null": "null slots"}
+        rot = " (attn.hook_rot_q/hook_rot_k: the rotary embedding is applied where no hook shows it)" \
+            if rotates(self.view, layer) and set(silent) <= {"q", "k"} else ""
+        return f"the hooks of the {', '.join(words.get(key, key) for key in silent)} did not fire{rot}"
 
     def _eager(self, layer: int, pattern: Tensor, *acts: Tensor, keys: tuple[str, ...]) -> None:
         got = dict(zip(keys, acts, strict=True))
@@ -126,6 +220,9 @@ class PassReader:
             v = v.transpose(1, 2)  # a bridge whose hook_v is [batch kv_head key d_head] (DeepSeek-V2's)
         if k is not None and k.shape[1] != pattern.shape[-1] and k.shape[2] == pattern.shape[-1]:
             k = k.transpose(1, 2)
+        q, scores = got.get("q"), got.get("scores")
+        if q is not None and q.shape[1] != pattern.shape[2] and q.shape[2] == pattern.shape[2]:
+            q = q.transpose(1, 2)
         z_read, heads = got.get("z_read"), pattern.shape[1]
         if z_read is not None and z_read.shape[2] != heads and z_read[0, 0].numel() % heads == 0:
             z_read = z_read.reshape(*z_read.shape[:2], heads, -1)  # per query head, as the LSE path reads hook_z
@@ -136,7 +233,16 @@ class PassReader:
                              cols=None if cols is None else pattern[..., cols.to(pattern.device)],
                              z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out"),
                              null=self.null_of(layer, pattern, got.get("null")),
-                             max_attention=self.max_of(pattern)))
+                             max_attention=self.max_of(pattern), q=q,
+                             scores=None if "scores" not in self.want else scores[..., cols.to(scores.device)],
+                             rest_lse=None if "rest_lse" not in self.want else rest_lse(
+                                 scores, None if self.batch is None else self.batch.mask, cols),
+                             rotary=self.rotary_of(layer)))
+
+    def rotary_of(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """The eager path's rotary ``(cos, sin)`` of ``layer`` in this forward (where wanted, and both fired)."""
+        got = self.rotary.pop(layer, {})
+        return (got["cos"], got["sin"]) if "rotary" in self.want and len(got) == 2 else None
 
     def max_of(self, pattern: Tensor) -> Tensor | None:
         """Each query's largest attention on one key, at ``max_queries``, from an eager pattern (where wanted)."""
@@ -189,7 +295,10 @@ class PassReader:
             z_read=z if "z_read" in self.want else None, k=att.k.transpose(1, 2) if "k" in self.want else None,
             v=att.v.transpose(1, 2) if "v" in self.want else None,
             null=att.null_mass if "null" in self.want else None,
-            max_attention=att.max_attention(self.max_queries) if "max_attention" in self.want else None)
+            max_attention=att.max_attention(self.max_queries) if "max_attention" in self.want else None,
+            q=att.q.transpose(1, 2) if "q" in self.want else None,
+            scores=att.scores(cols) if "scores" in self.want else None,
+            rest_lse=att.rest_lse(cols) if "rest_lse" in self.want else None)
         self._try(att.layer)
 
     def _read_z(self, z: Tensor, hook: Any, *, layer: int) -> None:

@@ -274,7 +274,7 @@ def planted_writers(model: Any, text: Any, *, pos: Position, heads: Sequence[Any
     rule = rule or SinkRule()
     chosen = list(range(view.n_layers))
     cap = CircuitCapture(view, batch, chosen, criterion or Criterion(), sink=pos)
-    view.forward(batch, cap.hooks())
+    cap.run(lambda hooks: view.forward(batch, hooks))
     rows = []
     splits: dict[int, Any] = {}
     for layer, head in chosen_heads(view, cap, heads, n_heads, rule.threshold):
