@@ -51,7 +51,7 @@ def _defined(file: Path) -> set[str]:
 def passed_on(root: Path) -> list[str]:
     """``file:line name from module`` for each import that takes ``name`` through a plain
     module that does not define it."""
-    found = []
+    found, defined = [], {}  # defined: each module's own names, read once (not once per name imported)
     for file in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
@@ -60,8 +60,10 @@ def passed_on(root: Path) -> list[str]:
             source, is_package = _module_file(root, node.module)
             if source is None or is_package:
                 continue
+            if source not in defined:
+                defined[source] = _defined(source)
             for alias in node.names:
-                if _module_file(root, f"{node.module}.{alias.name}")[0] is None and alias.name not in _defined(source):
+                if _module_file(root, f"{node.module}.{alias.name}")[0] is None and alias.name not in defined[source]:
                     found.append(f"{file.relative_to(root.parent)}:{node.lineno} {alias.name} from {node.module}")
     return found
 
