@@ -9,6 +9,7 @@ import os
 import random
 from collections import Counter
 
+import deps_first  # noqa: F401  (first: massive_lens's libraries load from their bytecode, not through jaxtyping's hook)
 import pytest
 import torch
 from examples import result_examples as build_result_examples
