@@ -314,6 +314,27 @@ def test_whitespace_token_and_chain_figure(planted):
     assert "saved before the controls" in old.summary().splitlines()[0]
 
 
+def test_reads_the_attention_from_the_pass_at_any_length():
+    """The split reads its layers from the one pass (no attention hook of its own: issue 50), on the
+    eager path that the pass chooses for the rotary cos/sin even past LSE_FROM tokens, where it would
+    otherwise read the kernel; the parts still add up to the scores there."""
+    import pathlib
+    import re as regex
+
+    from massive_lens.core.attention_pass import LSE_FROM
+
+    src = pathlib.Path(__file__).parents[1] / "massive_lens" / "attention"
+    for path in sorted(src.glob("circuit*.py")):
+        hits = regex.findall(r"hook_pattern|hook_attn_scores|hook_q\b|hook_k\b|hook_rot",
+                             path.read_text())
+        assert not hits, (path.name, hits)
+    model = tiny_model("llama", max_position_embeddings=2 * LSE_FROM)
+    tokens = torch.randint(1, model.cfg.d_vocab, (1, LSE_FROM + 8), generator=torch.Generator().manual_seed(0))
+    with untouched(model):
+        c = sink_circuit(model, tokens, heads=[(1, 0)], rule=SinkRule(threshold=1e-6))
+    assert c.heads["check"].max() < 1e-4
+
+
 def test_nnsight_refused_by_name():
     pytest.importorskip("nnsight")
     from massive_lens import load_model
