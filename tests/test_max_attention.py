@@ -24,20 +24,22 @@ def _pattern_max(view, batch):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("queries", [None, [0, 3, 7]])
+@pytest.mark.parametrize("queries", [None, [0, 3, 7], "per layer"])
 def test_max_attention_is_the_pattern_row_max_on_both_paths(family, queries):
     view = ModelView(tiny_model(family))
     batch = view.tokenize(TEXT)
     expected = _pattern_max(view, batch)
+    rows = {layer: None if layer == 0 else [layer, 3, 7] for layer in expected}  # a function: asked per layer
     for path in ("eager", "lse"):
         got = {}
         reader = attention_reading(view, lambda at, got=got: got.__setitem__(at.layer, at.max_attention), path=path,
-                                   want={"max_attention"}, max_queries=queries)
+                                   want={"max_attention"}, max_queries=rows.get if queries == "per layer" else queries)
         with reader:
             view.forward(batch, reader.hooks)
         assert set(got) == set(expected)
         for layer, top in expected.items():
-            want = top if queries is None else top[..., queries]
+            at = rows[layer] if queries == "per layer" else queries
+            want = top if at is None else top[..., at]
             torch.testing.assert_close(got[layer], want, rtol=1e-5, atol=1e-6)
 
 

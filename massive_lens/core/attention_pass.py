@@ -155,7 +155,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
                       | None = None, band: bool = False, want: Iterable[str] = (), layers: Iterable[int] | None = None,
                       out_hooks: dict[int, str] | None = None, eager_reads: dict[str, Iterable[int]] | None = None,
                       null_from: dict[int, str] | None = None, evidence: SinkEvidence | None = None,
-                      evidence_resid: bool = True, max_queries: Sequence[int] | Tensor | None = None,
+                      evidence_resid: bool = True,
+                      max_queries: Sequence[int] | Tensor | Callable[[int], Tensor | None] | None = None,
                       edits: dict[int, AttentionEdit] | None = None) -> PassReader:
     """The attention pass's reading of forwards that someone else runs (an intervention's hooks on
     the user's forward; :func:`attention_pass` is this and one forward): a :class:`PassReader` whose
@@ -164,7 +165,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     :func:`attention_pass`'s; ``columns`` may also be a function ``(layer, batch, pos) -> positions``,
     asked as each layer is read (columns found during that forward, such as sinks found online);
     ``batch`` (its mask) is needed for ``band`` and ``evidence`` only; ``max_queries``: the query positions
-    at which ``want="max_attention"`` is read (None: every query); ``edits``: per layer an
+    at which ``want="max_attention"`` is read (None: every query), or a function ``layer -> positions``
+    (or None) asked as each layer is read; ``edits``: per layer an
     :class:`~massive_lens.core.pass_reader.AttentionEdit` applied on the eager path before anything of that
     layer is read (the LSE path refuses them, and :data:`EAGER_WANTS`). ``path=choose_path(view, "auto",
     None)`` reads a forward of unknown length.
@@ -204,7 +206,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
                       {key: set(at) for key, at in (eager_reads or {}).items()}, path=path, out_hooks=out_hooks,
                       evidence_resid=evidence_resid, make=PassLayer,
                       null_from=dict(null_from or {}),
-                      max_queries=None if max_queries is None else torch.as_tensor(max_queries, dtype=torch.long),
+                      max_queries=max_queries if max_queries is None or callable(max_queries) else
+                      torch.as_tensor(max_queries, dtype=torch.long),
                       edits=edits)
 
 

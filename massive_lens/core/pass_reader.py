@@ -113,7 +113,8 @@ class PassReader:
                  layers: set[int], cols: Tensor | Callable[[int, int, int], Tensor] | None, band: bool,
                  want: set[str], evidence: SinkEvidence | None, eager_reads: dict[str, set[int]], *, path: str,
                  out_hooks: dict[int, str] | None, evidence_resid: bool, make: Callable[..., Any],
-                 null_from: dict[int, str] | None = None, max_queries: Tensor | None = None,
+                 null_from: dict[int, str] | None = None,
+                 max_queries: Tensor | Callable[[int], Tensor | None] | None = None,
                  edits: dict[int, AttentionEdit] | None = None):
         self.view, self.batch, self.on_layer, self.layers, self.path = view, batch, on_layer, layers, path
         self.cols, self.band, self.want, self.evidence = cols, band, want, evidence
@@ -233,7 +234,7 @@ class PassReader:
                              cols=None if cols is None else pattern[..., cols.to(pattern.device)],
                              z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out"),
                              null=self.null_of(layer, pattern, got.get("null")),
-                             max_attention=self.max_of(pattern), q=q,
+                             max_attention=self.max_of(layer, pattern), q=q,
                              scores=None if "scores" not in self.want else scores[..., cols.to(scores.device)],
                              rest_lse=None if "rest_lse" not in self.want else rest_lse(
                                  scores, None if self.batch is None else self.batch.mask, cols),
@@ -244,12 +245,18 @@ class PassReader:
         got = self.rotary.pop(layer, {})
         return (got["cos"], got["sin"]) if "rotary" in self.want and len(got) == 2 else None
 
-    def max_of(self, pattern: Tensor) -> Tensor | None:
-        """Each query's largest attention on one key, at ``max_queries``, from an eager pattern (where wanted)."""
+    def max_at(self, layer: int) -> Tensor | None:
+        """The query positions whose largest attention is read at ``layer`` (None: every query)."""
+        queries = self.max_queries(layer) if callable(self.max_queries) else self.max_queries
+        return None if queries is None else torch.as_tensor(queries, dtype=torch.long).flatten()
+
+    def max_of(self, layer: int, pattern: Tensor) -> Tensor | None:
+        """Each query's largest attention on one key, at :meth:`max_at`, from an eager pattern (where wanted)."""
         if "max_attention" not in self.want:
             return None
+        queries = self.max_at(layer)
         top = pattern.detach().amax(-1).float()
-        return top if self.max_queries is None else top[..., self.max_queries.to(top.device)]
+        return top if queries is None else top[..., queries.to(top.device)]
 
     def null_of(self, layer: int, pattern: Tensor, slots: Tensor | None) -> Tensor | None:
         """The eager path's null mass ``[batch head query]`` where ``null_from`` names the layer: one minus
@@ -295,7 +302,7 @@ class PassReader:
             z_read=z if "z_read" in self.want else None, k=att.k.transpose(1, 2) if "k" in self.want else None,
             v=att.v.transpose(1, 2) if "v" in self.want else None,
             null=att.null_mass if "null" in self.want else None,
-            max_attention=att.max_attention(self.max_queries) if "max_attention" in self.want else None,
+            max_attention=att.max_attention(self.max_at(att.layer)) if "max_attention" in self.want else None,
             q=att.q.transpose(1, 2) if "q" in self.want else None,
             scores=att.scores(cols) if "scores" in self.want else None,
             rest_lse=att.rest_lse(cols) if "rest_lse" in self.want else None)
