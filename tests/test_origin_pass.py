@@ -66,17 +66,41 @@ def test_long_text_runs_on_the_kernel_with_the_eager_tables(family, monkeypatch)
     assert (heads.max_attention >= heads.first_token_attention - 1e-6).all()
 
 
-def test_the_detection_pass_runs_on_the_kernel_and_finds_the_same_targets(monkeypatch):
+def _planted():
+    """Tiny llama and a long text with a massive value in dim 3 at position LONG - 20 (its token's embedding)."""
     model = tiny_model("llama")
     tokens = _long(model, LONG)
-    tokens[0, LONG - 20] = 7  # a token whose embedding carries a massive value in dim 3
+    tokens[0, LONG - 20] = 7
     with torch.no_grad():
         model.original_model.get_input_embeddings().weight[7, 3] = 500.0
+    return model, tokens
+
+
+@pytest.mark.parametrize("late", ["none", "prefix", "whole", "detection"])
+def test_a_long_text_is_traced_in_one_pass_on_the_kernel(late, monkeypatch):
+    """Over CAPTURE_BUDGET the trace takes one pass (no detection pass) keeping each layer's terms at the
+    candidates; a traced position that was not a candidate from the first layer is read again, from the
+    text up to it (or the whole text where that does not match the full pass): the tables are the same.
+    With a mixture of experts a detection pass comes first, on the kernel too."""
+    model, tokens = _planted()
     seen = _paths(monkeypatch)
-    whole = trace_origin(model, tokens, dim=3)
-    monkeypatch.setattr(targets_module, "CAPTURE_BUDGET", 0)  # the detection pass first, then the capture
-    detected = trace_origin(model, tokens, dim=3)
-    assert seen == ["lse", "lse", "lse"]  # the whole capture; the detection and the capture
-    assert detected.targets[["pos", "dim"]].values.tolist() == whole.targets[["pos", "dim"]].values.tolist() \
+    whole = trace_origin(model, tokens)
+    monkeypatch.setattr(targets_module, "CAPTURE_BUDGET", 0)
+    passes = []
+    real = capture_module.capture
+    monkeypatch.setattr(targets_module, "capture", lambda *a, **k: passes.append(a[1].tokens.shape[1]) or real(*a, **k))
+    if late != "none":  # no candidate at the first layer
+        calls, candidates = [], capture_module.candidates
+        monkeypatch.setattr(capture_module, "candidates", lambda mag, scale, loose: calls.append(0) or (
+            candidates(mag, scale, loose) & (len(calls) > 1)))
+    if late == "whole":
+        monkeypatch.setattr(targets_module, "PREFIX_TOL", -1.0)
+    if late == "detection":
+        monkeypatch.setattr(targets_module, "find_experts", lambda model, mlp: object())
+    one = trace_origin(model, tokens)
+    assert seen == ["lse"] * (3 if late == "detection" else 2) or (late != "none" and seen[:2] == ["lse"] * 2)
+    assert passes == {"none": [LONG], "prefix": [LONG, LONG - 19], "whole": [LONG, LONG - 19, LONG],
+                      "detection": []}[late]
+    assert one.targets[["pos", "dim"]].values.tolist() == whole.targets[["pos", "dim"]].values.tolist() \
         == [[LONG - 20, 3]]
-    _close(detected, whole)
+    _close(one, whole)

@@ -1,36 +1,32 @@
 """The one forward pass of :func:`massive_lens.trace_origin`.
 
-Every hook slices the activation at the traced positions the moment it fires, so the pass
-keeps ``[positions, d_model]`` (and ``[positions, d_mlp]`` for the MLP neurons) per layer and
-never a full cache. Which hook holds what is read block by block
-(:func:`~massive_lens.origin.blocks.block_plan`). ``hook_embed`` (+ ``hook_pos_embed`` where a
-learned positional embedding fires) sums to ``blocks.0.hook_resid_pre`` (Gemma's ``sqrt(d_model)``
-embedding scale is already in it); where it does not (an embedding LayerNorm, as in BLOOM, or a scale
-applied after the hook), the embedding term is read where the first block reads it
-(``resid_pre`` minus the positional term).
+Every hook slices the activation at the traced positions the moment it fires (never a full cache);
+which hook holds what is read block by block (:func:`~massive_lens.origin.blocks.block_plan`).
+``hook_embed`` (+ ``hook_pos_embed`` where a learned positional embedding fires) sums to
+``blocks.0.hook_resid_pre`` (Gemma's ``sqrt(d_model)`` embedding scale is already in it); where it does
+not (an embedding LayerNorm, as in BLOOM, or a scale applied after the hook), the embedding term is
+read where the first block reads it (``resid_pre`` minus the positional term). A hook that fires with
+the positions flattened (``[batch * pos, ...]``, as in OPT's MLP) is reshaped back. The heads' outputs
+and where each head looks (its attention on the first token and its largest on one key) are read
+through the attention pass (:func:`~massive_lens.core.attention_pass.attention_reading`) on the path
+:func:`~massive_lens.core.attention_pass.choose_path` takes for the text: the eager pattern on a short
+text or with an edit attached, the fused kernel on a long one.
 
-A hook that fires with the positions flattened (``[batch * pos, ...]``, as in OPT's MLP) is
-reshaped back.
-
-The heads' outputs and where each head looks (its attention on the first token and its largest
-attention on one key, at the traced positions) are read through the attention pass
-(:func:`~massive_lens.core.attention_pass.attention_reading`, ``want={"z_read", "max_attention"}``,
-``columns=[0]``) on the path :func:`~massive_lens.core.attention_pass.choose_path` takes for the text:
-the eager pattern on a short text or with an edit attached, the fused kernel on a long one.
-
-Tracing every massive entry of a text, the pass cannot know which positions it traces until
-the last layer, yet only those need the MLP's neuron-level activations (``d_mlp`` wide, the
-bulk of what a pass would keep). So each layer keeps them only at its *candidates*: positions
-where a token-specific entry passes a criterion ten times looser (:data:`CANDIDATE_LOOSE`) at
-this layer or an earlier one, decided when the layer's ``hook_resid_post`` fires
-(:attr:`Capture.kept`). An MLP event at a position a layer did not keep is read by
-:func:`refill`, a second pass sliced at the traced positions; the residual-stream terms are
-always kept at every position.
+Tracing every massive entry of a text, the pass cannot know which positions it traces until the last
+layer, yet only those need the MLP's neuron-level activations (``d_mlp`` wide, the bulk of what a pass
+would keep). So each layer keeps them only at its *candidates*: positions where a token-specific entry
+passes a criterion ten times looser (:data:`CANDIDATE_LOOSE`) at this layer or an earlier one, decided
+when the layer's ``hook_resid_post`` fires (:attr:`Capture.kept`). An MLP event at a position a layer
+did not keep is read by :func:`refill`, a second pass sliced at the traced positions; the residual
+stream's terms are kept at every position, but a long text's one pass keeps *every* key (and reads the
+heads) at the candidates only (``choose``; :func:`~massive_lens.origin.targets.capture_found` reads a
+position that was not one from the first layer again).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -74,6 +70,8 @@ class Capture:
     _where: dict[int, int] | None = field(default=None, init=False, repr=False)  # position -> index, see index()
     norms: dict[int, tuple[Tensor, Tensor, bool]] = field(default_factory=dict, repr=False)  # layer -> norm_affine
     kept: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> indices SCOPED keys hold (else all)
+    missing: Tensor | None = field(default=None, repr=False)  # chosen positions the pass did not keep at every layer
+    final: Tensor | None = field(default=None, repr=False)  # [missing, d_model]: their last resid_post, where kept
 
     def index(self, pos: int) -> int:
         if self._where is None:  # built once: analyses ask for the same few positions hundreds of times
@@ -111,22 +109,24 @@ class Capture:
 
 
 _LAYERED = ("resid_pre", "resid_post", "attn", "mlp", "resid_mid")  # [layer, pos, d_model] in Capture.layers
-_READ = ("z", "pattern")  # plan keys read through the attention pass (where a path runs)
 _NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw", "attn_raw", "z", "pattern")
 
 
 def capture(
-    view: ModelView, batch: Batch, positions: Int[Tensor, " pos"], criterion: Criterion | None, copy: bool = False
+    view: ModelView, batch: Batch, positions: Int[Tensor, " pos"], criterion: Criterion | None, copy: bool = False,
+    choose: Callable[[ResidualReducer], Tensor] | None = None,
 ) -> Capture:
     """One no-grad forward pass; with ``criterion`` also find the massive entries (in-hook).
 
     Where every position of a one-text float32 CPU batch is kept, the per-neuron hooks keep
     the activations themselves, not copies; an activation the model then changes in place (its
-    version counter moved) makes the pass run again with copies (``copy=True``)."""
-    state = _Pass(view, batch, positions, criterion, copy)
+    version counter moved) makes the pass run again with copies (``copy=True``). ``choose`` (every
+    position, a ``criterion``): every key kept at the candidates only; the Capture holds the positions
+    ``choose`` picks from the entries found that every layer kept (the others: :attr:`Capture.missing`)."""
+    state = _Pass(view, batch, positions, criterion, copy, choose)
     state.run()
     if state.changed_in_place():
-        return capture(view, batch, positions, criterion, copy=True)
+        return capture(view, batch, positions, criterion, copy=True, choose=choose)
     return state.result()
 
 
@@ -139,7 +139,7 @@ class _Pass:
     :meth:`changed_in_place` says whether a kept view moved; :meth:`result` builds the Capture."""
 
     def __init__(self, view: ModelView, batch: Batch, positions: Tensor, criterion: Criterion | None,
-                 copy: bool) -> None:
+                 copy: bool, choose: Callable[[ResidualReducer], Tensor] | None = None) -> None:
         self.view, self.batch, self.positions = view, batch, positions
         self.plans = tuple(block_plan(view, layer) for layer in range(view.n_layers))
         self.n_batch, self.seq = batch.tokens.shape
@@ -148,6 +148,8 @@ class _Pass:
         self.every = len(positions) == seq and bool((positions.cpu() == torch.arange(seq)).all())  # no gather
         self.keep_views = self.every and self.n_batch == 1 and not copy  # keep activations, not copies
         scoped = self.every and criterion is not None  # trace every massive entry: SCOPED keys at candidates only
+        self.choose = choose if scoped else None  # and every per-layer key too (see capture)
+        self.cut = (*SCOPED, *_LAYERED, "z", "mlp_raw", "attn_raw") if self.choose is not None else SCOPED
         self.loose = loosened(criterion) if scoped else None
         self.reducer = None if criterion is None else \
             ResidualReducer(batch, criterion, entries=True, on_layer=self.settle if scoped else None)
@@ -160,6 +162,8 @@ class _Pass:
         self.stale = False  # a kept activation changed in place before its layer was settled
         self.moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in self.plans if p.experts is not None}
         self.reader = self.attention()
+        self.final: Tensor | None = None  # with choose: the last layer's resid_post, whole
+        self.looked: dict[int, Tensor | None] = {}  # with choose: layer -> the queries its heads were read at
 
     def hooks(self) -> list[tuple[str, Any]]:
         """(hook name, function) for every key of every block, and the embeddings."""
@@ -169,7 +173,7 @@ class _Pass:
             hooks.append(("hook_pos_embed", partial(self.keep, "pos_embed", -1)))
         for plan in self.plans:
             for key, name in plan.hooks.items():
-                if key in _READ and self.reader is not None:  # read through the attention pass
+                if key == "pattern" or (key == "z" and self.reader is not None):  # read through the attention pass
                     continue
                 fn = partial(self.keep, key, plan.layer)
                 if key == "resid_post" and self.reducer is not None:  # one hook: the copy, then the reduction
@@ -198,22 +202,29 @@ class _Pass:
             raise self.view.overflow_error(self.plans[bad].hooks.get(first, self.plans[bad].hooks["resid_post"]))
 
     def attention(self) -> PassReader | None:
-        """The attention pass's reading of the heads' outputs and where they look, on the path
-        :func:`~massive_lens.core.attention_pass.choose_path` takes for this text (None where neither the
-        pattern nor the kernel runs: ``hook_z`` and ``hook_pattern`` are then read where they fire)."""
+        """The attention pass's reading of the heads' outputs and where they look on ``choose_path``'s
+        path (None where neither the pattern nor the kernel runs: ``hook_z`` is read where it fires)."""
         try:
             path = choose_path(self.view, "auto", self.batch)
         except MassiveLensError:
             return None
         layers = [layer for layer in attention_layers(self.view) if "z" in self.plans[layer].hooks]
         return attention_reading(self.view, self.read, path=path, columns=[0], want={"z_read", "max_attention"},
-                                 layers=layers, max_queries=None if self.every else self.positions)
+                                 layers=layers, max_queries=self.looking if self.choose is not None else
+                                 None if self.every else self.positions)
+
+    def looking(self, layer: int) -> Tensor | None:
+        """With ``choose``: the queries whose attention is read at ``layer``, every one at the first layer
+        read, then the candidates so far (:attr:`looked`)."""
+        self.looked[layer] = None if not self.looked else self.candidate.nonzero()[:, 0]
+        return self.looked[layer]
 
     def read(self, at: PassLayer) -> None:
         """One attention layer from the pass: ``hook_z`` kept as :meth:`keep` keeps it, and per
         traced query and head the attention on the first token and the largest on one key."""
         self.keep("z", at.layer, at.z_read)
-        first = at.cols[:1, :, :, 0] if self.every else at.cols[:1, :, self.idx.to(at.cols.device), 0]
+        rows = self.looked.get(at.layer) if self.choose is not None else None if self.every else self.idx
+        first = at.cols[:1, :, :, 0] if rows is None else at.cols[:1, :, rows.to(at.cols.device), 0]
         summary = torch.stack([first.float(), at.max_attention[:1]], -1).transpose(1, 2)  # [1, pos, head, 2]
         self.store["pattern", at.layer] = summary[0].detach().float().cpu()
 
@@ -222,17 +233,13 @@ class _Pass:
         n_batch, seq = self.n_batch, self.seq
         if act.ndim == 2 and act.shape[0] == n_batch * seq:  # positions flattened (OPT's MLP)
             act = act.reshape(n_batch, seq, -1)
-        if key == "pattern" and act.ndim == 4 and act.shape[0] == n_batch and act.shape[2:] == (seq, seq):
-            summary = pattern_summary(act[:1, :, self.idx])  # [1, pos, head, 2]: kept small, never [q, k]
-            self.store[key, layer] = summary[0].detach().float().cpu()
-            return
         if key == "z" and act.ndim == 4:  # [batch, pos, head, d_head] -> [batch, pos, head * d_head]
             act = act.flatten(2)
         wide = key != "pos_embed" or act.shape[-1] == self.view.d_model
         if not (act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide):
             return
         part = (act[0] if self.every else act[0, self.idx]).detach()
-        if key in _LAYERED and layer >= 0 and part.shape[-1] == self.view.d_model:
+        if key in _LAYERED and layer >= 0 and part.shape[-1] == self.view.d_model and self.choose is None:
             if key not in self.layered:  # [layer, pos, d_model], filled in place: no stack afterwards
                 self.layered[key] = torch.empty(self.view.n_layers, len(self.idx), self.view.d_model)
             self.layered[key][layer].copy_(part)
@@ -242,6 +249,11 @@ class _Pass:
             self.versions[key, layer] = part._version
         else:
             self.store[key, layer] = part.to("cpu", torch.float32, copy=True)
+        if self.choose is not None and key == "resid_post" and layer == self.view.n_layers - 1:
+            self.final = self.store[key, layer]  # whole: the check of what is read again (Capture.final)
+        if self.choose is not None and key in self.cut and layer in self.kept:  # after its layer was settled
+            self.store[key, layer] = self.store[key, layer][self.kept[layer]]
+            self.versions.pop((key, layer), None)
 
     def settle(self, layer: int, mag: Tensor, scale: Tensor) -> None:
         """Keep layer ``layer``'s SCOPED activations at the candidates so far (all while they are many)."""
@@ -249,7 +261,7 @@ class _Pass:
         if 2 * int(self.candidate.sum()) > self.seq:
             return
         rows = self.candidate.nonzero()[:, 0]
-        for key in SCOPED:
+        for key in self.cut:
             part = self.store.get((key, layer))
             if part is None:
                 continue
@@ -263,6 +275,7 @@ class _Pass:
         return self.stale or any(self.store[key]._version != version for key, version in self.versions.items())
 
     def result(self) -> Capture:
+        missing, final = self._chosen() if self.choose is not None else (None, None)
         layers, notes = self._layers(), []
         embed, pos_embed, resid0 = self._embeddings(notes)
         neuron_data = {p.layer: _neuron_data(p, self.store) for p in self.plans}
@@ -275,7 +288,31 @@ class _Pass:
                          "neuron rows, super weights or why-this-token attribution")
         return Capture(positions=self.positions.cpu(), embed=embed, pos_embed=pos_embed, resid_pre0=resid0,
                        layers=layers, post_norm=is_post_norm(self.view), gated=any(p.gated for p in self.plans),
-                       reducer=self.reducer, plans=self.plans, neuron_data=neuron_data, notes=notes, kept=self.kept)
+                       reducer=self.reducer, plans=self.plans, neuron_data=neuron_data, notes=notes, kept=self.kept,
+                       missing=missing, final=final)
+
+    def _chosen(self) -> tuple[Tensor, Tensor | None]:
+        """Cut the pass to the positions ``choose`` picks that every layer kept (filling :attr:`layered`);
+        the others and their last ``resid_post`` (None where not kept there) are returned."""
+        chosen = self.choose(self.reducer).long()
+        sets = (*self.kept.values(), *(rows for rows in self.looked.values() if rows is not None), chosen)
+        every = torch.stack([torch.isin(chosen, rows) for rows in sets]).all(0)
+        self.positions, missing = chosen[every], chosen[~every]
+        last = self.kept.get(self.view.n_layers - 1, missing)
+        final = self.final[missing] if self.final is not None and bool(torch.isin(missing, last).all()) else None
+        for (key, layer), part in list(self.store.items()):
+            rows = self.looked.get(layer) if key == "pattern" else self.kept.get(layer) if key in self.cut and \
+                layer >= 0 else None
+            self.store[key, layer] = part[self.positions if rows is None else torch.searchsorted(rows, self.positions)]
+        for key in _LAYERED:
+            for p in self.plans:
+                if (key, p.layer) in self.store:
+                    if key not in self.layered:
+                        self.layered[key] = torch.zeros(self.view.n_layers, len(self.positions), self.view.d_model)
+                    self.layered[key][p.layer] = self.store.pop((key, p.layer))
+                    self.filled.add((key, p.layer))
+        self.kept, self.versions = {}, {}
+        return missing, final
 
     def _layers(self) -> dict[str, Tensor]:
         """``[layer, pos, d_model]`` per residual key; a parallel block's ``resid_mid`` is resid_pre + attn."""
@@ -298,8 +335,8 @@ class _Pass:
         """``embed``, ``pos_embed`` and ``resid_pre`` of block 0 (embed read there where the hooks disagree)."""
         pos_embed = self.store.get(("pos_embed", -1))
         embed, resid0 = self.store["embed", -1], self.store["resid_pre0", -1]
-        if (embed.shape != resid0.shape
-                or rel_error(embed + (0 if pos_embed is None else pos_embed), resid0) > _EMBED_TOL):
+        summed = embed + (0 if pos_embed is None else pos_embed) if embed.shape == resid0.shape else None
+        if summed is None or (resid0.numel() and rel_error(summed, resid0) > _EMBED_TOL):  # none kept: read again
             embed = resid0 - (0 if pos_embed is None else pos_embed)
             notes.append("note: hook_embed (+ hook_pos_embed) is not what the first block reads (an embedding norm "
                          "or scale comes after it); the embed term is read at blocks.0.hook_resid_pre")
@@ -351,13 +388,6 @@ def _then(first: Any, second: Any) -> Any:
         second(act, hook)
 
     return hook
-
-
-def pattern_summary(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query head 2"]:
-    """Per query and head: the attention on the first token and the largest attention on any
-    one key (what the per-head attribution says about a head; the full pattern is not kept)."""
-    p = pattern.float()
-    return torch.stack([p[..., 0], p.amax(-1)], -1).transpose(1, 2)
 
 
 def _neuron_data(plan: BlockPlan, store: dict[tuple[str, int], Tensor]) -> dict[str, Tensor]:

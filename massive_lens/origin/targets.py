@@ -2,25 +2,37 @@
 checked; the positions its capture pass keeps; and the entries it then traces, largest ``|peak|``
 first (the text's token-specific massive entries, else those of outlier dimensions, else the
 largest value where ``dim`` or ``pos`` points).
+
+A long text (where every position's neuron activations would pass :data:`CAPTURE_BUDGET`) is traced in
+one pass that keeps each layer's terms at the candidate positions only (:func:`capture_found`); a
+traced position that was not a candidate from the first layer is read again by a forward of the text
+up to it (a causal model's residual stream there does not depend on what follows; checked against the
+full pass's last layer, else the full text is read again).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from functools import partial
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from massive_lens.core.attention_pass import attention_reading, choose_path
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.reduce import ResidualReducer
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
 from massive_lens.detect.find import find_in_batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin.blocks import d_mlp
-from massive_lens.origin.capture import Capture
+from massive_lens.origin.capture import Capture, capture
+from massive_lens.origin.experts import find_experts
 
 CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
+PREFIX_TOL = 1e-4  # relative (norm): the last residual read from the text up to a position vs the full pass
 
 
 def check_index(view: ModelView, dim: int | None, pos: int | None, seq: int) -> tuple[int | None, int | None]:
@@ -36,14 +48,17 @@ def check_index(view: ModelView, dim: int | None, pos: int | None, seq: int) -> 
 
 
 def capture_positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None,
-                      criterion: Criterion) -> torch.Tensor:
+                      criterion: Criterion) -> torch.Tensor | None:
     """Positions to slice in the capture pass: ``pos``, else all (or, for a long text on a large
-    model, the massive positions from a first detection pass)."""
+    model, None: :func:`capture_found`'s one pass; with a mixture of experts the massive positions
+    from a first detection pass)."""
     seq = batch.tokens.shape[1]
     if pos is not None:
         return torch.tensor([pos])
     if seq * d_mlp(view) * view.n_layers * 12 <= CAPTURE_BUDGET:
         return torch.arange(seq)
+    if all(find_experts(view.model, getattr(block, "mlp", None)) is None for block in view.blocks):
+        return None
     with _reading(view, batch):  # on a long text, the fused kernel (the detection reads the residual only)
         found = find_in_batch(view, batch, criterion, view.chosen_layers(None)).to_frame()
     found = found[found.dim == dim] if dim is not None else found
@@ -52,6 +67,52 @@ def capture_positions(view: ModelView, batch: Batch, pos: int | None, dim: int |
     if found.empty:
         raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
     return torch.tensor(sorted(found.pos.unique().tolist()))
+
+
+def capture_found(view: ModelView, batch: Batch, dim: int | None, criterion: Criterion) -> Capture:
+    """One pass over a long text keeping each layer's terms at its candidates, sliced to the massive
+    positions found (at ``dim``; token-specific ones where there are any); a position that was not
+    kept at every layer is read by a forward of the text up to it, merged in."""
+    main = capture(view, batch, torch.arange(batch.tokens.shape[1]), criterion,
+                   choose=partial(_found_positions, view=view, dim=dim, seq=batch.tokens.shape[1]))
+    if main.missing is None or not len(main.missing):
+        return main
+    end, extra = int(main.missing.max()) + 1, None
+    if batch.pixel_values is None and main.final is not None:  # an image's tokens may attend both ways
+        extra = capture(view, Batch(batch.tokens[:, :end], batch.mask[:, :end], batch.has_bos), main.missing, None)
+        last = extra.layers["resid_post"][-1]
+        if float(((last - main.final).norm(dim=-1) / main.final.norm(dim=-1).clamp(min=1e-12)).max()) > PREFIX_TOL:
+            extra = None
+    if extra is None:  # not read, or not causal there: the whole text
+        extra = capture(view, batch, main.missing, None)
+    return _merged(main, extra)
+
+
+def _found_positions(reducer: ResidualReducer, *, view: ModelView, dim: int | None, seq: int) -> torch.Tensor:
+    """The positions of the massive entries found (at ``dim``): the token-specific ones where there are any."""
+    found = {(p, d) for _, p, d in reducer.found() if dim is None or d == dim}
+    token = {(p, d) for _, p, d in reducer.found("token") if dim is None or d == dim}
+    found = token if dim is None and token else found
+    if not found:
+        raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
+    return torch.tensor(sorted({p for p, _ in found}))
+
+
+def _merged(a: Capture, b: Capture) -> Capture:
+    """One Capture of two at disjoint positions, in position order."""
+    order = torch.cat([a.positions, b.positions]).argsort()
+
+    def cat(x: Tensor | None, y: Tensor | None, dim: int = 0) -> Tensor | None:
+        return None if x is None or y is None else torch.cat([x, y], dim).index_select(dim, order)
+
+    data = {layer: {k: cat(v, b.neuron_data.get(layer, {}).get(k)) for k, v in d.items()}
+            for layer, d in a.neuron_data.items()}
+    return dataclasses.replace(
+        a, positions=cat(a.positions, b.positions), embed=cat(a.embed, b.embed),
+        pos_embed=cat(a.pos_embed, b.pos_embed), resid_pre0=cat(a.resid_pre0, b.resid_pre0),
+        layers={k: cat(v, b.layers[k], 1) for k, v in a.layers.items()}, missing=None, final=None,
+        neuron_data={layer: {k: v for k, v in d.items() if v is not None} for layer, d in data.items()},
+        notes=list(dict.fromkeys([*a.notes, *b.notes])))
 
 
 def _reading(view: ModelView, batch: Batch) -> Any:

@@ -62,7 +62,7 @@ from massive_lens.origin.ledger import (
     reconstruction_error,
 )
 from massive_lens.origin.story import birth_key, story, together
-from massive_lens.origin.targets import capture_positions, check_index, trace_targets
+from massive_lens.origin.targets import capture_found, capture_positions, check_index, trace_targets
 from massive_lens.origin.verify import VERIFY_COLUMNS, verify_targets
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,8 @@ def trace_origin(
     criterion = as_criterion(criterion)
     positions = capture_positions(view, batch, pos, dim, criterion)
     started = time.perf_counter()
-    cap = capture(view, batch, positions, criterion)
+    cap = capture(view, batch, positions, criterion) if positions is not None else \
+        capture_found(view, batch, dim, criterion)
     pass_seconds = time.perf_counter() - started
     tokens = view.str_tokens(batch)[0]
     targets, scope_note = trace_targets(view, batch, cap, dim, pos, tokens, criterion)
