@@ -64,7 +64,10 @@ class LayerAttention:
     def columns(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query col"]:
         """The attention every query gives to the key positions ``cols`` (float32), exactly the
         pattern's columns."""
-        return _softmax_entries(self.scores(cols), self.lse)
+        out = self.scores(cols).sub_(self.lse[..., None]).exp_()  # exp(score - LSE), in place
+        if bool(torch.isfinite(out).all()):  # a masked score or an infinite LSE gave 0, as the rule says
+            return out
+        return _softmax_entries(self.scores(cols), self.lse)  # a NaN or inf reached it: the entries' own rule
 
     def scores(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query col"]:
         """Every query's attention score (logit, float32) on the key positions ``cols``, the mask's
@@ -73,9 +76,9 @@ class LayerAttention:
         b, h, n, d = self.q.shape
         k = self.k[:, :, cols].float()  # [batch kv_head col d_head]
         q = self.q.float().reshape(b, self.k.shape[1], self.group, n, d)
-        scores = (q @ k[:, :, None].transpose(-1, -2)).reshape(b, h, n, len(cols)) * self.scale
+        scores = (q @ k[:, :, None].transpose(-1, -2)).reshape(b, h, n, len(cols)).mul_(self.scale)
         qi = torch.arange(n, device=scores.device)[:, None]
-        return scores + self._bias(qi, cols[None, :])
+        return scores.add_(self._bias(qi, cols[None, :]))
 
     def rest_lse(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query"]:
         """Each query's log-sum-exp over the keys it sees other than ``cols`` (float32; ``-inf`` where
@@ -118,7 +121,7 @@ class LayerAttention:
         lse = torch.nn.functional.pad(self.lse.float(), (0, nb * blk + w - n), value=float("inf"))
         k = torch.nn.functional.pad(self.k.float(), (0, 0, 0, nb * blk - n)).repeat_interleave(self.group, 1)
         qw = q.unfold(2, blk + w, blk)  # [b h nb d blk+w]: each key block's queries
-        scores = torch.einsum("bhnds,bhnkd->bhnsk", qw, k.reshape(b, h, nb, blk, d)) * self.scale
+        scores = torch.einsum("bhnds,bhnkd->bhnsk", qw, k.reshape(b, h, nb, blk, d)).mul_(self.scale)
         qi = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk + w, device=dev))[:, :, None]
         ki = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk, device=dev))[:, None, :]
         real = torch.nn.functional.pad(valid.to(dev, torch.float32), (0, nb * blk + w - n))
@@ -126,7 +129,7 @@ class LayerAttention:
         count = band.sum(2).reshape(b, nb * blk)[:, :n]
         lse = lse.unfold(2, blk + w, blk)[..., None]
         if self.mask is None and self.causal:  # every key of the band is before its query: no bias, one select
-            p = torch.where(band[:, None] != 0, torch.exp(scores - lse), torch.zeros((), device=dev))
+            p = (scores - lse).exp_().masked_fill_(band[:, None] == 0, 0.0)  # one buffer, written in place
             mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
             if bool(torch.isfinite(mass).all()):  # else a NaN or inf reached the band: the entries' own rule
                 return mass / count.clamp(min=1)[:, None], count
