@@ -53,7 +53,7 @@ test: $(STAMP)
 
 check: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest tests -q -x --quick -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -q -x --quick -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-tl3: $(STAMP_TL3)
 	$(VENV_TL3)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(TL3_SELECT) $(TL3_TESTS)

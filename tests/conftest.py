@@ -50,6 +50,14 @@ SPREAD = ("tests/test_docs_examples.py::test_docs_page_examples_run", "tests/tes
           "_allocator", "tests/test_nnsight.py::test_real_models_same_numbers")
 
 
+# The units that start first in each process, whatever their number of tests: the memory watch's test walks
+# every object alive (2 s at a process's start, 13-20 s late in one: its walks queue one after another), and
+# the others run long for their few tests (a subprocess, a model trained), so none of them starts last while
+# the other process has nothing left to do. By file, as measured in a one-process --quick run.
+FIRST = ("tests/test_report_memory_watch.py", "tests/test_bench_vocab.py", "tests/test_head_curve.py",
+         "tests/test_quant_granularity.py", "tests/test_layout.py", "tests/test_handover.py")
+
+
 def work_unit(nodeid: str) -> str:
     """What make test's scheduler keeps in one worker process: the test's file, or the test itself
     where it is one of :data:`SPREAD`."""
@@ -69,14 +77,16 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """In make test's worker processes, the units holding a ``slow`` or ``real`` test come first, then
-    the others, each kind by its number of tests, most first (make test keeps this order:
-    ``--no-loadscope-reorder``), so that no long unit starts last; under ``--quick``, keep only what
-    runs on a tiny llama in seconds."""
+    """The units of :data:`FIRST` come first, in its order; in make test's and make check's worker processes, then the
+    units holding a ``slow`` or ``real`` test, then the others, each kind by its number of tests, most
+    first (both keep this order: ``--no-loadscope-reorder``), so that no long unit starts last; under
+    ``--quick``, keep only what runs on a tiny llama in seconds."""
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the order it collects is the order handed out
         units = Counter(work_unit(item.nodeid) for item in items)
         slow = {work_unit(item.nodeid) for item in items if any(map(item.get_closest_marker, ("slow", "real")))}
         items.sort(key=lambda item: (work_unit(item.nodeid) not in slow, -units[work_unit(item.nodeid)]))  # stable
+    first = {unit: i for i, unit in enumerate(FIRST)}
+    items.sort(key=lambda item: first.get(work_unit(item.nodeid), len(FIRST)))  # stable: the rest as above
     if not config.getoption("--quick"):
         return
     others = set(FAMILIES) - {"llama"}
