@@ -31,14 +31,13 @@ def reductions(x: Float[Tensor, "batch head_index pos dim"], keep: Bool[Tensor, 
     if basis is None:
         norms = torch.linalg.vector_norm(x, dim=-1)  # [batch head pos]
     else:
-        rows = basis.transpose(-1, -2).contiguous()  # [batch head d_model dim]: W_O's stored layout, 2x faster
-        gram = rows.transpose(-1, -2) @ rows  # [batch head dim dim]
+        gram = basis @ basis.transpose(-1, -2)  # [batch head dim dim]
         norms = ((x @ gram) * x).sum(-1).clamp(min=0).sqrt()
-    mean = (share[:, None, None, :] @ x)  # [batch head 1 dim]
-    unit_sum = (w[:, None, :] / norms.clamp(min=1e-12))[:, :, None, :] @ x
+    # the mean and the sum of unit vectors, [batch head 2 dim]: one product each, then one through the basis
+    sums = torch.stack([share[:, None, :].expand(-1, x.shape[1], -1), w[:, None, :] / norms.clamp(min=1e-12)], 2) @ x
     if basis is not None:
-        mean, unit_sum = mean @ basis, unit_sum @ basis
-    return mean[:, :, 0], unit_sum[:, :, 0], (norms.pow(2) * share[:, None]).sum(-1), (norms * share[:, None]).sum(-1)
+        sums = sums @ basis
+    return sums[:, :, 0], sums[:, :, 1], (norms.pow(2) * share[:, None]).sum(-1), (norms * share[:, None]).sum(-1)
 
 
 def constancy(parts: Sequence[tuple[Tensor, ...]], keep: Bool[Tensor, "batch pos"]) -> Float[Tensor, "term head 5"]:
@@ -58,6 +57,8 @@ def constancy(parts: Sequence[tuple[Tensor, ...]], keep: Bool[Tensor, "batch pos
     if not bool(texts.any()):
         return torch.full((*mean.shape[:1], mean.shape[2], 5), float("nan"))
     stats = torch.stack([norm_mean, spread, cos], -1)[:, texts]  # [term text head 3]
+    if int(texts.sum()) < 2:  # across texts: undefined for one
+        return torch.cat([stats.nanmean(1), torch.full((*stats.shape[:1], stats.shape[2], 2), float("nan"))], -1)
     text_means = mean[:, texts].double()
     grand = text_means.mean(1, keepdim=True)
     spread = (text_means - grand).pow(2).sum(-1).mean(1).sqrt() / grand[:, 0].norm(dim=-1).clamp(min=1e-12)

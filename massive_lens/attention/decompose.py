@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -145,18 +146,18 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
     held: dict[int, Tensor] = {}  # per layer, the values of the kept columns, until the pass has found the sinks
     trim = _trim_each_layer(batch, terms.sink.shape[-1])
+    if given is not None:
+        terms.plan(given.mask[:, columns], batch.mask, given.mask)
 
     def take(at: PassLayer) -> None:
         # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v
         _check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
-        v = at.v[:, columns.to(at.v.device)].repeat_interleave(at.shape[1] // at.v.shape[2], dim=2)  # per query head
-        parts = (at.z, at.cols.to(at.z.dtype), v)
+        parts = (at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)])  # v: the kv heads' values
         if given is None:
             terms.hold(at.layer, parts[0], parts[1], at.out)
             held[at.layer] = parts[2].detach().cpu()
         else:
-            _split(view, at.layer, *parts, at.out.detach(), given.mask[:, columns], weights[at.layer], batch.mask,
-                   given.mask, terms)
+            _split(view, at.layer, *parts, at.out.detach(), weights[at.layer], terms)
         trim()  # the layer's transients, freed, handed back: held between them they would fragment
 
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None  # the sink rule reads every layer
@@ -170,12 +171,14 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         inside = found.mask[:, columns]
         if int(inside.sum()) < int(found.mask.sum()):  # a sink outside the kept columns: a second pass
             return decompose_attention(model, text, layers=layers, sinks=found, attention=path)
+        terms.plan(inside, batch.mask, found.mask)
         for layer in layers:
             z, pattern, out = terms.held(layer)
-            _split(view, layer, z, pattern, held.pop(layer), out, inside, weights[layer], batch.mask, found.mask,
-                   terms)
+            _split(view, layer, z, pattern, held.pop(layer), out, weights[layer], terms)
             trim()
-    trim_allocator()
+        terms.drop_held()
+    if trim is not _no_trim:  # where the layers' terms are large: small transients are reused
+        trim_allocator()
     stats = constancy([parts for _, _, parts in terms.stats], batch.mask & ~found.mask)  # [term head 5]
     rows = [(layer, h, term, *vals) for (layer, term, _), per_head in zip(terms.stats, stats.tolist(), strict=True)
             for h, vals in enumerate(per_head)]
@@ -216,6 +219,8 @@ class _Terms:
         self.stats: list[tuple[int, str, tuple[Tensor, ...]]] = []
         self.errors: list[tuple[int, float]] = []
         self.out_hooks: dict[int, str] = {}  # where each layer's attention output is read
+        self._plan: tuple[Tensor, ...] = ()  # see plan
+        self._on: dict[torch.device, tuple[Tensor, ...]] = {}
 
     def hold(self, layer: int, z: Tensor, pattern: Tensor, out: Tensor) -> None:
         if self._pattern is None:
@@ -232,30 +237,45 @@ class _Terms:
         i = self.index[layer]
         return self._z[i], self._pattern[i], self.content[i] if self.whole else self._rows.pop(i)
 
+    def drop_held(self) -> None:
+        """Free the attention held on the kept columns once every layer is split."""
+        self._pattern = None
 
-def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor, keys: Tensor,
-           weights: tuple[Tensor, Tensor | None], valid: Tensor, sinks: Tensor, terms: _Terms) -> None:
+    def plan(self, keys: Tensor, valid: Tensor, sinks: Tensor) -> None:
+        """What every layer's split shares: the kept columns that are a sink in some sequence, which
+        of them are each sequence's sinks (``keys [batch col]``), the real positions and those the
+        statistics count (not a sink)."""
+        used = keys.any(0).nonzero()[:, 0]
+        self._plan, self._on = (used, keys[:, used], valid, valid & ~sinks), {}
+
+    def on(self, device: torch.device) -> tuple[Tensor, ...]:
+        """:meth:`plan`'s tensors and :func:`check_rows` on ``device``."""
+        if device not in self._on:
+            self._on[device] = (*(t.to(device) for t in self._plan), check_rows(self._plan[2].shape[1], device))
+        return self._on[device]
+
+
+def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor,
+           weights: tuple[Tensor, Tensor | None], terms: _Terms) -> None:
     """One layer's terms from the heads' outputs ``z [batch query head d_head]``, the attention on
-    the kept key columns ``pattern [batch head query col]`` and their values ``v [batch col head
-    d_head]``; ``keys [batch col]`` marks the sinks among the columns. The sink term is each
-    sink's value through ``W_O``, weighted; the content term is the rest, the attention output ``out
-    [batch query d_model]`` less the sink term and ``b_O`` (its per-head statistics from the other
-    keys' share of the heads' outputs, through ``W_O``); summed over heads (the per-head terms are
-    read only through their factors; where ``out`` holds only the check rows, the content term is
-    ``z_content W_O`` at every row). The reconstruction error recorded is ``||sink + z_content W_O
-    + b_O - attn_out|| / ||attn_out||`` on the real positions of :func:`check_rows`: where it is
-    small the output is the heads' outputs through ``W_O`` plus ``b_O`` and the content term is theirs.
-    What it catches, an output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows
-    at every row."""
+    the kept key columns ``pattern [batch head query col]`` and their values ``v [batch col kv_head
+    d_head]`` (which columns are sinks: :meth:`_Terms.plan`). The sink term is each sink's value
+    through ``W_O``, weighted; the content term is the rest, the attention output ``out [batch query
+    d_model]`` less the sink term and ``b_O`` (its per-head statistics from the other keys' share of the
+    heads' outputs, through ``W_O``); summed over heads (the per-head terms are read only through their
+    factors; where ``out`` holds only the check rows, the content term is ``z_content W_O`` at every
+    row). The reconstruction error recorded is ``||sink + z_content W_O + b_O - attn_out|| /
+    ||attn_out||`` on the real positions of :func:`check_rows`: where it is small the output is the
+    heads' outputs through ``W_O`` plus ``b_O`` and the content term is theirs. What it catches, an
+    output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows at every row."""
     W_O, b_O = weights
     device = z.device
     W_O = W_O.to(z)
-    pattern, v, keys = pattern.to(device), v.to(device), keys.to(device)
-    used = keys.any(0).nonzero()[:, 0]  # the columns that are a sink in some sequence
-    pattern, v, keys = pattern[..., used], v[:, used].transpose(1, 2), keys[:, used]  # v: [batch head sink d_head]
-    at_sinks = pattern * keys[:, None, None, :].to(pattern.dtype)  # [batch head query sink]
+    used, keys, valid, keep, rows = terms.on(device)
+    at_sinks = pattern.to(device)[..., used] * keys[:, None, None, :].to(pattern.dtype)  # [batch head query sink]
+    group = z.shape[2] // v.shape[2]  # query heads per kv head
+    v = v.to(device)[:, used].transpose(1, 2).repeat_interleave(group, dim=1)  # [batch head sink d_head]
     sink_values = v @ W_O[None]  # [batch head sink d_model]: each sink's value through W_O
-    keep = (valid & ~sinks).to(device)
     sink = at_sinks.transpose(1, 2).flatten(2) @ sink_values.flatten(1, 2)  # [batch query d_model], summed over heads
     z_content = z - (at_sinks @ v).transpose(1, 2)  # the heads' outputs from the other keys
     # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows):
@@ -263,10 +283,9 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     stats = {"sink": reductions(at_sinks, keep, basis=sink_values),
              "content": reductions(z_content.transpose(1, 2), keep, basis=W_O[None])}
     bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
-    rows = check_rows(z.shape[1], device)
     every = len(rows) == z.shape[1]  # every row checked: no gather
     whole = out.shape[1] == z.shape[1]  # else ``out`` holds the check rows only
-    out, on = out.to(device), valid.to(device) if every else valid.to(device)[:, rows]
+    out, on = out.to(device), valid if every else valid[:, rows]
     seen = out if every or not whole else out[:, rows]
     # the check: on its rows the content term is also taken through W_O (z_content W_O, the product the
     # model's own output projection computes), and sink + that + b_O is compared with the output
@@ -285,9 +304,11 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     for name, parts in stats.items():
         terms.stats.append((layer, name, parts))
     i = terms.index[layer]  # z and out are not read after this point: the terms may be written over them
-    if content is None:  # the output less the sink term and b_O
-        content = out - sink.to(out.dtype) - bias.to(out.dtype)
-    terms.content[i].copy_(content)
+    target = terms.content[i]
+    if content is None and out.dtype == target.dtype and out.device == target.device:
+        torch.sub(out, sink, out=target).sub_(bias)  # the output less the sink term and b_O (in place where held)
+    else:
+        target.copy_(out - sink.to(out.dtype) - bias.to(out.dtype) if content is None else content)
     terms.sink[i].copy_(sink)
     terms.bias.append(bias.cpu())
 
@@ -296,15 +317,22 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
 # output is held whole (its content term then costs no product); above it the output's check rows only
 HOLD_OUTPUT_BYTES = 32 << 20
 
-# a layer's term ([batch, pos, d_model] float32) from which the freed transients are handed back after
-# every layer; below it once after the pass: each trim costs the next layer's page faults (at 128 tokens
-# on SmolLM2, per-layer trims took a third of a plain forward's CPU time), and small transients are reused
+# a layer's term ([batch, pos, d_model] float32) from which the freed transients are handed back every
+# TRIM_EVERY layers and after the split; below it never: each trim costs the next layer's page faults (at 128
+# tokens on SmolLM2, per-layer trims took a third of a plain forward's CPU time), and small transients are reused.
+# At 2,048 tokens (one thread, docs/benchmarks.md round 4): every layer 1.18x the SDPA forward's time, 0.85x its
+# memory; every third 1.14x, 0.89x; never 1.09x, 1.54x (freed transients between held buffers stay resident)
 TRIM_BYTES = 2 << 20
+TRIM_EVERY = 3
 
 
 def _trim_each_layer(batch: Any, d_model: int) -> Callable[[], None]:
-    """:func:`~massive_lens.core.budget.trim_allocator` where a layer's terms reach ``TRIM_BYTES``, else nothing."""
-    return trim_allocator if batch.mask.numel() * d_model * 4 >= TRIM_BYTES else _no_trim
+    """Every ``TRIM_EVERY``-th call :func:`~massive_lens.core.budget.trim_allocator` where a layer's terms
+    reach ``TRIM_BYTES``, else nothing."""
+    if batch.mask.numel() * d_model * 4 < TRIM_BYTES:
+        return _no_trim
+    calls = itertools.count(1)
+    return lambda: trim_allocator() if next(calls) % TRIM_EVERY == 0 else None
 
 
 def _no_trim() -> None:
