@@ -22,6 +22,10 @@ TEST_WORKERS ?= 2
 # The quick loop (make check, tests/conftest.py's --quick): tiny llama models only; the other families,
 # the real models, torchrun, the notebooks, the browser, the docs, the architecture matrix and the
 # doctests are left to make test.
+# The test runs write their bytecode caches (__pycache__/, git-ignored) even where PYTHONDONTWRITEBYTECODE
+# is set, as on the development machines: without them each test process rewrote the test files' asserts
+# and re-instrumented the package for jaxtyping on every run (7 s of CPU of a --quick process's start).
+KEEP_BYTECODE := PYTHONDONTWRITEBYTECODE=
 
 .PHONY: demo test check test-tl3 bench docs lint clean
 
@@ -49,11 +53,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
+	$(KEEP_BYTECODE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
 
 check: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest tests -q -x --quick -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(KEEP_BYTECODE) $(BIN)/python -m pytest tests -q -x --quick -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-tl3: $(STAMP_TL3)
 	$(VENV_TL3)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(TL3_SELECT) $(TL3_TESTS)
