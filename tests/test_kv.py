@@ -118,3 +118,54 @@ def test_a_sink_set_found_once_serves_both_analyses():
     assert dormant_heads(model, text, sinks=found).to_frame().equals(dormant_heads(model, text).to_frame())
     with pytest.raises(MassiveLensError, match="find the sinks on the same text"):
         sink_kv(model, "Hi.", sinks=found)
+
+
+def _agree(a, b, tol: float) -> None:
+    """Every numeric column of two frames within ``tol`` of that column's largest entry."""
+    assert list(a.columns) == list(b.columns) and len(a) == len(b)
+    for col in a.select_dtypes("number").columns if len(a) else ():
+        x, y = torch.tensor(a[col].to_numpy()), torch.tensor(b[col].to_numpy())
+        assert (x - y).abs().max() <= tol * x.abs().max().clamp(min=1e-12), (col, float((x - y).abs().max()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "gemma3"])
+def test_both_paths_agree(family):
+    """The eager hooks and the fused kernel give one table (issue 50: a reducer over the one pass), with
+    several sinks per sequence, different ones in each, and a padded batch; float32 kernels differ in the
+    last bits, so the tolerance is 1e-5 of each column's largest entry."""
+    model = tiny_model(family)
+    tokens = torch.randint(1, 200, (2, 14), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 14, dtype=torch.bool)
+    mask[0, [0, 5]], mask[1, [0, 3, 7]] = True, True
+    texts = ["Hello there, world. The cat sat on the mat.", "A deer feeds."]
+    with untouched(model):
+        for text, sinks in ((tokens, mask), (texts, [0, 2])):
+            eager = sink_kv(model, text, sinks=sinks, attention="eager")
+            lse = sink_kv(model, text, sinks=sinks, attention="lse")
+            _agree(eager.to_frame(), lse.to_frame(), 1e-5)
+            _agree(eager.bands, lse.bands, 1e-5)
+    assert eager.rotary == (family != "gpt2") and not eager.to_frame().isna().any().any()
+
+
+def test_reads_its_layers_from_the_pass():
+    """kv.py names no attention hook and no path (issue 50); past LSE_FROM tokens 'auto' reads the kernel,
+    and agrees with the eager hooks."""
+    import ast
+    import pathlib
+
+    from massive_lens.core.attention_pass import LSE_FROM
+
+    tree = ast.parse((pathlib.Path(__file__).parents[1] / "massive_lens" / "attention" / "kv.py").read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree) if isinstance(node, (ast.Module, ast.ClassDef,
+            ast.FunctionDef)) and node.body and isinstance(node.body[0], ast.Expr)}
+    words = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and id(n) not in docs] + [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)]
+    assert not [w for w in words if "hook_" in w.replace("resid_post", "") or w in ("LSE", "EAGER", "lse", "eager",
+                                                                                     "LayerGather")]
+    model = tiny_model("llama", max_position_embeddings=2 * LSE_FROM)
+    tokens = torch.randint(1, model.cfg.d_vocab, (1, LSE_FROM + 8), generator=torch.Generator().manual_seed(0))
+    with untouched(model):
+        auto, eager = sink_kv(model, tokens, sinks=[0, 9]), sink_kv(model, tokens, sinks=[0, 9], attention="eager")
+    _agree(auto.to_frame(), eager.to_frame(), 1e-5)
+    with pytest.raises(MassiveLensError, match="attention must be one of"):
+        sink_kv(model, "Hello there.", attention="fast")

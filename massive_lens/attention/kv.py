@@ -9,8 +9,9 @@ al. (ICML 2025) find **massive values in queries and keys** concentrated in a fe
 frequency pairs, mostly the low-frequency ones, which RoPE barely turns.
 
 :func:`sink_kv` measures all of it in one forward pass, per layer and head (a query head ``h``
-reads kv head ``h // (n_heads // n_kv_heads)``), reducing each layer's queries, keys, values
-and pattern inside its hooks:
+reads kv head ``h // (n_heads // n_kv_heads)``), reducing each layer's queries, keys, values and
+attention on the sink columns as the attention pass (:mod:`massive_lens.core.attention_pass`)
+hands them over, from the eager hooks or the fused kernel alike:
 
 - ``key_ratio``: the sink's key norm over the median key norm of the other real tokens;
 - ``key_cos_query``: cosine of the sink's key to the mean query (real, non-sink queries);
@@ -26,9 +27,9 @@ and pattern inside its hooks:
   real positions, and the pair's frequency. A model without rotary embeddings has none, and
   the summary says so.
 
-Keys and queries are read after the rotary embedding where the model has a hook for it
-(``attn.hook_rot_q``/``hook_rot_k``), so logits and cosines are the ones the model computes;
-norms and pair amplitudes do not change under the rotation.
+Keys and queries are read after the rotary embedding (on the eager path where the model has a
+hook for it, ``attn.hook_rot_q``/``hook_rot_k``; the fused kernel's always are), so logits and
+cosines are the ones the model computes; norms and pair amplitudes do not change under the rotation.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
-from massive_lens.core.gather import LayerGather
+from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -120,37 +121,42 @@ def _rotary(view: ModelView) -> tuple[int, float] | None:
     return int(getattr(view.cfg, "rotary_dim", None) or view.cfg.d_head), float(getattr(view.cfg, "rotary_base", 10000))
 
 
-def _norm_stats(x: Tensor, sink: Bool[Tensor, "batch pos"], other: Bool[Tensor, "batch pos"]) -> tuple[Tensor, Tensor]:
-    """Per head: mean norm at the sinks, median norm at the other positions."""
-    n = x.norm(dim=-1)  # [batch pos head]
+def _norm_stats(x: Tensor, group: int, sink: Bool[Tensor, "batch pos"], other: Bool[Tensor, "batch pos"]
+                ) -> tuple[Tensor, Tensor]:
+    """Per query head (``group`` of them read each kv head of ``x``): mean norm at the sinks, median norm at
+    the other positions."""
+    n = x.float().norm(dim=-1).repeat_interleave(group, dim=-1)  # [batch pos head]
     return n[sink].mean(0), n[other].median(0).values
 
 
-def _layer_rows(layer: int, q: Tensor, k: Tensor, v: Tensor, pattern: Tensor, sink: Tensor, real: Tensor
-                ) -> list[list[Any]]:
+def _layer_rows(at: PassLayer, columns: Tensor, sink: Tensor, real: Tensor) -> list[list[Any]]:
+    """One layer's rows from what the pass handed over: the queries, keys and values at every position
+    and the attention on the key ``columns`` (every sink of ``sink [batch pos]`` among them)."""
+    q, k, v = at.q.detach().float(), at.k.detach(), at.v.detach()
     heads = q.shape[2]
     group = heads // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2).float(), v.repeat_interleave(group, dim=2).float()
-    q = q.float()
     other = real & ~sink
-    k_sink, k_med = _norm_stats(k, sink, other)
-    v_sink, v_med = _norm_stats(v, sink, other)
+    k_sink, k_med = _norm_stats(k, group, sink, other)
+    v_sink, v_med = _norm_stats(v, group, sink, other)
+    on = sink[:, columns]  # [b col]: which columns are sinks in each sequence
+    k_col = k[:, columns].float().repeat_interleave(group, dim=2)  # [b col head d]
     mean_q = q[other].mean(0)  # [head d]
-    cos = torch.nn.functional.cosine_similarity(k[sink], mean_q[None], dim=-1).mean(0)
-    logits = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    cos = torch.nn.functional.cosine_similarity(k_col[on], mean_q[None], dim=-1).mean(0)
+    logits = torch.einsum("bqhd,bchd->bhqc", q, k_col)
     pos = torch.arange(q.shape[1], device=q.device)
-    pairs = (other[:, :, None] & sink[:, None, :] & (pos[:, None] > pos[None])[None]).float()  # [b q k]
+    pairs = (other[:, :, None] & on[:, None, :] & (pos[:, None] > columns[None])[None]).float()  # [b q col]
     n = pairs.sum().clamp(min=1)
-    s1 = torch.einsum("bhqk,bqk->h", logits, pairs) / n
-    s2 = torch.einsum("bhqk,bqk->h", logits.pow(2), pairs) / n
-    p = pattern.float() * sink[:, None, None, :].float()
+    s1 = torch.einsum("bhqc,bqc->h", logits, pairs) / n
+    s2 = torch.einsum("bhqc,bqc->h", logits.pow(2), pairs) / n
+    p = at.cols.detach().float() * on[:, None, None, :].float()  # [b h q col]: the attention on the sinks
     queries = (other & (sink.long().cumsum(1) > 0)).float()  # non-sink queries that can see a sink
-    mass = torch.einsum("bhqk,bq->h", p, queries) / queries.sum().clamp(min=1)
-    term = torch.einsum("bhqk,bkhd->bqhd", p, v).norm(dim=-1)  # [b q h]
+    mass = torch.einsum("bhqc,bq->h", p, queries) / queries.sum().clamp(min=1)
+    v_col = v[:, columns].float().repeat_interleave(group, dim=2)
+    term = torch.einsum("bhqc,bchd->bqhd", p, v_col).norm(dim=-1)  # [b q h]
     term = torch.einsum("bqh,bq->h", term, queries) / queries.sum().clamp(min=1)
     cols = torch.stack([k_sink, k_med, k_sink / k_med.clamp(min=1e-12), cos, s1 ** 2 / s2.clamp(min=1e-30), v_sink,
                         v_med, v_sink / v_med.clamp(min=1e-12), mass, mass * v_sink, term], 1).double().cpu().tolist()
-    return [[layer, h, h // group, *cols[h]] for h in range(heads)]
+    return [[at.layer, h, h // group, *cols[h]] for h in range(heads)]
 
 
 def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int, float]) -> list[list[Any]]:
@@ -158,16 +164,41 @@ def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int
     half = dim // 2
     group = q.shape[2] // k.shape[2]
     amp = []
-    for x in (q.float(), k.float().repeat_interleave(group, dim=2)):
+    for x, repeat in ((q, 1), (k, group)):
+        x = x.detach().float()
         a = (x[..., :half].pow(2) + x[..., half:dim].pow(2)).sqrt()  # [b p head half]
-        amp.append(a[real].amax(0))  # [head half]
+        amp.append(a[real].amax(0).repeat_interleave(repeat, dim=0))  # [head half]
     freq = (base ** (-2 * torch.arange(half, dtype=torch.float64) / dim)).tolist()
     q_max, k_max = amp[0].double().cpu().tolist(), amp[1].double().cpu().tolist()
     return [[layer, h, i, freq[i], q_max[h][i], k_max[h][i]] for h in range(q.shape[2]) for i in range(half)]
 
 
+class _Reduce:
+    """Each layer's rows as the attention pass hands it over (kept: the rows, never the layer)."""
+
+    def __init__(self, view: ModelView, sink: Tensor, real: Tensor, columns: Tensor, rotary: tuple[int, float] | None):
+        self.view, self.sink, self.real, self.columns, self.rotary = view, sink, real, columns, rotary
+        self.rows: list[list[Any]] = []
+        self.bands: list[list[Any]] = []
+
+    def add(self, at: PassLayer) -> None:
+        q, k, v = at.q, at.k, at.v
+        shaped = all(t.ndim == 4 and tuple(t.shape[:2]) == tuple(self.sink.shape) for t in (q, k, v))
+        if not shaped or q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2] or at.shape[1] != q.shape[2]:
+            raise MassiveLensError(f"{self.view.name}: layer {at.layer} has q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                                   f"v {tuple(v.shape)}, pattern {tuple(at.shape)}; sink_kv needs [batch, pos, "
+                                   "head, d_head] with query heads a multiple of the kv heads and one pattern per "
+                                   "query head (multi-head latent attention compresses its keys and values, and is "
+                                   "not read)")
+        dev = q.device
+        sink, real = self.sink.to(dev), self.real.to(dev)
+        self.rows.extend(_layer_rows(at, self.columns.to(dev), sink, real))
+        if self.rotary is not None:
+            self.bands.extend(_band_rows(at.layer, q, k, real, self.rotary))
+
+
 def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = None,
-            layers: int | Sequence[int] | None = None) -> SinkKV:
+            layers: int | Sequence[int] | None = None, attention: str = "auto") -> SinkKV:
     """The sink's keys (a key bias?) and values (a drain?) per layer and head, and the largest
     query and key amplitudes per rotary frequency pair (see the module docstring).
 
@@ -178,13 +209,18 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
             ``find_sinks`` gave for the same text); None: the
             positions that act as sinks (``find_sinks``, one more forward pass), else the first token.
         layers: a layer or a sequence of layers (None: all).
+        attention: ``"auto"`` (the default: the eager hooks below 512 tokens, where they are the
+            faster; from there the queries, keys and values of the fused SDPA kernel and the attention
+            on the sinks from its log-sum-exp where the model supports it, no pattern built; see
+            :func:`~massive_lens.core.attention_pass.choose_path`), ``"lse"`` or ``"eager"``.
 
     Returns:
         A :class:`SinkKV`.
 
     Raises:
         MassiveLensError: if ``layers`` or ``sinks`` is invalid, every real position is a sink
-            (nothing to compare with), or the model has no per-head query/key/value hooks.
+            (nothing to compare with), the model has no per-head query/key/value hooks (on the eager
+            path), or ``attention="lse"`` on a model whose kernel cannot give the log-sum-exp.
 
     >>> from massive_lens import tiny_model
     >>> kv = sink_kv(tiny_model("llama"), "Hello there, world.", sinks=[0])
@@ -194,42 +230,24 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     view = ModelView(model)
     chosen = view.chosen_layers(layers)
     batch = view.tokenize(text)
-    found = sink_mask(model, batch, sinks)
+    path = choose_path(view, attention, batch)
+    found = sink_mask(model, batch, sinks, path)
     sink = found.mask & batch.mask
     if not bool((batch.mask & ~sink).any()):
         raise MassiveLensError("every real position is a sink: sink_kv needs other tokens to compare with; "
                                "give a longer text")
     rotary = _rotary(view)
-    rows: list[list[Any]] = []
-    bands: list[list[Any]] = []
-
-    def ready(layer: int, *acts: Tensor) -> None:
-        q, k, v, pattern = (act.detach() for act in acts)
-        shaped = all(t.ndim == 4 and tuple(t.shape[:2]) == tuple(sink.shape) for t in (q, k, v))
-        if not shaped or q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2] or pattern.shape[1] != q.shape[2]:
-            raise MassiveLensError(f"{view.name}: layer {layer} has q {tuple(q.shape)}, k {tuple(k.shape)}, v "
-                                   f"{tuple(v.shape)}, pattern {tuple(pattern.shape)}; sink_kv needs [batch, pos, "
-                                   "head, d_head] with query heads a multiple of the kv heads and one pattern per "
-                                   "query head (multi-head latent attention compresses its keys and values, and is "
-                                   "not read)")
-        s, r = sink.to(q.device), batch.mask.to(q.device)
-        rows.extend(_layer_rows(layer, q, k, v, pattern, s, r))
-        if rotary is not None:
-            bands.extend(_band_rows(layer, q, k, r, rotary))
-
-    gather, hooks = LayerGather(("q", "k", "v", "pattern"), ready), []
-    for layer in chosen:
-        rot = view.has_hook(layer, "attn.hook_rot_q")
-        for key, name in (("q", "attn.hook_rot_q" if rot else "attn.hook_q"), ("k", "attn.hook_rot_k" if rot else
-                          "attn.hook_k"), ("v", "attn.hook_v"), ("pattern", "attn.hook_pattern")):
-            hooks.append((view.hook_name(layer, name), gather.hook(key, layer)))
-    view.forward(batch, hooks, stop_after=view.hook_name(max(chosen), "resid_post"))
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    if sorted(set(frame["layer"])) != chosen:
+    columns = sink.any(0).nonzero()[:, 0]  # the key columns read: every sink, in some sequence
+    reduce = _Reduce(view, sink, batch.mask, columns, rotary)
+    reader = attention_reading(view, reduce.add, path=path, columns=columns, want=("q", "k", "v"), layers=chosen)
+    with reader:
+        view.forward(batch, reader.hooks, stop_after=view.hook_name(max(chosen), "resid_post"))
+    if sorted(reader.done) != chosen:
         raise MassiveLensError(f"{view.name}: the query, key, value and pattern hooks did not all fire in layers "
-                               f"{sorted(set(chosen) - set(frame['layer']))}; sink_kv cannot read them")
+                               f"{sorted(set(chosen) - reader.done)}; sink_kv cannot read them")
+    frame = pd.DataFrame(reduce.rows, columns=COLUMNS)
     frame[["layer", "head", "kv_head"]] = frame[["layer", "head", "kv_head"]].astype(int)
-    band_frame = pd.DataFrame(bands, columns=BAND_COLUMNS)
+    band_frame = pd.DataFrame(reduce.bands, columns=BAND_COLUMNS)
     band_frame[["layer", "head", "band"]] = band_frame[["layer", "head", "band"]].astype(int)
     return SinkKV(frame=frame, bands=band_frame, model_name=view.name, sink_source=found.source,
                   rotary=rotary is not None, sinks=found)

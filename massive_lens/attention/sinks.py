@@ -12,7 +12,6 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -121,26 +120,6 @@ class SinkSet:
 # sink positions as the analyses take them: a list of positions, a bool [batch, pos] mask, a SinkSet
 # found earlier on the same batch (``find_sinks``; one pass for several analyses), or None (found here)
 Sinks = Sequence[int] | Tensor | SinkSet | None
-
-
-def sink_hooks(view: ModelView, evidence: SinkEvidence, patterns: bool = True) -> list[tuple[str, Any]]:
-    """Hooks that feed ``evidence`` every layer's residual stream and attention pattern (layers
-    without an attention pattern, as in recurrent or hybrid models, give only the former;
-    ``patterns=False``: the residual only, for a caller that feeds the patterns itself)."""
-    hooks = []
-    for layer in range(view.n_layers):
-        if patterns and view.has_hook(layer, "attn.hook_pattern"):
-            hooks.append((view.hook_name(layer, "attn.hook_pattern"), partial(_add_pattern, evidence=evidence)))
-        hooks.append((view.hook_name(layer, "resid_post"), partial(_add_resid, evidence=evidence, layer=layer)))
-    return hooks
-
-
-def _add_pattern(pattern: Tensor, hook: Any, *, evidence: SinkEvidence) -> None:
-    evidence.add_pattern(pattern)
-
-
-def _add_resid(resid: Tensor, hook: Any, *, evidence: SinkEvidence, layer: int) -> None:
-    evidence.add_resid(layer, resid)
 
 
 def sinks_from(evidence: SinkEvidence, kinds: Int[Tensor, "batch pos"], attention: str = "") -> SinkSet:
