@@ -2,7 +2,8 @@
 massive activation, and one given target) and of ``decompose_attention`` (sinks given and found) and
 ``sink_census`` (128 tokens) to a plain forward pass; issue 40's ``sink_circuit`` (128 tokens, the split
 without the causal check); issue 50's ``sink_attention``, ``dormant_heads`` and ``find_sinks`` (sinks found,
-128 tokens), and the attention analyses with ``attention="eager"``.
+128 tokens), ``sink_kv`` (sinks found and given, 128 tokens), and the attention analyses with
+``attention="eager"``.
 
 ``python scripts/speed_ratios.py default 7`` (the model, then the repeats; ``qwen2.5-coder-1.5b 3``; a third
 argument, e.g. ``trace_origin``, times only those comma-separated cases and their baselines).
@@ -28,6 +29,7 @@ from massive_lens.attention import (
     sink_attention,
     sink_census,
     sink_circuit,
+    sink_kv,
 )
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
@@ -55,13 +57,15 @@ def main(name: str, repeats: int, only: str | None = None) -> dict:
              "sink_attention": lambda: sink_attention(model, tokens),
              "dormant_heads": lambda: dormant_heads(model, tokens),
              "find_sinks": lambda: find_sinks(model, tokens),
+             "sink_kv": lambda: sink_kv(model, tokens), "sink_kv given": lambda: sink_kv(model, tokens, sinks=[0]),
              "decompose found eager": lambda: decompose_attention(model, tokens, attention="eager"),
              "sink_census eager": lambda: sink_census(model, tokens, attention="eager"),
              "sink_attention eager": lambda: sink_attention(model, tokens, attention="eager"),
              "dormant_heads eager": lambda: dormant_heads(model, tokens, attention="eager")}
     base = {"trace_origin": "forward64", "trace_origin given": "forward64", "decompose given": "forward128",
             "decompose found": "forward128", "sink_census": "forward128", "sink_circuit": "forward128",
-            **{k: "forward128" for k in ("sink_attention", "dormant_heads", "find_sinks", "decompose found eager",
+            **{k: "forward128" for k in ("sink_attention", "dormant_heads", "find_sinks", "sink_kv", "sink_kv given",
+                                         "decompose found eager",
                                          "sink_census eager", "sink_attention eager", "dormant_heads eager")}}
     if only:  # these cases and their baselines only
         keep = set(only.split(","))
