@@ -4,30 +4,59 @@ per session) and the quick report of a planted model. Plain helpers (planting, t
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import random
 from collections import Counter
+from pathlib import Path
 
-import deps_first  # noqa: F401  (first: massive_lens's libraries load from their bytecode, not through jaxtyping's hook)
+import deps_first
 import pytest
-import torch
-from examples import result_examples as build_result_examples
-from helpers import overflowing, plant_massive, untouched
-from matrix import build
 from xdist.scheduler import LoadFileScheduling
 
-from massive_lens import load_model, tiny_model
-from massive_lens.models import FAMILIES
+# pytest-xdist's controller process (make test, make check) runs no test: it only hands them out, and the
+# worker processes start after it has read this file. So nothing here imports torch or the package at the
+# top (that took 10 s of CPU before the workers started); each process that runs tests loads them in
+# pytest_configure, and the fixtures import what they use.
+
+
+def _families() -> tuple[str, ...]:
+    """``massive_lens.models.FAMILIES``, read from its source (the fixture ``family`` needs it to be defined;
+    pytest_configure checks it against the package's)."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "massive_lens" / "models" / "tiny.py").read_text())
+    return next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(target, ast.Name) and target.id == "FAMILIES" for target in node.targets))
+
+
+FAMILIES = _families()
 
 # Under pytest-xdist (make test), each worker gets its share of the cores: two workers with torch's
 # default of one thread per core oversubscribe them, and OpenMP's spinning threads made the suite
 # 1.8x slower than one process (measured on 2 cores); one thread per worker made it faster.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    _THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
-    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)  # subprocesses (notebooks, the CLI) inherit it
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def _runs_tests(config) -> bool:
+    """False in pytest-xdist's controller, which only hands the tests out (xdist's own test for it)."""
+    return hasattr(config, "workerinput") or not (config.getvalue("dist") != "no" and config.getvalue("tx")
+                                                  and not config.getvalue("collectonly"))
+
+
+def pytest_configure(config):
+    """In a process that runs tests: torch's threads, then the package's libraries before the package
+    (``deps_first``), then the package."""
+    if not _runs_tests(config):
+        return
+    import torch
+
+    if _WORKERS > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))  # subprocesses too
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    deps_first.load()
+    from massive_lens.models import FAMILIES as PACKAGE_FAMILIES
+
+    assert PACKAGE_FAMILIES == FAMILIES, (PACKAGE_FAMILIES, FAMILIES)
 
 # What --quick leaves out is chosen by marker (a slow module says so itself: `pytestmark = pytest.mark.heavy`)
 # and by fixture; tests/test_layout.py fails on a test that loads a real model or builds a report without either.
@@ -106,6 +135,7 @@ def _global_torch_state() -> dict:
     meta-device patches of ``nn.Module``, transformers' loading patches (two threads loading at once once
     left ``tie_weights`` a no-op, and every later model with a meta ``lm_head``), torch's default device and
     dtype, the mode stacks."""
+    import torch
     from transformers import PreTrainedModel
 
     return {"register_parameter": torch.nn.Module.register_parameter,
@@ -121,6 +151,8 @@ def _global_torch_state() -> dict:
 def _seed():
     """Seeded; afterwards, the process's global torch state as it was (a test that changed it fails
     here, by name, and the state is put back, so the tests after it in the worker are not run on it)."""
+    import torch
+
     random.seed(0)
     torch.manual_seed(0)
     before = _global_torch_state()
@@ -153,12 +185,16 @@ def family(request) -> str:
 
 @pytest.fixture
 def tiny(family):
+    from massive_lens import tiny_model
+
     return tiny_model(family)
 
 
 @pytest.fixture(scope="session")
 def default_model():
     """The real offline default (SmolLM2-135M-Instruct), shared by the whole session."""
+    from massive_lens import load_model
+
     return load_model()
 
 
@@ -170,6 +206,9 @@ def planted_report(tmp_path_factory):
     """``index.html`` of the quick report on a tiny llama whose layer-1 MLP writes 600 into
     dim 7 at BOS (checked to leave the model untouched); ``report.md``, ``figures/`` and ``tables/``
     beside it, and the messages its run logged in :data:`PLANTED_REPORT_LOG`."""
+    from helpers import plant_massive, untouched
+
+    from massive_lens import tiny_model
     from massive_lens.report import write_report
 
     model = tiny_model("llama")
@@ -190,17 +229,25 @@ def planted_report(tmp_path_factory):
 @pytest.fixture(scope="session")
 def result_examples():
     """One example of every public result type (``tests/examples.py``), built once."""
-    return build_result_examples()
+    from examples import result_examples
+
+    return result_examples()
 
 
 @pytest.fixture(scope="module")
 def models():
     """A tiny llama and a float16 copy whose layer 2 overflows, for the bad-input tables."""
+    from helpers import overflowing
+
+    from massive_lens import tiny_model
+
     return {"tiny": tiny_model("llama"), "overflow": overflowing()}
 
 
 @pytest.fixture(scope="module")
 def free_matrix_models():
     """The planted architecture-matrix models live for one module only."""
+    from matrix import build
+
     yield
     build.cache_clear()

@@ -8,6 +8,7 @@ first time misses its ``.pyc`` and is compiled from source (about 1,900 modules:
 matplotlib, transformers; 17 s of each test process's start, measured under load; with
 ``PYTHONDONTWRITEBYTECODE`` set, as on these machines, on every run). Loaded here first, outside the hook,
 they are only looked up there. The package's own modules are still loaded, and checked, through the hook.
+tests/conftest.py calls :func:`load` in each process that runs tests.
 """
 
 from __future__ import annotations
@@ -72,6 +73,3 @@ def load(package: Path = PACKAGE) -> None:
                     continue
             except ImportError:
                 continue
-
-
-load()
