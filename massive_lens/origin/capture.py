@@ -85,8 +85,7 @@ class Capture:
             return self.layers[key][layer]
         return self.neuron_data.get(layer, {}).get(key)
 
-    def covers(self, layer: int, index: int) -> bool:
-        """Whether layer ``layer``'s :data:`SCOPED` keys hold capture index ``index``."""
+    def covers(self, layer: int, index: int) -> bool:  # whether layer's SCOPED keys hold capture index index
         return self._kept_row(layer, index) is not None
 
     def row(self, key: str, layer: int, index: int) -> Tensor | None:
@@ -131,20 +130,17 @@ def capture(
 
 
 class _Pass:
-    """What one :func:`capture` pass has kept so far, and the steps that keep and assemble it.
-
-    :meth:`run` attaches :meth:`hooks` for one forward pass: every hook calls :meth:`keep`, and
-    when tracing every massive entry each layer's ``hook_resid_post`` also calls :meth:`settle`
-    (through the reducer) to cut that layer's :data:`SCOPED` activations to the candidates.
-    :meth:`changed_in_place` says whether a kept view moved; :meth:`result` builds the Capture."""
+    """What one :func:`capture` pass has kept so far, and the steps that keep and assemble it: :meth:`run`
+    attaches :meth:`hooks` (each calls :meth:`keep`; tracing every massive entry, each layer's ``hook_resid_post``
+    also calls :meth:`settle` through the reducer, to cut that layer's :data:`SCOPED` activations to the
+    candidates); :meth:`changed_in_place` says whether a kept view moved; :meth:`result` builds the Capture."""
 
     def __init__(self, view: ModelView, batch: Batch, positions: Tensor, criterion: Criterion | None,
                  copy: bool, choose: Callable[[ResidualReducer], Tensor] | None = None) -> None:
         self.view, self.batch, self.positions = view, batch, positions
         self.plans = tuple(block_plan(view, layer) for layer in range(view.n_layers))
         self.n_batch, self.seq = batch.tokens.shape
-        self.idx = positions.to(view.input_device)
-        seq = self.seq
+        self.idx, seq = positions.to(view.input_device), self.seq
         self.every = len(positions) == seq and bool((positions.cpu() == torch.arange(seq)).all())  # no gather
         self.keep_views = self.every and self.n_batch == 1 and not copy  # keep activations, not copies
         scoped = self.every and criterion is not None  # trace every massive entry: SCOPED keys at candidates only
@@ -161,9 +157,9 @@ class _Pass:
         self.kept: dict[int, Tensor] = {}  # layer -> the rows its SCOPED keys hold (see Capture.kept)
         self.stale = False  # a kept activation changed in place before its layer was settled
         self.moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in self.plans if p.experts is not None}
-        self.reader = self.attention()
-        self.final: Tensor | None = None  # with choose: the last layer's resid_post, whole
+        self.reader, self.final = self.attention(), None  # with choose: final, the last resid_post whole
         self.looked: dict[int, Tensor | None] = {}  # with choose: layer -> the queries its heads were read at
+        self.rows: dict[int, Tensor | None] = {}  # with choose: layer -> the positions its hooks keep (rows_at)
 
     def hooks(self) -> list[tuple[str, Any]]:
         """(hook name, function) for every key of every block, and the embeddings."""
@@ -177,7 +173,7 @@ class _Pass:
                     continue
                 fn = partial(self.keep, key, plan.layer)
                 if key == "resid_post" and self.reducer is not None:  # one hook: the copy, then the reduction
-                    fn = _then(fn, self.reducer.hook(plan.layer))
+                    fn = partial(_both, fn, self.reducer.hook(plan.layer))
                 hooks.append((name, fn))
         return hooks
 
@@ -188,8 +184,7 @@ class _Pass:
                    for h in record(p.experts, self.positions, self.n_batch, self.seq, self.moe[p.layer])]
         try:
             with self.reader if self.reader is not None else contextlib.nullcontext():
-                # with a reducer the residual's largest |x| per layer is the overflow check (see
-                # below), so the per-hook checks are not needed
+                # with a reducer the residual's largest |x| per layer is the overflow check (below)
                 self.view.forward(self.batch, hooks, check_finite=self.reducer is None,
                                   stop_after=self.view.hook_name(self.view.n_layers - 1, "resid_post"))
         finally:
@@ -213,15 +208,19 @@ class _Pass:
                                  layers=layers, max_queries=self.looking if self.choose is not None else
                                  None if self.every else self.positions)
 
-    def looking(self, layer: int) -> Tensor | None:
-        """With ``choose``: the queries whose attention is read at ``layer``, every one at the first layer
-        read, then the candidates so far (:attr:`looked`)."""
-        self.looked[layer] = None if not self.looked else self.candidate.nonzero()[:, 0]
+    def looking(self, layer: int) -> Tensor | None:  # with choose: the queries the heads are read at
+        self.looked[layer] = self.rows_at(layer)
         return self.looked[layer]
 
+    def rows_at(self, layer: int) -> Tensor | None:
+        """With ``choose``: the positions ``layer`` keeps as its hooks fire: every one at the first layer
+        (cut to its candidates when it is settled), then the candidates of the layers before it."""
+        if layer not in self.rows:
+            self.rows[layer] = None if not self.rows else self.candidate.nonzero()[:, 0]
+        return self.rows[layer]
+
     def read(self, at: PassLayer) -> None:
-        """One attention layer from the pass: ``hook_z`` kept as :meth:`keep` keeps it, and per
-        traced query and head the attention on the first token and the largest on one key."""
+        """One attention layer: ``hook_z`` (:meth:`keep`); per query and head, attention on token 0 and its top."""
         self.keep("z", at.layer, at.z_read)
         rows = self.looked.get(at.layer) if self.choose is not None else None if self.every else self.idx
         first = at.cols[:1, :, :, 0] if rows is None else at.cols[:1, :, rows.to(at.cols.device), 0]
@@ -238,6 +237,13 @@ class _Pass:
         wide = key != "pos_embed" or act.shape[-1] == self.view.d_model
         if not (act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide):
             return
+        if self.choose is not None and key in self.cut and layer >= 0:
+            if key == "resid_post" and layer == self.view.n_layers - 1:  # whole: the check of a reread (final)
+                self.final = act[0].detach().to("cpu", torch.float32, copy=True)
+            rows = self.rows_at(layer)
+            if rows is not None:  # a copy of a few rows: the activation is not held
+                self.store[key, layer] = act[0, rows.to(act.device)].detach().to("cpu", torch.float32)
+                return
         part = (act[0] if self.every else act[0, self.idx]).detach()
         if key in _LAYERED and layer >= 0 and part.shape[-1] == self.view.d_model and self.choose is None:
             if key not in self.layered:  # [layer, pos, d_model], filled in place: no stack afterwards
@@ -249,16 +255,13 @@ class _Pass:
             self.versions[key, layer] = part._version
         else:
             self.store[key, layer] = part.to("cpu", torch.float32, copy=True)
-        if self.choose is not None and key == "resid_post" and layer == self.view.n_layers - 1:
-            self.final = self.store[key, layer]  # whole: the check of what is read again (Capture.final)
-        if self.choose is not None and key in self.cut and layer in self.kept:  # after its layer was settled
-            self.store[key, layer] = self.store[key, layer][self.kept[layer]]
-            self.versions.pop((key, layer), None)
 
     def settle(self, layer: int, mag: Tensor, scale: Tensor) -> None:
         """Keep layer ``layer``'s SCOPED activations at the candidates so far (all while they are many)."""
         self.candidate.logical_or_(candidates(mag, scale, self.loose)[0].cpu())
-        if 2 * int(self.candidate.sum()) > self.seq:
+        if self.choose is not None and self.rows.get(layer) is not None:  # kept at rows_at as its hooks fired
+            self.kept[layer] = self.rows[layer]
+        if layer in self.kept or 2 * int(self.candidate.sum()) > self.seq:
             return
         rows = self.candidate.nonzero()[:, 0]
         for key in self.cut:
@@ -269,9 +272,9 @@ class _Pass:
             self.stale |= version is not None and part._version != version
             self.store[key, layer] = part[rows.to(part.device)].to("cpu", torch.float32)  # a copy: the view is dropped
         self.kept[layer] = rows
-
-    def changed_in_place(self) -> bool:
-        """Whether the model changed an activation this pass kept as a view after its hook fired."""
+        if self.choose is not None:
+            self.rows[layer] = rows
+    def changed_in_place(self) -> bool:  # whether the model changed a kept view after its hook fired
         return self.stale or any(self.store[key]._version != version for key, version in self.versions.items())
 
     def result(self) -> Capture:
@@ -292,8 +295,7 @@ class _Pass:
                        missing=missing, final=final)
 
     def _chosen(self) -> tuple[Tensor, Tensor | None]:
-        """Cut the pass to the positions ``choose`` picks that every layer kept (filling :attr:`layered`);
-        the others and their last ``resid_post`` (None where not kept there) are returned."""
+        """Cut the pass to the positions ``choose`` picks that every layer kept; return the others, their last resid."""
         chosen = self.choose(self.reducer).long()
         sets = (*self.kept.values(), *(rows for rows in self.looked.values() if rows is not None), chosen)
         every = torch.stack([torch.isin(chosen, rows) for rows in sets]).all(0)
@@ -382,12 +384,9 @@ def refill(view: ModelView, batch: Batch, cap: Capture, needed: list[tuple[int, 
         cap.kept[layer] = index
 
 
-def _then(first: Any, second: Any) -> Any:
-    def hook(act: Tensor, hook: Any) -> None:
-        first(act, hook)
-        second(act, hook)
-
-    return hook
+def _both(first: Any, second: Any, act: Tensor, hook: Any) -> None:  # one hook: first, then second
+    first(act, hook)
+    second(act, hook)
 
 
 def _neuron_data(plan: BlockPlan, store: dict[tuple[str, int], Tensor]) -> dict[str, Tensor]:
