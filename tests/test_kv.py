@@ -169,3 +169,28 @@ def test_reads_its_layers_from_the_pass():
     _agree(auto.to_frame(), eager.to_frame(), 1e-5)
     with pytest.raises(MassiveLensError, match="attention must be one of"):
         sink_kv(model, "Hello there.", attention="fast")
+
+
+def test_sinks_found_in_the_same_pass(monkeypatch):
+    """sinks=None reads the sinks and the layers in one forward (issue 50's speed); where the layers would not
+    fit KEEP_BYTES, or a sink falls outside the candidate columns, one more pass gives the same table."""
+    import massive_lens.attention.kv as kv_module
+    from massive_lens.core.model_view import ModelView
+
+    model = tiny_model("llama")
+    text = ["Hello there, world. The cat sat on the mat.", "A deer feeds near the reeds."]
+    calls = []
+    forward = ModelView.forward
+    monkeypatch.setattr(ModelView, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    with untouched(model):
+        one = sink_kv(model, text)
+        assert len(calls) == 1
+        monkeypatch.setattr(kv_module, "KEEP_BYTES", 0)
+        two = sink_kv(model, text)
+        assert len(calls) == 3
+        monkeypatch.setattr(kv_module, "KEEP_BYTES", 2 ** 27)
+        monkeypatch.setattr(kv_module, "candidate_columns", lambda view, batch: torch.tensor([1]))
+        three = sink_kv(model, text)
+    assert len(calls) == 5 and one.sinks.mask.equal(two.sinks.mask) and one.sinks.mask.equal(three.sinks.mask)
+    assert one.to_frame().equals(two.to_frame()) and one.to_frame().equals(three.to_frame())
+    assert one.bands.equals(two.bands) and one.bands.equals(three.bands)

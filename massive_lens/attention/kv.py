@@ -34,6 +34,7 @@ cosines are the ones the model computes; norms and pair amplitudes do not change
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +44,9 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-from massive_lens.attention.sinks import Sinks, SinkSet, sink_mask
+from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
+from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -53,6 +55,8 @@ from massive_lens.errors import MassiveLensError
 COLUMNS = ["layer", "head", "kv_head", "key_norm", "key_median", "key_ratio", "key_cos_query", "bias_share",
            "value_norm", "value_median", "value_ratio", "sink_mass", "drain", "sink_term"]
 BAND_COLUMNS = ["layer", "head", "band", "frequency", "q_max", "k_max"]
+# sinks found in the same pass while the layers read (q, k, v; float32) take at most this many bytes
+KEEP_BYTES = 2 ** 27
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,27 +178,55 @@ def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int
 
 
 class _Reduce:
-    """Each layer's rows as the attention pass hands it over (kept: the rows, never the layer)."""
+    """Each layer's rows as the attention pass hands it over, where the sinks are known (``sink``); where they
+    are found in the same pass, the layers read (their queries, keys, values and the attention on the
+    candidate ``columns``) are kept until :meth:`finish` has the sinks."""
 
-    def __init__(self, view: ModelView, sink: Tensor, real: Tensor, columns: Tensor, rotary: tuple[int, float] | None):
+    def __init__(self, view: ModelView, sink: Tensor | None, real: Tensor, columns: Tensor,
+                 rotary: tuple[int, float] | None):
         self.view, self.sink, self.real, self.columns, self.rotary = view, sink, real, columns, rotary
         self.rows: list[list[Any]] = []
         self.bands: list[list[Any]] = []
+        self.kept: list[PassLayer] = []
 
     def add(self, at: PassLayer) -> None:
         q, k, v = at.q, at.k, at.v
-        shaped = all(t.ndim == 4 and tuple(t.shape[:2]) == tuple(self.sink.shape) for t in (q, k, v))
+        shaped = all(t.ndim == 4 and tuple(t.shape[:2]) == tuple(self.real.shape) for t in (q, k, v))
         if not shaped or q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2] or at.shape[1] != q.shape[2]:
             raise MassiveLensError(f"{self.view.name}: layer {at.layer} has q {tuple(q.shape)}, k {tuple(k.shape)}, "
                                    f"v {tuple(v.shape)}, pattern {tuple(at.shape)}; sink_kv needs [batch, pos, "
                                    "head, d_head] with query heads a multiple of the kv heads and one pattern per "
                                    "query head (multi-head latent attention compresses its keys and values, and is "
                                    "not read)")
-        dev = q.device
-        sink, real = self.sink.to(dev), self.real.to(dev)
-        self.rows.extend(_layer_rows(at, self.columns.to(dev), sink, real))
         if self.rotary is not None:
-            self.bands.extend(_band_rows(at.layer, q, k, real, self.rotary))
+            self.bands.extend(_band_rows(at.layer, q, k, self.real.to(q.device), self.rotary))
+        if self.sink is None:
+            self.kept.append(dataclasses.replace(at, q=q.detach(), k=k.detach(), v=v.detach(), cols=at.cols.detach()))
+        else:
+            self.rows.extend(_layer_rows(at, self.columns.to(q.device), self.sink.to(q.device),
+                                         self.real.to(q.device)))
+
+    def finish(self, sink: Tensor) -> bool:
+        """The kept layers' rows, now that the sinks are known; False where a sink is not among the columns."""
+        on = torch.isin(self.columns, sink.any(0).nonzero()[:, 0])
+        if int(on.sum()) != int(sink.any(0).sum()):
+            return False
+        self.sink, self.columns = sink, self.columns[on]
+        for at in self.kept:
+            dev = at.q.device
+            self.rows.extend(_layer_rows(dataclasses.replace(at, cols=at.cols[..., on.to(at.cols.device)]),
+                                         self.columns.to(dev), sink.to(dev), self.real.to(dev)))
+        self.kept.clear()
+        return True
+
+
+def _others(found: SinkSet, real: Tensor) -> Tensor:
+    """The sinks' mask on the real positions, refused where every real position is one."""
+    sink = found.mask & real
+    if not bool((real & ~sink).any()):
+        raise MassiveLensError("every real position is a sink: sink_kv needs other tokens to compare with; "
+                               "give a longer text")
+    return sink
 
 
 def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = None,
@@ -207,7 +239,8 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
         text: a string, a list of strings (padded into one batch) or a token tensor.
         sinks: sink positions (a list of ints, a bool ``[batch, pos]`` mask, or a ``SinkSet`` that
             ``find_sinks`` gave for the same text); None: the
-            positions that act as sinks (``find_sinks``, one more forward pass), else the first token.
+            positions that act as sinks (``find_sinks``'s rule, read in the same forward pass where the
+            layers read fit :data:`KEEP_BYTES`, else in one more), else the first token.
         layers: a layer or a sequence of layers (None: all).
         attention: ``"auto"`` (the default: the eager hooks below 512 tokens, where they are the
             faster; from there the queries, keys and values of the fused SDPA kernel and the attention
@@ -231,20 +264,30 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     chosen = view.chosen_layers(layers)
     batch = view.tokenize(text)
     path = choose_path(view, attention, batch)
-    found = sink_mask(model, batch, sinks, path)
-    sink = found.mask & batch.mask
-    if not bool((batch.mask & ~sink).any()):
-        raise MassiveLensError("every real position is a sink: sink_kv needs other tokens to compare with; "
-                               "give a longer text")
+    # sinks to find: in the same pass where the layers read fit KEEP_BYTES until the sinks are known (the
+    # attention on every candidate column kept), else find_sinks' pass first
+    cfg, (n, pos) = view.cfg, batch.tokens.shape
+    width = getattr(cfg, "n_heads", 1) * getattr(cfg, "d_head", getattr(cfg, "d_model", 1))
+    keep = sinks is None and len(chosen) * n * pos * 4 * 3 * width <= KEEP_BYTES
+    found = None if keep else sink_mask(model, batch, sinks, path)
+    sink = None if found is None else _others(found, batch.mask)
     rotary = _rotary(view)
-    columns = sink.any(0).nonzero()[:, 0]  # the key columns read: every sink, in some sequence
+    # the key columns read: every sink, in some sequence (or every position that could be one)
+    columns = candidate_columns(view, batch) if sink is None else sink.any(0).nonzero()[:, 0]
+    evidence = SinkEvidence(batch.mask, view.n_layers) if sink is None else None
     reduce = _Reduce(view, sink, batch.mask, columns, rotary)
-    reader = attention_reading(view, reduce.add, path=path, columns=columns, want=("q", "k", "v"), layers=chosen)
+    reader = attention_reading(view, reduce.add, path=path, batch=batch, columns=columns, want=("q", "k", "v"),
+                               layers=chosen, evidence=evidence)
     with reader:
-        view.forward(batch, reader.hooks, stop_after=view.hook_name(max(chosen), "resid_post"))
+        view.forward(batch, reader.hooks, stop_after=view.hook_name(view.n_layers - 1 if keep else max(chosen),
+                                                                    "resid_post"))
     if sorted(reader.done) != chosen:
         raise MassiveLensError(f"{view.name}: the query, key, value and pattern hooks did not all fire in layers "
                                f"{sorted(set(chosen) - reader.done)}; sink_kv cannot read them")
+    if evidence is not None:
+        found = sinks_from(evidence, view.token_kinds(batch), path)
+        if not reduce.finish(_others(found, batch.mask)):  # a sink outside the columns read: a second pass
+            return sink_kv(model, text, sinks=found, layers=layers, attention=path)
     frame = pd.DataFrame(reduce.rows, columns=COLUMNS)
     frame[["layer", "head", "kv_head"]] = frame[["layer", "head", "kv_head"]].astype(int)
     band_frame = pd.DataFrame(reduce.bands, columns=BAND_COLUMNS)
