@@ -58,10 +58,11 @@ EAGER_WANTS = ("rotary",)  # only the eager hooks show them (the kernel runs the
 NULL_FROM = ("pattern", "slot_pattern")  # where the eager path reads a layer's null mass
 # "auto" reads the eager pattern below this many positions, the LSE path from it: the measured
 # crossover (CPU time, one thread, SmolLM2-135M: every attention analysis is faster on the eager
-# path at 128 tokens, even at 512, and 2.1-2.5x faster on the LSE path at 2,048; docs/benchmarks.md,
-# issue 50, `python -m benchmarks.path_crossover`). Both paths' attention costs grow alike with the
-# heads and their width; what differs is the eager pattern's O(length^2) per head against the LSE
-# path's band of O(length x 128), so the crossover is a length, not a model size.
+# path at 128 tokens, even at 512, faster on the LSE path at 768 (re-measured in round 4) and 2.1-2.5x
+# faster there at 2,048; docs/benchmarks.md, issue 50, `python -m benchmarks.path_crossover`). Both
+# paths' attention costs grow alike with the heads and their width; what differs is the eager
+# pattern's O(length^2) per head against the LSE path's band of O(length x 128), so the crossover is
+# a length, not a model size.
 LSE_FROM = 512
 
 
