@@ -76,12 +76,12 @@ def _planted():
     return model, tokens
 
 
-@pytest.mark.parametrize("late", ["none", "prefix", "whole", "detection"])
+@pytest.mark.parametrize("late", ["none", "copies", "prefix", "whole", "detection"])
 def test_a_long_text_is_traced_in_one_pass_on_the_kernel(late, monkeypatch):
     """Over CAPTURE_BUDGET the trace takes one pass (no detection pass) keeping each layer's terms at the
     candidates; a traced position that was not a candidate from the first layer is read again, from the
     text up to it (or the whole text where that does not match the full pass): the tables are the same.
-    With a mixture of experts a detection pass comes first, on the kernel too."""
+    With a mixture of experts a detection pass comes first, on the kernel too; rows past the buffers are copies."""
     model, tokens = _planted()
     seen = _paths(monkeypatch)
     whole = trace_origin(model, tokens)
@@ -89,17 +89,20 @@ def test_a_long_text_is_traced_in_one_pass_on_the_kernel(late, monkeypatch):
     passes = []
     real = capture_module.capture
     monkeypatch.setattr(targets_module, "capture", lambda *a, **k: passes.append(a[1].tokens.shape[1]) or real(*a, **k))
-    if late != "none":  # no candidate at the first layer
+    if late in ("prefix", "whole"):  # no candidate at the first layer
         calls, candidates = [], capture_module.candidates
         monkeypatch.setattr(capture_module, "candidates", lambda mag, scale, loose: calls.append(0) or (
             candidates(mag, scale, loose) & (len(calls) > 1)))
     if late == "whole":
         monkeypatch.setattr(targets_module, "PREFIX_TOL", -1.0)
+    if late == "copies":
+        monkeypatch.setattr(capture_module, "KEPT_ROWS", 0)
     if late == "detection":
         monkeypatch.setattr(targets_module, "find_experts", lambda model, mlp: object())
     one = trace_origin(model, tokens)
-    assert seen == ["lse"] * (3 if late == "detection" else 2) or (late != "none" and seen[:2] == ["lse"] * 2)
-    assert passes == {"none": [LONG], "prefix": [LONG, LONG - 19], "whole": [LONG, LONG - 19, LONG],
+    assert seen == ["lse"] * (3 if late == "detection" else 2) or (late in ("prefix", "whole")
+                                                                    and seen[:2] == ["lse"] * 2)
+    assert passes == {"none": [LONG], "copies": [LONG], "prefix": [LONG, LONG - 19], "whole": [LONG, LONG - 19, LONG],
                       "detection": []}[late]
     assert one.targets[["pos", "dim"]].values.tolist() == whole.targets[["pos", "dim"]].values.tolist() \
         == [[LONG - 20, 3]]

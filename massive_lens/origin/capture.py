@@ -50,6 +50,7 @@ from massive_lens.origin.experts import record
 _EMBED_TOL = 1e-5  # relative: embed (+ pos_embed) vs resid_pre of block 0
 SCOPED = ("post", "pre", "up", "norm_in", "norm_out", "scale")  # kept at each layer's candidate positions only
 CANDIDATE_LOOSE = 0.1  # a candidate passes the criterion with both thresholds scaled by this
+KEPT_ROWS = 64  # a long text's one pass keeps up to this many rows a layer in buffers (more: copies)
 
 
 @dataclass(kw_only=True)
@@ -73,17 +74,13 @@ class Capture:
     missing: Tensor | None = field(default=None, repr=False)  # chosen positions the pass did not keep at every layer
     final: Tensor | None = field(default=None, repr=False)  # [missing, d_model]: their last resid_post, where kept
 
-    def index(self, pos: int) -> int:
-        if self._where is None:  # built once: analyses ask for the same few positions hundreds of times
-            self._where = {int(p): i for i, p in enumerate(self.positions.tolist())}
+    def index(self, pos: int) -> int:  # the position -> index map is built once (asked hundreds of times)
+        self._where = self._where or {int(p): i for i, p in enumerate(self.positions.tolist())}
         return self._where[int(pos)]
 
     def at(self, key: str, layer: int) -> Tensor | None:
-        """``[pos, _]`` of a per-block key (neuron keys: None for a block without them; a
-        :data:`SCOPED` key holds only the rows of :attr:`kept`, so read it with :meth:`row`)."""
-        if key in self.layers:
-            return self.layers[key][layer]
-        return self.neuron_data.get(layer, {}).get(key)
+        """``[pos, _]`` of a per-block key (None: not in the block; :data:`SCOPED` keys: read with :meth:`row`)."""
+        return self.layers[key][layer] if key in self.layers else self.neuron_data.get(layer, {}).get(key)
 
     def covers(self, layer: int, index: int) -> bool:  # whether layer's SCOPED keys hold capture index index
         return self._kept_row(layer, index) is not None
@@ -101,10 +98,8 @@ class Capture:
 
     def _kept_row(self, layer: int, index: int) -> int | None:
         rows = self.kept.get(layer)
-        if rows is None:
-            return index
-        where = (rows == index).nonzero()
-        return int(where[0]) if len(where) else None
+        where = None if rows is None else (rows == index).nonzero()
+        return index if where is None else int(where[0]) if len(where) else None
 
 
 _LAYERED = ("resid_pre", "resid_post", "attn", "mlp", "resid_mid")  # [layer, pos, d_model] in Capture.layers
@@ -160,6 +155,7 @@ class _Pass:
         self.reader, self.final = self.attention(), None  # with choose: final, the last resid_post whole
         self.looked: dict[int, Tensor | None] = {}  # with choose: layer -> the queries its heads were read at
         self.rows: dict[int, Tensor | None] = {}  # with choose: layer -> the positions its hooks keep (rows_at)
+        self.buffers: dict[str, Tensor] = {}  # with choose: key -> [layer, KEPT_ROWS, _], the rows kept
 
     def hooks(self) -> list[tuple[str, Any]]:
         """(hook name, function) for every key of every block, and the embeddings."""
@@ -241,8 +237,12 @@ class _Pass:
             if key == "resid_post" and layer == self.view.n_layers - 1:  # whole: the check of a reread (final)
                 self.final = act[0].detach().to("cpu", torch.float32, copy=True)
             rows = self.rows_at(layer)
-            if rows is not None:  # a copy of a few rows: the activation is not held
-                self.store[key, layer] = act[0, rows.to(act.device)].detach().to("cpu", torch.float32)
+            if rows is not None:  # a few rows, into a buffer: no small allocation lives between activations
+                src, buf = act[0, rows.to(act.device)].detach(), self.buffers.get(key)
+                buf = self.buffers.setdefault(key, torch.empty(self.view.n_layers, KEPT_ROWS, src.shape[-1])) \
+                    if buf is None else buf
+                fits = len(rows) <= KEPT_ROWS and src.shape[-1] == buf.shape[-1]
+                self.store[key, layer] = buf[layer, :len(rows)].copy_(src) if fits else src.to("cpu", torch.float32)
                 return
         part = (act[0] if self.every else act[0, self.idx]).detach()
         if key in _LAYERED and layer >= 0 and part.shape[-1] == self.view.d_model and self.choose is None:
