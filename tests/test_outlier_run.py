@@ -163,3 +163,18 @@ def test_calibration_reads_every_layer_when_the_final_norm_also_runs_first(dip):
         handle.remove()
     assert plain.dims_at, "the planted model has massive dims"
     assert {k: v.tolist() for k, v in early.dims_at.items()} == {k: v.tolist() for k, v in plain.dims_at.items()}
+
+
+def test_the_tally_judges_again_after_each_added_layer():
+    """``at`` judges every layer once and keeps the rows until the next ``add``: a dim that becomes an
+    outlier dimension at a later layer is one at an earlier layer where it was spread, as soon as the
+    later layer is added (a kept judgement that missed the add would still call it token-specific)."""
+    tally, n = OutlierTally(), OUTLIER_DIM_MIN_TOKENS + 1
+    spread = torch.zeros(1, n * 4, 3, dtype=torch.bool)
+    spread[0, :n, 1] = True  # dim 1 on a few tokens: spread, not an outlier dimension by itself
+    tally.add(0, spread)
+    assert not bool(tally.at(0)[1])
+    every = torch.zeros(1, n * 4, 3, dtype=torch.bool)
+    every[0, :, 1] = True  # dim 1 on every token of layer 1: an outlier dimension
+    tally.add(1, every)
+    assert bool(tally.at(0)[1]) and bool(tally.at(1)[1])

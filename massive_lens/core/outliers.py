@@ -153,6 +153,7 @@ class OutlierTally:
     def __init__(self) -> None:
         self.outlier: dict[int, Tensor] = {}  # layer -> bool [d_model]: an outlier dimension there (some sequence)
         self.spread: dict[int, Tensor] = {}  # layer -> bool [d_model]: massive at >= MIN_TOKENS tokens of a sequence
+        self._scope: dict[int, Tensor] | None = None  # at()'s rows, judged once until the next add()
 
     def add(self, layer: int, massive: Bool[Tensor, "batch pos d_model"],
             valid: Bool[Tensor, "batch pos"] | None = None,
@@ -168,6 +169,7 @@ class OutlierTally:
         for table, now in ((self.outlier, flags.any(0)), (self.spread, (count >= OUTLIER_DIM_MIN_TOKENS).any(0))):
             now = now.cpu()
             table[layer] = table[layer] | now if layer in table else now
+        self._scope = None
         return flags
 
     @property
@@ -179,10 +181,12 @@ class OutlierTally:
         """Dims whose massive entries at ``layer`` have ``scope == "outlier_dim"`` (:func:`outlier_scope`)."""
         if layer not in self.spread:
             return torch.zeros_like(self.dims)
-        layers = sorted(self.spread)
-        scope = outlier_scope(torch.stack([self.outlier[x] for x in layers]),
-                              torch.stack([self.spread[x] for x in layers]))
-        return scope[layers.index(layer)]
+        if self._scope is None:  # every layer's row at once: a caller asks layer by layer
+            layers = sorted(self.spread)
+            scope = outlier_scope(torch.stack([self.outlier[x] for x in layers]),
+                                  torch.stack([self.spread[x] for x in layers]))
+            self._scope = dict(zip(layers, scope, strict=True))
+        return self._scope[layer]
 
     def token(self, layer: int, massive: Bool[Tensor, "batch pos d_model"]) -> Bool[Tensor, "batch pos d_model"]:
         """``massive`` (of ``layer``) without the entries of outlier dimensions there."""
