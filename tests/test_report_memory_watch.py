@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from massive_lens.report import memory
 from massive_lens.report.memory import SectionPeaks, _Watch
 
 
@@ -67,3 +68,22 @@ def test_a_section_tracked_off_the_main_thread_says_its_tensors_were_not_looked_
     worker.start()
     worker.join()
     assert "not looked for" in peaks.line()
+
+
+def test_a_watch_that_grows_during_its_walk_is_walked_once(monkeypatch):
+    """The watching thread queues a watch only while it is not queued; a watch taken off the queue
+    before its walk was queued again during it (its resident size grew), and the walks ran back to
+    back (13-20 s of the main thread late in a test process). Here the thread's re-queue is played
+    inside the walk: one walk, and the queue left empty."""
+    watch, walks = _Watch(set(), step=0), []
+
+    def walk(exclude: set[int], n: int = 3) -> list[tuple[int, str]]:
+        walks.append(1)
+        if watch not in memory._WAITING and len(walks) < 5:  # what _Watch.run does on growth
+            memory._WAITING.add(watch)
+        return []
+
+    monkeypatch.setattr(memory, "largest_tensors", walk)
+    memory._WAITING.add(watch)
+    memory._walk_waiting(None)
+    assert len(walks) == 1 and not memory._WAITING

@@ -162,14 +162,17 @@ def _walk_waiting(_: Any) -> int:
     """The queued walks, run by the main thread between two of its bytecodes (``Py_AddPendingCall``).
     Never from the watching thread: ``gc.get_objects()`` there holds every object, a tuple being built
     by the main thread included, while the main thread runs on, and CPython then fails that tuple's
-    resize (``SystemError: bad argument to internal function``, seen in a report's run)."""
-    while _WAITING:
-        watch = _WAITING.pop()
+    resize (``SystemError: bad argument to internal function``, seen in a report's run). A watch leaves
+    the queue after its walk, not before: one that grew during its own walk would queue the next at once
+    (walks back to back, holding the main thread for seconds)."""
+    for watch in list(_WAITING):
         try:
             if not watch.stop.is_set():
                 watch.top = largest_tensors(watch.exclude)
         except Exception:  # naming tensors is a courtesy: it never raises into the user's code
             logging.getLogger(__name__).debug("could not list the live tensors", exc_info=True)
+        finally:
+            _WAITING.discard(watch)
     return 0
 
 
