@@ -1,5 +1,5 @@
-"""Issue 28's speed rows: CPU-time ratios, on one torch thread, of ``trace_origin`` (64 tokens; every
-massive activation, and one given target) and of ``decompose_attention`` (sinks given and found) and
+"""Issue 28's speed rows: CPU-time ratios, on one torch thread, of ``trace_origin`` (64 and 128 tokens;
+every massive activation, and one given target) and of ``decompose_attention`` (sinks given and found) and
 ``sink_census`` (128 tokens) to a plain forward pass; issue 40's ``sink_circuit`` (128 tokens, the split
 without the causal check); issue 50's ``sink_attention``, ``dormant_heads`` and ``find_sinks`` (sinks found,
 128 tokens), ``sink_kv`` (sinks found and given, 128 tokens), and the attention analyses with
@@ -47,9 +47,13 @@ def main(name: str, repeats: int, only: str | None = None) -> dict:
             model(t.to(view.input_device))
 
     target = trace_origin(model, short).targets.iloc[0]  # the given-target case traces the first one found
+    target128 = trace_origin(model, tokens).targets.iloc[0]
     cases = {"forward64": lambda: forward(short), "trace_origin": lambda: trace_origin(model, short),
              "trace_origin given": lambda: trace_origin(model, short, dim=int(target.dim), pos=int(target.pos)),
              "forward128": lambda: forward(tokens),
+             "trace_origin 128": lambda: trace_origin(model, tokens),
+             "trace_origin given 128": lambda: trace_origin(model, tokens, dim=int(target128.dim),
+                                                            pos=int(target128.pos)),
              "decompose given": lambda: decompose_attention(model, tokens, sinks=[0]),
              "decompose found": lambda: decompose_attention(model, tokens),
              "sink_census": lambda: sink_census(model, tokens),
@@ -62,7 +66,8 @@ def main(name: str, repeats: int, only: str | None = None) -> dict:
              "sink_census eager": lambda: sink_census(model, tokens, attention="eager"),
              "sink_attention eager": lambda: sink_attention(model, tokens, attention="eager"),
              "dormant_heads eager": lambda: dormant_heads(model, tokens, attention="eager")}
-    base = {"trace_origin": "forward64", "trace_origin given": "forward64", "decompose given": "forward128",
+    base = {"trace_origin": "forward64", "trace_origin given": "forward64", "trace_origin 128": "forward128",
+            "trace_origin given 128": "forward128", "decompose given": "forward128",
             "decompose found": "forward128", "sink_census": "forward128", "sink_circuit": "forward128",
             **{k: "forward128" for k in ("sink_attention", "dormant_heads", "find_sinks", "sink_kv", "sink_kv given",
                                          "decompose found eager",

@@ -122,23 +122,32 @@ def named(neurons: pd.DataFrame | list[dict[str, Any]], event: dict[str, Any], *
     return [(int(r["expert"]), int(r["neuron"])) for r in rows] if experts else []
 
 
-def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
+def _hf_names(model: Any) -> dict[tuple[int, int], tuple[str, tuple[int, ...]]]:
+    """``(data_ptr, numel)`` -> (name, shape) of the Hugging Face parameters (the first name of a shared one;
+    empty without ``original_model``): one scan for every :func:`hf_param` of a trace."""
+    original, names = getattr(model, "original_model", None), {}
+    for name, param in original.named_parameters() if original is not None else ():
+        names.setdefault((param.data_ptr(), param.numel()), (name.replace("._original_component", ""),
+                                                              tuple(param.shape)))
+    return names
+
+
+def hf_param(model: Any, layer: int, weight: Tensor, names: dict | None = None) -> tuple[str, bool]:
     """Name of the Hugging Face parameter behind ``W_out`` and whether it is stored transposed
-    (``down_proj.weight[dim, neuron]``), found by shared storage; TL naming otherwise."""
-    original = getattr(model, "original_model", None)
-    if original is not None:
-        for name, param in original.named_parameters():
-            if param.data_ptr() == weight.data_ptr() and param.numel() == weight.numel():
-                return name.replace("._original_component", ""), tuple(param.shape) != tuple(weight.shape)
+    (``down_proj.weight[dim, neuron]``), found by shared storage (in ``names``, ``_hf_names``'s
+    map, read now if None); TL naming otherwise."""
+    found = (_hf_names(model) if names is None else names).get((weight.data_ptr(), weight.numel()))
+    if found is not None:
+        return found[0], found[1] != tuple(weight.shape)
     return ModelView.block_param(layer, "mlp.W_out"), False
 
 
 def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit],
-                      seen: dict[int, Any] | None = None) -> list[dict[str, Any]]:
+                      seen: dict[Any, Any] | None = None) -> list[dict[str, Any]]:
     """``W_out[neuron, dim]`` of each named neuron (an expert's down weight, by expert), with
     its z-score and rank among the matrix's entries and its Hugging Face name and index.
     ``seen`` (a dict kept by the caller for one trace) holds each layer's matrix statistics, so
-    several births in one layer read its ``W_out`` once."""
+    several births in one layer read its ``W_out`` once, and the parameters' names (read once)."""
     if not neurons:
         return []
     if isinstance(neurons[0], tuple):
@@ -148,7 +157,9 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
     if layer not in seen:
         mags = weight.detach().float()
         mags = mags.T if mags.T.is_contiguous() else mags.contiguous()  # the stored order: no copy
-        seen[layer] = (*hf_param(view.model, layer, weight), *_mean_std(mags), EntryRanks(mags))
+        if "hf_names" not in seen:
+            seen["hf_names"] = _hf_names(view.model)
+        seen[layer] = (*hf_param(view.model, layer, weight, seen["hf_names"]), *_mean_std(mags), EntryRanks(mags))
     name, transposed, mean, std, ranks = seen[layer]
     rows = []
     for n in neurons:
