@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.heavy  # three python subprocesses (a benchmark, a big-input run, a training run): 39 s of a one-process --quick run
+# three python subprocesses (a benchmark, a big-input run, a training run): 39 s of a one-process --quick run
+@pytest.mark.heavy
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None or
                     not sys.platform.startswith("linux"), reason="a bash script with coreutils' timeout")
 def test_the_gpu_script_dry_run_writes_every_steps_results(tmp_path):
