@@ -31,7 +31,8 @@ from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["AttentionEdit", "PassReader", "attention_layers", "edit_hooks", "missing_attention", "rotates"]
+__all__ = ["AttentionEdit", "PassReader", "attention_layers", "edit_hooks", "missing_attention", "positions_first",
+           "rotates"]
 
 
 def attention_layers(view: ModelView) -> list[int]:
@@ -66,6 +67,12 @@ class AttentionEdit:
     scores: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
 
 
+def positions_first(x: Tensor | None, n: int) -> Tensor | None:
+    """A query, key or value read ``[batch pos head d_head]`` (``n`` positions), also from a bridge whose
+    hook gives ``[batch head pos d_head]`` (DeepSeek-V2's ``hook_v``)."""
+    return x.transpose(1, 2) if x is not None and x.shape[1] != n and x.shape[2] == n else x
+
+
 class _Edit:
     """One layer's :class:`AttentionEdit` as hooks: the queries and keys of the current forward kept
     for the scores' edit."""
@@ -81,11 +88,7 @@ class _Edit:
 
     def scores(self, scores: Tensor, hook: Any) -> Tensor:
         q, k = self.seen.pop("q"), self.seen.pop("k")
-        if q.shape[1] != scores.shape[2] and q.shape[2] == scores.shape[2]:
-            q = q.transpose(1, 2)
-        if k.shape[1] != scores.shape[3] and k.shape[2] == scores.shape[3]:
-            k = k.transpose(1, 2)
-        out = self.edit.scores(scores, q, k)
+        out = self.edit.scores(scores, positions_first(q, scores.shape[2]), positions_first(k, scores.shape[3]))
         return scores if out is None else out
 
 
@@ -216,14 +219,9 @@ class PassReader:
     def _eager(self, layer: int, pattern: Tensor, *acts: Tensor, keys: tuple[str, ...]) -> None:
         got = dict(zip(keys, acts, strict=True))
         band = self.band_of(pattern)
-        v, k, z = got.get("v"), got.get("k"), None
-        if v is not None and v.shape[1] != pattern.shape[-1] and v.shape[2] == pattern.shape[-1]:
-            v = v.transpose(1, 2)  # a bridge whose hook_v is [batch kv_head key d_head] (DeepSeek-V2's)
-        if k is not None and k.shape[1] != pattern.shape[-1] and k.shape[2] == pattern.shape[-1]:
-            k = k.transpose(1, 2)
-        q, scores = got.get("q"), got.get("scores")
-        if q is not None and q.shape[1] != pattern.shape[2] and q.shape[2] == pattern.shape[2]:
-            q = q.transpose(1, 2)
+        n_keys, z = pattern.shape[-1], None
+        v, k = positions_first(got.get("v"), n_keys), positions_first(got.get("k"), n_keys)
+        q, scores = positions_first(got.get("q"), pattern.shape[2]), got.get("scores")
         z_read, heads = got.get("z_read"), pattern.shape[1]
         if z_read is not None and z_read.shape[2] != heads and z_read[0, 0].numel() % heads == 0:
             z_read = z_read.reshape(*z_read.shape[:2], heads, -1)  # per query head, as the LSE path reads hook_z
