@@ -38,7 +38,9 @@ class LayerAttention:
     ``k``/``v [batch kv_head key d_head]``, ``z [batch head query d_head]`` (the heads' output),
     ``lse [batch head query]`` (float32), the score ``scale``, and the ``mask`` the kernel was
     given (None: causal when ``causal``, else none; bool: True attends; float: added). ``sinks``:
-    the learned sink logit per head ``[head]`` (float32; gpt-oss's ``s_aux``), already in ``lse``."""
+    the learned sink logit per head ``[head]`` (float32; gpt-oss's ``s_aux``), already in ``lse``.
+    ``rotary``: the rotary ``(cos, sin)`` the layer's module was called with (``[batch|1 pos rotary_dim]``,
+    as the eager path's ``attn.hook_cos``/``hook_sin`` show them; None without)."""
 
     layer: int
     q: Tensor
@@ -50,6 +52,7 @@ class LayerAttention:
     mask: Tensor | None
     causal: bool
     sinks: Tensor | None = None
+    rotary: tuple[Tensor, Tensor] | None = None
 
     @property
     def null_mass(self) -> Float[Tensor, "batch head query"] | None:

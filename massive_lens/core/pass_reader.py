@@ -303,7 +303,8 @@ class PassReader:
             max_attention=att.max_attention(self.max_at(att.layer)) if "max_attention" in self.want else None,
             q=att.q.transpose(1, 2) if "q" in self.want else None,
             scores=att.scores(cols) if "scores" in self.want else None,
-            rest_lse=att.rest_lse(cols) if "rest_lse" in self.want else None)
+            rest_lse=att.rest_lse(cols) if "rest_lse" in self.want else None,
+            rotary=att.rotary if "rotary" in self.want else None)
         self._try(att.layer)
 
     def _read_z(self, z: Tensor, hook: Any, *, layer: int) -> None:
