@@ -34,7 +34,7 @@ LENGTHS = (128, 256, 512, 1024, 2048)
 def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> dict[str, Callable[[], Any]]:
     """The analyses on one sequence ``one`` (``two``: two sequences of the same length)."""
     import massive_lens as ml
-    from massive_lens.attention import dormant_heads, find_sinks
+    from massive_lens.attention import dormant_heads, find_sinks, sink_circuit
     from massive_lens.core.lse import lse_run
     from massive_lens.core.model_view import ModelView
 
@@ -60,6 +60,7 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
         "sink_attention": lambda: ml.sink_attention(model, one),
         "decompose_attention": lambda: ml.decompose_attention(model, one),
         "sink_census": lambda: ml.sink_census(model, one),
+        "sink_circuit": lambda: sink_circuit(model, one),
         "find_sinks": lambda: find_sinks(model, one),
         "dormant_heads": lambda: dormant_heads(model, one),
         "sink_attention (eager)": lambda: ml.sink_attention(model, one, attention="eager"),
