@@ -34,7 +34,7 @@ LENGTHS = (128, 256, 512, 1024, 2048)
 def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> dict[str, Callable[[], Any]]:
     """The analyses on one sequence ``one`` (``two``: two sequences of the same length)."""
     import massive_lens as ml
-    from massive_lens.attention import dormant_heads, find_sinks, sink_circuit
+    from massive_lens.attention import dormant_heads, find_sinks, sink_circuit, sink_kv
     from massive_lens.core.lse import lse_run
     from massive_lens.core.model_view import ModelView
 
@@ -63,6 +63,8 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
         "sink_circuit": lambda: sink_circuit(model, one),
         "find_sinks": lambda: find_sinks(model, one),
         "dormant_heads": lambda: dormant_heads(model, one),
+        "sink_kv": lambda: sink_kv(model, one),
+        "sink_kv (given)": lambda: sink_kv(model, one, sinks=[0]),
         "sink_attention (eager)": lambda: ml.sink_attention(model, one, attention="eager"),
         "sink_census (eager)": lambda: ml.sink_census(model, one, attention="eager"),
         "perplexity": lambda: ml.perplexity(model, one, progress=False),
