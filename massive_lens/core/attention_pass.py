@@ -126,13 +126,16 @@ def attention_pass(view: ModelView, batch: Batch, on_layer: Callable[[PassLayer]
     the null mass, a capability the caller knows (the null slot's kind): ``"pattern"``, one minus the keys'
     weights (a sink logit the eager attention drops after the softmax), or ``"slot_pattern"``, the sum of
     ``attn.hook_slot_pattern`` (sink slots); elsewhere the eager path hands None; ``evidence``: fed every layer's
-    key attention and (``evidence_resid``) residual stream; ``hooks``: the caller's own, run in the same forward.
+    key attention and (``evidence_resid``) residual stream; ``hooks``: the caller's own, run in the same forward
+    (on ``"lse"`` none that the kernel would skip: pass them to :func:`choose_path`).
     The forward stops after ``stop_after`` (None: the last layer the pass reads). It is
     :func:`attention_reading` and one forward."""
     reading = attention_reading(view, on_layer, path=path, batch=batch, columns=columns, band=band, want=want,
                                 layers=layers, out_hooks=out_hooks, eager_reads=eager_reads, null_from=null_from,
                                 evidence=evidence, evidence_resid=evidence_resid)
     own = reading.hooks
+    if path == LSE and hooks and attached_attention_edits(view, hooks):  # the kernel would skip an edit of them
+        choose_path(view, LSE, batch, hooks=hooks)  # the MassiveLensError naming them
     if path == LSE and not own and evidence is None:  # hooks that read nothing: the forward checks them for NaN, inf
         own = [(view.hook_name(layer, "resid_post"), _watch) for layer in range(view.n_layers)]
     all_hooks = [*hooks, *own]
@@ -212,7 +215,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
                       edits=edits)
 
 
-def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: Iterable[str] = ()) -> str:
+def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: Iterable[str] = (),
+                hooks: Sequence[tuple[str, Any]] = ()) -> str:
     """``"eager"`` or ``"lse"``, the path that reads ``batch``'s attention as ``attention`` asks:
     ``"auto"`` takes the eager pattern where the view serves one and ``batch`` is shorter than
     :data:`LSE_FROM` positions (the faster path there), else the LSE path where the model supports
@@ -222,7 +226,8 @@ def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: I
     skip an attached edit, and ``"eager"`` on a view without patterns are a :class:`MassiveLensError`
     naming why. ``batch`` None: hooks on a forward of unknown length that the caller runs (an
     intervention's), read from the eager pattern wherever the view serves one. A ``want`` of
-    :data:`EAGER_WANTS` (the rotary cos/sin) is read on the eager path at any length.
+    :data:`EAGER_WANTS` (the rotary cos/sin) is read on the eager path at any length. ``hooks``: the
+    caller's own, to run in the same forward (:func:`attention_pass`'s ``hooks``), counted as attached.
 
     >>> from massive_lens import tiny_model
     >>> view = ModelView(tiny_model("llama"))
@@ -242,7 +247,7 @@ def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: I
         return EAGER
     reason = lse_support(view)
     if reason is None:
-        edits = attached_attention_edits(view)
+        edits = attached_attention_edits(view, hooks)
         if not edits:
             return LSE
         if attention == LSE:

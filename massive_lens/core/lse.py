@@ -43,7 +43,7 @@ import contextlib
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -294,9 +294,10 @@ def _attached(hp: Any) -> bool:
     return bool(getattr(hp, "_forward_hooks", None) or getattr(hp, "_forward_pre_hooks", None))
 
 
-def attached_attention_edits(view: ModelView) -> list[str]:
+def attached_attention_edits(view: ModelView, hooks: Sequence[tuple[str, Any]] = ()) -> list[str]:
     """The hook points holding a hook now (a user's ``add_hook`` or ``model.hooks(...)``, an entered
-    intervention) that the LSE path would not honour: those that do not fire on both paths
+    intervention), or named in ``hooks`` (the caller's own, to run in the same forward), that the LSE
+    path would not honour: those that do not fire on both paths
     (``hook_attn_scores``, ``hook_pattern``, the rotary hooks; measured once per model by
     :func:`lse_support`) and ``hook_z``, whose input the LSE path reads from the kernel. On a model
     without the LSE path every hooked point counts; an nnsight model has none (it edits in a trace).
@@ -311,11 +312,14 @@ def attached_attention_edits(view: ModelView) -> list[str]:
     """
     if not view.serves_patterns:  # nnsight: no hook points
         return []
+    hook_dict = view.model.hook_dict
+    named = {id(hook_dict[name]) for name, _ in hooks if name in hook_dict}
     with model_lock(view.model):  # another thread's analysis holds its own hooks only while it holds the lock
         bypassed = _BYPASSED.get(view.model) if lse_support(view) is None and _weakrefable(view.model) else None
         if bypassed is None:
-            return sorted(name for name, hp in _hook_points(view.model.hook_dict).values() if _attached(hp))
-        return sorted(name for name, ref in bypassed if (hp := ref()) is not None and _attached(hp))
+            return sorted(name for name, hp in _hook_points(hook_dict).values() if _attached(hp) or id(hp) in named)
+        return sorted(name for name, ref in bypassed
+                      if (hp := ref()) is not None and (_attached(hp) or id(hp) in named))
 
 
 def path_text(path: str) -> str:
