@@ -48,7 +48,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.attention.circuit_split import CircuitCapture, content_lse, rotate, split_layer
-from massive_lens.core.attention_pass import PassLayer, attention_reading
+from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
 from massive_lens.core.corpora import sequences
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.loss import NextTokenLoss
@@ -286,8 +286,9 @@ def causal_check(view: ModelView, heads: pd.DataFrame, corpus: Any, *, n_seqs: i
             for removal in arms:
                 masses: dict[tuple[int, int], Tensor] = {}
                 record = ControlRecord()
+                # the removals are edits of the attention: read on the eager path (the kernel would skip them)
                 reader = attention_reading(view, partial(_keep_mass, heads=heads, valid=valid, masses=masses),
-                                           path=cap.path, columns=[0], layers=layers,
+                                           path=choose_path(view, "eager", batch), columns=[0], layers=layers,
                                            edits=_edits(view, heads, removal, parts, splits, cap, valid, record))
                 with reader:
                     edited_loss[removal].append(loss(x, hooks=reader.hooks).loss)

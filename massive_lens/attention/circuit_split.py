@@ -39,7 +39,7 @@ from massive_lens.errors import MassiveLensError
 TOL = 1e-4  # relative, float32: what "exact" means here
 # what the split reads of each layer's attention from the pass: every query and the sink's key as the
 # scores use them, the scores and the pattern on the sink's column, the content keys' log-sum-exp, and
-# the rotary cos/sin (which only the eager hooks show: the pass then reads the eager path)
+# the rotary cos/sin (on the kernel: its module's inputs; the eager path where they lack them, core.lse.lse_rotary)
 WANTS = ("q", "k", "scores", "rest_lse", "rotary")
 
 

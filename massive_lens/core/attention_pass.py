@@ -42,19 +42,17 @@ import torch
 from torch import Tensor
 
 from massive_lens.core.criterion import SinkEvidence
-from massive_lens.core.lse import EAGER, LSE, PATHS, attached_attention_edits, lse_support
+from massive_lens.core.lse import EAGER, LSE, PATHS, attached_attention_edits, lse_rotary, lse_support
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.pass_reader import AttentionEdit, PassReader, attention_layers
 from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 
-__all__ = ["EAGER_WANTS", "LSE_FROM", "PassLayer", "attention_output_hook", "attention_pass", "attention_reading",
-           "choose_path"]
+__all__ = ["LSE_FROM", "PassLayer", "attention_output_hook", "attention_pass", "attention_reading", "choose_path"]
 
 log = logging.getLogger(__name__)
 
 WANTS = ("z", "z_read", "k", "v", "out", "null", "max_attention", "q", "scores", "rest_lse", "rotary")
-EAGER_WANTS = ("rotary",)  # only the eager hooks show them (the kernel runs the rotary embedding unhooked)
 NULL_FROM = ("pattern", "slot_pattern")  # where the eager path reads a layer's null mass
 # "auto" reads the eager pattern below this many positions, the LSE path from it: the measured
 # crossover (CPU time, one thread, SmolLM2-135M: every attention analysis is faster on the eager
@@ -84,8 +82,10 @@ class PassLayer:
     query head d_head]``: the queries as the scores use them (after any rotary embedding); ``scores [batch head
     query col]``: the attention scores (logits, the mask's ``-inf`` included) on the ``columns``; ``rest_lse
     [batch head query]`` (float32): each query's log-sum-exp over the keys it sees other than the ``columns``
-    (causal; on the LSE path ``LSE + log(1 - p_columns)``); ``rotary``: the rotary embedding's ``(cos, sin)``
-    (``[batch|1 pos rotary_dim]``) where the layer shows them (eager path only), else None."""
+    (causal; on the LSE path ``LSE + log(1 - p_columns)``, from the other keys' scores where ``p_columns`` is
+    within :data:`~massive_lens.core.layer_attention.NEAR_ONE` of one); ``rotary``: the rotary embedding's
+    ``(cos, sin)`` (``[batch|1 pos rotary_dim]``) the layer rotates by (on the LSE path: its module's inputs),
+    else None."""
 
     layer: int
     shape: tuple[int, ...]
@@ -172,7 +172,8 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     at which ``want="max_attention"`` is read (None: every query), or a function ``layer -> positions``
     (or None) asked as each layer is read; ``edits``: per layer an
     :class:`~massive_lens.core.pass_reader.AttentionEdit` applied on the eager path before anything of that
-    layer is read (the LSE path refuses them, and :data:`EAGER_WANTS`). ``path=choose_path(view, "auto",
+    layer is read (the LSE path refuses them, and ``"rotary"`` where :func:`~massive_lens.core.lse.lse_rotary`
+    says the kernel misses it). ``path=choose_path(view, "auto",
     None)`` reads a forward of unknown length.
 
     >>> from massive_lens import tiny_model
@@ -192,9 +193,12 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
     if set((null_from or {}).values()) - set(NULL_FROM):
         raise MassiveLensError(f"null_from names each layer's null mass source, one of {NULL_FROM}, got "
                                f"{sorted(set(null_from.values()))}")
-    if path == LSE and (edits or want & set(EAGER_WANTS)):
-        raise MassiveLensError(f"{view.name}: edits of the attention and {sorted(want & set(EAGER_WANTS))} are read "
-                               "on the eager path only (the fused kernel skips the hooks they need); pass the "
+    if path == LSE and edits:
+        raise MassiveLensError(f"{view.name}: edits of the attention are read on the eager path only (the fused "
+                               "kernel skips the hooks they need); pass the path choose_path(view, attention, "
+                               "batch, want=...) gives")
+    if path == LSE and "rotary" in want and (gap := lse_rotary(view)) is not None:
+        raise MassiveLensError(f"{view.name}: want='rotary' is read on the eager path only here: {gap}; pass the "
                                "path choose_path(view, attention, batch, want=...) gives")
     if want & {"scores", "rest_lse"} and columns is None:
         raise MassiveLensError("want='scores' and 'rest_lse' are read on the columns: pass columns=")
@@ -226,8 +230,9 @@ def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: I
     skip an attached edit, and ``"eager"`` on a view without patterns are a :class:`MassiveLensError`
     naming why. ``batch`` None: hooks on a forward of unknown length that the caller runs (an
     intervention's), read from the eager pattern wherever the view serves one. A ``want`` of
-    :data:`EAGER_WANTS` (the rotary cos/sin) is read on the eager path at any length. ``hooks``: the
-    caller's own, to run in the same forward (:func:`attention_pass`'s ``hooks``), counted as attached.
+    ``"rotary"`` takes the eager path where the kernel misses a rotary the eager hooks show
+    (:func:`~massive_lens.core.lse.lse_rotary`). ``hooks``: the caller's own, to run in the same
+    forward (:func:`attention_pass`'s ``hooks``), counted as attached.
 
     >>> from massive_lens import tiny_model
     >>> view = ModelView(tiny_model("llama"))
@@ -240,12 +245,14 @@ def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: I
                                "tokens, the fused kernel's log-sum-exp from there where the model supports it), "
                                f"got {attention!r}")
     refusal = view.pattern_refusal()  # a view that serves no pattern (nnsight): the LSE path or nothing
-    if attention == EAGER or (attention == "auto" and (set(want) & set(EAGER_WANTS) or not refusal and (
-            batch is None or batch.mask.shape[-1] < LSE_FROM))):
+    if attention == EAGER or (attention == "auto" and not refusal and (
+            batch is None or batch.mask.shape[-1] < LSE_FROM)):
         if refusal:
             raise MassiveLensError(refusal)
         return EAGER
     reason = lse_support(view)
+    if reason is None and "rotary" in set(want):
+        reason = lse_rotary(view)  # the kernel's run misses a rotary the eager hooks show
     if reason is None:
         edits = attached_attention_edits(view, hooks)
         if not edits:

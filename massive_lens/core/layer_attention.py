@@ -29,7 +29,8 @@ from massive_lens.core.criterion import SINK_QUERIES
 __all__ = ["BAND_BLOCK", "MAX_BLOCK", "LayerAttention", "rest_lse"]
 
 BAND_BLOCK = 64  # keys per block of the band reduction
-MAX_BLOCK = 512  # keys per block of max_attention
+MAX_BLOCK = 512  # keys per block of max_attention (queries per block of rest_lse's exact rows)
+NEAR_ONE = 1e-3  # rest_lse: where the columns take more than 1 - this, the other keys' log-sum-exp from their scores
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,34 @@ class LayerAttention:
 
     def rest_lse(self, cols: Sequence[int] | Tensor) -> Float[Tensor, "batch head query"]:
         """Each query's log-sum-exp over the keys it sees other than ``cols`` (float32; ``-inf`` where
-        it sees no other): ``LSE + log(1 - p_cols)``, in float64 (the kernel's LSE is float32: where
-        ``p_cols`` is near one the result carries its error over ``1 - p_cols``, but the attention it
-        gives back, ``sigmoid(s - rest_lse)``, keeps the LSE's precision)."""
+        it sees no other): ``LSE + log(1 - p_cols)``, in float64, where ``p_cols <= 1 - NEAR_ONE`` (the
+        kernel's LSE is float32: the result carries its error over ``1 - p_cols``, at most ~1e-3); where the
+        columns take more (``1 - p_cols`` at or below the LSE's precision), from the other keys' scores,
+        for those queries only (a learned sink logit counted, as in the LSE)."""
+        cols = torch.as_tensor(cols, dtype=torch.long, device=self.q.device).flatten()
         p = self.columns(cols).double().sum(-1).clamp(max=1.0)
-        return (self.lse.double() + torch.log1p(-p)).float()
+        out = (self.lse.double() + torch.log1p(-p)).float()
+        near = p > 1 - NEAR_ONE
+        for b, h in near.any(-1).nonzero().tolist():
+            queries = near[b, h].nonzero().flatten()
+            out[b, h, queries] = self._rest_rows(b, h, queries, cols)
+        return out
+
+    def _rest_rows(self, b: int, h: int, queries: Tensor, cols: Tensor) -> Tensor:
+        """:meth:`rest_lse` of ``queries`` of batch row ``b``, head ``h`` from their scores on every key."""
+        k = self.k[b, h // self.group].float()  # [key d_head]
+        keys = torch.arange(k.shape[0], device=k.device)
+        out = []
+        for start in range(0, len(queries), MAX_BLOCK):
+            qi = queries[start: start + MAX_BLOCK]
+            bias = self._bias(qi[:, None], keys[None, :])
+            if bias.ndim == 4:  # a mask [batch|1 head|1 query key]
+                bias = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1)]
+            scores = (self.q[b, h, qi].float() @ k.T).mul_(self.scale) + bias
+            scores[:, cols] = float("-inf")
+            out.append(torch.logsumexp(scores, -1))
+        rest = torch.cat(out)
+        return rest if self.sinks is None else torch.logaddexp(rest, self.sinks[h].to(rest.device))
 
     def max_attention(self, queries: Sequence[int] | Tensor | None = None) -> Float[Tensor, "batch head query"]:
         """Each query's largest attention on any one key (float32), ``exp(max_j (s_j + bias_j) - LSE)``

@@ -44,6 +44,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,10 +62,12 @@ _NAME = "massive_lens_lse"  # the attention implementation registered with trans
 
 
 # ---------------------------------------------------------------------------------------------- the kernel
-_ACTIVE: dict[int, tuple[int, Callable[[LayerAttention], None] | None, set[int]]] = {}  # id(hf module) -> route
+# id(hf module) -> route: (layer, callback, layers seen, the module's rotary (cos, sin) of this call)
+_ACTIVE: dict[int, tuple[int, Callable[[LayerAttention], None] | None, set[int], dict[str, Any]]] = {}
 _ACTIVE_GUARD = threading.Lock()
 _SUPPORT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason (None: supported)
 _BYPASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(name, weakref to hook point)]
+_ROTARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> why the kernel misses a rotary (None: not)
 
 
 class _Refused(Exception):
@@ -118,11 +121,11 @@ def _lse_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, atten
         out = (out.float() * torch.exp(lse.float() - full).nan_to_num(0.0)[..., None]).to(out.dtype)
         lse = full
     if route is not None:
-        layer, callback, seen = route
+        layer, callback, seen, inputs = route
         seen.add(layer)
         if callback is not None:
             callback(LayerAttention(layer, query, key, value, out, lse, scale, attention_mask,
-                                    causal and attention_mask is None, sinks))
+                                    causal and attention_mask is None, sinks, rotary=inputs.get("rotary")))
     return out.transpose(1, 2), None
 
 
@@ -201,8 +204,10 @@ def lse_run(view: ModelView, callback: Callable[[LayerAttention], None] | None =
         for layer, attn, hf in modules:
             if attn is not None:  # a bridge: its attention component runs the HF module's own forward
                 _own_forward(attn, stack)
+            inputs: dict[str, Any] = {}  # the module's rotary (cos, sin), kept by a pre-hook as it is called
+            stack.callback(hf.register_forward_pre_hook(partial(_keep_rotary, inputs=inputs), with_kwargs=True).remove)
             with _ACTIVE_GUARD:
-                _ACTIVE[id(hf)] = (layer, callback, seen)
+                _ACTIVE[id(hf)] = (layer, callback, seen, inputs)
             stack.callback(_ACTIVE.pop, id(hf), None)
         for c in configs.values():
             c._attn_implementation_internal = implementation
@@ -211,6 +216,16 @@ def lse_run(view: ModelView, callback: Callable[[LayerAttention], None] | None =
         except _Refused as exc:
             raise MassiveLensError(f"{view.name} cannot run on the fused attention kernel: {exc}"
                                    f"{_hint(view)}") from None
+
+
+def _keep_rotary(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, inputs: dict[str, Any]) -> None:
+    """Keep the rotary ``(cos, sin)`` a Hugging Face attention module is called with (its
+    ``position_embeddings``: what a bridge's ``attn.hook_cos``/``hook_sin`` show on the eager path); None
+    where it gets none (no rotary, or a complex form)."""
+    rotary = kwargs.get("position_embeddings")
+    real = isinstance(rotary, tuple) and len(rotary) == 2 and all(
+        isinstance(x, Tensor) and x.is_floating_point() for x in rotary)
+    inputs["rotary"] = rotary if real else None
 
 
 def _own_forward(attn: Any, stack: contextlib.ExitStack) -> None:
@@ -238,9 +253,10 @@ def lse_support(view: ModelView) -> str | None:
     if reason is None:
         batch = view.full_batch(torch.zeros(1, 4, dtype=torch.long))
         hook_dict = view.model.hook_dict if view.serves_patterns else {}  # nnsight: no hook points
-        points, on_eager, on_lse = _hook_points(hook_dict), set(), set()
+        points, on_eager, on_lse, shown = _hook_points(hook_dict), set(), set(), set()
         try:
-            with model_lock(view.model), _firing(points, on_lse), lse_run(view) as seen:
+            with model_lock(view.model), _firing(points, on_lse), \
+                    lse_run(view, lambda att: shown.add(att.layer) if att.rotary is not None else None) as seen:
                 view.forward(batch, [], check_finite=False)
             with contextlib.suppress(Exception), model_lock(view.model), _firing(points, on_eager):
                 if points:  # failed (a user's hook): every hooked point counts
@@ -249,6 +265,8 @@ def lse_support(view: ModelView) -> str | None:
             if on_eager and _weakrefable(view.model):  # honoured: fires on both paths, and not z (read before hook_z)
                 _BYPASSED[view.model] = [(name, weakref.ref(hp)) for key, (name, hp) in points.items()
                                          if key not in on_eager & on_lse or key in z]
+            if _weakrefable(view.model):
+                _ROTARY[view.model] = _rotary_gap(view, modules, hook_dict, on_eager, shown)
             missing = sorted({layer for layer, _, _ in modules} - seen)
             if missing:
                 reason = (f"layer {missing[0]}'s attention does not dispatch through transformers' attention "
@@ -260,6 +278,34 @@ def lse_support(view: ModelView) -> str | None:
     if _weakrefable(view.model):
         _SUPPORT[view.model] = reason
     return reason
+
+
+def _rotary_gap(view: ModelView, modules: list[tuple[int, Any, Any]], hook_dict: dict[str, Any], on_eager: set[int],
+                shown: set[int]) -> str | None:
+    """Why the kernel's run misses a rotary ``(cos, sin)`` that the eager path shows (``attn.hook_cos``
+    fired there, in ``on_eager``) at some layer (its module got no ``position_embeddings``); None if none."""
+    eager = sorted(layer for layer, _, _ in modules if view.has_hook(layer, "attn.hook_cos")
+                   and id(hook_dict.get(view.hook_name(layer, "attn.hook_cos"))) in on_eager)
+    missed = [layer for layer in eager if layer not in shown]
+    return None if not missed else (f"layer {missed[0]}'s attention rotates by a (cos, sin) that its eager hooks "
+                                    "show but its Hugging Face module is not called with (position_embeddings)")
+
+
+def lse_rotary(view: ModelView) -> str | None:
+    """None when the LSE path hands every attention layer the rotary ``(cos, sin)`` that the eager
+    path's ``attn.hook_cos``/``hook_sin`` show (the ``position_embeddings`` its Hugging Face module is
+    called with; none where the model has no rotary), else why not (also where the model has no
+    LSE path: :func:`lse_support`'s reason). Measured once per model, by :func:`lse_support`.
+
+    >>> from massive_lens import tiny_model
+    >>> from massive_lens.core.model_view import ModelView
+    >>> lse_rotary(ModelView(tiny_model("llama"))) is None
+    True
+    """
+    reason = lse_support(view)
+    if reason is not None:
+        return reason
+    return _ROTARY.get(view.model) if _weakrefable(view.model) else None
 
 
 def _weakrefable(model: Any) -> bool:
