@@ -4,8 +4,12 @@ census's summary, and the usual contract."""
 
 from __future__ import annotations
 
+import ast
+import re
 from functools import partial
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from helpers import untouched
@@ -139,3 +143,37 @@ def test_a_sink_planted_on_the_default_model_is_named_by_the_census_and_dependen
     assert not (before["pos"] == pos).any()
     assert bool(dep.sinks.mask[:, pos].all()) and not bool(plain.sinks.mask[:, pos].any())
     assert dep.to_frame()["measured"].sum() == 1 and dep.to_frame()["sink_mass"].max() >= dep.threshold
+
+
+def test_the_untouched_pass_reads_either_path_alike(model, monkeypatch):
+    """The sink mass and the swap's |dz|/|z| from the one pass: on the LSE path (a crossover within the
+    tiny model's context) the same table as on the eager pattern; the loss changes are the eager edits'."""
+    tokens = sequences(ModelView(model), TEXT, 24, 4)
+    got = {}
+    for crossover in (10_000, 8):
+        monkeypatch.setattr("massive_lens.core.attention_pass.LSE_FROM", crossover)
+        got[crossover] = sink_dependence(model, tokens[:, 1:], threshold=0.0, max_heads=2, progress=False).to_frame()
+    pd.testing.assert_frame_equal(got[8], got[10_000], rtol=1e-5, atol=1e-6)
+
+
+READERS = {"massive_lens/interventions/plant.py": ("sink_strength", "_key_attention_at"),
+           "massive_lens/interventions/dependence.py": ("_Tally",),
+           "massive_lens/effects/valley.py": ("_measure", "_layer_rows", "compression_valley")}
+
+
+@pytest.mark.parametrize("path", sorted(READERS))
+def test_the_readings_hang_no_attention_hook_of_their_own(path):
+    """Issue 50: sink_strength, sink_dependence's untouched pass and compression_valley read their layers
+    from the one attention pass; only the edits (force_self_attention, the removal runs) name hook points."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / path).read_text())
+    found = [node for node in tree.body if getattr(node, "name", None) in READERS[path]]
+    assert len(found) == len(READERS[path])
+    for node in found:
+        named = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                 and re.search(r"hook_(pattern|attn_scores|v|z|q|k)\b", c.value) and c not in _docstrings(node)]
+        assert not named, f"{path}: {node.name} names {named}"
+
+
+def _docstrings(node):
+    return [n.body[0].value for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)]

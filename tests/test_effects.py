@@ -336,3 +336,26 @@ def test_effects_command_checks_before_loading(tmp_path, capsys):
     assert main(["effects", "valley", "--out-dir", str(afile)]) == 2
     assert main(["effects", "streaming", "--sinks", "0,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_compression_valley_reads_either_path_alike_and_an_attention_edit_on_the_eager_one(monkeypatch):
+    """The one pass: on the LSE path (a crossover within the tiny model's context) the same rows as on the
+    eager pattern; a caller's hook that edits the pattern makes choose_path take the eager path (the
+    kernel would skip it), so the edit is read (the same rows as below the crossover) at any length."""
+    model = tiny_model("llama")
+
+    def edit(pattern, hook):  # all of layer 1's attention on the first token
+        out = torch.zeros_like(pattern)
+        out[..., 0] = 1.0
+        return out
+
+    got = {}
+    for crossover in (10_000, 8):
+        monkeypatch.setattr("massive_lens.core.attention_pass.LSE_FROM", crossover)
+        for name, hooks in (("plain", ()), ("edit", [("blocks.1.attn.hook_pattern", edit)])):
+            got[name, crossover] = compression_valley(model, TEXT, seq_len=32, n_seqs=3, batch_size=2, ablate=None,
+                                                      hooks=hooks).per_seq.set_index(["seq", "layer"])
+    for name in ("plain", "edit"):  # the first-token mass in float32 from either path: within rounding
+        pd.testing.assert_frame_equal(got[name, 8], got[name, 10_000], rtol=1e-5, atol=1e-6)
+    edited = got["edit", 8].xs(1, level="layer")
+    assert (edited["sink_rate"] == 1.0).all() and not got["plain", 8].xs(1, level="layer")["sink_rate"].eq(1.0).all()

@@ -5,6 +5,7 @@ contract (model left as found, hooks gone after an exception) and the refusals."
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from helpers import untouched
@@ -168,3 +169,18 @@ def test_sink_strength_is_the_sink_metric_at_the_position(model):
         sink_strength(model, tokens, pos=0, threshold=1.5)
     with pytest.raises(MassiveLensError, match="position"):
         sink_strength(model, tokens, pos=-1)
+
+
+def test_sink_strength_reads_either_path_alike_and_the_plant_on_the_eager_one(model, monkeypatch):
+    """On the LSE path (a crossover within the tiny model's context) the same strengths as on the eager
+    pattern; under the plant the pass takes the eager path (the kernel would skip the edit) at any length."""
+    tokens = ["Hello there, world. " * 4, "The cat sat on the mat."]  # two lengths: a padded batch
+    got = {}
+    for crossover in (10_000, 4):
+        monkeypatch.setattr("massive_lens.core.attention_pass.LSE_FROM", crossover)
+        got["plain", crossover] = sink_strength(model, tokens, pos=[0, POS], threshold=0.05)
+        with force_self_attention(model, POS):
+            got["plant", crossover] = sink_strength(model, tokens, pos=[0, POS], threshold=0.05)
+    for name in ("plain", "plant"):
+        pd.testing.assert_frame_equal(got[name, 4], got[name, 10_000], rtol=1e-5, atol=1e-6)
+    assert not got["plant", 4]["mass"].equals(got["plain", 4]["mass"])

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pandas as pd
@@ -47,9 +48,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import first_norm_ratio, first_token_mass, sink_metric
-from massive_lens.core.gather import LayerGather
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -215,35 +216,34 @@ def _verdict(rows: pd.DataFrame) -> str:
 
 def _measure(view: ModelView, tokens: Tensor, layers: list[int], extra: list, setting: str,
              batch_size: int) -> list[dict[str, Any]]:
+    """The rows of ``setting``: one attention pass per chunk with ``extra`` run in it, on the path
+    :func:`~massive_lens.core.attention_pass.choose_path` takes with them (the eager pattern where they
+    edit the attention), reading each layer's first-token column and residual stream."""
     rows: list[dict[str, Any]] = []
-    seq0 = 0
-
-    def ready(layer: int, pattern: Tensor, resid: Tensor) -> None:  # a layer's rows, as soon as it has run
-        masses, resid = first_token_mass_per_seq(pattern), resid.detach().float().cpu()
-        norms = resid.norm(dim=-1)
-        ratios = first_norm_ratio(norms)
-        for b in range(len(resid)):
-            rows.append(dict(setting=setting, seq=seq0 + b, layer=layer, entropy=matrix_entropy(resid[b]),
-                             first_norm=float(norms[b, 0]), first_norm_ratio=float(ratios[b]),
-                             sink_rate=sink_metric(masses[b])))
-
-    for chunk in tokens.split(batch_size):
-        gather = LayerGather(("pattern", "resid"), ready)
-        hooks = list(extra)
-        for layer in layers:
-            hooks.append((view.hook_name(layer, "attn.hook_pattern"), gather.hook("pattern", layer)))
-            hooks.append((view.hook_name(layer, "resid_post"), gather.hook("resid", layer)))
-        view.forward(view.full_batch(chunk), hooks, stop_after=view.hook_name(max(layers), "resid_post"))
-        if gather.done != layers:
-            raise MassiveLensError(f"{view.name}: the attention pattern and residual hooks did not both fire in "
-                                   f"layers {sorted(set(layers) - set(gather.done))}; compression_valley cannot "
-                                   "read them")
-        seq0 += len(chunk)
+    for start in range(0, len(tokens), batch_size):
+        batch = view.full_batch(tokens[start:start + batch_size])
+        attention_pass(view, batch, partial(_layer_rows, rows=rows, setting=setting, seq0=start),
+                       path=choose_path(view, "auto", batch, hooks=extra), columns=[0], want=("out",), layers=layers,
+                       out_hooks={layer: "resid_post" for layer in layers}, hooks=extra,
+                       stop_after=view.hook_name(max(layers), "resid_post"))
     return rows
 
 
+def _layer_rows(at: PassLayer, *, rows: list[dict[str, Any]], setting: str, seq0: int) -> None:
+    """A layer's rows, as soon as it has run: ``at.cols`` the attention on the first token, ``at.out``
+    the residual stream after the layer."""
+    masses, resid = first_token_mass_per_seq(at.cols), at.out.detach().float().cpu()
+    norms = resid.norm(dim=-1)
+    ratios = first_norm_ratio(norms)
+    for b in range(len(resid)):
+        rows.append(dict(setting=setting, seq=seq0 + b, layer=at.layer, entropy=matrix_entropy(resid[b]),
+                         first_norm=float(norms[b, 0]), first_norm_ratio=float(ratios[b]),
+                         sink_rate=sink_metric(masses[b])))
+
+
 def first_token_mass_per_seq(pattern: Float[Tensor, "batch head_index query_pos key_pos"]) -> Tensor:
-    """Per sequence and head, the mean attention to the first token over the first 64 queries."""
+    """Per sequence and head, the mean attention to the first token over the first 64 queries (``pattern``:
+    the attention, or its columns from the first token's on)."""
     return torch.stack([first_token_mass(pattern[b:b + 1]) for b in range(len(pattern))]).float().cpu()
 
 

@@ -36,8 +36,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from massive_lens.attention.sinks import SinkSet, sinks_of
+from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import SinkRule, as_rule
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
@@ -117,40 +119,39 @@ class SinkDependence(Result):
 
 
 class _Tally:
-    """The untouched pass, reduced in the hooks: per layer and head the attention of non-sink
-    queries to the sinks, and ``|dz|``/``|z|`` of the value swap, as sums and counts."""
+    """The untouched pass reduced per layer from the attention pass: per layer and head the attention
+    of non-sink queries to the sinks, and ``|dz|``/``|z|`` of the value swap, as sums and counts, taken
+    from each :class:`~massive_lens.core.attention_pass.PassLayer` of the chunk whose ``sinks [batch pos]``
+    and sink columns ``cols`` (every sequence's sinks) are set."""
 
     def __init__(self, n_layers: int, n_heads: int):
         self.mass = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.dz = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.z = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.queries = 0.0
-        self.stash: dict[str, Tensor] = {}
-        self.sinks: Tensor | None = None
+        self.sinks = torch.zeros(0, 0, dtype=torch.bool)
+        self.cols = torch.zeros(0, dtype=torch.long)
 
-    def hooks(self, view: ModelView) -> list[tuple[str, Any]]:
-        out = []
-        for layer in range(view.n_layers):
-            out += [(view.hook_name(layer, "attn.hook_pattern"), partial(self._keep, key="pattern")),
-                    (view.hook_name(layer, "attn.hook_v"), partial(self._keep, key="v")),
-                    (view.hook_name(layer, "attn.hook_z"), partial(self._z, layer=layer))]
-        return out
+    def chunk(self, sinks: Bool[Tensor, "batch pos"]) -> Tensor:
+        """Set the next chunk's sinks; returns the sink columns to read."""
+        self.sinks, self.cols = sinks, sinks.any(0).nonzero().flatten()
+        self.queries += float((~sinks).sum())
+        return self.cols
 
-    def _keep(self, act: Tensor, hook: Any, *, key: str) -> None:
-        self.stash[key] = act.detach()
-
-    def _z(self, z: Float[Tensor, "batch pos head_index d_head"], hook: Any, *, layer: int) -> None:
-        pattern, v, sinks = self.stash["pattern"].float(), self.stash["v"].float(), self.sinks.to(z.device)
+    def take(self, at: PassLayer) -> None:
+        """One layer: ``at.cols`` the attention on the sink columns, ``at.v`` the values, ``at.z_read`` the
+        heads' outputs."""
+        sinks, v = self.sinks.to(at.cols.device), at.v.float()
         queries = (~sinks).float()  # [batch pos]
-        to_sinks = pattern * sinks[:, None, None, :].float()  # [batch head q k]
-        self.mass[layer] += torch.einsum("bhqk,bq->h", to_sinks, queries).double().cpu()
-        swapped = swap_values(v, sinks)
-        group = pattern.shape[1] // v.shape[2]
-        delta = torch.einsum("bhqk,bkhd->bqhd", to_sinks, (swapped - v).repeat_interleave(group, 2))
-        self.dz[layer] += torch.einsum("bqh,bq->h", delta.norm(dim=-1), queries).double().cpu()
-        self.z[layer] += torch.einsum("bqh,bq->h", z.detach().float().norm(dim=-1), queries).double().cpu()
-        if layer == 0:
-            self.queries += float(queries.sum())
+        on = sinks[:, self.cols.to(sinks.device)].float()  # [batch col]: the column is this sequence's sink
+        to_sinks = at.cols.float() * on[:, None, None, :]  # [batch head query col]
+        self.mass[at.layer] += torch.einsum("bhqc,bq->h", to_sinks, queries).double().cpu()
+        swapped = swap_values(v, sinks)[:, self.cols.to(v.device)]  # a swap moves only the sinks' values
+        group = to_sinks.shape[1] // v.shape[2]
+        delta = torch.einsum("bhqc,bchd->bqhd", to_sinks,
+                             (swapped - v[:, self.cols.to(v.device)]).repeat_interleave(group, 2))
+        self.dz[at.layer] += torch.einsum("bqh,bq->h", delta.norm(dim=-1), queries).double().cpu()
+        self.z[at.layer] += torch.einsum("bqh,bq->h", at.z_read.detach().float().norm(dim=-1), queries).double().cpu()
 
 
 def swap_values(v: Float[Tensor, "batch pos kv_head d_head"], sinks: Bool[Tensor, "batch pos"]) -> Tensor:
@@ -243,9 +244,17 @@ def sink_dependence(
     found = [sinks_of(view, view.full_batch(chunk), rule) for chunk in chunks]
     bar = tqdm(total=len(chunks), desc="sink dependence", disable=not progress, leave=False)
     tally, base = _Tally(view.n_layers, n_heads), []
+    scorer = NextTokenLoss(view)
     for chunk, sinks in zip(chunks, found, strict=True):
-        tally.sinks = sinks.mask
-        base.append(perplexity(model, chunk, batch_size=len(chunk), hooks=tally.hooks(view), progress=False).per_seq)
+        reader = attention_reading(view, tally.take, path=choose_path(view, "auto", view.full_batch(chunk)),
+                                   columns=tally.chunk(sinks.mask), want=("v", "z_read"))
+        scorer.check(chunk)  # its probe's forward before the reading: on the LSE path the reader reads every forward
+        with reader:  # the loss and the reading in one forward, on the path choose_path takes
+            out = scorer(chunk, hooks=reader.hooks)
+        if not out.finite:
+            raise MassiveLensError(f"{view.name} ({view.dtype}) gives NaN or inf logits on the untouched pass: it "
+                                   "overflowed; load it with dtype=torch.float32 or torch.bfloat16")
+        base.append(out.loss)
         bar.update()
     mass = (tally.mass / max(tally.queries, 1.0)).float()
     swap = (tally.dz / tally.z.clamp(min=1e-12)).float()

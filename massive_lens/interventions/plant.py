@@ -39,7 +39,8 @@ from torch import Tensor
 
 from massive_lens.attention.circuit import chosen_heads
 from massive_lens.attention.circuit_split import CircuitCapture, split_layer
-from massive_lens.core.criterion import SINK_THRESHOLD, Criterion, SinkRule, key_attention
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
+from massive_lens.core.criterion import SINK_THRESHOLD, Criterion, SinkRule
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.stats import rel_error
 from massive_lens.errors import MassiveLensError
@@ -175,8 +176,9 @@ def sink_strength(model: Any, text: Any, *, pos: Any = 0, threshold: float = SIN
 
     A head counts when its mean attention to the position, over the (up to 64) real queries after
     it, exceeds ``threshold`` (the census's per-head test); the strength is the share of all heads of
-    all layers that count. Read from the eager pattern, so it sees an intervention entered around it
-    (``with force_self_attention(...)``).
+    all layers that count. Read from the attention pass on the path
+    :func:`~massive_lens.core.attention_pass.choose_path` takes (the eager pattern under an intervention
+    entered around it, ``with force_self_attention(...)``, which the fused kernel would skip).
 
     Args:
         model: a TransformerLens-style model with attention patterns.
@@ -209,15 +211,9 @@ def sink_strength(model: Any, text: Any, *, pos: Any = 0, threshold: float = SIN
                                "tokens)")
     rows, seq0 = [], 0
     for batch in whole.split(batch_size):
-        seen: list[Tensor] = []
-
-        def keep(x: Tensor, hook: Any, batch: Any = batch, seen: list[Tensor] = seen) -> None:
-            ka, _ = key_attention(x, batch.mask.to(x.device))  # [B H key]
-            seen.append(ka[:, :, positions].float().cpu())
-
-        with torch.no_grad():
-            view.forward(batch, [(view.hook_name(layer, "attn.hook_pattern"), keep)
-                                 for layer in range(view.n_layers) if view.has_hook(layer, "attn.hook_pattern")])
+        seen: list[Tensor] = []  # per layer [batch head n_pos]
+        attention_pass(view, batch, partial(_key_attention_at, positions=positions, seen=seen),
+                       path=choose_path(view, "auto", batch), band=True)
         per = torch.stack(seen, 1)  # [B L H n_pos]
         strength, mass = (per > threshold).float().mean((1, 2)), per.mean((1, 2))
         lengths = batch.mask.sum(1)
@@ -227,6 +223,12 @@ def sink_strength(model: Any, text: Any, *, pos: Any = 0, threshold: float = SIN
                                  queries=max(0, int(lengths[b]) - p - 1)))
         seq0 += per.shape[0]
     return pd.DataFrame(rows, columns=["seq", "pos", "strength", "mass", "queries"])
+
+
+def _key_attention_at(at: PassLayer, *, positions: list[int], seen: list[Tensor]) -> None:
+    """One layer's key attention (:func:`~massive_lens.core.criterion.key_attention`, the pass's band) at
+    ``positions``, ``[batch head n_pos]``."""
+    seen.append(at.band[0][:, :, positions].float().cpu())
 
 
 def planted_writers(model: Any, text: Any, *, pos: Position, heads: Sequence[Any] | None = None, n_heads: int = 12,
