@@ -137,3 +137,33 @@ def test_report_part_only_where_the_model_has_an_off_switch():
         off_switch_part(tiny_model(family), [TEXT], s)
         captions = [caption for kind, _, caption in s.blocks if kind == "table"]
         assert (captions == []) if expected is None else (len(captions) == 1 and expected in captions[0]), family
+
+
+def test_reads_the_attention_from_the_pass_at_any_length(monkeypatch):
+    """The protocol, the task runs' first-token mass and the outlier statistics read their layers from
+    the one attention pass (no pattern hook of their own: issue 50); past LSE_FROM tokens the pass takes
+    the kernel's path, and the first-token and null mass match the eager pattern's (null_mass, eager)."""
+    import importlib
+    import pathlib
+    import re
+
+    from massive_lens.core.attention_pass import LSE_FROM
+
+    module = importlib.import_module("massive_lens.handover.offswitch")  # the package's name is the function
+
+    src = pathlib.Path(module.__file__).parents[1]
+    for name in ("handover/offswitch.py", "train/offswitch_runs.py", "quant/outlier_stats.py"):
+        hits = re.findall(r"hook_pattern|hook_attn_scores|hook_slot_pattern", (src / name).read_text())
+        assert not hits, (name, hits)
+    paths = []
+    real = module.choose_path
+    monkeypatch.setattr(module, "choose_path", lambda *a, **k: paths.append(real(*a, **k)) or paths[-1])
+    model = _sinks(tiny_model("gpt_oss", max_position_embeddings=2 * LSE_FROM), 1.0)
+    tokens = torch.randint(1, model.cfg.d_vocab, (1, LSE_FROM + 8), generator=torch.Generator().manual_seed(0))
+    with untouched(model):
+        frame = offswitch(model, tokens, precision=False).to_frame()
+    eager = null_mass(model, tokens, attention="eager").to_frame().groupby("layer")
+    assert paths == ["lse"]
+    for col, heads in (("first_mass", eager["first_mass"].mean()), ("null_mass", eager["null_mass"].mean()),
+                       ("first_head_max", eager["first_mass"].max()), ("null_head_max", eager["null_mass"].max())):
+        assert (frame[col].to_numpy() - heads.to_numpy()).max() < 1e-5, col

@@ -5,7 +5,7 @@ a massive activation?
 :func:`offswitch` reports, per layer and side by side (issue 51):
 
 - the **off-switch's own mass**: ``null_mass`` (the attention to the sink logit or slot,
-  :func:`~massive_lens.attention.null_mass.null_mass`) or ``gate_shut`` (the share of output
+  as :func:`~massive_lens.attention.null_mass.null_mass` reads it) or ``gate_shut`` (the share of output
   gates below 0.05, :func:`~massive_lens.attention.gates.gate_census`), NaN where the layer has
   none;
 - the **first-token mass**: the mean attention of the queries after the first token to it
@@ -22,6 +22,10 @@ a massive activation?
 - the **float16 verdict**: :func:`~massive_lens.handover.precision.precision_check` (measured in
   float32, confirmed by a float16 run) naming the first overflowing site; on a model not in
   float32 (gpt-oss-20b in bfloat16), predicted from the residual peaks alone and said so.
+
+The first-token mass, the null slot's weight and the residual peaks come from one attention pass
+(:func:`~massive_lens.core.attention_pass.attention_pass`, the first token's column, on the path
+:func:`~massive_lens.core.attention_pass.choose_path` picks for the text's length).
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ import torch
 from torch import Tensor
 
 from massive_lens.attention.gates import gate_census, gate_sites
-from massive_lens.attention.null_mass import null_mass, off_switch_layers
+from massive_lens.attention.null_mass import NullReader
+from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.criterion import Criterion, as_criterion, massive_mask
 from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.pass_reader import attention_layers
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.handover.precision import precision_check
@@ -146,24 +152,22 @@ def offswitch(model: Any, text: str | Sequence[str] | Tensor, *, criterion: Any 
     crit = Criterion() if criterion is None else as_criterion(criterion)
     view = ModelView(model)
     batch = view.tokenize(text)
-    kind, slots = off_switch_layers(view)
+    nulls = NullReader(view)  # the null slot's weight, read in the same pass
     gate_kind, gated = gate_sites(view)
-    null = null_mass(model, text).to_frame() if slots else None
     gates = gate_census(model, text).to_frame() if gated else None
-    first = _first_mass(view, batch)
-    resid = _residual(view, batch, crit)
+    first, resid = _one_pass(view, batch, crit, nulls)
+    sums, n = nulls.head_sums(batch.mask)
     rows = []
     for layer in range(view.n_layers):
-        r = resid[layer]
+        heads = sums[layer] / n.clamp(min=1) if layer in sums else None  # the null mass per head
         rows.append(dict(
             layer=layer, full_attention=layer in first,
-            null_mass=(float(null[null.layer == layer].null_mass.mean())
-                       if null is not None and layer in slots else math.nan),
+            null_mass=math.nan if heads is None else float(heads.mean()),
             gate_shut=(float(gates[gates.layer == layer].shut_share.mean())
                        if gates is not None and layer in gated else math.nan),
             first_mass=first.get(layer, (math.nan, math.nan))[0],
-            null_head_max=float(null[null.layer == layer].null_mass.max()) if null is not None and layer in slots
-            else math.nan, first_head_max=first.get(layer, (math.nan, math.nan))[1], **r))
+            null_head_max=math.nan if heads is None else float(heads.max()),
+            first_head_max=first.get(layer, (math.nan, math.nan))[1], **resid[layer]))
     frame = pd.DataFrame(rows, columns=COLUMNS)
     idle = _idle(frame)
     peak = frame.loc[frame["peak"].idxmax()]
@@ -172,49 +176,48 @@ def offswitch(model: Any, text: str | Sequence[str] | Tensor, *, criterion: Any 
                 "token-specific massive activation" if share <= SPECIFIC
                 else "massive on many tokens (outlier dimension)")
     verdict, first_site, how = _float16(model, view, batch, frame, precision)
-    return OffSwitch(frame=frame, kind=kind or gate_kind, idle=idle, residual=residual, float16=verdict,
+    return OffSwitch(frame=frame, kind=nulls.kind or gate_kind, idle=idle, residual=residual, float16=verdict,
                      first_overflow=first_site, float16_how=how, model_name=view.name, n_texts=len(batch.tokens))
 
 
-def _first_mass(view: ModelView, batch: Any) -> dict[int, tuple[float, float]]:
-    """Per layer with softmax attention, the mean and the largest over heads of the real queries'
-    (after the first token) attention to the first token, from the eager pattern."""
+def _one_pass(view: ModelView, batch: Any, crit: Criterion, nulls: NullReader
+              ) -> tuple[dict[int, tuple[float, float]], dict[int, dict[str, float]]]:
+    """One attention pass (:func:`~massive_lens.core.attention_pass.attention_pass`, on
+    :func:`~massive_lens.core.attention_pass.choose_path`'s path): per layer with softmax attention the mean
+    and the largest over heads of the real queries' (after the first token) attention to the first token,
+    the null weight into ``nulls``, and per layer the residual peak (:func:`_residual`), in the same forward."""
     after = batch.mask.float().clone()
     after[:, 0] = 0.0
-    out: dict[int, tuple[float, float]] = {}
+    first: dict[int, tuple[float, float]] = {}
+    resid: dict[int, dict[str, float]] = {}
 
-    def keep(pattern: Tensor, hook: Any, layer: int) -> None:
-        w = after.to(pattern.device)
-        per_head = torch.einsum("bhq,bq->h", pattern[..., 0].float(), w) / w.sum().clamp(min=1)
-        out[layer] = (float(per_head.mean()), float(per_head.max()))
+    def take(at: PassLayer) -> None:
+        w = after.to(at.cols.device)
+        per_head = torch.einsum("bhq,bq->h", at.cols[..., 0].float(), w) / w.sum().clamp(min=1)
+        first[at.layer] = (float(per_head.mean()), float(per_head.max()))
+        nulls.take(at)
 
-    hooks = [(view.hook_name(layer, "attn.hook_pattern"), partial(keep, layer=layer)) for layer in range(view.n_layers)
-             if view.has_hook(layer, "attn.hook_pattern")]
-    if hooks:
-        view.forward(batch, hooks, stop_after=hooks[-1][0])
-    return out
+    hooks = [(view.hook_name(layer, "resid_post"), partial(_residual, valid=batch.mask, crit=crit, out=resid,
+                                                           layer=layer)) for layer in range(view.n_layers)]
+    layers = sorted(set(attention_layers(view)) | set(nulls.logits))
+    attention_pass(view, batch, take, path=choose_path(view, "auto", batch), columns=[0], layers=layers,
+                   **nulls.reads, hooks=hooks)
+    return first, resid
 
 
-def _residual(view: ModelView, batch: Any, crit: Criterion) -> dict[int, dict[str, float]]:
-    """Per layer's ``resid_post``: the peak, its place, its share of its token's norm and how many
+def _residual(x: Tensor, hook: Any, *, valid: Tensor, crit: Criterion, out: dict[int, dict[str, float]],
+              layer: int) -> None:
+    """One layer's ``resid_post``: the peak, its place, its share of its token's norm and how many
     tokens and dims pass ``crit``."""
-    out: dict[int, dict[str, float]] = {}
-    valid = batch.mask
-
-    def keep(x: Tensor, hook: Any, layer: int) -> None:
-        x = x.detach().float()
-        mag = x.abs() * valid.to(x.device)[..., None]
-        flat = int(mag.argmax())
-        b, p, d = torch.unravel_index(torch.tensor(flat), mag.shape)
-        token_norm = float(x[b, p].norm())
-        massive = massive_mask(x, crit, valid.to(x.device))
-        out[layer] = dict(peak=float(mag[b, p, d]), peak_pos=int(p), peak_dim=int(d),
-                          top1_share=float(mag[b, p, d]) / token_norm if token_norm > 0 else math.nan,
-                          massive_tokens=int(massive.any(-1).sum()), massive_dims=int(massive.any(0).any(0).sum()))
-
-    hooks = [(view.hook_name(layer, "resid_post"), partial(keep, layer=layer)) for layer in range(view.n_layers)]
-    view.forward(batch, hooks, stop_after=hooks[-1][0])
-    return out
+    x = x.detach().float()
+    mag = x.abs() * valid.to(x.device)[..., None]
+    flat = int(mag.argmax())
+    b, p, d = torch.unravel_index(torch.tensor(flat), mag.shape)
+    token_norm = float(x[b, p].norm())
+    massive = massive_mask(x, crit, valid.to(x.device))
+    out[layer] = dict(peak=float(mag[b, p, d]), peak_pos=int(p), peak_dim=int(d),
+                      top1_share=float(mag[b, p, d]) / token_norm if token_norm > 0 else math.nan,
+                      massive_tokens=int(massive.any(-1).sum()), massive_dims=int(massive.any(0).any(0).sum()))
 
 
 def _idle(frame: pd.DataFrame) -> str:

@@ -44,11 +44,13 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
 from massive_lens.core.corpora import Corpus, sequences
 from massive_lens.core.criterion import first_norm_ratio, first_token_mass, sink_metric
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_lock import model_lock
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.pass_reader import attention_layers
 from massive_lens.core.stats import kurtosis, top1_median
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant.dispersion import Tally, site_names
@@ -215,7 +217,9 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"], scorer:
                       ) -> tuple[pd.DataFrame, float, float]:
     """Per-layer outlier statistics, the sink metric and the loss, from one forward pass (in
     batches, see :func:`_loss`; every statistic is a mean over sequences, or a max); ``tally``
-    reads every linear layer's input in the same pass. Each hook knows its layer (a closure)."""
+    reads every linear layer's input, and the attention pass's reading
+    (:func:`~massive_lens.core.attention_pass.attention_reading`) the attention to the first token, in the
+    same pass. Each hook knows its layer (a closure)."""
     model = view.model
     rows: dict[int, list[dict[str, Any]]] = {}
     sink_shares: dict[int, list[Tensor]] = {}
@@ -234,14 +238,16 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"], scorer:
             kurtosis=float(kurtosis(x).mean()), first_token_norm_ratio=float(first),
         ))
 
-    def pattern(p: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any, layer: int) -> None:
-        sink_shares.setdefault(layer, []).append(first_token_mass(p))
+    def first(at: PassLayer) -> None:  # at.cols [batch head query 1]: the attention to the first token
+        sink_shares.setdefault(at.layer, []).append(first_token_mass(at.cols))
 
-    hooks = [(view.block_hook(layer, name), functools.partial(fn, layer=layer))
-             for layer in range(view.n_layers)
-             for name, fn in (("resid_post", resid), ("attn.hook_pattern", pattern)) if view.has_hook(layer, name)]
-    with model_lock(model), attached(tally.hooks(), []):
-        loss = _loss(scorer, tokens, hooks)
+    # the first token's column from the attention pass's reading of the loss forwards, on its path for their length
+    reader = attention_reading(view, first, path=choose_path(view, "auto", view.full_batch(tokens[:1])),
+                               columns=[0], layers=attention_layers(view))
+    hooks = [(view.block_hook(layer, "resid_post"), functools.partial(resid, layer=layer))
+             for layer in range(view.n_layers) if view.has_hook(layer, "resid_post")]
+    with model_lock(model), attached(tally.hooks(), []), reader:
+        loss = _loss(scorer, tokens, [*hooks, *reader.hooks])
     if not rows:
         raise MassiveLensError(f"{type(model).__name__} fired no hook_resid_post hooks")
     weights = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
