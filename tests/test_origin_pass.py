@@ -10,8 +10,10 @@ import torch
 
 from massive_lens import tiny_model, trace_origin
 from massive_lens.core import attention_pass
+from massive_lens.errors import MassiveLensError
 from massive_lens.origin import capture as capture_module
 from massive_lens.origin import targets as targets_module
+from massive_lens.origin import trace as trace_module
 
 FRAMES = ("targets", "ledger", "events", "heads", "neurons", "why")
 
@@ -107,3 +109,39 @@ def test_a_long_text_is_traced_in_one_pass_on_the_kernel(late, monkeypatch):
     assert one.targets[["pos", "dim"]].values.tolist() == whole.targets[["pos", "dim"]].values.tolist() \
         == [[LONG - 20, 3]]
     _close(one, whole)
+
+
+def test_from_one_pass_from_tokens_every_entry_takes_the_one_pass(monkeypatch):
+    """From ONE_PASS_FROM tokens (lowered here) the trace of every entry is the candidates' one pass, within
+    the budget too, with the every-position trace's tables; a given entry still slices its position."""
+    model, tokens = _planted()
+    whole = trace_origin(model, tokens)
+    given = trace_origin(model, tokens, pos=LONG - 20)
+    monkeypatch.setattr(targets_module, "ONE_PASS_FROM", LONG)
+    kinds = []
+    real = capture_module.capture
+    monkeypatch.setattr(targets_module, "capture", lambda *a, **k: kinds.append("one") or real(*a, **k))
+    monkeypatch.setattr(trace_module, "capture", lambda *a, **k: kinds.append("sliced") or real(*a, **k))
+    one = trace_origin(model, tokens)
+    assert kinds == ["one"]
+    _close(one, whole)
+    _close(trace_origin(model, tokens, pos=LONG - 20), given)
+    assert kinds == ["one", "sliced"]
+
+
+def test_the_one_pass_with_nothing_to_trace_falls_back_to_every_position(monkeypatch):
+    """Where the one pass finds nothing massive (at ``dim``) within the budget, the trace is the every-position
+    one: a given ``dim`` traces its largest value, no ``dim`` raises the short text's error naming the peak."""
+    model, tokens = _planted()
+    free = next(d for d in range(model.cfg.d_model) if d != 3)
+    below = trace_origin(model, tokens, dim=free)
+    with pytest.raises(MassiveLensError) as short:
+        trace_origin(model, tokens[:, :LONG - 30])
+    monkeypatch.setattr(targets_module, "ONE_PASS_FROM", 1)
+    _close(trace_origin(model, tokens, dim=free), below)
+    with pytest.raises(MassiveLensError) as one:
+        trace_origin(model, tokens[:, :LONG - 30])
+    assert str(one.value) == str(short.value)
+    monkeypatch.setattr(targets_module, "CAPTURE_BUDGET", 0)  # over the budget: the one pass's own error
+    with pytest.raises(MassiveLensError, match="nothing massive to trace"):
+        trace_origin(model, tokens[:, :LONG - 30])

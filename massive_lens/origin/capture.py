@@ -51,6 +51,11 @@ _EMBED_TOL = 1e-5  # relative: embed (+ pos_embed) vs resid_pre of block 0
 SCOPED = ("post", "pre", "up", "norm_in", "norm_out", "scale")  # kept at each layer's candidate positions only
 CANDIDATE_LOOSE = 0.1  # a candidate passes the criterion with both thresholds scaled by this
 KEPT_ROWS = 64  # a long text's one pass keeps up to this many rows a layer in buffers (more: copies)
+# A long text's one pass keeps the first position at every layer: where a massive activation is most often
+# born (the attention sink's token), a layer after it first passes the loose criterion, which would leave it to
+# a reread (a forward of one token costs what reading the weights costs: 0.10-0.15 s on SmolLM2, about 6% of
+# the pass at 512 tokens).
+PINNED = 1
 
 
 @dataclass(kw_only=True)
@@ -149,6 +154,7 @@ class _Pass:
         self.filled: set[tuple[str, int]] = set()  # (key, layer) written into layered
         self.versions: dict[tuple[str, int], int] = {}  # (key, layer) -> version counter of a kept activation
         self.candidate = torch.zeros(seq, dtype=torch.bool)  # positions that were candidates at any layer so far
+        self.candidate[:PINNED] = self.choose is not None  # with choose: kept from the first layer (see PINNED)
         self.kept: dict[int, Tensor] = {}  # layer -> the rows its SCOPED keys hold (see Capture.kept)
         self.stale = False  # a kept activation changed in place before its layer was settled
         self.moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in self.plans if p.experts is not None}

@@ -3,11 +3,13 @@ checked; the positions its capture pass keeps; and the entries it then traces, l
 first (the text's token-specific massive entries, else those of outlier dimensions, else the
 largest value where ``dim`` or ``pos`` points).
 
-A long text (where every position's neuron activations would pass :data:`CAPTURE_BUDGET`) is traced in
-one pass that keeps each layer's terms at the candidate positions only (:func:`capture_found`); a
-traced position that was not a candidate from the first layer is read again by a forward of the text
-up to it (a causal model's residual stream there does not depend on what follows; checked against the
-full pass's last layer, else the full text is read again).
+A long text (from :data:`ONE_PASS_FROM` tokens, or where every position's neuron activations would pass
+:data:`CAPTURE_BUDGET`) is traced in one pass that keeps each layer's terms at the candidate positions only
+(:func:`capture_found`); a traced position that was not a candidate from the first layer is read again by a
+forward of the text up to it (a causal model's residual stream there does not depend on what follows;
+checked against the full pass's last layer, else the full text is read again). Where that pass finds
+nothing to trace and the text is within the budget, the every-position capture runs instead (a given
+``dim`` then traces its largest value, as on a short text).
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ from massive_lens.origin.capture import Capture, capture
 from massive_lens.origin.experts import find_experts
 
 CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
+# Tracing every entry of a text of this many tokens or more takes the candidates' one pass (capture_found),
+# not the every-position capture: that one holds five [layer, pos, d_model] residual terms whole and reads
+# every query's largest attention (on the kernel, a second score pass). Measured on SmolLM2 (benchmarks.length,
+# docs/benchmarks.md, issue 50 round 5): every-position 1.25-1.30x the SDPA forward's time and 2.1-3.4x its
+# memory at 512-1,536 tokens, the one pass within 1.1x.
+ONE_PASS_FROM = 512
 PREFIX_TOL = 1e-4  # relative (norm): the last residual read from the text up to a position vs the full pass
 
 
@@ -49,16 +57,18 @@ def check_index(view: ModelView, dim: int | None, pos: int | None, seq: int) -> 
 
 def capture_positions(view: ModelView, batch: Batch, pos: int | None, dim: int | None,
                       criterion: Criterion) -> torch.Tensor | None:
-    """Positions to slice in the capture pass: ``pos``, else all (or, for a long text on a large
-    model, None: :func:`capture_found`'s one pass; with a mixture of experts the massive positions
-    from a first detection pass)."""
+    """Positions to slice in the capture pass: ``pos``, else all (or, from :data:`ONE_PASS_FROM` tokens
+    or over :data:`CAPTURE_BUDGET`, None: :func:`capture_found`'s one pass; with a mixture of experts
+    every position within the budget, over it the massive positions from a first detection pass)."""
     seq = batch.tokens.shape[1]
     if pos is not None:
         return torch.tensor([pos])
-    if seq * d_mlp(view) * view.n_layers * 12 <= CAPTURE_BUDGET:
+    if _within_budget(view, seq) and seq < ONE_PASS_FROM:
         return torch.arange(seq)
     if all(find_experts(view.model, getattr(block, "mlp", None)) is None for block in view.blocks):
         return None
+    if _within_budget(view, seq):  # a mixture of experts: every position where they fit
+        return torch.arange(seq)
     with _reading(view, batch):  # on a long text, the fused kernel (the detection reads the residual only)
         found = find_in_batch(view, batch, criterion, view.chosen_layers(None)).to_frame()
     found = found[found.dim == dim] if dim is not None else found
@@ -73,8 +83,14 @@ def capture_found(view: ModelView, batch: Batch, dim: int | None, criterion: Cri
     """One pass over a long text keeping each layer's terms at its candidates, sliced to the massive
     positions found (at ``dim``; token-specific ones where there are any); a position that was not
     kept at every layer is read by a forward of the text up to it, merged in."""
-    main = capture(view, batch, torch.arange(batch.tokens.shape[1]), criterion,
-                   choose=partial(_found_positions, view=view, dim=dim, seq=batch.tokens.shape[1]))
+    seq = batch.tokens.shape[1]
+    try:
+        main = capture(view, batch, torch.arange(seq), criterion,
+                       choose=partial(_found_positions, view=view, dim=dim, seq=seq))
+    except _NothingFound:
+        if not _within_budget(view, seq):
+            raise
+        return capture(view, batch, torch.arange(seq), criterion)  # as on a short text (trace_targets says why)
     if main.missing is None or not len(main.missing):
         return main
     end, extra = int(main.missing.max()) + 1, None
@@ -94,8 +110,16 @@ def _found_positions(reducer: ResidualReducer, *, view: ModelView, dim: int | No
     token = {(p, d) for _, p, d in reducer.found("token") if dim is None or d == dim}
     found = token if dim is None and token else found
     if not found:
-        raise MassiveLensError(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
+        raise _NothingFound(f"nothing massive to trace in {seq} tokens on {view.name}; pass pos= (and dim=)")
     return torch.tensor(sorted({p for p, _ in found}))
+
+
+class _NothingFound(MassiveLensError):
+    """The one pass found no massive entry (at ``dim``) to trace."""
+
+
+def _within_budget(view: ModelView, seq: int) -> bool:  # every position's neuron activations fit CAPTURE_BUDGET
+    return seq * d_mlp(view) * view.n_layers * 12 <= CAPTURE_BUDGET
 
 
 def _merged(a: Capture, b: Capture) -> Capture:
