@@ -174,3 +174,32 @@ def test_bad_bit_widths_raise(bridge):
         pass
     with pytest.raises(MassiveLensError, match="calibration"), fake_quantized(bridge, a_bits=8):
         pass
+
+
+def test_sink_statistics_from_the_pass_at_any_length(monkeypatch):
+    """The first-token mass and sink metric come from the attention pass's reading of the loss forwards
+    (issue 50): past LSE_FROM tokens on the kernel's path, equal to the eager pattern's (an independent
+    first_token_mass over each layer's hook_pattern); the loss still matches a plain forward's."""
+    import importlib
+
+    from massive_lens.core.attention_pass import LSE_FROM
+    from massive_lens.core.criterion import first_token_mass, sink_metric
+
+    module = importlib.import_module("massive_lens.quant.outlier_stats")
+    paths = []
+    real = module.choose_path
+    monkeypatch.setattr(module, "choose_path", lambda *a, **k: paths.append(real(*a, **k)) or paths[-1])
+    model = tiny_model("llama", num_hidden_layers=2, max_position_embeddings=2 * LSE_FROM)
+    tokens = torch.randint(1, model.cfg.d_vocab, (2, LSE_FROM + 8), generator=torch.Generator().manual_seed(0))
+    with untouched(model):
+        report = measure_outliers(model, tokens)
+    assert paths == ["lse"]
+    _, cache = model.run_with_cache(tokens[:1], names_filter=lambda name: name.endswith("hook_pattern"))
+    mass = {layer: first_token_mass(cache[f"blocks.{layer}.attn.hook_pattern"]) for layer in range(2)}
+    frame = report.to_frame()
+    for layer, heads in mass.items():
+        assert abs(float(frame.sink_mass[layer]) - float(heads.mean())) < 1e-5
+        assert frame.sink_share[layer] == sink_metric(heads)
+    with torch.no_grad():
+        plain = float(model(tokens[:1], return_type="loss"))
+    assert report.fp_loss == pytest.approx(plain, rel=1e-5)
