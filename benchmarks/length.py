@@ -38,6 +38,7 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
     from massive_lens.core.lse import lse_run
     from massive_lens.core.model_view import ModelView
     from massive_lens.effects import compression_valley
+    from massive_lens.handover import offswitch
     from massive_lens.interventions import sink_dependence, sink_strength
 
     def forward(tokens: torch.Tensor) -> Callable[[], Any]:
@@ -72,6 +73,7 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
         "perplexity": lambda: ml.perplexity(model, one, progress=False),
         "intervention perplexity": lambda: ml.perplexity(model, one, hooks=hooks, progress=False),
         "measure_outliers (W8A8)": lambda: ml.measure_outliers(model, two),
+        "offswitch": lambda: offswitch(model, one, precision=False),
         "sink_strength": lambda: sink_strength(model, one, pos=[0, 1]),
         "sink_dependence x2 (untouched pass)": lambda: sink_dependence(model, two, heads=[], seq_len=two.shape[1],
                                                                        n_seqs=2, progress=False),
