@@ -46,7 +46,6 @@ from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_p
 from massive_lens.core.criterion import Criterion, as_criterion, massive_mask
 from massive_lens.core.fmt import num
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.pass_reader import attention_layers
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.handover.precision import precision_check
@@ -199,9 +198,8 @@ def _one_pass(view: ModelView, batch: Any, crit: Criterion, nulls: NullReader
 
     hooks = [(view.hook_name(layer, "resid_post"), partial(_residual, valid=batch.mask, crit=crit, out=resid,
                                                            layer=layer)) for layer in range(view.n_layers)]
-    layers = sorted(set(attention_layers(view)) | set(nulls.logits))
-    attention_pass(view, batch, take, path=choose_path(view, "auto", batch), columns=[0], layers=layers,
-                   **nulls.reads, hooks=hooks)
+    # every layer with attention as the pass reads it (the null slots' layers among them)
+    attention_pass(view, batch, take, path=choose_path(view, "auto", batch), columns=[0], **nulls.reads, hooks=hooks)
     return first, resid
 
 

@@ -50,7 +50,6 @@ from massive_lens.core.criterion import first_norm_ratio, first_token_mass, sink
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_lock import model_lock
 from massive_lens.core.model_view import ModelView
-from massive_lens.core.pass_reader import attention_layers
 from massive_lens.core.stats import kurtosis, top1_median
 from massive_lens.errors import MassiveLensError
 from massive_lens.quant.dispersion import Tally, site_names
@@ -243,7 +242,7 @@ def _activation_stats(view: ModelView, tokens: Int[Tensor, "batch pos"], scorer:
 
     # the first token's column from the attention pass's reading of the loss forwards, on its path for their length
     reader = attention_reading(view, first, path=choose_path(view, "auto", view.full_batch(tokens[:1])),
-                               columns=[0], layers=attention_layers(view))
+                               columns=[0])
     hooks = [(view.block_hook(layer, "resid_post"), functools.partial(resid, layer=layer))
              for layer in range(view.n_layers) if view.has_hook(layer, "resid_post")]
     with model_lock(model), attached(tally.hooks(), []), reader:
