@@ -34,7 +34,6 @@ cosines are the ones the model computes; norms and pair amplitudes do not change
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,8 +54,6 @@ from massive_lens.errors import MassiveLensError
 COLUMNS = ["layer", "head", "kv_head", "key_norm", "key_median", "key_ratio", "key_cos_query", "bias_share",
            "value_norm", "value_median", "value_ratio", "sink_mass", "drain", "sink_term"]
 BAND_COLUMNS = ["layer", "head", "band", "frequency", "q_max", "k_max"]
-# sinks found in the same pass while the layers read (q, k, v; float32) take at most this many bytes
-KEEP_BYTES = 2 ** 27
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,42 +122,81 @@ def _rotary(view: ModelView) -> tuple[int, float] | None:
     return int(getattr(view.cfg, "rotary_dim", None) or view.cfg.d_head), float(getattr(view.cfg, "rotary_base", 10000))
 
 
-def _norm_stats(x: Tensor, group: int, sink: Bool[Tensor, "batch pos"], other: Bool[Tensor, "batch pos"]
+def _norm_stats(norms: Tensor, group: int, sink: Bool[Tensor, "batch pos"], other: Bool[Tensor, "batch pos"]
                 ) -> tuple[Tensor, Tensor]:
-    """Per query head (``group`` of them read each kv head of ``x``): mean norm at the sinks, median norm at
-    the other positions."""
-    n = x.float().norm(dim=-1).repeat_interleave(group, dim=-1)  # [batch pos head]
+    """Per query head (``group`` of them read each kv head of ``norms [batch pos kv_head]``): mean norm at the
+    sinks, median norm at the other positions."""
+    n = norms.repeat_interleave(group, dim=-1)  # [batch pos head]
     return n[sink].mean(0), n[other].median(0).values
 
 
-def _layer_rows(at: PassLayer, columns: Tensor, sink: Tensor, real: Tensor) -> list[list[Any]]:
-    """One layer's rows from what the pass handed over: the queries, keys and values at every position
-    and the attention on the key ``columns`` (every sink of ``sink [batch pos]`` among them)."""
-    q, k, v = at.q.detach().float(), at.k.detach(), at.v.detach()
-    heads = q.shape[2]
-    group = heads // k.shape[2]
-    other = real & ~sink
-    k_sink, k_med = _norm_stats(k, group, sink, other)
-    v_sink, v_med = _norm_stats(v, group, sink, other)
-    on = sink[:, columns]  # [b col]: which columns are sinks in each sequence
-    k_col = k[:, columns].float().repeat_interleave(group, dim=2)  # [b col head d]
-    mean_q = q[other].mean(0)  # [head d]
-    cos = torch.nn.functional.cosine_similarity(k_col[on], mean_q[None], dim=-1).mean(0)
-    logits = torch.einsum("bqhd,bchd->bhqc", q, k_col)
+@dataclass(frozen=True, kw_only=True)
+class _Partial:
+    """One layer reduced against every key column that could be a sink (``columns``), before the sinks are
+    known: what :func:`_layer_rows` needs of it once they are, a few numbers per position or per column except
+    the attention on the columns, which the sink term needs per query."""
+
+    layer: int
+    group: int  # query heads per kv head
+    k_norm: Tensor  # [b pos kv_head] float32
+    v_norm: Tensor
+    k_col: Tensor  # [b col kv_head d] float32: the keys, values and queries at the columns
+    v_col: Tensor
+    q_col: Tensor  # [b col head d]
+    q_rest: Tensor  # [head d] float64: the sum of the queries at the real positions that are not columns
+    s1: Tensor  # [b head col] float64: the sums of the logits q . k_col, and their squares, over those queries
+    s2: Tensor  # after the column
+    cols: Tensor  # [b head q col]: the attention on the columns
+
+
+def _partial(at: PassLayer, columns: Tensor, real: Tensor) -> _Partial:
+    """What the pass handed over for one layer, reduced against every one of ``columns`` [col]."""
+    q, k, v = at.q.detach().float(), at.k.detach().float(), at.v.detach().float()
+    group = q.shape[2] // k.shape[2]
+    rest = real.clone()
+    rest[:, columns] = False  # real queries that are not columns: never sinks, whichever columns are
+    k_col = k[:, columns]
     pos = torch.arange(q.shape[1], device=q.device)
-    pairs = (other[:, :, None] & on[:, None, :] & (pos[:, None] > columns[None])[None]).float()  # [b q col]
-    n = pairs.sum().clamp(min=1)
-    s1 = torch.einsum("bhqc,bqc->h", logits, pairs) / n
-    s2 = torch.einsum("bhqc,bqc->h", logits.pow(2), pairs) / n
-    p = at.cols.detach().float() * on[:, None, None, :].float()  # [b h q col]: the attention on the sinks
+    after = (rest[:, :, None] & (pos[:, None] > columns[None])[None]).float()  # [b q col]
+    logits = torch.einsum("bqhd,bchd->bhqc", q, k_col.repeat_interleave(group, dim=2)) * after[:, None]
+    return _Partial(layer=at.layer, group=group, k_norm=k.norm(dim=-1), v_norm=v.norm(dim=-1), k_col=k_col,
+                    v_col=v[:, columns], q_col=q[:, columns], q_rest=q[rest].sum(0, dtype=torch.float64),
+                    s1=logits.sum(2, dtype=torch.float64), s2=logits.pow(2).sum(2, dtype=torch.float64),
+                    cols=at.cols.detach())
+
+
+def _layer_rows(part: _Partial, columns: Tensor, sink: Tensor, real: Tensor) -> list[list[Any]]:
+    """One layer's rows from its :class:`_Partial` against ``columns``, now that the sinks (``sink [batch pos]``,
+    every one among the columns) are known."""
+    group, heads = part.group, part.q_col.shape[2]
+    other = real & ~sink
+    k_sink, k_med = _norm_stats(part.k_norm, group, sink, other)
+    v_sink, v_med = _norm_stats(part.v_norm, group, sink, other)
+    col_other = other[:, columns]  # [b col]: columns that are real non-sink queries
+    mean_q = ((part.q_rest + part.q_col[col_other].sum(0, dtype=torch.float64)) / other.sum().clamp(min=1)).float()
+    key = sink[:, columns].any(0).nonzero()[:, 0].to(columns.device)  # the columns that are sinks somewhere
+    on, key_pos = sink[:, columns[key]], columns[key]  # [b key]: which of them are sinks in each sequence
+    k_col = part.k_col[:, key].repeat_interleave(group, dim=2)  # [b key head d]
+    cos = torch.nn.functional.cosine_similarity(k_col[on], mean_q[None], dim=-1).mean(0)
+    # the logits of the real non-sink queries after a sink on it: the other queries' sums, plus the columns' own
+    rest = real.clone()
+    rest[:, columns] = False
+    later = torch.arange(real.shape[1], device=real.device)[:, None] > key_pos[None]  # [q key]
+    n_rest = (rest[:, :, None] & later[None]).sum(1)  # [b key]: the other queries after each
+    pairs = (col_other[:, :, None] & (columns[:, None] > key_pos[None])[None] & on[:, None, :]).float()  # [b col key]
+    logits = torch.einsum("bqhd,bchd->bhqc", part.q_col, k_col) * pairs[:, None]  # [b h col key]
+    n = ((n_rest * on).sum() + pairs.sum()).clamp(min=1)
+    s1 = ((part.s1[..., key] * on[:, None]).sum((0, 2)) + logits.sum((0, 2, 3), dtype=torch.float64)) / n
+    s2 = ((part.s2[..., key] * on[:, None]).sum((0, 2)) + logits.pow(2).sum((0, 2, 3), dtype=torch.float64)) / n
+    p = part.cols[..., key].float() * on[:, None, None, :].float()  # [b h q key]: the attention on the sinks
     queries = (other & (sink.long().cumsum(1) > 0)).float()  # non-sink queries that can see a sink
     mass = torch.einsum("bhqc,bq->h", p, queries) / queries.sum().clamp(min=1)
-    v_col = v[:, columns].float().repeat_interleave(group, dim=2)
-    term = torch.einsum("bhqc,bchd->bqhd", p, v_col).norm(dim=-1)  # [b q h]
+    term = torch.einsum("bhqc,bchd->bqhd", p, part.v_col[:, key].repeat_interleave(group, dim=2)).norm(dim=-1)
     term = torch.einsum("bqh,bq->h", term, queries) / queries.sum().clamp(min=1)
-    cols = torch.stack([k_sink, k_med, k_sink / k_med.clamp(min=1e-12), cos, s1 ** 2 / s2.clamp(min=1e-30), v_sink,
+    share = (s1 ** 2 / s2.clamp(min=1e-30)).float()
+    cols = torch.stack([k_sink, k_med, k_sink / k_med.clamp(min=1e-12), cos, share, v_sink,
                         v_med, v_sink / v_med.clamp(min=1e-12), mass, mass * v_sink, term], 1).double().cpu().tolist()
-    return [[at.layer, h, h // group, *cols[h]] for h in range(heads)]
+    return [[part.layer, h, h // group, *cols[h]] for h in range(heads)]
 
 
 def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int, float]) -> list[list[Any]]:
@@ -178,16 +214,15 @@ def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int
 
 
 class _Reduce:
-    """Each layer's rows as the attention pass hands it over, where the sinks are known (``sink``); where they
-    are found in the same pass, the layers read (their queries, keys, values and the attention on the
-    candidate ``columns``) are kept until :meth:`finish` has the sinks."""
+    """Each layer reduced against the key ``columns`` as the attention pass hands it over (:func:`_partial`):
+    its rows at once where the sinks are known (``sink``), else once :meth:`finish` has them."""
 
     def __init__(self, view: ModelView, sink: Tensor | None, real: Tensor, columns: Tensor,
                  rotary: tuple[int, float] | None):
         self.view, self.sink, self.real, self.columns, self.rotary = view, sink, real, columns, rotary
         self.rows: list[list[Any]] = []
         self.bands: list[list[Any]] = []
-        self.kept: list[PassLayer] = []
+        self.kept: list[_Partial] = []
 
     def add(self, at: PassLayer) -> None:
         q, k, v = at.q, at.k, at.v
@@ -198,24 +233,22 @@ class _Reduce:
                                    "head, d_head] with query heads a multiple of the kv heads and one pattern per "
                                    "query head (multi-head latent attention compresses its keys and values, and is "
                                    "not read)")
+        real, columns = self.real.to(q.device), self.columns.to(q.device)
         if self.rotary is not None:
-            self.bands.extend(_band_rows(at.layer, q, k, self.real.to(q.device), self.rotary))
+            self.bands.extend(_band_rows(at.layer, q, k, real, self.rotary))
+        part = _partial(at, columns, real)
         if self.sink is None:
-            self.kept.append(dataclasses.replace(at, q=q.detach(), k=k.detach(), v=v.detach(), cols=at.cols.detach()))
+            self.kept.append(part)
         else:
-            self.rows.extend(_layer_rows(at, self.columns.to(q.device), self.sink.to(q.device),
-                                         self.real.to(q.device)))
+            self.rows.extend(_layer_rows(part, columns, self.sink.to(q.device), real))
 
     def finish(self, sink: Tensor) -> bool:
         """The kept layers' rows, now that the sinks are known; False where a sink is not among the columns."""
-        on = torch.isin(self.columns, sink.any(0).nonzero()[:, 0])
-        if int(on.sum()) != int(sink.any(0).sum()):
+        if int(torch.isin(self.columns, sink.any(0).nonzero()[:, 0]).sum()) != int(sink.any(0).sum()):
             return False
-        self.sink, self.columns = sink, self.columns[on]
-        for at in self.kept:
-            dev = at.q.device
-            self.rows.extend(_layer_rows(dataclasses.replace(at, cols=at.cols[..., on.to(at.cols.device)]),
-                                         self.columns.to(dev), sink.to(dev), self.real.to(dev)))
+        for part in self.kept:
+            dev = part.cols.device
+            self.rows.extend(_layer_rows(part, self.columns.to(dev), sink.to(dev), self.real.to(dev)))
         self.kept.clear()
         return True
 
@@ -239,8 +272,9 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
         text: a string, a list of strings (padded into one batch) or a token tensor.
         sinks: sink positions (a list of ints, a bool ``[batch, pos]`` mask, or a ``SinkSet`` that
             ``find_sinks`` gave for the same text); None: the
-            positions that act as sinks (``find_sinks``'s rule, read in the same forward pass where the
-            layers read fit :data:`KEEP_BYTES`, else in one more), else the first token.
+            positions that act as sinks (``find_sinks``'s rule, read in the same forward pass: each layer is
+            reduced against every position that could be a sink, and a sink elsewhere costs one more), else
+            the first token.
         layers: a layer or a sequence of layers (None: all).
         attention: ``"auto"`` (the default: the eager hooks below 512 tokens, where they are the
             faster; from there the queries, keys and values of the fused SDPA kernel and the attention
@@ -264,12 +298,7 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     chosen = view.chosen_layers(layers)
     batch = view.tokenize(text)
     path = choose_path(view, attention, batch)
-    # sinks to find: in the same pass where the layers read fit KEEP_BYTES until the sinks are known (the
-    # attention on every candidate column kept), else find_sinks' pass first
-    cfg, (n, pos) = view.cfg, batch.tokens.shape
-    width = getattr(cfg, "n_heads", 1) * getattr(cfg, "d_head", getattr(cfg, "d_model", 1))
-    keep = sinks is None and len(chosen) * n * pos * 4 * 3 * width <= KEEP_BYTES
-    found = None if keep else sink_mask(model, batch, sinks, path)
+    found = None if sinks is None else sink_mask(model, batch, sinks, path)
     sink = None if found is None else _others(found, batch.mask)
     rotary = _rotary(view)
     # the key columns read: every sink, in some sequence (or every position that could be one)
@@ -279,7 +308,7 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     reader = attention_reading(view, reduce.add, path=path, batch=batch, columns=columns, want=("q", "k", "v"),
                                layers=chosen, evidence=evidence)
     with reader:
-        view.forward(batch, reader.hooks, stop_after=view.hook_name(view.n_layers - 1 if keep else max(chosen),
+        view.forward(batch, reader.hooks, stop_after=view.hook_name(view.n_layers - 1 if sink is None else max(chosen),
                                                                     "resid_post"))
     if sorted(reader.done) != chosen:
         raise MassiveLensError(f"{view.name}: the query, key, value and pattern hooks did not all fire in layers "
