@@ -177,3 +177,17 @@ def test_the_readings_hang_no_attention_hook_of_their_own(path):
 def _docstrings(node):
     return [n.body[0].value for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
             and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)]
+
+
+def test_the_sinks_found_in_the_untouched_pass_or_in_their_own_give_the_same_table(model, monkeypatch):
+    """The sinks are found in the untouched pass (the candidate columns held), in a pass of their own where
+    the held columns would pass HOLD_BYTES, and read again where a sink is not among the candidates: one table."""
+    tokens = sequences(ModelView(model), TEXT, 24, 4)[:, 1:]
+    kw = dict(threshold=0.0, max_heads=1, progress=False)
+    want = sink_dependence(model, tokens, **kw).to_frame()
+    monkeypatch.setattr("massive_lens.interventions.dependence.HOLD_BYTES", 0)
+    pd.testing.assert_frame_equal(sink_dependence(model, tokens, **kw).to_frame(), want)
+    monkeypatch.undo()
+    monkeypatch.setattr("massive_lens.interventions.dependence.candidate_columns",
+                        lambda view, batch: torch.zeros(0, dtype=torch.long))
+    pd.testing.assert_frame_equal(sink_dependence(model, tokens, **kw).to_frame(), want)

@@ -35,15 +35,17 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from massive_lens.attention.sinks import SinkSet, sinks_of
-from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
+from massive_lens.attention.sinks import SinkSet, candidate_columns, sinks_from, sinks_of
+from massive_lens.core.attention_pass import PassLayer, attention_pass, attention_reading, choose_path
 from massive_lens.core.corpora import Corpus, sequences
-from massive_lens.core.criterion import SinkRule, as_rule
+from massive_lens.core.criterion import SinkEvidence, SinkRule, as_rule
 from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.pass_reader import attention_layers
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.core.stats import bootstrap_mean
+from massive_lens.core.tokens import Batch
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.access import require
 from massive_lens.interventions.edits import drop_sinks
@@ -118,40 +120,51 @@ class SinkDependence(Result):
         return ax
 
 
+# the sinks are found in the untouched pass itself where every layer's attention on the candidate columns, held
+# until the pass has judged them, takes at most this many bytes (128 tokens: ~18 MB on the default model); beyond,
+# in a pass of their own, as before, and the memory stays linear in the length
+HOLD_BYTES = 1 << 26
+
+
 class _Tally:
     """The untouched pass reduced per layer from the attention pass: per layer and head the attention
-    of non-sink queries to the sinks, and ``|dz|``/``|z|`` of the value swap, as sums and counts, taken
-    from each :class:`~massive_lens.core.attention_pass.PassLayer` of the chunk whose ``sinks [batch pos]``
-    and sink columns ``cols`` (every sequence's sinks) are set."""
+    of non-sink queries to the sinks, and ``|dz|``/``|z|`` of the value swap, as sums and counts. Each
+    :class:`~massive_lens.core.attention_pass.PassLayer` of a chunk is held (:meth:`take`: the attention
+    on the columns :meth:`read` set, the values there, the heads' output norms) until the chunk's sinks
+    are known (:meth:`reduce`)."""
 
     def __init__(self, n_layers: int, n_heads: int):
         self.mass = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.dz = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.z = torch.zeros(n_layers, n_heads, dtype=torch.float64)
         self.queries = 0.0
-        self.sinks = torch.zeros(0, 0, dtype=torch.bool)
         self.cols = torch.zeros(0, dtype=torch.long)
+        self.held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
-    def chunk(self, sinks: Bool[Tensor, "batch pos"]) -> Tensor:
-        """Set the next chunk's sinks; returns the sink columns to read."""
-        self.sinks, self.cols = sinks, sinks.any(0).nonzero().flatten()
-        self.queries += float((~sinks).sum())
-        return self.cols
+    def read(self, cols: Tensor) -> Tensor:
+        """Read the key columns ``cols`` (sorted) of the next pass; returns them."""
+        self.cols, self.held = cols, {}
+        return cols
 
     def take(self, at: PassLayer) -> None:
-        """One layer: ``at.cols`` the attention on the sink columns, ``at.v`` the values, ``at.z_read`` the
-        heads' outputs."""
-        sinks, v = self.sinks.to(at.cols.device), at.v.float()
-        queries = (~sinks).float()  # [batch pos]
-        on = sinks[:, self.cols.to(sinks.device)].float()  # [batch col]: the column is this sequence's sink
-        to_sinks = at.cols.float() * on[:, None, None, :]  # [batch head query col]
-        self.mass[at.layer] += torch.einsum("bhqc,bq->h", to_sinks, queries).double().cpu()
-        swapped = swap_values(v, sinks)[:, self.cols.to(v.device)]  # a swap moves only the sinks' values
-        group = to_sinks.shape[1] // v.shape[2]
-        delta = torch.einsum("bhqc,bchd->bqhd", to_sinks,
-                             (swapped - v[:, self.cols.to(v.device)]).repeat_interleave(group, 2))
-        self.dz[at.layer] += torch.einsum("bqh,bq->h", delta.norm(dim=-1), queries).double().cpu()
-        self.z[at.layer] += torch.einsum("bqh,bq->h", at.z_read.detach().float().norm(dim=-1), queries).double().cpu()
+        """One layer, held: ``at.cols`` the attention on the columns, ``at.v`` the values there, the norms of
+        ``at.z_read`` (the heads' outputs)."""
+        self.held[at.layer] = (at.cols.float(), at.v[:, self.cols.to(at.v.device)].float(),
+                               at.z_read.detach().float().norm(dim=-1))
+
+    def reduce(self, sinks: Bool[Tensor, "batch pos"]) -> None:
+        """The held layers' sums, once the chunk's sinks are known (every one among the columns)."""
+        on, queries = sinks[:, self.cols], (~sinks).float()  # on [batch col]: the column is this sequence's sink
+        self.queries += float(queries.sum())
+        for layer, (p, v, z) in sorted(self.held.items()):
+            q = queries.to(p.device)
+            to_sinks = p * on.to(p.device)[:, None, None, :].float()  # [batch head query col]
+            self.mass[layer] += torch.einsum("bhqc,bq->h", to_sinks, q).double().cpu()
+            dv = swap_values(v, on.to(v.device)) - v  # a swap moves only the sinks' values
+            delta = torch.einsum("bhqc,bchd->bqhd", to_sinks, dv.repeat_interleave(p.shape[1] // v.shape[2], 2))
+            self.dz[layer] += torch.einsum("bqh,bq->h", delta.norm(dim=-1), q).double().cpu()
+            self.z[layer] += torch.einsum("bqh,bq->h", z, q).double().cpu()
+        self.held = {}
 
 
 def swap_values(v: Float[Tensor, "batch pos kv_head d_head"], sinks: Bool[Tensor, "batch pos"]) -> Tensor:
@@ -165,6 +178,36 @@ def swap_values(v: Float[Tensor, "batch pos kv_head d_head"], sinks: Bool[Tensor
         if len(theirs):
             out[b, mine] = v[other, theirs[torch.clamp(torch.arange(len(mine)), max=len(theirs) - 1)]]
     return out
+
+
+def _untouched(view: ModelView, batch: Batch, rule: SinkRule, tally: _Tally, scorer: NextTokenLoss,
+               base: list[Tensor]) -> SinkSet:
+    """The untouched pass of one chunk: its loss (appended to ``base``), each layer read into ``tally``
+    on the path :func:`~massive_lens.core.attention_pass.choose_path` takes, and its sinks (returned),
+    found in the same forward where the held columns fit :data:`HOLD_BYTES`, else in a pass of their own."""
+    path = choose_path(view, "auto", batch)
+    candidates = candidate_columns(view, batch)
+    held = len(attention_layers(view)) * batch.mask.numel() * view.cfg.n_heads * len(candidates) * 4
+    given = sinks_of(view, batch, rule) if held > HOLD_BYTES else None
+    evidence = SinkEvidence(batch.mask, view.n_layers, rule) if given is None else None
+    reader = attention_reading(view, tally.take, path=path, batch=batch, want=("v", "z_read"), evidence=evidence,
+                               columns=tally.read(candidates if given is None else _columns(given)))
+    scorer.check(batch.tokens)  # its probe's forward before the reading: on the LSE path the reader reads every one
+    with reader:  # the loss and the reading in one forward
+        out = scorer(batch.tokens, hooks=reader.hooks)
+    if not out.finite:
+        raise MassiveLensError(f"{view.name} ({view.dtype}) gives NaN or inf logits on the untouched pass: it "
+                               "overflowed; load it with dtype=torch.float32 or torch.bfloat16")
+    base.append(out.loss)
+    sinks = given if given is not None else sinks_from(evidence, view.token_kinds(batch), path)
+    if int(sinks.mask[:, tally.cols].sum()) < int(sinks.mask.sum()):  # a sink outside the candidates: read again
+        attention_pass(view, batch, tally.take, path=path, columns=tally.read(_columns(sinks)), want=("v", "z_read"))
+    return sinks
+
+
+def _columns(sinks: SinkSet) -> Tensor:
+    """The positions that are a sink in some sequence."""
+    return sinks.mask.any(0).nonzero().flatten()
 
 
 def _drop_head(pattern: Tensor, hook: Any, *, head: int, state: HookState) -> Tensor:
@@ -241,20 +284,12 @@ def sink_dependence(
     chunks = list(tokens.split(batch_size))
     if len(chunks) > 1 and len(chunks[-1]) == 1:
         chunks[-2:] = [torch.cat(chunks[-2:])]
-    found = [sinks_of(view, view.full_batch(chunk), rule) for chunk in chunks]
     bar = tqdm(total=len(chunks), desc="sink dependence", disable=not progress, leave=False)
-    tally, base = _Tally(view.n_layers, n_heads), []
-    scorer = NextTokenLoss(view)
-    for chunk, sinks in zip(chunks, found, strict=True):
-        reader = attention_reading(view, tally.take, path=choose_path(view, "auto", view.full_batch(chunk)),
-                                   columns=tally.chunk(sinks.mask), want=("v", "z_read"))
-        scorer.check(chunk)  # its probe's forward before the reading: on the LSE path the reader reads every forward
-        with reader:  # the loss and the reading in one forward, on the path choose_path takes
-            out = scorer(chunk, hooks=reader.hooks)
-        if not out.finite:
-            raise MassiveLensError(f"{view.name} ({view.dtype}) gives NaN or inf logits on the untouched pass: it "
-                                   "overflowed; load it with dtype=torch.float32 or torch.bfloat16")
-        base.append(out.loss)
+    tally, scorer, base, found = _Tally(view.n_layers, n_heads), NextTokenLoss(view), [], []
+    for chunk in chunks:
+        sinks = _untouched(view, view.full_batch(chunk), rule, tally, scorer, base)
+        found.append(sinks)
+        tally.reduce(sinks.mask)
         bar.update()
     mass = (tally.mass / max(tally.queries, 1.0)).float()
     swap = (tally.dz / tally.z.clamp(min=1e-12)).float()
