@@ -12,6 +12,7 @@ from massive_lens import tiny_model, trace_origin
 from massive_lens.core import attention_pass
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin import capture as capture_module
+from massive_lens.origin import one_pass as one_pass_module
 from massive_lens.origin import targets as targets_module
 from massive_lens.origin import trace as trace_module
 
@@ -89,8 +90,10 @@ def test_a_long_text_is_traced_in_one_pass_on_the_kernel(late, monkeypatch):
     whole = trace_origin(model, tokens)
     monkeypatch.setattr(targets_module, "CAPTURE_BUDGET", 0)
     passes = []
-    real = capture_module.capture
+    real, one = capture_module.capture, one_pass_module.capture_one_pass
     monkeypatch.setattr(targets_module, "capture", lambda *a, **k: passes.append(a[1].tokens.shape[1]) or real(*a, **k))
+    monkeypatch.setattr(targets_module, "capture_one_pass", lambda *a, **k: passes.append(a[1].tokens.shape[1]) or one(
+        *a, **k))
     if late in ("prefix", "whole"):  # no candidate at the first layer
         calls, candidates = [], capture_module.candidates
         monkeypatch.setattr(capture_module, "candidates", lambda mag, scale, loose: calls.append(0) or (
@@ -98,7 +101,7 @@ def test_a_long_text_is_traced_in_one_pass_on_the_kernel(late, monkeypatch):
     if late == "whole":
         monkeypatch.setattr(targets_module, "PREFIX_TOL", -1.0)
     if late == "copies":
-        monkeypatch.setattr(capture_module, "KEPT_ROWS", 0)
+        monkeypatch.setattr(one_pass_module, "KEPT_ROWS", 0)
     if late == "detection":
         monkeypatch.setattr(targets_module, "find_experts", lambda model, mlp: object())
     one = trace_origin(model, tokens)
@@ -119,8 +122,8 @@ def test_from_one_pass_from_tokens_every_entry_takes_the_one_pass(monkeypatch):
     given = trace_origin(model, tokens, pos=LONG - 20)
     monkeypatch.setattr(targets_module, "ONE_PASS_FROM", LONG)
     kinds = []
-    real = capture_module.capture
-    monkeypatch.setattr(targets_module, "capture", lambda *a, **k: kinds.append("one") or real(*a, **k))
+    real, one_pass = capture_module.capture, one_pass_module.capture_one_pass
+    monkeypatch.setattr(targets_module, "capture_one_pass", lambda *a, **k: kinds.append("one") or one_pass(*a, **k))
     monkeypatch.setattr(trace_module, "capture", lambda *a, **k: kinds.append("sliced") or real(*a, **k))
     one = trace_origin(model, tokens)
     assert kinds == ["one"]

@@ -17,16 +17,13 @@ layer, yet only those need the MLP's neuron-level activations (``d_mlp`` wide, t
 would keep). So each layer keeps them only at its *candidates*: positions where a token-specific entry
 passes a criterion ten times looser (:data:`CANDIDATE_LOOSE`) at this layer or an earlier one, decided
 when the layer's ``hook_resid_post`` fires (:attr:`Capture.kept`). An MLP event at a position a layer
-did not keep is read by :func:`refill`, a second pass sliced at the traced positions; the residual
-stream's terms are kept at every position, but a long text's one pass keeps *every* key (and reads the
-heads) at the candidates only (``choose``; :func:`~massive_lens.origin.targets.capture_found` reads a
-position that was not one from the first layer again).
+did not keep is read by :func:`refill`, a second pass sliced at the traced positions. A long text's one
+pass, which keeps every term at the candidates only, is :mod:`massive_lens.origin.one_pass`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -50,12 +47,6 @@ from massive_lens.origin.experts import record
 _EMBED_TOL = 1e-5  # relative: embed (+ pos_embed) vs resid_pre of block 0
 SCOPED = ("post", "pre", "up", "norm_in", "norm_out", "scale")  # kept at each layer's candidate positions only
 CANDIDATE_LOOSE = 0.1  # a candidate passes the criterion with both thresholds scaled by this
-KEPT_ROWS = 64  # a long text's one pass keeps up to this many rows a layer in buffers (more: copies)
-# A long text's one pass keeps the first position at every layer: where a massive activation is most often
-# born (the attention sink's token), a layer after it first passes the loose criterion, which would leave it to
-# a reread (a forward of one token costs what reading the weights costs: 0.10-0.15 s on SmolLM2, about 6% of
-# the pass at 512 tokens).
-PINNED = 1
 
 
 @dataclass(kw_only=True)
@@ -76,7 +67,7 @@ class Capture:
     _where: dict[int, int] | None = field(default=None, init=False, repr=False)  # position -> index, see index()
     norms: dict[int, tuple[Tensor, Tensor, bool]] = field(default_factory=dict, repr=False)  # layer -> norm_affine
     kept: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> indices SCOPED keys hold (else all)
-    missing: Tensor | None = field(default=None, repr=False)  # chosen positions the pass did not keep at every layer
+    missing: Tensor | None = field(default=None, repr=False)  # one_pass: chosen positions not kept at every layer
     final: Tensor | None = field(default=None, repr=False)  # [missing, d_model]: their last resid_post, where kept
 
     def index(self, pos: int) -> int:  # the position -> index map is built once (asked hundreds of times)
@@ -107,61 +98,57 @@ class Capture:
         return index if where is None else int(where[0]) if len(where) else None
 
 
-_LAYERED = ("resid_pre", "resid_post", "attn", "mlp", "resid_mid")  # [layer, pos, d_model] in Capture.layers
+LAYERED = ("resid_pre", "resid_post", "attn", "mlp", "resid_mid")  # [layer, pos, d_model] in Capture.layers
 _NEURON_KEYS = ("post", "pre", "up", "norm_in", "norm_out", "scale", "mlp_raw", "attn_raw", "z", "pattern")
 
 
 def capture(
     view: ModelView, batch: Batch, positions: Int[Tensor, " pos"], criterion: Criterion | None, copy: bool = False,
-    choose: Callable[[ResidualReducer], Tensor] | None = None,
 ) -> Capture:
     """One no-grad forward pass; with ``criterion`` also find the massive entries (in-hook).
 
     Where every position of a one-text float32 CPU batch is kept, the per-neuron hooks keep
     the activations themselves, not copies; an activation the model then changes in place (its
-    version counter moved) makes the pass run again with copies (``copy=True``). ``choose`` (every
-    position, a ``criterion``): every key kept at the candidates only; the Capture holds the positions
-    ``choose`` picks from the entries found that every layer kept (the others: :attr:`Capture.missing`)."""
-    state = _Pass(view, batch, positions, criterion, copy, choose)
+    version counter moved) makes the pass run again with copies (``copy=True``)."""
+    state = CapturePass(view, batch, positions, criterion, copy)
     state.run()
     if state.changed_in_place():
-        return capture(view, batch, positions, criterion, copy=True, choose=choose)
+        return capture(view, batch, positions, criterion, copy=True)
     return state.result()
 
 
-class _Pass:
+class CapturePass:
     """What one :func:`capture` pass has kept so far, and the steps that keep and assemble it: :meth:`run`
     attaches :meth:`hooks` (each calls :meth:`keep`; tracing every massive entry, each layer's ``hook_resid_post``
-    also calls :meth:`settle` through the reducer, to cut that layer's :data:`SCOPED` activations to the
-    candidates); :meth:`changed_in_place` says whether a kept view moved; :meth:`result` builds the Capture."""
+    also calls :meth:`settle` through the reducer, to cut that layer's :attr:`CUT` activations to the
+    candidates); :meth:`changed_in_place` says whether a kept view moved; :meth:`result` builds the Capture.
+    :class:`~massive_lens.origin.one_pass.OnePass` overrides the steps marked so."""
+
+    CUT: tuple[str, ...] = SCOPED  # the keys a settled layer holds at its candidates only
 
     def __init__(self, view: ModelView, batch: Batch, positions: Tensor, criterion: Criterion | None,
-                 copy: bool, choose: Callable[[ResidualReducer], Tensor] | None = None) -> None:
+                 copy: bool) -> None:
         self.view, self.batch, self.positions = view, batch, positions
         self.plans = tuple(block_plan(view, layer) for layer in range(view.n_layers))
         self.n_batch, self.seq = batch.tokens.shape
         self.idx, seq = positions.to(view.input_device), self.seq
         self.every = len(positions) == seq and bool((positions.cpu() == torch.arange(seq)).all())  # no gather
         self.keep_views = self.every and self.n_batch == 1 and not copy  # keep activations, not copies
-        scoped = self.every and criterion is not None  # trace every massive entry: SCOPED keys at candidates only
-        self.choose = choose if scoped else None  # and every per-layer key too (see capture)
-        self.cut = (*SCOPED, *_LAYERED, "z", "mlp_raw", "attn_raw") if self.choose is not None else SCOPED
+        scoped = self.every and criterion is not None  # trace every massive entry: CUT keys at candidates only
         self.loose = loosened(criterion) if scoped else None
         self.reducer = None if criterion is None else \
             ResidualReducer(batch, criterion, entries=True, on_layer=self.settle if scoped else None)
         self.store: dict[tuple[str, int], Tensor] = {}  # (key, layer) -> [pos, _]; layer -1 for the embeddings
-        self.layered: dict[str, Tensor] = {}  # _LAYERED key -> [layer, pos, d_model], filled in place
+        self.layered: dict[str, Tensor] = {}  # LAYERED key -> [layer, pos, d_model], filled in place
         self.filled: set[tuple[str, int]] = set()  # (key, layer) written into layered
         self.versions: dict[tuple[str, int], int] = {}  # (key, layer) -> version counter of a kept activation
         self.candidate = torch.zeros(seq, dtype=torch.bool)  # positions that were candidates at any layer so far
-        self.candidate[:PINNED] = self.choose is not None  # with choose: kept from the first layer (see PINNED)
-        self.kept: dict[int, Tensor] = {}  # layer -> the rows its SCOPED keys hold (see Capture.kept)
+        self.kept: dict[int, Tensor] = {}  # layer -> the rows its CUT keys hold (see Capture.kept)
         self.stale = False  # a kept activation changed in place before its layer was settled
         self.moe: dict[int, dict[str, Tensor]] = {p.layer: {} for p in self.plans if p.experts is not None}
-        self.reader, self.final = self.attention(), None  # with choose: final, the last resid_post whole
-        self.looked: dict[int, Tensor | None] = {}  # with choose: layer -> the queries its heads were read at
-        self.rows: dict[int, Tensor | None] = {}  # with choose: layer -> the positions its hooks keep (rows_at)
-        self.buffers: dict[str, Tensor] = {}  # with choose: key -> [layer, KEPT_ROWS, _], the rows kept
+        self.missing: Tensor | None = None  # Capture.missing and Capture.final (OnePass sets them)
+        self.final: Tensor | None = None
+        self.reader = self.attention()
 
     def hooks(self) -> list[tuple[str, Any]]:
         """(hook name, function) for every key of every block, and the embeddings."""
@@ -207,24 +194,18 @@ class _Pass:
             return None
         layers = [layer for layer in attention_layers(self.view) if "z" in self.plans[layer].hooks]
         return attention_reading(self.view, self.read, path=path, columns=[0], want={"z_read", "max_attention"},
-                                 layers=layers, max_queries=self.looking if self.choose is not None else
-                                 None if self.every else self.positions)
+                                 layers=layers, max_queries=self.max_queries())
 
-    def looking(self, layer: int) -> Tensor | None:  # with choose: the queries the heads are read at
-        self.looked[layer] = self.rows_at(layer)
-        return self.looked[layer]
+    def max_queries(self) -> Any:  # OnePass: the queries the heads are read at (every one: None)
+        return None if self.every else self.positions
 
-    def rows_at(self, layer: int) -> Tensor | None:
-        """With ``choose``: the positions ``layer`` keeps as its hooks fire: every one at the first layer
-        (cut to its candidates when it is settled), then the candidates of the layers before it."""
-        if layer not in self.rows:
-            self.rows[layer] = None if not self.rows else self.candidate.nonzero()[:, 0]
-        return self.rows[layer]
+    def read_rows(self, layer: int) -> Tensor | None:  # OnePass: the rows of the queries max_queries named
+        return None if self.every else self.idx
 
     def read(self, at: PassLayer) -> None:
         """One attention layer: ``hook_z`` (:meth:`keep`); per query and head, attention on token 0 and its top."""
         self.keep("z", at.layer, at.z_read)
-        rows = self.looked.get(at.layer) if self.choose is not None else None if self.every else self.idx
+        rows = self.read_rows(at.layer)
         first = at.cols[:1, :, :, 0] if rows is None else at.cols[:1, :, rows.to(at.cols.device), 0]
         summary = torch.stack([first.float(), at.max_attention[:1]], -1).transpose(1, 2)  # [1, pos, head, 2]
         self.store["pattern", at.layer] = summary[0].detach().float().cpu()
@@ -237,54 +218,50 @@ class _Pass:
         if key == "z" and act.ndim == 4:  # [batch, pos, head, d_head] -> [batch, pos, head * d_head]
             act = act.flatten(2)
         wide = key != "pos_embed" or act.shape[-1] == self.view.d_model
-        if not (act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide):
-            return
-        if self.choose is not None and key in self.cut and layer >= 0:
-            if key == "resid_post" and layer == self.view.n_layers - 1:  # whole: the check of a reread (final)
-                self.final = act[0].detach().to("cpu", torch.float32, copy=True)
-            rows = self.rows_at(layer)
-            if rows is not None:  # a few rows, into a buffer: no small allocation lives between activations
-                src, buf = act[0, rows.to(act.device)].detach(), self.buffers.get(key)
-                buf = self.buffers.setdefault(key, torch.empty(self.view.n_layers, KEPT_ROWS, src.shape[-1])) \
-                    if buf is None else buf
-                fits = len(rows) <= KEPT_ROWS and src.shape[-1] == buf.shape[-1]
-                self.store[key, layer] = buf[layer, :len(rows)].copy_(src) if fits else src.to("cpu", torch.float32)
-                return
+        if act.ndim == 3 and act.shape[:2] == (n_batch, seq) and wide:
+            self.hold(key, layer, act)
+
+    def hold(self, key: str, layer: int, act: Float[Tensor, "batch pos _"]) -> None:  # OnePass: its own rows
+        """Keep ``act`` (a ``[batch, pos, _]`` activation) at the traced positions."""
         part = (act[0] if self.every else act[0, self.idx]).detach()
-        if key in _LAYERED and layer >= 0 and part.shape[-1] == self.view.d_model and self.choose is None:
+        if key in LAYERED and layer >= 0 and part.shape[-1] == self.view.d_model:
             if key not in self.layered:  # [layer, pos, d_model], filled in place: no stack afterwards
                 self.layered[key] = torch.empty(self.view.n_layers, len(self.idx), self.view.d_model)
             self.layered[key][layer].copy_(part)
             self.filled.add((key, layer))
-        elif self.keep_views and part.dtype == torch.float32 and part.device.type == "cpu":
+        else:
+            self.hold_part(key, layer, part)
+
+    def hold_part(self, key: str, layer: int, part: Float[Tensor, "pos _"]) -> None:
+        """Keep ``part`` as it is where that is safe (checked by :meth:`changed_in_place`), else a copy."""
+        if self.keep_views and part.dtype == torch.float32 and part.device.type == "cpu":
             self.store[key, layer] = part  # the activation itself: no copy (see changed_in_place)
             self.versions[key, layer] = part._version
         else:
             self.store[key, layer] = part.to("cpu", torch.float32, copy=True)
 
-    def settle(self, layer: int, mag: Tensor, scale: Tensor) -> None:
-        """Keep layer ``layer``'s SCOPED activations at the candidates so far (all while they are many)."""
+    def settle(self, layer: int, mag: Tensor, scale: Tensor) -> None:  # OnePass: the rows it kept first
+        """Keep layer ``layer``'s CUT activations at the candidates so far (all while they are many)."""
         self.candidate.logical_or_(candidates(mag, scale, self.loose)[0].cpu())
-        if self.choose is not None and self.rows.get(layer) is not None:  # kept at rows_at as its hooks fired
-            self.kept[layer] = self.rows[layer]
         if layer in self.kept or 2 * int(self.candidate.sum()) > self.seq:
             return
-        rows = self.candidate.nonzero()[:, 0]
-        for key in self.cut:
+        self.cut_to(layer, self.candidate.nonzero()[:, 0])
+
+    def cut_to(self, layer: int, rows: Tensor) -> None:  # OnePass: also the rows its next layers keep
+        """Cut ``layer``'s CUT activations to ``rows`` (copies: the views are dropped)."""
+        for key in self.CUT:
             part = self.store.get((key, layer))
             if part is None:
                 continue
             version = self.versions.pop((key, layer), None)
             self.stale |= version is not None and part._version != version
-            self.store[key, layer] = part[rows.to(part.device)].to("cpu", torch.float32)  # a copy: the view is dropped
+            self.store[key, layer] = part[rows.to(part.device)].to("cpu", torch.float32)
         self.kept[layer] = rows
-        if self.choose is not None:
-            self.rows[layer] = rows
+
     def changed_in_place(self) -> bool:  # whether the model changed a kept view after its hook fired
         return self.stale or any(self.store[key]._version != version for key, version in self.versions.items())
 
-    def result(self) -> Capture:
-        missing, final = self._chosen() if self.choose is not None else (None, None)
+    def result(self) -> Capture:  # OnePass: first cut to the positions chosen
         layers, notes = self._layers(), []
         embed, pos_embed, resid0 = self._embeddings(notes)
         neuron_data = {p.layer: _neuron_data(p, self.store) for p in self.plans}
@@ -298,29 +275,7 @@ class _Pass:
         return Capture(positions=self.positions.cpu(), embed=embed, pos_embed=pos_embed, resid_pre0=resid0,
                        layers=layers, post_norm=is_post_norm(self.view), gated=any(p.gated for p in self.plans),
                        reducer=self.reducer, plans=self.plans, neuron_data=neuron_data, notes=notes, kept=self.kept,
-                       missing=missing, final=final)
-
-    def _chosen(self) -> tuple[Tensor, Tensor | None]:
-        """Cut the pass to the positions ``choose`` picks that every layer kept; return the others, their last resid."""
-        chosen = self.choose(self.reducer).long()
-        sets = (*self.kept.values(), *(rows for rows in self.looked.values() if rows is not None), chosen)
-        every = torch.stack([torch.isin(chosen, rows) for rows in sets]).all(0)
-        self.positions, missing = chosen[every], chosen[~every]
-        last = self.kept.get(self.view.n_layers - 1, missing)
-        final = self.final[missing] if self.final is not None and bool(torch.isin(missing, last).all()) else None
-        for (key, layer), part in list(self.store.items()):
-            rows = self.looked.get(layer) if key == "pattern" else self.kept.get(layer) if key in self.cut and \
-                layer >= 0 else None
-            self.store[key, layer] = part[self.positions if rows is None else torch.searchsorted(rows, self.positions)]
-        for key in _LAYERED:
-            for p in self.plans:
-                if (key, p.layer) in self.store:
-                    if key not in self.layered:
-                        self.layered[key] = torch.zeros(self.view.n_layers, len(self.positions), self.view.d_model)
-                    self.layered[key][p.layer] = self.store.pop((key, p.layer))
-                    self.filled.add((key, p.layer))
-        self.kept, self.versions = {}, {}
-        return missing, final
+                       missing=self.missing, final=self.final)
 
     def _layers(self) -> dict[str, Tensor]:
         """``[layer, pos, d_model]`` per residual key; a parallel block's ``resid_mid`` is resid_pre + attn."""

@@ -32,6 +32,7 @@ from massive_lens.errors import MassiveLensError
 from massive_lens.origin.blocks import d_mlp
 from massive_lens.origin.capture import Capture, capture
 from massive_lens.origin.experts import find_experts
+from massive_lens.origin.one_pass import capture_one_pass
 
 CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
 # Tracing every entry of a text of this many tokens or more takes the candidates' one pass (capture_found),
@@ -85,8 +86,7 @@ def capture_found(view: ModelView, batch: Batch, dim: int | None, criterion: Cri
     kept at every layer is read by a forward of the text up to it, merged in."""
     seq = batch.tokens.shape[1]
     try:
-        main = capture(view, batch, torch.arange(seq), criterion,
-                       choose=partial(_found_positions, view=view, dim=dim, seq=seq))
+        main = capture_one_pass(view, batch, criterion, partial(_found_positions, view=view, dim=dim, seq=seq))
     except _NothingFound:
         if not _within_budget(view, seq):
             raise
