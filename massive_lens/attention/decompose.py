@@ -144,7 +144,6 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     # every position that could turn out to be one (see candidate_columns)
     columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
     terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
-    held: dict[int, Tensor] = {}  # per layer, the values of the kept columns, until the pass has found the sinks
     trim = _trim_each_layer(batch, terms.sink.shape[-1])
     if given is not None:
         terms.plan(given.mask[:, columns], batch.mask, given.mask)
@@ -154,8 +153,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         _check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
         parts = (at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)])  # v: the kv heads' values
         if given is None:
-            terms.hold(at.layer, parts[0], parts[1], at.out)
-            held[at.layer] = parts[2].detach().cpu()
+            terms.hold(at.layer, *parts, at.out)
         else:
             _split(view, at.layer, *parts, at.out.detach(), weights[at.layer], terms)
         trim()  # the layer's transients, freed, handed back: held between them they would fragment
@@ -173,20 +171,19 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
             return decompose_attention(model, text, layers=layers, sinks=found, attention=path)
         terms.plan(inside, batch.mask, found.mask)
         for layer in layers:
-            z, pattern, out = terms.held(layer)
-            _split(view, layer, z, pattern, held.pop(layer), out, weights[layer], terms)
+            _split(view, layer, *terms.held(layer), weights[layer], terms)
             trim()
         terms.drop_held()
     if trim is not _no_trim:  # where the layers' terms are large: small transients are reused
         trim_allocator()
-    stats = constancy([parts for _, _, parts in terms.stats], batch.mask & ~found.mask)  # [term head 5]
-    rows = [(layer, h, term, *vals) for (layer, term, _), per_head in zip(terms.stats, stats.tolist(), strict=True)
+    stats = constancy(terms.parts(), batch.mask & ~found.mask)  # [term head 5]
+    rows = [(layer, h, term, *vals) for (layer, term), per_head in zip(terms.stats, stats.tolist(), strict=True)
             for h, vals in enumerate(per_head)]
     frame = pd.DataFrame(rows, columns=["layer", "head", "term", "norm", "rel_std_pos", "cos_pos",
                                         "rel_std_text", "cos_text"])
     return AttentionDecomposition(
         frame=frame, errors=pd.DataFrame(terms.errors, columns=["layer", "rel_error"]), layers=layers,
-        sink=terms.sink, content=terms.content, bias=torch.stack(terms.bias),
+        sink=terms.sink, content=terms.content, bias=terms.bias[:len(terms.errors)],
         sink_mask=found.mask, sink_source=found.source, model_name=view.name, sinks=found,
         post_norm=post_attention_norm(model), attention=path)
 
@@ -213,33 +210,51 @@ class _Terms:
         shared = self._z.view(size) if hold and heads * d_head == d_model else None  # z's memory, once split
         self.content = shared if shared is not None and not self.whole else torch.empty(size, dtype=W_O.dtype)
         self.sink = shared if shared is not None and self.whole else torch.empty(size, dtype=W_O.dtype)
-        self._rows: dict[int, Tensor] = {}  # the output's check rows, where it is not held whole
+        self._rows: Tensor | None = None  # the output's check rows, where it is not held whole
         self._pattern: Tensor | None = None
-        self.bias: list[Tensor] = []
-        self.stats: list[tuple[int, str, tuple[Tensor, ...]]] = []
+        self._v: Tensor | None = None  # the kept columns' values
+        self.bias = torch.empty(len(layers), d_model, dtype=W_O.dtype)  # b_O per layer, in the order split
+        self.stats: list[tuple[int, str]] = []  # (layer, term) of each constancy sum kept (see keep)
+        self._sums: tuple[Tensor, ...] = ()
         self.errors: list[tuple[int, float]] = []
         self.out_hooks: dict[int, str] = {}  # where each layer's attention output is read
         self._plan: tuple[Tensor, ...] = ()  # see plan
         self._on: dict[torch.device, tuple[Tensor, ...]] = {}
 
-    def hold(self, layer: int, z: Tensor, pattern: Tensor, out: Tensor) -> None:
+    def hold(self, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor) -> None:
+        # one buffer per kind for every layer: no small allocation lands between the pass's transients
+        out = out.detach() if self.whole else out.detach()[:, check_rows(out.shape[1], out.device)]
         if self._pattern is None:
-            self._pattern = torch.empty(len(self.index), *pattern.shape, dtype=pattern.dtype)
+            self._pattern, self._v = (torch.empty(len(self.index), *x.shape, dtype=x.dtype) for x in (pattern, v))
+            self._rows = None if self.whole else torch.empty(len(self.index), *out.shape, dtype=out.dtype)
         i = self.index[layer]
         self._z[i].copy_(z.detach())
         self._pattern[i].copy_(pattern.detach())
-        if self.whole:
-            self.content[i].copy_(out.detach())
-        else:
-            self._rows[i] = out.detach()[:, check_rows(out.shape[1], out.device)].cpu()
+        self._v[i].copy_(v.detach())
+        (self.content if self.whole else self._rows)[i].copy_(out)
 
-    def held(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+    def held(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``z``, the attention on the kept columns, their values and the output (or its check rows)."""
         i = self.index[layer]
-        return self._z[i], self._pattern[i], self.content[i] if self.whole else self._rows.pop(i)
+        return self._z[i], self._pattern[i], self._v[i], (self.content if self.whole else self._rows)[i]
 
     def drop_held(self) -> None:
-        """Free the attention held on the kept columns once every layer is split."""
-        self._pattern = None
+        """Free what was held for the split once every layer is split."""
+        self._pattern = self._v = self._rows = None
+
+    def keep(self, layer: int, term: str, parts: tuple[Tensor, ...]) -> None:
+        """Keep one term's constancy sums (:func:`reductions`), in one buffer per sum for every layer and
+        term (no small allocation per layer between the split's transients, which glibc could not give back)."""
+        if not self._sums:
+            self._sums = tuple(torch.empty(2 * len(self.index), *x.shape, dtype=x.dtype, device=x.device)
+                               for x in parts)
+        for buffer, x in zip(self._sums, parts, strict=True):
+            buffer[len(self.stats)].copy_(x)
+        self.stats.append((layer, term))
+
+    def parts(self) -> list[tuple[Tensor, ...]]:
+        """The kept constancy sums, one tuple per :attr:`stats` entry."""
+        return [tuple(buffer[j] for buffer in self._sums) for j in range(len(self.stats))]
 
     def plan(self, keys: Tensor, valid: Tensor, sinks: Tensor) -> None:
         """What every layer's split shares: the kept columns that are a sink in some sequence, which
@@ -302,7 +317,7 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     _check_error(view, layer, err, out.dtype, terms.out_hooks[layer])
     terms.errors.append((layer, err))
     for name, parts in stats.items():
-        terms.stats.append((layer, name, parts))
+        terms.keep(layer, name, parts)
     i = terms.index[layer]  # z and out are not read after this point: the terms may be written over them
     target = terms.content[i]
     if content is None and out.dtype == target.dtype and out.device == target.device:
@@ -310,7 +325,7 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     else:
         target.copy_(out - sink.to(out.dtype) - bias.to(out.dtype) if content is None else content)
     terms.sink[i].copy_(sink)
-    terms.bias.append(bias.cpu())
+    terms.bias[len(terms.errors) - 1].copy_(bias)
 
 
 # a term's buffer ([layer, batch, pos, d_model]) up to which, when the sinks are found in the pass, the attention
@@ -321,9 +336,10 @@ HOLD_OUTPUT_BYTES = 32 << 20
 # TRIM_EVERY layers and after the split; below it never: each trim costs the next layer's page faults (at 128
 # tokens on SmolLM2, per-layer trims took a third of a plain forward's CPU time), and small transients are reused.
 # At 2,048 tokens (one thread, docs/benchmarks.md round 4): every layer 1.18x the SDPA forward's time, 0.85x its
-# memory; every third 1.14x, 0.89x; never 1.09x, 1.54x (freed transients between held buffers stay resident)
+# memory; every third 1.14x, 0.89x; never 1.09x, 1.54x (freed transients between held buffers stay resident).
+# Round 5, what is held in one buffer per kind (_Terms): every tenth layer 547 MB, every third 489-521, never 708
 TRIM_BYTES = 2 << 20
-TRIM_EVERY = 3
+TRIM_EVERY = 10
 
 
 def _trim_each_layer(batch: Any, d_model: int) -> Callable[[], None]:
