@@ -4,7 +4,8 @@ every massive activation, and one given target) and of ``decompose_attention`` (
 without the causal check); issue 50's ``sink_attention``, ``dormant_heads`` and ``find_sinks`` (sinks found,
 128 tokens), ``sink_kv`` (sinks found and given, 128 tokens), and the attention analyses with
 ``attention="eager"``; ``sink_strength``, ``compression_valley`` (``ablate=None``) and ``sink_dependence``'s
-untouched pass (``heads=[]``, two sequences, against a forward of both) at 128 tokens.
+untouched pass (``heads=[]``, two sequences, against a forward of both) at 128 tokens; ``offswitch``
+(``precision=False``) at 128 tokens.
 
 ``python scripts/speed_ratios.py default 7`` (the model, then the repeats; ``qwen2.5-coder-1.5b 3``; a third
 argument, e.g. ``trace_origin``, times only those comma-separated cases and their baselines).
@@ -35,6 +36,7 @@ from massive_lens.attention import (
 from massive_lens.core.corpora import token_batches
 from massive_lens.core.model_view import ModelView
 from massive_lens.effects import compression_valley
+from massive_lens.handover import offswitch
 from massive_lens.interventions import sink_dependence, sink_strength
 
 
@@ -73,14 +75,15 @@ def main(name: str, repeats: int, only: str | None = None) -> dict:
              "forward128x2": lambda: forward(two),
              "sink_strength": lambda: sink_strength(model, tokens, pos=[0, 1]),
              "sink_dependence": lambda: sink_dependence(model, two, heads=[], seq_len=128, n_seqs=2, progress=False),
-             "compression_valley": lambda: compression_valley(model, tokens, seq_len=128, n_seqs=1, ablate=None)}
+             "compression_valley": lambda: compression_valley(model, tokens, seq_len=128, n_seqs=1, ablate=None),
+             "offswitch": lambda: offswitch(model, tokens, precision=False)}
     base = {"trace_origin": "forward64", "trace_origin given": "forward64", "trace_origin 128": "forward128",
             "trace_origin given 128": "forward128", "decompose given": "forward128",
             "decompose found": "forward128", "sink_census": "forward128", "sink_circuit": "forward128",
             **{k: "forward128" for k in ("sink_attention", "dormant_heads", "find_sinks", "sink_kv", "sink_kv given",
                                          "decompose found eager",
                                          "sink_census eager", "sink_attention eager", "dormant_heads eager",
-                                         "sink_strength", "compression_valley")},
+                                         "sink_strength", "compression_valley", "offswitch")},
             "sink_dependence": "forward128x2"}
     if only:  # these cases and their baselines only
         keep = set(only.split(","))
