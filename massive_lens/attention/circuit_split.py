@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
+from massive_lens.core.budget import trim_allocator
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.layer_attention import rest_lse
 from massive_lens.core.model_view import ModelView
@@ -41,6 +42,12 @@ TOL = 1e-4  # relative, float32: what "exact" means here
 # scores use them, the scores and the pattern on the sink's column, the content keys' log-sum-exp, and
 # the rotary cos/sin (on the kernel: its module's inputs; the eager path where they lack them, core.lse.lse_rotary)
 WANTS = ("q", "k", "scores", "rest_lse", "rotary")
+# a layer's queries ([batch, pos, d_model] float32) from which the forward's freed transients are handed back
+# every TRIM_EVERY layers (glibc keeps them resident under the small rows kept at each layer): at 4,096 tokens on
+# SmolLM2 (one thread, docs/benchmarks.md issue 50 round 5) never 1.51x the SDPA forward's memory, every third
+# layer 0.64x, at 0.94x/0.96x its time; below it never (the transients are small and reused)
+TRIM_BYTES = 2 << 20
+TRIM_EVERY = 3
 
 
 @dataclass
@@ -103,6 +110,9 @@ class CircuitCapture:
         self.keep = {layer: LayerKeep() for layer in layers}
         self.writers: dict[str, Tensor] = {}
         self.path = choose_path(view, "auto", batch, want=WANTS)
+        self.buffers: dict[str, Tensor] = {}  # what is kept of every layer, allocated once (see :meth:`kept`)
+        self.rotary: list[tuple[Tensor, Tensor, Any]] = []  # each distinct (cos, sin) read, and its copy
+        self.read = 0  # layers read in this capture's forward (every TRIM_EVERY-th trims, at length)
 
     def run(self, forward: Callable[[list[tuple[str, Any]]], Any]) -> Any:
         """``forward(hooks)`` (one forward of the capture's batch with ``hooks``) under the capture's
@@ -121,12 +131,29 @@ class CircuitCapture:
         """Keep what the pass read of one layer (its sink column, every query, the sink's key)."""
         keep, s = self.keep[at.layer], self.sink
         keep.k = _sink_row(at.k, s)
-        keep.q = at.q.detach().float().clone()
-        keep.scores = at.scores.detach()[..., 0].float().clone()
-        keep.pattern = at.cols.detach()[..., 0].float().clone()
-        keep.content_lse = at.rest_lse.detach().float().clone()
-        if at.rotary is not None:
-            keep.cos, keep.sin = (x.detach().float().clone() for x in at.rotary)
+        keep.q = self.kept("q", at.layer, at.q)
+        keep.scores = self.kept("scores", at.layer, at.scores[..., 0])
+        keep.pattern = self.kept("pattern", at.layer, at.cols[..., 0])
+        keep.content_lse = self.kept("content_lse", at.layer, at.rest_lse)
+        if at.rotary is not None:  # one copy of each (cos, sin): the layers share them
+            seen = next((copy for cos, sin, copy in self.rotary if cos is at.rotary[0] and sin is at.rotary[1]), None)
+            if seen is None:
+                seen = tuple(x.detach().float().clone() for x in at.rotary)
+                self.rotary.append((*at.rotary, seen))
+            keep.cos, keep.sin = seen
+        self.read += 1
+        if self.read % TRIM_EVERY == 0 and keep.q.numel() * 4 >= TRIM_BYTES:
+            trim_allocator()
+
+    def kept(self, name: str, layer: int, x: Tensor) -> Tensor:
+        """A float32 copy of ``x`` in this layer's slice of one buffer for every layer, allocated at the
+        first layer: the layers' copies (every query's ``q``: O(length x d_model) a layer) are one block
+        of memory, not many between the forward's activations, where the heap would keep those freed."""
+        if name not in self.buffers:
+            self.buffers[name] = torch.empty((len(self.layers), *x.shape), dtype=torch.float32, device=x.device)
+        if self.buffers[name].shape[1:] != x.shape:  # a layer of another shape (other heads): a copy of its own
+            return x.detach().float().clone()
+        return self.buffers[name][self.layers.index(layer)].copy_(x.detach())
 
     def hooks(self) -> list[tuple[str, Any]]:
         """The writers' outputs at the sink and the norms' sites of each chosen layer (the attention is
