@@ -109,15 +109,14 @@ def _close(column, want: torch.Tensor) -> None:
 
 
 def test_a_sink_set_found_once_serves_both_analyses():
-    """The sinks found in sink_kv's own pass give the table the same sinks given give: sinks found reduce each
-    layer against every candidate column (the logits a float32 product against more columns), so within float32
-    rounding (1e-6 of each column's largest entry)."""
+    """The sinks found in sink_kv's own pass give the table the same sinks given give (at this length the layers
+    are kept whole until the sinks are known; reduced, see test_sinks_found_in_the_same_pass)."""
     from massive_lens.attention import dormant_heads, find_sinks
 
     model = tiny_model("llama")
     text = "Hello there, world. The cat sat."
     found = find_sinks(model, text)
-    _agree(sink_kv(model, text, sinks=found).to_frame(), sink_kv(model, text).to_frame(), 1e-6)
+    assert sink_kv(model, text, sinks=found).to_frame().equals(sink_kv(model, text).to_frame())
     assert dormant_heads(model, text, sinks=found).to_frame().equals(dormant_heads(model, text).to_frame())
     with pytest.raises(MassiveLensError, match="find the sinks on the same text"):
         sink_kv(model, "Hi.", sinks=found)
@@ -189,19 +188,25 @@ def test_sinks_found_in_the_same_pass(monkeypatch):
     with untouched(model):
         one = sink_kv(model, text)
         assert len(calls) == 1
+        monkeypatch.setattr(kv_module, "WHOLE_BYTES", 0)  # as past ~650 tokens on SmolLM2: the layers reduced
+        reduced = sink_kv(model, text)
+        assert len(calls) == 2
         two = sink_kv(model, text, sinks=one.sinks)
         monkeypatch.setattr(kv_module, "candidate_columns", lambda view, batch: torch.tensor([1]))
         three = sink_kv(model, text)
-    assert len(calls) == 4 and one.sinks.mask.equal(three.sinks.mask)
-    _agree(one.to_frame(), two.to_frame(), 1e-6)
-    assert two.to_frame().equals(three.to_frame()) and one.bands.equals(two.bands) and one.bands.equals(three.bands)
+    assert len(calls) == 5 and one.sinks.mask.equal(three.sinks.mask) and one.sinks.mask.equal(reduced.sinks.mask)
+    _agree(reduced.to_frame(), two.to_frame(), 1e-6)
+    assert one.to_frame().equals(two.to_frame()) and two.to_frame().equals(three.to_frame())
+    assert one.bands.equals(reduced.bands) and one.bands.equals(two.bands) and one.bands.equals(three.bands)
 
 
 @pytest.mark.parametrize(("family", "attention"), [("llama", "eager"), ("llama", "lse"), ("gpt2", "eager")])
-def test_sinks_found_reduce_like_sinks_given(monkeypatch, family, attention):
+@pytest.mark.parametrize("whole", [0, 2 ** 27])
+def test_sinks_found_reduce_like_sinks_given(monkeypatch, family, attention, whole):
     """Whatever sinks the rule finds (here planted: several per sequence, different in each, some of them
     queries after another sink), the layers reduced against every candidate column before the sinks are known
-    give the table those sinks given give, within float32 rounding, in a padded batch too."""
+    (WHOLE_BYTES 0), or kept whole, give the table those sinks given give, within float32 rounding, in a
+    padded batch too."""
     import massive_lens.attention.kv as kv_module
     from massive_lens.attention.sinks import SinkSet
     from massive_lens.core.model_view import ModelView
@@ -213,6 +218,7 @@ def test_sinks_found_reduce_like_sinks_given(monkeypatch, family, attention):
         for text in (tokens, texts):
             sinks = torch.zeros_like(ModelView(model).tokenize(text).mask)
             sinks[0, [0, 5]], sinks[1, [0, 3, 7]] = True, True
+            monkeypatch.setattr(kv_module, "WHOLE_BYTES", whole)
             monkeypatch.setattr(kv_module, "candidate_columns", lambda view, batch: torch.arange(9))
             monkeypatch.setattr(kv_module, "sinks_from", lambda evidence, kinds, path, m=sinks: SinkSet(m, kinds,
                                                                                                         "planted"))
