@@ -337,9 +337,10 @@ HOLD_OUTPUT_BYTES = 32 << 20
 # tokens on SmolLM2, per-layer trims took a third of a plain forward's CPU time), and small transients are reused.
 # At 2,048 tokens (one thread, docs/benchmarks.md round 4): every layer 1.18x the SDPA forward's time, 0.85x its
 # memory; every third 1.14x, 0.89x; never 1.09x, 1.54x (freed transients between held buffers stay resident).
-# Round 5, what is held in one buffer per kind (_Terms): every tenth layer 547 MB, every third 489-521, never 708
+# Round 5, what is held in one buffer per kind (_Terms), benchmarks.length: every 5th layer 1.05x, 0.90x; every 10th
+# 1.05-1.12x, 0.99-1.13x (memory over the goal); every 3rd 1.08-1.13x, 0.86-0.96x
 TRIM_BYTES = 2 << 20
-TRIM_EVERY = 10
+TRIM_EVERY = 5
 
 
 def _trim_each_layer(batch: Any, d_model: int) -> Callable[[], None]:
