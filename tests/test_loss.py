@@ -109,3 +109,21 @@ def test_an_edit_that_makes_the_logits_non_finite_is_refused_as_an_unedited_over
         perplexity(model, tokens, hooks=[(last, poison)], progress=False)
     finite = perplexity(model, tokens, hooks=[(last, lambda x, hook: x * 0.5)], progress=False)
     assert torch.isfinite(finite.per_seq).all()  # a finite edit still gives its perplexity
+
+
+def test_the_check_runs_a_few_positions_in_two_slices_or_more():
+    """The check is one more forward of every call: on PROBE_POSITIONS positions of the first
+    sequence (it ran on a whole 32-position slice before), the head still applied in slices."""
+    model = tiny_model("llama")
+    tokens = _tokens(model)
+    scorer = NextTokenLoss(model)
+    seen, sliced = [], []
+    handles = [model.embed.register_forward_hook(lambda m, a, out: seen.append(out.shape[1])),
+               scorer.head.register_forward_hook(lambda m, a, out: sliced.append(out.shape[-2]))]
+    try:
+        assert scorer.check(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == [loss_module.PROBE_POSITIONS] < [tokens.shape[1]]
+    assert len(sliced) >= 3 and max(sliced[1:]) < loss_module.PROBE_POSITIONS  # the full pass, then the slices

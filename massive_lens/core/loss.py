@@ -44,6 +44,9 @@ from massive_lens.errors import MassiveLensError
 __all__ = ["NextToken", "NextTokenLoss", "next_token_stats", "output_head"]
 
 EXACT = {torch.float32: 1e-5, torch.float64: 1e-9}  # largest relative logit difference; 2e-2 in half precision
+# positions of the first sequence the check runs: the head acts on each position alone, so a few
+# show whether slices of it give the model's logits (the probe is one more forward of the call)
+PROBE_POSITIONS = 4
 SOFT_CAPS = ("final_logit_softcapping", "output_logits_soft_cap")  # config fields of a cap applied after the head
 
 
@@ -173,7 +176,7 @@ class NextTokenLoss:
     @torch.no_grad()
     def check(self, tokens: Int[Tensor, "batch pos"]) -> bool:
         """Decide (once) whether the head, applied slice by slice, gives the model's logits: on
-        the first sequence's first few positions, in one pass that records the head's input.
+        the first sequence's first :data:`PROBE_POSITIONS` positions, in one pass that records the head's input.
         False (full logits from then on) for a final soft cap in the config, a head that is not
         found or never runs, or logits that differ (a logit scale, a hook after the head)."""
         if self.exact is not None:
@@ -185,7 +188,7 @@ class NextTokenLoss:
     def _exact(self, tokens: Tensor) -> bool:
         if self.head is None or _soft_capped(self.model):
             return False
-        x = tokens[:1, : max(2, self.step)]
+        x = tokens[:1, :PROBE_POSITIONS]
         grabbed: list[Tensor] = []
         handle = self.head.register_forward_pre_hook(
             lambda m, args: grabbed.append(args[0].detach()) if args else None, prepend=True)
@@ -195,7 +198,8 @@ class NextTokenLoss:
             handle.remove()
         if len(grabbed) != 1 or not isinstance(full, Tensor) or grabbed[0].shape[:-1] != full.shape[:-1]:
             return False
-        step, n = self.step, x.shape[1]
+        n = x.shape[1]
+        step = max(1, min(self.step, n // 2))  # two slices or more: the head applied slice by slice
         try:
             chunked = torch.cat([self.logits(grabbed[0][0], a, min(a + step, n)) for a in range(0, n, step)])
         except Exception:  # the head does not run on its own input: keep full logits
