@@ -11,6 +11,7 @@ import torch
 from helpers import BIRTH, DIM, ERASE, REBIRTH, plant_story, untouched
 
 import massive_lens.origin.capture as capture_module
+import massive_lens.origin.targets as targets_module
 import massive_lens.origin.verify as neu
 from massive_lens import MassiveLensError, tiny_model
 from massive_lens.core.criterion import Criterion
@@ -242,8 +243,11 @@ def test_tracing_everything_keeps_neurons_at_candidates_and_refills_the_rest(mon
     """Tracing every massive entry keeps the neuron-level activations only at candidate positions;
     with no candidate at all a second pass (sliced at the traced positions) reads them, and with
     every position a candidate nothing is scoped: the trace is the same either way, on the
-    default model (position 0 becomes a candidate at an early layer there)."""
+    default model (position 0 becomes a candidate at an early layer there). The every-position
+    capture is forced (a mixture of experts, and the one pass's fallback, take it); the trace it
+    gives equals the one pass's (``real_trace``)."""
     model, scoped = default_model, real_trace  # traced with the candidates as they are
+    monkeypatch.setattr(targets_module, "ONE_PASS_FROM", 1 << 30)
     passes = []
     real = capture_module.capture
     monkeypatch.setattr(capture_module, "capture", lambda *a, **k: passes.append(len(a[2])) or real(*a, **k))

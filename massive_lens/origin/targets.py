@@ -3,8 +3,8 @@ checked; the positions its capture pass keeps; and the entries it then traces, l
 first (the text's token-specific massive entries, else those of outlier dimensions, else the
 largest value where ``dim`` or ``pos`` points).
 
-A long text (from :data:`ONE_PASS_FROM` tokens, or where every position's neuron activations would pass
-:data:`CAPTURE_BUDGET`) is traced in one pass that keeps each layer's terms at the candidate positions only
+Every entry of a text (no ``pos``; from :data:`ONE_PASS_FROM` tokens, now every length, and wherever every
+position's neuron activations would pass :data:`CAPTURE_BUDGET`) is traced in one pass that keeps each layer's terms at the candidate positions only
 (:func:`capture_found`); a traced position that was not a candidate from the first layer is read again by a
 forward of the text up to it (a causal model's residual stream there does not depend on what follows;
 checked against the full pass's last layer, else the full text is read again). Where that pass finds
@@ -37,10 +37,12 @@ from massive_lens.origin.one_pass import capture_one_pass
 CAPTURE_BUDGET = 1 << 30  # bytes of per-neuron activations kept when tracing all positions
 # Tracing every entry of a text of this many tokens or more takes the candidates' one pass (capture_found),
 # not the every-position capture: that one holds five [layer, pos, d_model] residual terms whole and reads
-# every query's largest attention (on the kernel, a second score pass). Measured on SmolLM2 (benchmarks.length,
-# docs/benchmarks.md, issue 50 round 5): every-position 1.25-1.30x the SDPA forward's time and 2.1-3.4x its
-# memory at 512-1,536 tokens, the one pass within 1.1x.
-ONE_PASS_FROM = 512
+# every query's largest attention. Measured on SmolLM2 (benchmarks.length, docs/benchmarks.md, issue 50 round
+# 5): every-position 1.25-1.30x the SDPA forward's time and 2.1-3.4x its memory at 512-1,536 tokens, the one
+# pass within 1.1x; at 64-256 tokens every-position 1.0-1.2x a forward's time and 1.9-3.2x its memory, the one
+# pass 0.93-1.01x and 0.56-0.94x: so every length (a mixture of experts, a given pos, and the one pass's
+# fallback where it finds nothing still take the every-position capture).
+ONE_PASS_FROM = 0
 PREFIX_TOL = 1e-4  # relative (norm): the last residual read from the text up to a position vs the full pass
 
 
