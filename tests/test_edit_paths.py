@@ -28,6 +28,7 @@ from helpers import untouched
 
 from massive_lens import MassiveLensError, load_model, tiny_model
 from massive_lens.attention import decompose_attention, dormant_heads, find_sinks, sink_attention, sink_census
+from massive_lens.core.attention_pass import choose_path
 from massive_lens.core.lse import EAGER, LSE, attached_attention_edits, lse_run, lse_support
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.tokens import byte_tokenizer
@@ -304,3 +305,17 @@ def test_nnsight_refuses_attention_edits_by_name():
         pass
     assert attached_attention_edits(ModelView(lm)) == []
     assert sink_attention(lm, TEXT).attention == LSE
+
+
+def test_the_callers_own_hooks_count_by_name_and_by_a_filter_of_names(model):
+    """choose_path(hooks=): an edit the caller runs in the same forward counts as attached, named
+    or matched by a filter (TransformerLens takes both), so 'auto' reads it on the eager path."""
+    view = ModelView(model)
+    pattern = view.hook_name(1, "attn.hook_pattern")
+    batch = view.tokenize(TEXT)
+    edit = lambda x, hook: x  # noqa: E731
+    assert attached_attention_edits(view, [(view.hook_name(1, "resid_post"), edit)]) == []
+    assert attached_attention_edits(view, [(pattern, edit)]) == [pattern]
+    assert attached_attention_edits(view, [(lambda name: name == pattern, edit)]) == [pattern]
+    with pytest.raises(MassiveLensError, match="hook_pattern"):
+        choose_path(view, LSE, batch, hooks=[(lambda name: name.endswith("hook_pattern"), edit)])

@@ -220,7 +220,7 @@ def attention_reading(view: ModelView, on_layer: Callable[[PassLayer], None] | N
 
 
 def choose_path(view: ModelView, attention: str, batch: Batch | None, *, want: Iterable[str] = (),
-                hooks: Sequence[tuple[str, Any]] = ()) -> str:
+                hooks: Sequence[tuple[Any, Any]] = ()) -> str:
     """``"eager"`` or ``"lse"``, the path that reads ``batch``'s attention as ``attention`` asks:
     ``"auto"`` takes the eager pattern where the view serves one and ``batch`` is shorter than
     :data:`LSE_FROM` positions (the faster path there), else the LSE path where the model supports

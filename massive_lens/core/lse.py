@@ -340,9 +340,10 @@ def _attached(hp: Any) -> bool:
     return bool(getattr(hp, "_forward_hooks", None) or getattr(hp, "_forward_pre_hooks", None))
 
 
-def attached_attention_edits(view: ModelView, hooks: Sequence[tuple[str, Any]] = ()) -> list[str]:
+def attached_attention_edits(view: ModelView, hooks: Sequence[tuple[Any, Any]] = ()) -> list[str]:
     """The hook points holding a hook now (a user's ``add_hook`` or ``model.hooks(...)``, an entered
-    intervention), or named in ``hooks`` (the caller's own, to run in the same forward), that the LSE
+    intervention), or named in ``hooks`` (the caller's own, to run in the same forward, by name or by a
+    filter of names), that the LSE
     path would not honour: those that do not fire on both paths
     (``hook_attn_scores``, ``hook_pattern``, the rotary hooks; measured once per model by
     :func:`lse_support`) and ``hook_z``, whose input the LSE path reads from the kernel. On a model
@@ -359,7 +360,12 @@ def attached_attention_edits(view: ModelView, hooks: Sequence[tuple[str, Any]] =
     if not view.serves_patterns:  # nnsight: no hook points
         return []
     hook_dict = view.model.hook_dict
-    named = {id(hook_dict[name]) for name, _ in hooks if name in hook_dict}
+    named = set()
+    for name, _ in hooks:  # a hook point's name, or a filter of names (TransformerLens takes both)
+        if callable(name):
+            named |= {id(hp) for point, hp in hook_dict.items() if name(point)}
+        elif name in hook_dict:
+            named.add(id(hook_dict[name]))
     with model_lock(view.model):  # another thread's analysis holds its own hooks only while it holds the lock
         bypassed = _BYPASSED.get(view.model) if lse_support(view) is None and _weakrefable(view.model) else None
         if bypassed is None:
