@@ -29,6 +29,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from massive_lens.attention.constancy import constancy, reductions
+from massive_lens.attention.output_weights import check_shapes, head_gram, output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_output_hook, attention_pass, choose_path
 from massive_lens.core.budget import trim_allocator
@@ -150,7 +151,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
 
     def take(at: PassLayer) -> None:
         # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v
-        _check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
+        check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
         parts = (at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)])  # v: the kv heads' values
         if given is None:
             terms.hold(at.layer, *parts, at.out)
@@ -285,6 +286,7 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows at every row."""
     W_O, b_O = weights
     device = z.device
+    gram = head_gram(W_O, z, view.block(layer).attn)[None]  # kept between calls on the same weights
     W_O = W_O.to(z)
     used, keys, valid, keep, rows = terms.on(device)
     at_sinks = pattern.to(device)[..., used] * keys[:, None, None, :].to(pattern.dtype)  # [batch head query sink]
@@ -296,7 +298,7 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
     # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows):
     # its constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
     stats = {"sink": reductions(at_sinks, keep, basis=sink_values),
-             "content": reductions(z_content.transpose(1, 2), keep, basis=W_O[None])}
+             "content": reductions(z_content.transpose(1, 2), keep, basis=W_O[None], gram=gram)}
     bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
     every = len(rows) == z.shape[1]  # every row checked: no gather
     whole = out.shape[1] == z.shape[1]  # else ``out`` holds the check rows only
@@ -369,35 +371,6 @@ def check_rows(n: int, device: torch.device | str) -> Tensor:
 # relative error of sink + content + b_O above which a decomposition is refused, by dtype
 RECONSTRUCTION_TOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
 RECONSTRUCTION_TOL_FLOAT32 = 1e-3
-
-
-def output_weights(view: ModelView, layer: int) -> tuple[Tensor, Tensor | None]:
-    """``W_O [head d_head d_model]`` and ``b_O`` of one layer, or a clear error."""
-    view.hook_name(layer, "attn.hook_pattern")  # range check (and an attention layer) with a clear message
-    attn = view.block(layer).attn
-    try:
-        W_O, b_O = attn.W_O, getattr(attn, "b_O", None)
-    except Exception as exc:  # noqa: BLE001 - bridges raise many kinds for weights they cannot expose
-        raise MassiveLensError(f"{view.name}: decompose_attention needs W_O of layer {layer} as [head, d_head, "
-                               f"d_model]; the bridge cannot give it ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:200]})") from exc
-    if not isinstance(W_O, Tensor) or W_O.ndim != 3:
-        raise MassiveLensError(f"{view.name}: decompose_attention needs W_O of layer {layer} as [head, d_head, "
-                               f"d_model]; {type(attn).__name__} has {None if W_O is None else tuple(W_O.shape)}")
-    return W_O.detach(), b_O.detach() if isinstance(b_O, Tensor) else None
-
-
-def _check_shapes(view: ModelView, layer: int, pattern: tuple[int, ...], v: Tensor, W_O: Tensor, attn_out: Tensor
-                  ) -> None:
-    """``pattern``: the pattern's shape (the eager one's, or the one the kernel's q and k imply)."""
-    heads, d_head, d_model = W_O.shape
-    ok = (len(pattern) == 4 and v.ndim == 4 and pattern[1] == heads and v.shape[1] == pattern[-1]
-          and v.shape[3] == d_head and heads % v.shape[2] == 0 and attn_out.shape[-1] == d_model)
-    if not ok:
-        raise MassiveLensError(
-            f"{view.name}: attention layer {layer} does not have the shapes decompose_attention splits: pattern "
-            f"{tuple(pattern)} [batch, head, query, key], v {tuple(v.shape)} [batch, key, kv_head, d_head], "
-            f"W_O {tuple(W_O.shape)} [head, d_head, d_model] (e.g. latent or compressed attention)")
 
 
 def _check_error(view: ModelView, layer: int, err: float, dtype: torch.dtype, hook: str) -> None:

@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from massive_lens.attention.decompose import output_weights
+from massive_lens.attention.output_weights import output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.criterion import SinkEvidence

@@ -229,11 +229,12 @@ class PassReader:
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2))
         cols = self.columns_at(layer, pattern.shape[0], pattern.shape[-1])
         self._hand(self.make(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
-                             cols=None if cols is None else pattern[..., cols.to(pattern.device)],
+                             cols=None if cols is None else pattern.index_select(-1, cols.to(pattern.device)),
                              z=z, z_read=z_read, k=k, v=v if "v" in self.want else None, out=got.get("out"),
                              null=self.null_of(layer, pattern, got.get("null")),
                              max_attention=self.max_of(layer, pattern), q=q,
-                             scores=None if "scores" not in self.want else scores[..., cols.to(scores.device)],
+                             scores=None if "scores" not in self.want
+                             else scores.index_select(-1, cols.to(scores.device)),
                              rest_lse=None if "rest_lse" not in self.want else rest_lse(
                                  scores, None if self.batch is None else self.batch.mask, cols),
                              rotary=self.rotary_of(layer)))

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from massive_lens.attention.decompose import output_weights
 from massive_lens.attention.dormant import NORM_RATIO, SINK_SHARE, DormantHeads, dormant_heads
+from massive_lens.attention.output_weights import output_weights
 from massive_lens.core.corpora import default_text, sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError

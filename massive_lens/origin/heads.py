@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from massive_lens.attention.decompose import output_weights
+from massive_lens.attention.output_weights import output_weights
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.origin.capture import Capture
