@@ -84,13 +84,25 @@ SPREAD = ("tests/test_docs_examples.py::test_docs_page_examples_run", "tests/tes
 # the others run long for their few tests (a subprocess, a model trained), so none of them starts last while
 # the other process has nothing left to do. By file, as measured in a one-process --quick run.
 FIRST = ("tests/test_report_memory_watch.py", "tests/test_bench_vocab.py", "tests/test_head_curve.py",
-         "tests/test_quant_granularity.py", "tests/test_layout.py", "tests/test_handover.py")
+         "tests/test_quant_granularity.py", "package source", "tests/test_handover.py")
+
+
+# Files that share work done once per process run in one process, as one unit: the contract and save/load tests
+# share the session fixture result_examples (one example of every result type, ~5 s of CPU to build); the
+# static checks of the package's source share its parse (tests/source.py: each file parsed and walked once, not
+# once per check).
+GROUPS = {"tests/test_contract.py": "result examples", "tests/test_save_load.py": "result examples",
+          "tests/test_layout.py": "package source", "tests/test_rules.py": "package source",
+          "tests/test_safe_reading.py": "package source", "tests/test_model_lock_rule.py": "package source"}
 
 
 def work_unit(nodeid: str) -> str:
-    """What make test's scheduler keeps in one worker process: the test's file, or the test itself
-    where it is one of :data:`SPREAD`."""
-    return nodeid if nodeid.split("[")[0] in SPREAD else nodeid.split("::")[0]
+    """What make test's scheduler keeps in one worker process: the test's file (its group's name where it is
+    in :data:`GROUPS`), or the test itself where it is one of :data:`SPREAD`."""
+    if nodeid.split("[")[0] in SPREAD:
+        return nodeid
+    file = nodeid.split("::")[0]
+    return GROUPS.get(file, file)
 
 
 class FileScheduling(LoadFileScheduling):

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import syntax
+
 IN_PLACE = {"copy_", "add_", "sub_", "mul_", "div_", "zero_", "fill_", "clamp_", "normal_", "uniform_",
             "masked_fill_", "index_fill_", "index_copy_", "requires_grad_"}
 SLOTS = {"_buffers", "_parameters", "_modules"}
@@ -200,7 +202,7 @@ def _module_name(root: Path, path: Path) -> str:
 @functools.cache
 def _read(module: str, source: str) -> _Reader:
     reader = _Reader(module)
-    reader.visit(ast.parse(source))
+    reader.visit(syntax.parse(source))
     return reader
 
 

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+import syntax
 import tomllib
 from conftest import QUICK_SKIPPED_FIXTURES, QUICK_SKIPPED_MARKERS
 
@@ -39,7 +40,7 @@ def _module_file(root: Path, module: str) -> tuple[Path | None, bool]:
 def _defined(file: Path) -> set[str]:
     """The names a module binds itself at top level (functions, classes, assignments), not imports."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+    for node in syntax.nodes(file):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -53,7 +54,7 @@ def passed_on(root: Path) -> list[str]:
     module that does not define it."""
     found, defined = [], {}  # defined: each module's own names, read once (not once per name imported)
     for file in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        for node in syntax.nodes(file):
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
                     and node.module.split(".")[0] == root.name):
                 continue
@@ -86,7 +87,7 @@ def imports_in_functions(root: Path) -> list[str]:
     """``file:line module`` for each import of the package's own modules inside a function."""
     found = []
     for file in sorted(root.rglob("*.py")):
-        for func in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        for func in syntax.nodes(file):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(func):
@@ -123,9 +124,9 @@ def private_imports(root: Path) -> list[str]:
     another: ``from pkg.a import _x``, or ``a._x`` on a module ``a`` imported from the package."""
     found = []
     for file in sorted(root.rglob("*.py")):
-        tree, where = ast.parse(file.read_text(encoding="utf-8")), file.relative_to(root.parent)
+        tree, where = syntax.tree(file), file.relative_to(root.parent)
         modules: dict[str, str] = {}  # local name -> the package module it is bound to
-        for node in ast.walk(tree):
+        for node in syntax.walk(tree):
             if isinstance(node, ast.Import):
                 modules |= {a.asname: a.name for a in node.names if a.asname and a.name.split(".")[0] == root.name}
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
@@ -136,7 +137,7 @@ def private_imports(root: Path) -> list[str]:
                     modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
                 elif alias.name.startswith("_") and not alias.name.startswith("__"):
                     found.append(f"{where} {alias.name} from {node.module}")
-        found += [f"{where} {node.attr} from {modules[node.value.id]}" for node in ast.walk(tree)
+        found += [f"{where} {node.attr} from {modules[node.value.id]}" for node in syntax.walk(tree)
                   if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
                   and node.attr.startswith("_") and not node.attr.startswith("__")]
     return found
@@ -285,10 +286,10 @@ def quick_leaks(tests: Path) -> list[str]:
     def name_marked(fn: ast.FunctionDef) -> bool:
         return fn.name in QUICK_SKIPPED_FIXTURES or bool(_marks(fn.decorator_list) & set(QUICK_SKIPPED_MARKERS))
 
-    shared = fixtures(ast.parse((tests / "conftest.py").read_text(encoding="utf-8")))
+    shared = fixtures(syntax.tree(tests / "conftest.py"))
     found = []
     for file in sorted(tests.rglob("test_*.py")):
-        tree = ast.parse(file.read_text(encoding="utf-8"))
+        tree = syntax.tree(file)
         known = shared | fixtures(tree)
         module_marks = _marks([n.value for n in tree.body if isinstance(n, ast.Assign)
                                and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)])
@@ -330,7 +331,7 @@ def test_the_quick_loop_leaves_out_every_real_model_and_report(tmp_path):
 def _docstring_nodes(tree: ast.Module) -> set[int]:
     """``id`` of every docstring constant (a module's, class's or function's first statement)."""
     found = set()
-    for node in ast.walk(tree):
+    for node in syntax.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
@@ -347,15 +348,15 @@ def hand_built_hook_names(root: Path) -> list[str]:
     for file in sorted(root.rglob("*.py")):
         if file.relative_to(root).parts[0] == "core":
             continue
-        tree = ast.parse(file.read_text(encoding="utf-8"))
+        tree = syntax.tree(file)
         docs, parts = _docstring_nodes(tree), set()
-        for node in ast.walk(tree):
+        for node in syntax.walk(tree):
             if isinstance(node, ast.JoinedStr):
                 parts |= {id(v) for v in node.values}
                 head = node.values[0] if node.values else None
                 if isinstance(head, ast.Constant) and str(head.value).startswith("blocks."):
                     found.append(f"{file.relative_to(root.parent)}:{node.lineno}")
-        for node in ast.walk(tree):
+        for node in syntax.walk(tree):
             if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("blocks.")
                     and id(node) not in docs and id(node) not in parts):
                 found.append(f"{file.relative_to(root.parent)}:{node.lineno}")
@@ -387,11 +388,11 @@ def pyplot_users(root: Path, gate: str = DRAWS) -> list[str]:
     for file in sorted(root.rglob("*.py")):
         if file.relative_to(root).as_posix() == gate:
             continue
-        tree = ast.parse(file.read_text(encoding="utf-8"))
-        imports = [a for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+        tree = syntax.tree(file)
+        imports = [a for node in syntax.walk(tree) if isinstance(node, ast.Import) for a in node.names]
         bound = {a.asname or "matplotlib" for a in imports  # names bound to matplotlib itself
                  if a.name == "matplotlib" or (a.name.startswith("matplotlib.") and a.asname is None)}
-        for node in ast.walk(tree):
+        for node in syntax.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""] \
                 if isinstance(node, ast.ImportFrom) else []

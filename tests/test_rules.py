@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import syntax
 import tomllib
 
 import massive_lens
@@ -75,7 +76,7 @@ def parsed_layers(root: Path, exempt: str = "core") -> list[str]:
         if file.relative_to(root).parts[0] == exempt:
             continue
         where = file.relative_to(root.parent)
-        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        for node in syntax.nodes(file):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "int" and node.args:
                 inner = node.args[0]
                 while isinstance(inner, ast.Subscript):
@@ -173,7 +174,7 @@ CAPTURE_LINES = 20  # the signature, the docstring and a few lines that drive or
 def long_drivers(file: Path, names: dict[str, int]) -> list[str]:
     """``name`` of each function of ``file`` in ``names`` that is longer than its line budget or
     keeps state in a nested function (a closure), and of each that is missing."""
-    tree = ast.parse(file.read_text(encoding="utf-8"))
+    tree = syntax.tree(file)
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     found = [f"{name}: missing" for name in names if name not in funcs]
     for name, budget in names.items():
@@ -206,7 +207,7 @@ def registrations(root: Path) -> list[str]:
     found = []
     for file in sorted(root.rglob("*.py")):
         text = file.read_text(encoding="utf-8")
-        for node in ast.walk(ast.parse(text)):
+        for node in syntax.walk(syntax.parse(text)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and (node.func.attr == "register_view" or (node.func.attr == "append"
                          and getattr(node.func.value, "attr", "") == "variants"))):
@@ -248,8 +249,9 @@ def docs_defaults(root: Path) -> list[str]:
     working folder, ``runs/...``, unless the docs' own folder is named on purpose)."""
     found = []
     for file in sorted(root.rglob("*.py")):
-        tree = ast.parse(file.read_text(encoding="utf-8"))
-        values = [k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg == "default"]
+        tree = syntax.tree(file)
+        values = [k.value for n in syntax.walk(tree) if isinstance(n, ast.Call)
+                  for k in n.keywords if k.arg == "default"]
         values += [n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
         found += [f"{file.relative_to(root.parent)}:{v.lineno}" for v in values
                   if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.startswith("docs/")]
