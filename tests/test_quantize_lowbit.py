@@ -349,7 +349,7 @@ def test_chunked_loss_equals_the_full_logits_and_holds_none(planted_llama, monke
     want = next_token_stats(model(tokens), tokens)[0]
     loss = chunked.NextTokenLoss(model, lambda x, hooks: view.forward(view.tokenize(x), list(hooks),
                                                                       check_finite=False))
-    monkeypatch.setattr(chunked, "loss_positions", lambda d_vocab: 7)  # several slices a sequence, the last short
+    monkeypatch.setattr(chunked, "head_positions", lambda d_vocab, weights: 7)  # several slices, the last short
     assert loss.check(tokens)
     seen = []
     handle = loss.head.register_forward_hook(lambda m, a, out: seen.append(out.shape[:-1]))
