@@ -35,7 +35,7 @@ def test_chunked_loss_equals_the_full_logits(family, overrides, exact, monkeypat
     model = tiny_model(family, **overrides)
     tokens = _tokens(model)
     per_token, loss, acc, top1 = _plain(model(tokens), tokens)
-    monkeypatch.setattr(loss_module, "loss_positions", lambda d_vocab: 7)  # several slices a sequence
+    monkeypatch.setattr(loss_module, "head_positions", lambda d_vocab, weights: 7)  # several slices a sequence
     scorer = NextTokenLoss(model)
     sizes = []
     handle = scorer.head.register_forward_hook(lambda m, a, out: sizes.append(out.shape[:-1].numel()))
@@ -127,3 +127,66 @@ def test_the_check_runs_a_few_positions_in_two_slices_or_more():
             h.remove()
     assert seen == [loss_module.PROBE_POSITIONS] < [tokens.shape[1]]
     assert len(sliced) >= 3 and max(sliced[1:]) < loss_module.PROBE_POSITIONS  # the full pass, then the slices
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_the_first_call_checks_in_its_own_forward(start):
+    """The first call of a scorer ran the check's forward (PROBE_POSITIONS tokens) and then its own: now one
+    forward, in which only the first sequence's first positions (from start) go on past the head, and their
+    logits (the model's) are compared with the head's first slice."""
+    model = tiny_model("llama")
+    tokens = _tokens(model)
+    per_token, _, _, _ = _plain(model(tokens)[:, start:], tokens[:, start:])
+    scorer = NextTokenLoss(model)
+    seen, heads = [], []
+    handles = [model.embed.register_forward_hook(lambda m, a, out: seen.append(out.shape[:2])),
+               scorer.head.register_forward_hook(lambda m, a, out: heads.append(out.shape[:-1]))]
+    try:
+        with untouched(model):
+            out = scorer(tokens, tokens[:, start:], start, per_token=True)
+    finally:
+        for h in handles:
+            h.remove()
+    assert scorer.exact and seen == [tokens.shape]  # one forward, of the whole batch
+    assert heads[0] == (1, loss_module.PROBE_POSITIONS) and all(len(s) == 1 for s in heads[1:])  # then the slices
+    torch.testing.assert_close(out.token_loss, per_token, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_a_wrong_head_is_caught_by_the_first_call_which_reads_once_or_takes_the_full_logits(start, monkeypatch):
+    model = tiny_model("qwen2")
+    tokens = _tokens(model, n=2, pos=24)
+    targets = tokens[:, start:]  # a prefix of start tokens, not scored
+    per_token, _, _, _ = _plain(model(tokens)[:, start:], targets)
+    real = NextTokenLoss.logits
+    monkeypatch.setattr(NextTokenLoss, "logits", lambda self, row, a, b: real(self, row, a, b) * 1.001)
+    seen = []
+    handle = model.embed.register_forward_hook(lambda m, a, out: seen.append(out.shape[:2]))
+    try:
+        with untouched(model):
+            once = NextTokenLoss(model)
+            assert once(tokens, targets, start, once=True) is None and once.exact is False and len(seen) == 1
+            again = once(tokens, targets, start, per_token=True)  # decided: the full logits, one forward
+            assert len(seen) == 2
+            second = NextTokenLoss(model)(tokens, targets, start, per_token=True)  # not once: a second forward
+            assert len(seen) == 4
+    finally:
+        handle.remove()
+    for out in (again, second):
+        torch.testing.assert_close(out.token_loss, per_token, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, -1])
+def test_one_non_finite_logit_anywhere_makes_the_call_not_finite(bad, where):
+    model = tiny_model("gpt2")
+    tokens = _tokens(model, n=2, pos=20)
+
+    def one(x, hook):
+        x = x.clone()
+        x[where, where, where] = bad
+        return x
+
+    with untouched(model):
+        assert not NextTokenLoss(model)(tokens, hooks=[("unembed.hook_out", one)], top1=True).finite
+        assert NextTokenLoss(model)(tokens, top1=True).finite

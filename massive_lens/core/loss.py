@@ -6,14 +6,16 @@ SmolLM2's weights for eight 128-token sequences, 1x a 262k-vocabulary model's fo
 perplexity, a quantization gap or a top-1 agreement needs only each position's loss and argmax.
 :class:`NextTokenLoss` stops the pass where the output head (the model's ``lm_head``) would run,
 keeps its input (the final normalized residual, ``batch x pos x d_model``), and calls the head
-on :func:`~massive_lens.core.budget.loss_positions` positions of one sequence at a time, through
-the module (so hooks on it, e.g. a quantizer's, still apply).
+on :func:`head_positions` positions of one sequence at a time, through the module (so hooks on
+it, e.g. a quantizer's, still apply).
 
 Exactness is checked, never assumed: on the first few positions of the first sequence the head's
-output must equal the model's logits (to float rounding). Where it does not (a final soft cap
-or logit scale, a head that is not a module of its own, hooks after it), and for any call with
-hooks on the head (``unembed``), the full logits are used instead, in passes of as many sequences
-as keep them small (:func:`~massive_lens.core.budget.logit_batches`). Either way the reduction is
+output must equal the model's logits (to float rounding). The first call checks it in its own
+forward: past the head only those positions run, and their logits, the model's own, are compared
+with the head's on the first slice. Where they differ (a final soft cap or logit scale, a head
+that is not a module of its own, hooks after it), and for any call with hooks on the head
+(``unembed``), the full logits are used instead, in passes of as many sequences as keep them
+small (:func:`~massive_lens.core.budget.logit_batches`). Either way the reduction is
 :func:`next_token_stats`'s, slice by slice.
 
 >>> from massive_lens import tiny_model
@@ -30,13 +32,14 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from massive_lens.core.budget import logit_batches, loss_positions, trim_allocator
+from massive_lens.core.budget import LOGITS_SHARE, logit_batches, loss_positions, trim_allocator, weight_bytes
 from massive_lens.core.model_lock import model_lock
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
@@ -44,9 +47,13 @@ from massive_lens.errors import MassiveLensError
 __all__ = ["NextToken", "NextTokenLoss", "next_token_stats", "output_head"]
 
 EXACT = {torch.float32: 1e-5, torch.float64: 1e-9}  # largest relative logit difference; 2e-2 in half precision
-# positions of the first sequence the check runs: the head acts on each position alone, so a few
-# show whether slices of it give the model's logits (the probe is one more forward of the call)
+# positions of the first sequence the check compares: the head acts on each position alone, so a few
+# show whether slices of it give the model's logits (in the call's own forward, only these run past the head)
 PROBE_POSITIONS = 4
+# positions the head runs on at a time where the memory budget allows: each call reads the head's whole matrix,
+# so 32-position slices cost SmolLM2 1.34x the head (and loss) of a 256-token batch in one call, 128-position
+# ones 1.01x (one thread); more gain nothing
+HEAD_POSITIONS = 128
 SOFT_CAPS = ("final_logit_softcapping", "output_logits_soft_cap")  # config fields of a cap applied after the head
 
 
@@ -81,6 +88,36 @@ def output_head(model: Any) -> nn.Module | None:
     return head if isinstance(head, nn.Module) and not hasattr(head, "original_component") else None
 
 
+def head_positions(d_vocab: int, weights: int) -> int:
+    """Positions of one sequence the output head runs on at a time: up to :data:`HEAD_POSITIONS`
+    where their float32 logits stay under ``LOGITS_SHARE`` of the weights' bytes (``weights``;
+    :func:`~massive_lens.core.budget.logit_batches`' budget), never fewer than
+    :func:`~massive_lens.core.budget.loss_positions`.
+
+    >>> head_positions(49_152, 538 * 2**20), head_positions(262_144, 128 * 2**20)  # SmolLM2; 262k on width 64
+    (128, 8)
+    """
+    per_position = 4 * max(int(d_vocab), 1)
+    return max(loss_positions(d_vocab), min(HEAD_POSITIONS, int(weights * LOGITS_SHARE) // per_position))
+
+
+def _finite(logits: Tensor) -> Tensor:
+    """Whether every entry is finite (0-dim bool): the smallest and largest entries are, as NaN
+    propagates through both (one pass over the entries, a tenth of ``isfinite(...).all()``'s time)."""
+    low, high = torch.aminmax(logits)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
+def _agrees(mine: Tensor, full: Tensor) -> bool:
+    """Whether the head's own logits ``mine`` are the model's ``full`` ones (``[pos, d_vocab]``) to
+    float rounding (:data:`EXACT`, relative to the largest); False where the model's are not finite."""
+    tol = EXACT.get(mine.dtype, 2e-2)
+    full = full.float()
+    scale = full.abs().max().clamp(min=1e-12)
+    return bool(torch.isfinite(full).all()) and mine.shape == full.shape and \
+        bool((mine.float() - full).abs().max() <= tol * scale)
+
+
 def _soft_capped(model: Any) -> bool:
     configs = (getattr(model, "cfg", None), getattr(getattr(model, "original_model", None), "config", None))
     return any(isinstance(v, (int, float)) and v > 0 for c in configs for v in (getattr(c, f, None) for f in SOFT_CAPS))
@@ -98,7 +135,7 @@ def _reduce(logits_of: Callable[[int, int], Tensor], ids: Tensor, step: int, top
         logits = logits_of(a, min(a + step, n if top1 else n - 1))
         k = min(len(logits), n - 1 - a)  # positions of the slice that have a next token
         arg = logits.argmax(-1)
-        finite &= torch.isfinite(logits).all()
+        finite &= _finite(logits)
         if k > 0:
             target = ids[a + 1: a + 1 + k]
             loss = torch.nn.functional.cross_entropy(logits[:k].float(), target, reduction="none")
@@ -158,8 +195,10 @@ class NextTokenLoss:
     ``model`` is a model or its :class:`~massive_lens.core.model_view.ModelView`;
     ``forward(x, hooks)`` runs it on tokens ``x`` with hooks and returns the logits
     (default: :meth:`ModelView.forward <massive_lens.core.model_view.ModelView.forward>` with no
-    finiteness check). Which path is taken is decided once, by :meth:`check`, on the first tokens
-    seen, with no hooks of the call attached; ``exact`` then says it (False: full logits).
+    finiteness check). Which path is taken is decided once, on the first tokens seen: by the
+    first call, in its own forward (see the module docstring), or before any call by
+    :meth:`check`, in a forward of its own with no hooks; ``exact`` then says it (False: full
+    logits).
     """
 
     def __init__(self, model: Any, forward: Callable[[Tensor, Sequence[Any]], Any] | None = None) -> None:
@@ -170,8 +209,9 @@ class NextTokenLoss:
             view = view or ModelView(model)
             forward = lambda x, hooks: view.forward(view.full_batch(x), list(hooks), check_finite=False)  # noqa: E731
         self.forward = forward
-        self.exact: bool | None = None  # None until check()
+        self.exact: bool | None = None  # None until the first call or check()
         self._head_hooks: list[str] | None = None
+        self._step: int | None = None
 
     @torch.no_grad()
     def check(self, tokens: Int[Tensor, "batch pos"]) -> bool:
@@ -198,17 +238,15 @@ class NextTokenLoss:
             handle.remove()
         if len(grabbed) != 1 or not isinstance(full, Tensor) or grabbed[0].shape[:-1] != full.shape[:-1]:
             return False
-        n = x.shape[1]
-        step = max(1, min(self.step, n // 2))  # two slices or more: the head applied slice by slice
         try:
-            chunked = torch.cat([self.logits(grabbed[0][0], a, min(a + step, n)) for a in range(0, n, step)])
+            return _agrees(self._sliced(grabbed[0][0], x.shape[1]), full[0])
         except Exception:  # the head does not run on its own input: keep full logits
             return False
-        tol = EXACT.get(grabbed[0].dtype, 2e-2)
-        full = full[0].float()
-        scale = full.abs().max().clamp(min=1e-12)
-        return bool(torch.isfinite(full).all()) and chunked.shape == full.shape and \
-            bool((chunked.float() - full).abs().max() <= tol * scale)
+
+    def _sliced(self, row: Tensor, n: int) -> Tensor:
+        """The head on positions ``:n`` of ``row`` in two slices or more (one where ``n`` is 1)."""
+        step = max(1, min(self.step, n // 2))
+        return torch.cat([self.logits(row, a, min(a + step, n)) for a in range(0, n, step)])
 
     def batches(self, tokens: Int[Tensor, "batch pos"], batch_size: int | None = None) -> list[Tensor]:
         """``tokens`` in passes of ``batch_size`` sequences; None: sized as if each pass held its
@@ -219,40 +257,75 @@ class NextTokenLoss:
 
     @torch.no_grad()
     def __call__(self, x: Tensor, targets: Int[Tensor, "batch pos"] | None = None, start: int = 0,
-                 hooks: Sequence[Any] = (), *, top1: bool = False, per_token: bool = False) -> NextToken:
+                 hooks: Sequence[Any] = (), *, top1: bool = False, per_token: bool = False, once: bool = False
+                 ) -> NextToken | None:
         """Statistics of the model's logits on ``x`` (from position ``start`` on) against
         ``targets`` (default ``x``; position ``p`` predicts ``targets[:, p + 1]``), with ``hooks``
-        attached; ``top1``: also each position's argmax, ``per_token``: each prediction's loss."""
+        attached; ``top1``: also each position's argmax, ``per_token``: each prediction's loss.
+        ``once``: the hooks read the forward and must see one only: where the first call's check
+        finds the slices inexact, None (``exact`` is then False; call again) instead of a second
+        forward for the full logits."""
         targets = x if targets is None else targets
         with model_lock(self.model):
-            return self._stats(x, targets, start, hooks, top1, per_token)
+            return self._stats(x, targets, start, hooks, top1, per_token, once)
 
-    def _stats(self, x: Tensor, targets: Tensor, start: int, hooks: Sequence[Any], top1: bool, per_token: bool
-               ) -> NextToken:
-        self.check(x)
-        if not self.exact or self._hooks_at_head(hooks):
-            logits = self.forward(x, hooks)[:, start:]
-            out = _stats(logits, targets, top1, per_token)
-            del logits
-            trim_allocator()
-            return out
-        h = self.hidden(x, hooks)
+    def _stats(self, x: Tensor, targets: Tensor, start: int, hooks: Sequence[Any], top1: bool, per_token: bool,
+               once: bool) -> NextToken | None:
+        at_head = self._hooks_at_head(hooks)
+        if self.exact is None and (at_head or self.head is None or _soft_capped(self.model) or x.shape[1] <= start):
+            self.check(x)  # no check in this forward (or none needed)
+        if self.exact is False or at_head:
+            return self._full(x, targets, start, hooks, top1, per_token)
+        h, probe = self._to_head(x, hooks, start, probe=self.exact is None)
         if h is None:  # the pass ended before the head: nothing to unembed
             raise MassiveLensError(f"{type(self.model).__name__}: the pass ended before the output head ran, so no "
                                    "loss can be read; remove the hook that stops it")
         h = h[:, start:]
         targets = targets.to(h.device)
-        step = self.step
-        rows = [_reduce(lambda a, b, row=row: self.logits(row, a, b), ids, step, top1, per_token)
-                for row, ids in zip(h, targets, strict=True)]
+        step, checking = self.step, self.exact is None
+        try:
+            rows = [_reduce(partial(self._first, probe, row) if i == 0 and checking else partial(self.logits, row),
+                            ids, step, top1, per_token) for i, (row, ids) in enumerate(zip(h, targets, strict=True))]
+            if self.exact is None:  # no slice ran (a one-token sequence without top1): the check on its own
+                self._first(probe, h[0], 0, 1)
+        except Exception:
+            if not checking:
+                raise
+            self.exact = False  # the head does not run on its own input: full logits
         del h
         trim_allocator()
-        return _stack(rows, top1, per_token)
+        if self.exact:
+            return _stack(rows, top1, per_token)
+        return None if once else self._full(x, targets, start, hooks, top1, per_token)
+
+    def _first(self, probe: Tensor | None, row: Tensor, a: int, b: int) -> Tensor:
+        """The head on positions ``a:b`` of the first sequence's ``row``; on its first slice the check
+        against ``probe``, the model's logits of its first positions (None: the pass did not give them)."""
+        out = self.logits(row, a, b)
+        if self.exact is None:
+            k = len(probe) if probe is not None else 0
+            # the model's logits came from the head on k positions: compared with a slice of more of them, or,
+            # where the slice is no longer, with the head on them in two slices or more
+            mine = out[:k] if len(out) > k else self._sliced(row, k) if k else None
+            self.exact = mine is not None and _agrees(mine, probe)
+        return out
+
+    def _full(self, x: Tensor, targets: Tensor, start: int, hooks: Sequence[Any], top1: bool, per_token: bool
+              ) -> NextToken:
+        """From the model's full logits, in one forward."""
+        logits = self.forward(x, hooks)[:, start:]
+        out = _stats(logits, targets, top1, per_token)
+        del logits
+        trim_allocator()
+        return out
 
     @property
     def step(self) -> int:
-        """Positions the head runs on at a time (:func:`~massive_lens.core.budget.loss_positions`)."""
-        return loss_positions(int(getattr(self.model.cfg, "d_vocab", 0) or getattr(self.head, "out_features", 0) or 1))
+        """Positions the head runs on at a time (:func:`head_positions`, for the weights as first asked)."""
+        if self._step is None:
+            vocab = int(getattr(self.model.cfg, "d_vocab", 0) or getattr(self.head, "out_features", 0) or 1)
+            self._step = head_positions(vocab, weight_bytes(self.model))
+        return self._step
 
     @torch.no_grad()
     def logits(self, row: Tensor, a: int, b: int) -> Tensor:
@@ -274,19 +347,33 @@ class NextTokenLoss:
     @torch.no_grad()
     def hidden(self, x: Tensor, hooks: Sequence[Any] = ()) -> Tensor | None:
         """The head's input for tokens ``x`` (the pass stops there), or None if it never ran."""
+        return self._to_head(x, hooks)[0]
+
+    def _to_head(self, x: Tensor, hooks: Sequence[Any], start: int = 0, probe: bool = False
+                 ) -> tuple[Tensor | None, Tensor | None]:
+        """The head's input for tokens ``x`` (None if the head never ran) and, with ``probe``, the model's
+        logits of the first sequence's :data:`PROBE_POSITIONS` positions from ``start``: past the head the
+        pass goes on for those only (None where it did not give them, one per position)."""
         grabbed: list[Tensor] = []
 
-        def grab(module: Any, args: tuple) -> None:
-            if args:
-                grabbed.append(args[0].detach())
-                raise _Stop
+        def grab(module: Any, args: tuple) -> tuple | None:
+            if not args:
+                return None
+            grabbed.append(args[0].detach())
+            if probe and len(grabbed) == 1 and args[0].ndim == 3:
+                return (args[0][:1, start:start + PROBE_POSITIONS], *args[1:])
+            raise _Stop
 
+        out = None
         with model_lock(self.model):
             handle = self.head.register_forward_pre_hook(grab, prepend=True)  # before any quantizer's hook
             try:
-                self.forward(x, hooks)
+                out = self.forward(x, hooks)
             except _Stop:
                 pass
             finally:
                 handle.remove()
-        return grabbed[0] if grabbed else None
+        h = grabbed[0] if grabbed else None
+        k = min(PROBE_POSITIONS, h.shape[1] - start) if h is not None and h.ndim == 3 else 0
+        ok = probe and len(grabbed) == 1 and isinstance(out, Tensor) and out.ndim == 3 and out.shape[:2] == (1, k)
+        return h, out[0] if ok else None

@@ -189,12 +189,13 @@ def _untouched(view: ModelView, batch: Batch, rule: SinkRule, tally: _Tally, sco
     candidates = candidate_columns(view, batch)
     held = len(attention_layers(view)) * batch.mask.numel() * view.cfg.n_heads * len(candidates) * 4
     given = sinks_of(view, batch, rule) if held > HOLD_BYTES else None
-    evidence = SinkEvidence(batch.mask, view.n_layers, rule) if given is None else None
-    reader = attention_reading(view, tally.take, path=path, batch=batch, want=("v", "z_read"), evidence=evidence,
-                               columns=tally.read(candidates if given is None else _columns(given)))
-    scorer.check(batch.tokens)  # its probe's forward before the reading: on the LSE path the reader reads every one
-    with reader:  # the loss and the reading in one forward
-        out = scorer(batch.tokens, hooks=reader.hooks)
+    out = None
+    while out is None:  # again only where the loss's first check, in this forward, took the head's slices inexact
+        evidence = SinkEvidence(batch.mask, view.n_layers, rule) if given is None else None
+        reader = attention_reading(view, tally.take, path=path, batch=batch, want=("v", "z_read"), evidence=evidence,
+                                   columns=tally.read(candidates if given is None else _columns(given)))
+        with reader:  # the loss and the reading in one forward
+            out = scorer(batch.tokens, hooks=reader.hooks, once=True)
     if not out.finite:
         raise MassiveLensError(f"{view.name} ({view.dtype}) gives NaN or inf logits on the untouched pass: it "
                                "overflowed; load it with dtype=torch.float32 or torch.bfloat16")
