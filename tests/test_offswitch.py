@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 from helpers import untouched
 
-from massive_lens import tiny_model
+from massive_lens import load_model, tiny_model
 from massive_lens.attention.null_mass import null_mass
 from massive_lens.cli import main
+from massive_lens.core.model_view import ModelView
 from massive_lens.handover.offswitch import FLOAT16_MAX, offswitch
 from massive_lens.handover.precision import precision_check
 from massive_lens.models import byte_tokenizer
+from massive_lens.models.tiny import tiny_config
 from massive_lens.train.layers import MassiveLMConfig
 from massive_lens.train.model import MassiveLM
 from massive_lens.train.offswitch_runs import offswitch_task_runs, where_table
@@ -167,3 +170,26 @@ def test_reads_the_attention_from_the_pass_at_any_length(monkeypatch):
     for col, heads in (("first_mass", eager["first_mass"].mean()), ("null_mass", eager["null_mass"].mean()),
                        ("first_head_max", eager["first_mass"].max()), ("null_head_max", eager["null_mass"].max())):
         assert (frame[col].to_numpy() - heads.to_numpy()).max() < 1e-5, col
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_nnsight_twin_gives_the_eager_models_table(family):
+    """offswitch on an nnsight model over the same weights as a bridge (a massive BOS activation planted in both):
+    the same table, kind, idle attention and residual verdict; the nnsight model left as found. (Stopped in
+    gates.gate_sites before, which read TransformerLens-style weights the nnsight view does not serve.)"""
+    cls, config = tiny_config(family, byte_tokenizer(), {})
+    torch.manual_seed(0)
+    hfs = [cls(config).eval()]
+    hfs.append(cls(config).eval())
+    hfs[1].load_state_dict(hfs[0].state_dict())
+    for hf in hfs:
+        with torch.no_grad():
+            hf.get_input_embeddings().weight[byte_tokenizer().bos_token_id, 3] = 400.0
+    bridge = load_model(hfs[0], tokenizer=byte_tokenizer(), name=f"tiny-{family}")
+    lm = load_model(hfs[1], tokenizer=byte_tokenizer(), backend="nnsight", name=f"tiny-{family}")
+    tokens = ModelView(bridge).tokenize(TEXT, prepend_bos=True).tokens  # the same tokens (Qwen2: no BOS by default)
+    with untouched(hfs[1]):
+        a, b = offswitch(bridge, tokens, precision=False), offswitch(lm, tokens, precision=False)
+    assert bool((b.to_frame()["first_mass"] > 0).all())  # every layer's first-token mass read on nnsight, no NaN
+    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), rtol=1e-5, atol=1e-6)
+    assert (a.kind, a.idle, a.residual, a.float16) == (b.kind, b.idle, b.residual, b.float16)

@@ -93,7 +93,10 @@ def gate_sites(view: ModelView, *, required: bool = False) -> tuple[str, list[in
         layers = [layer for layer in range(view.n_layers) if view.has_hook(layer, hook)]
         if layers:
             return kind, layers
-    layers = [layer for layer in range(view.n_layers) if _variant_gate(view, layer) is not None]
+    # a gated variant is a module of a model trained here, read as TransformerLens-style weights: only a view that
+    # serves them (not nnsight, a Hugging Face model's own modules) can hold one
+    layers = [layer for layer in range(view.n_layers if view.serves_patterns else 0)
+              if _variant_gate(view, layer) is not None]
     if required and not layers:
         raise MassiveLensError(f"{view.name}: its attention has no output gate (no attn.hook_q_gate or attn.hook_gate "
                                "hook, no gated variant), so there is nothing to count; see null_mass for a sink "

@@ -130,8 +130,8 @@ def offswitch(model: Any, text: str | Sequence[str] | Tensor, *, criterion: Any 
     """Run the off-switch protocol (module docstring) on ``model``.
 
     Args:
-        model: a TransformerLens-style model (any attention: without an off-switch the table has
-            NaN there and idle attention can only go to tokens).
+        model: a TransformerLens-style model or an nnsight-wrapped one (any attention: without an
+            off-switch the table has NaN there and idle attention can only go to tokens).
         text: a string, a list of strings or a token tensor.
         criterion: the massive-activation rule (None: the default ``Criterion()``).
         precision: run :func:`precision_check` for the float16 verdict (float32 models only; else,
