@@ -156,8 +156,11 @@ class _Tally:
         """The held layers' sums, once the chunk's sinks are known (every one among the columns)."""
         on, queries = sinks[:, self.cols], (~sinks).float()  # on [batch col]: the column is this sequence's sink
         self.queries += float(queries.sum())
+        used = on.any(0)  # the columns that are a sink somewhere (the others add nothing): 1 of 64 candidates, often
+        on = on[:, used]
         for layer, (p, v, z) in sorted(self.held.items()):
             q = queries.to(p.device)
+            p, v = p[..., used.to(p.device)], v[:, used.to(v.device)]
             to_sinks = p * on.to(p.device)[:, None, None, :].float()  # [batch head query col]
             self.mass[layer] += torch.einsum("bhqc,bq->h", to_sinks, q).double().cpu()
             dv = swap_values(v, on.to(v.device)) - v  # a swap moves only the sinks' values
