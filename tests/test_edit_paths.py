@@ -319,3 +319,34 @@ def test_the_callers_own_hooks_count_by_name_and_by_a_filter_of_names(model):
     assert attached_attention_edits(view, [(lambda name: name == pattern, edit)]) == [pattern]
     with pytest.raises(MassiveLensError, match="hook_pattern"):
         choose_path(view, LSE, batch, hooks=[(lambda name: name.endswith("hook_pattern"), edit)])
+
+
+def test_an_edit_under_any_name_the_bridge_takes_counts_as_that_hook_point(model):
+    """A bridge lists one hook point under several names, its own and TransformerLens's (``blocks.1.attn.hook_z``
+    is ``blocks.1.attn.o.hook_in``, ``blocks.1.hook_q_input`` is ``blocks.1.attn.hook_q_input``); its forward
+    attaches a hook given under any of them to that point. So ``choose_path(hooks=)`` counts the edit under each
+    name (by the point, not the name): 'auto' reads it on the eager path, 'lse' refuses it, naming the point."""
+    view = ModelView(model)
+    assert lse_support(view) is None
+    batch = view.tokenize(TEXT)
+    edit = lambda x, hook: x  # noqa: E731
+    names: dict[int, list[str]] = {}
+    for name, hp in model.hook_dict.items():
+        names.setdefault(id(hp), []).append(name)
+    listed = attached_attention_edits(view, [(lambda name: True, edit)])  # every point the LSE path skips
+    aliased = [(point, other) for point in listed if len(names[id(model.hook_dict[point])]) > 1
+               for other in names[id(model.hook_dict[point])]]  # the point's every name, its own and the aliases
+    assert any(".hook_z" in other for _, other in aliased)  # the case this test is for
+    checked = 0
+    for point, other in aliased:
+        try:
+            with model.hooks(fwd_hooks=[(other, edit)]):  # the bridge's forward puts it on that point
+                assert attached_attention_edits(view) == [point]
+        except ValueError:  # a point the bridge keeps switched off (use_attn_in, use_split_qkv_input): no edit runs
+            continue
+        checked += 1
+        assert attached_attention_edits(view, [(other, edit)]) == [point], other
+        assert choose_path(view, "auto", batch, hooks=[(other, edit)]) == EAGER
+        with pytest.raises(MassiveLensError, match=re.escape(point)):
+            choose_path(view, LSE, batch, hooks=[(other, edit)])
+    assert checked
