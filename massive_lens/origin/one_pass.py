@@ -100,11 +100,15 @@ class OnePass(CapturePass):
         if rows is None:  # the first layer: whole, cut when it is settled
             self.hold_part(key, layer, act[0].detach())
             return
-        src, buf = act[0, rows.to(act.device)].detach(), self.buffers.get(key)  # no small allocation between
+        src, buf = act[0].detach(), self.buffers.get(key)  # no small allocation between
         buf = self.buffers.setdefault(key, torch.empty(self.view.n_layers, KEPT_ROWS, src.shape[-1])) \
             if buf is None else buf
-        fits = len(rows) <= KEPT_ROWS and src.shape[-1] == buf.shape[-1]
-        self.store[key, layer] = buf[layer, :len(rows)].copy_(src) if fits else src.to("cpu", torch.float32)
+        if len(rows) > KEPT_ROWS or src.shape[-1] != buf.shape[-1]:
+            self.store[key, layer] = src[rows.to(src.device)].to("cpu", torch.float32)
+        elif src.dtype == buf.dtype and src.device == buf.device:  # gathered into the buffer: no copy between
+            self.store[key, layer] = torch.index_select(src, 0, rows, out=buf[layer, :len(rows)])
+        else:
+            self.store[key, layer] = buf[layer, :len(rows)].copy_(src[rows.to(src.device)])
 
     def settle(self, layer: int, mag: Tensor, scale: Tensor) -> None:
         if self.rows.get(layer) is not None:  # kept at rows_at as its hooks fired
