@@ -4,12 +4,12 @@ first (the text's token-specific massive entries, else those of outlier dimensio
 largest value where ``dim`` or ``pos`` points).
 
 Every entry of a text (no ``pos``; from :data:`ONE_PASS_FROM` tokens, now every length, and wherever every
-position's neuron activations would pass :data:`CAPTURE_BUDGET`) is traced in one pass that keeps each layer's terms at the candidate positions only
-(:func:`capture_found`); a traced position that was not a candidate from the first layer is read again by a
-forward of the text up to it (a causal model's residual stream there does not depend on what follows;
-checked against the full pass's last layer, else the full text is read again). Where that pass finds
-nothing to trace and the text is within the budget, the every-position capture runs instead (a given
-``dim`` then traces its largest value, as on a short text).
+position's neuron activations would pass :data:`CAPTURE_BUDGET`) is traced in one pass that keeps each layer's
+terms at the candidate positions only (:func:`capture_found`); a traced position that was not a candidate from
+the first layer is read again by a forward of the text up to it (a causal model's residual stream there does
+not depend on what follows; checked against the full pass's last layer, else the full text is read again).
+Where that pass finds nothing to trace and the text is within the budget, the every-position capture runs
+instead (a given ``dim`` then traces its largest value, as on a short text).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``lower_median``: the massive criterion's median, bit for bit the whole-row partition it replaced.
 
-Rows from :data:`~massive_lens.core.criterion.BRACKET_FROM` values on are selected within a bracket
-(:func:`~massive_lens.core.criterion.lower_median`); the answer must be the value ``numpy.partition``
+Rows from :data:`~massive_lens.core.median.BRACKET_FROM` values on are selected within a bracket
+(:func:`~massive_lens.core.median.lower_median`); the answer must be the value ``numpy.partition``
 of the whole row gives (the definition before, and ``torch.median``'s where there is no NaN), bit for
 bit: random rows, rows shaped like a residual stream (a few massive dims), ties, all-equal rows, signed
 zeros at the median, NaN and inf, odd and even lengths, and rows whose strided sample misleads the bracket.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from massive_lens.core.criterion import BRACKET_FROM, lower_median
+from massive_lens.core.median import BRACKET_FROM, lower_median
 
 LENGTHS = (BRACKET_FROM - 1, BRACKET_FROM, BRACKET_FROM + 1, 36_864, 73_727, 73_728)  # odd and even
 
