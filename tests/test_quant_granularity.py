@@ -197,3 +197,23 @@ def test_the_report_quantization_section_leads_with_granularity(tmp_path):
     assert section.index("Damage by granularity first") < section.index("W8A8 here")
     assert "W8A8@tensor" in section and "W8A8@token" in section and "D_sink" in section
     assert "W4A4@tensor" not in section  # the light report: W8A8 only (full=True: every granularity)
+
+
+def test_calibration_slices_the_head_where_that_is_exact(monkeypatch):
+    """calibrated_ranges decides the slicing before its passes (it read the undecided ``exact``, None,
+    and always ran the whole pass with the full logits); the ranges are the same either way."""
+    from massive_lens.core.loss import NextTokenLoss
+
+    model = tiny_model("llama")
+    tokens = model.to_tokens(TEXT)[:, :32].repeat(2, 1)
+    sites = linear_sites(model, include_head=True)
+    stopped: list[int] = []
+    hidden = NextTokenLoss.hidden
+    monkeypatch.setattr(NextTokenLoss, "hidden", lambda self, *a, **k: stopped.append(1) or hidden(self, *a, **k))
+    sliced = calibrated_ranges(model, sites, tokens)
+    assert stopped  # the passes stopped at the head and ran it in slices
+    monkeypatch.setattr(NextTokenLoss, "check", lambda self, tokens: False)  # the whole pass, full logits
+    whole = calibrated_ranges(model, sites, tokens)
+    assert whole.keys() == sliced.keys() and len(sliced) == len(sites)
+    for i, (low, high) in whole.items():  # min / max of the same inputs: the head's slices change no value
+        assert sliced[i] == pytest.approx([low, high], rel=1e-6, abs=1e-7)

@@ -256,7 +256,8 @@ def calibrated_ranges(model: Any, sites: list[tuple[nn.Module, nn.Parameter, tup
     ranges: dict[int, list[float]] = {}
     device = next(model.parameters()).device
     scorer = NextTokenLoss(model, lambda x, hooks: model(x.to(device)))
-    batches = scorer.batches(calibration)  # decides, unquantized and unobserved, whether the head can be sliced
+    batches = scorer.batches(calibration)
+    scorer.check(calibration)  # decides, unquantized and unobserved, whether the head can be sliced
     head = any(module is scorer.head for module, _, _ in sites)
     observers = [(module, _observer(ranges, i), lambda *a: None) for i, (module, _, _) in enumerate(sites)]
     with attached(observers, []), torch.no_grad():
