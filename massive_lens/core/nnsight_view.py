@@ -55,7 +55,7 @@ __all__ = ["SUPPORTED_CALLS", "NnsightView", "serves_nnsight"]
 # the per-block sites served, in the order a block computes them
 SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
 SUPPORTED_CALLS = ("find_massive", "layer_profile", "scan_corpus", "perplexity", "find_sinks", "sink_attention",
-                   "sink_census", "calibrate", "run_interventions (the residual-stream settings)")
+                   "sink_census", "calibrate", "offswitch", "run_interventions (the residual-stream settings)")
 _ATTN = ("self_attn", "attn", "attention", "self_attention")
 _MLP = ("mlp", "feed_forward", "ffn")
 _DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "fc_out", "w2")  # the MLP's output projection
