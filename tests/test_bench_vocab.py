@@ -36,6 +36,7 @@ print(json.dumps(dict(peaks=peaks, logits=SEQ_LEN * VOCAB * 4, weights=weight_by
 """
 
 
+@pytest.mark.heavy  # a fresh interpreter and three 262k-vocabulary losses: 12 s on 2 cores
 def test_the_loss_of_a_262k_vocabulary_never_holds_a_sequences_logits():
     out = subprocess.run([sys.executable, "-c", MEASURE], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])

@@ -298,6 +298,7 @@ def test_cast_puts_back_the_same_tensors():
     assert _state(model) == before
 
 
+@pytest.mark.heavy  # the other thread is held back for its 2 s timeout at each cast: 6 s
 def test_another_thread_waits_while_precision_check_casts(monkeypatch):
     """``precision_check`` holds the model's lock for each cast (the confirming run and the
     mixed-precision search): another thread's ``find_massive`` started while the weights are in
