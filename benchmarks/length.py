@@ -12,6 +12,7 @@ number of sequences for the analyses that reduce inside their hooks.
     python -m benchmarks.length --lengths 128,256,512,1024,2048 --out runs/length.json \\
         --figure docs/img/length.png
     python -m benchmarks.length --length 512    # one length in this process (prints JSON)
+    python -m benchmarks.length --lengths 2048 --fresh --only "plain_forward (SDPA),sink_kv"  # a process a row
 """
 
 from __future__ import annotations
@@ -174,20 +175,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated analyses (default: all)")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     parser.add_argument("--figure", default=None, help="draw the figure into this PNG")
+    parser.add_argument("--fresh", action="store_true",
+                        help="each analysis of --only in a process of its own (a row's peak then owes nothing to "
+                             "what the rows before it left in the process)")
     args = parser.parse_args(argv)
     only = args.only.split(",") if args.only else None
+    if args.fresh and not only:
+        parser.error("--fresh needs --only: the analyses to run, each in a process of its own")
     if args.length:
         print(json.dumps(run_length(args.model, args.length, only)))
         return 0
     rows = []
     for length in map(int, args.lengths.split(",")):
         cmd = [sys.executable, "-m", "benchmarks.length", "--model", args.model, "--length", str(length)]
-        out = subprocess.run(cmd + (["--only", args.only] if args.only else []), capture_output=True, text=True,
-                             check=False, cwd=ROOT)
-        if out.returncode != 0:
-            print(f"length {length} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
-            continue
-        rows += json.loads(out.stdout.strip().splitlines()[-1])
+        for part in [[name] for name in only] if args.fresh else [only] if only else [None]:
+            out = subprocess.run(cmd + (["--only", ",".join(part)] if part else []), capture_output=True, text=True,
+                                 check=False, cwd=ROOT)
+            if out.returncode != 0:
+                print(f"length {length} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
+                continue
+            rows += json.loads(out.stdout.strip().splitlines()[-1])
         if args.out:
             with open(args.out, "w") as handle:
                 json.dump(rows, handle, indent=1)
