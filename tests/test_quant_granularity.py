@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from massive_lens import load
+from massive_lens.core.loss import NextTokenLoss
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.stats import bootstrap_mean
 from massive_lens.errors import MassiveLensError
@@ -202,8 +203,6 @@ def test_the_report_quantization_section_leads_with_granularity(tmp_path):
 def test_calibration_slices_the_head_where_that_is_exact(monkeypatch):
     """calibrated_ranges decides the slicing before its passes (it read the undecided ``exact``, None,
     and always ran the whole pass with the full logits); the ranges are the same either way."""
-    from massive_lens.core.loss import NextTokenLoss
-
     model = tiny_model("llama")
     tokens = model.to_tokens(TEXT)[:, :32].repeat(2, 1)
     sites = linear_sites(model, include_head=True)
