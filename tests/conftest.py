@@ -39,7 +39,8 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 def _runs_tests(config) -> bool:
     """False in pytest-xdist's controller, which only hands the tests out (xdist's own test for it)."""
-    return hasattr(config, "workerinput") or not (config.getvalue("dist") != "no" and config.getvalue("tx")
+    return hasattr(config, "workerinput") or not (config.getoption("dist", "no") != "no"
+                                                  and config.getoption("tx", None)
                                                   and not config.getvalue("collectonly"))
 
 
@@ -112,9 +113,9 @@ class FileScheduling(LoadFileScheduling):
         return work_unit(nodeid)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own choice
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before pytest-xdist's own choice; none without it (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
-    return FileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+    return FileScheduling(config, log) if config.getoption("dist", "no") == "loadfile" else None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,7 @@ holds ``conftest.py`` and no ``__init__.py``), for ``tests/train/`` too.
 - the WikiText-2 files: :data:`WIKITEXT_TEST` (evaluation), :data:`WIKITEXT_VALID`
   (calibration);
 - :func:`untouched`: a block leaves no hooks and every weight bit-identical;
+- :func:`untyped_errors`: what calls raise as a user's install runs them, without the tests' type checks;
 - :func:`plant_massive`: one known massive activation in a pre-norm tiny model;
 - :func:`plant_story`: a birth -> erasure -> rebirth story with a known answer, any tiny family;
 - :func:`tiny_lm`: a small seeded :class:`~massive_lens.train.model.MassiveLM`.
@@ -14,11 +15,13 @@ holds ``conftest.py`` and no ``__init__.py``), for ``tests/train/`` too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jaxtyping
 import pytest
 import torch
 
@@ -62,6 +65,40 @@ def untouched(model: Any) -> Iterator[None]:
         assert state.keys() == after.keys()
         changed = [k for k, v in state.items() if not torch.equal(v, after[k])]
         assert not changed, f"weights changed: {changed[:5]}"
+
+
+# --------------------------------------------------------------------------- without the tests' type checks
+
+
+@contextlib.contextmanager
+def without_type_checks() -> Iterator[None]:
+    """The package's functions as a user's install runs them: the test run wraps each in a jaxtyping type check
+    (pytest's ``--jaxtyping-packages``), which reads its switch at every call; the block turns it off."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def untyped_errors(codes: list[str], namespace: dict[str, Any],
+                   after: Callable[[], Any] | None = None) -> dict[str, list[Any]]:
+    """``{code: [type of what it raised, message]}`` (``["no error", ""]`` where nothing was raised) for each
+    source line in ``codes``, evaluated in ``namespace`` :func:`without_type_checks` and its warnings ignored;
+    ``after()``'s answer appended after each."""
+    out: dict[str, list[Any]] = {}
+    with without_type_checks(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for code in codes:
+            try:
+                eval(code, namespace)
+                out[code] = ["no error", ""]
+            except Exception as exc:
+                out[code] = [type(exc).__name__, str(exc)]
+            if after is not None:
+                out[code].append(after())
+    return out
 
 
 # --------------------------------------------------------------------------- one planted massive activation

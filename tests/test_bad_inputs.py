@@ -6,7 +6,7 @@ model is as found: no hooks left, weights bit-identical, same dtype, device and 
 mode. Rows run on a tiny llama (``tiny``) or on a copy of it in float16 whose layer 2
 overflows (``overflow``), built once per module. Rows marked ``typed`` pass a value the
 annotations already refuse, so the tests' type-checking import hook would stop them first:
-they run, as source text, in a fresh interpreter without it (once for all of them).
+they run, as source text, with its checks turned off (``helpers.untyped_errors``, once for all of them).
 
 The table covers the API and the command line (``cli-`` rows run ``massive-lens`` and expect
 exit 2 with the message on stderr). Accepted inputs, threads, Ctrl-C in the command line and
@@ -21,8 +21,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from examples import StandInSAE
-from helpers import untouched
+from helpers import untouched, untyped_errors
 
 import massive_lens
 from massive_lens import (
@@ -47,8 +45,9 @@ from massive_lens import (
     trace_origin,
 )
 from massive_lens.attention import sink_census
+from massive_lens.attention.kv import sink_kv
 from massive_lens.cli import main
-from massive_lens.effects import streaming_window
+from massive_lens.effects import over_mixing, repeated_token_probe, streaming_window
 from massive_lens.handover import exclusion_mask, massive_dims, precision_check, read_dims, sae_check
 from massive_lens.handover.dims import MAX_BYTES as MAX_DIMS_BYTES
 from massive_lens.interventions import (
@@ -575,34 +574,13 @@ def _as_found(model: Any) -> tuple[Any, ...]:
     return param.dtype, param.device, model.training
 
 
-_UNTYPED = """
-import json, sys, warnings
-warnings.simplefilter("ignore")
-from massive_lens import MassiveLensError, decompose_attention, find_massive, load_model, scan_corpus, tiny_model
-from massive_lens.train import compare_variants
-from massive_lens.attention.kv import sink_kv
-from massive_lens.effects import over_mixing, repeated_token_probe
-from massive_lens.handover import exclusion_mask
-m = tiny_model("llama")
-out = {}
-for code in json.loads(sys.argv[1]):
-    try:
-        eval(code)
-        out[code] = ["no error", ""]
-    except Exception as exc:
-        out[code] = [type(exc).__name__, str(exc)]
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def untyped() -> dict[str, list[str]]:
-    """What each ``typed`` row raises without the type-checking hook: {code: [type, message]}."""
+    """What each ``typed`` row raises without the type checks, on a tiny llama of its own: {code: [type, message]}."""
     codes = [p.values[1] for p in CASES if p.values[0] == "typed"]
-    done = subprocess.run([sys.executable, "-c", _UNTYPED, json.dumps(codes)], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    names = (compare_variants, decompose_attention, exclusion_mask, find_massive, load_model, over_mixing,
+             repeated_token_probe, scan_corpus, sink_kv)
+    return untyped_errors(codes, {**{f.__name__: f for f in names}, "m": tiny_model("llama")})
 
 
 @pytest.mark.parametrize(("model_key", "call", "expected"), CASES)

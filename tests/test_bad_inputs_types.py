@@ -14,20 +14,22 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import untouched
+from helpers import untouched, untyped_errors
 
-from massive_lens import MassiveLensError, load, perplexity, tiny_model
-from massive_lens.attention import norm_roles, sink_census, sink_circuit
+from massive_lens import MassiveLensError, find_massive, load, perplexity, scan_corpus, tiny_model, trace_origin
+from massive_lens.attention import find_sinks, norm_roles, sink_attention, sink_census, sink_circuit
 from massive_lens.core.checks import as_int, as_number, as_pair, as_seconds
 from massive_lens.core.criterion import SinkRule
+from massive_lens.effects import streaming_window
 from massive_lens.interventions import scale_sink_attention
+from massive_lens.quant import quantize
+from massive_lens.viz import activation_landscape, attention_maps
+from massive_lens.viz.views import attention_view, magnitude_view
 
 TEXT = "Hello there, world. " * 4
 RULE = SinkRule(threshold=0.05)  # the tiny model's heads give the first token a little attention
@@ -78,8 +80,8 @@ def test_seconds_and_pairs():
 
 # --------------------------------------------------------------------------- the entry points
 
-# each call as source text, run in a fresh interpreter without the tests' type-checking import hook
-# (the annotations refuse most of these values first there; a caller has no such hook)
+# each call as source text, run with the tests' type checks turned off (``helpers.untyped_errors``): the
+# annotations refuse most of these values first under them; a caller has no such checks
 CASES = {
     # sink_circuit: counts, heads, time bound, seed, rule, criterion, text, corpus
     "sink_circuit(m, TEXT, n_heads=2.5, rule=RULE)": "n_heads must be an integer",
@@ -130,43 +132,19 @@ CASES = {
     "trace_origin(m, TEXT, dim=True)": "dim=True is out of range",
 }
 
-_UNTYPED = """
-import json, sys, warnings
-warnings.simplefilter("ignore")
-import matplotlib
-matplotlib.use("Agg")
-from massive_lens import MassiveLensError, find_massive, perplexity, scan_corpus, tiny_model, trace_origin
-from massive_lens.viz import activation_landscape, attention_maps
-from massive_lens.viz.views import attention_view, magnitude_view
-from massive_lens.attention import find_sinks, norm_roles, sink_attention, sink_census, sink_circuit
-from massive_lens.core.criterion import SinkRule
-from massive_lens.effects import streaming_window
-from massive_lens.interventions import scale_sink_attention
-from massive_lens.quant import quantize
-m, TEXT, RULE = tiny_model("qwen2"), sys.argv[2], SinkRule(threshold=float(sys.argv[3]))
-hooks = sum(len(h._forward_hooks) for h in m.modules())
-state = {k: v.clone() for k, v in m.state_dict().items()}
-out = {}
-for code in json.loads(sys.argv[1]):
-    try:
-        eval(code)
-        out[code] = ["no error", ""]
-    except Exception as exc:
-        out[code] = [type(exc).__name__, str(exc)]
-    same = sum(len(h._forward_hooks) for h in m.modules()) == hooks and all(
-        v.equal(state[k]) for k, v in m.state_dict().items())
-    out[code].append(same)
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def untyped() -> dict[str, list]:
-    """What each call raises without the type-checking hook: {code: [type, message, model as found]}."""
-    done = subprocess.run([sys.executable, "-c", _UNTYPED, json.dumps(list(CASES)), TEXT, str(RULE.threshold)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """What each call raises without the type checks, on a tiny qwen2 of its own: {code: [type, message, model as
+    found]}."""
+    m = tiny_model("qwen2")
+    hooks = sum(len(h._forward_hooks) for h in m.modules())
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    names = (activation_landscape, attention_maps, attention_view, find_massive, find_sinks, magnitude_view,
+             norm_roles, perplexity, quantize, scale_sink_attention, scan_corpus, sink_attention, sink_census,
+             sink_circuit, streaming_window, trace_origin)
+    return untyped_errors(list(CASES), {**{f.__name__: f for f in names}, "m": m, "TEXT": TEXT, "RULE": RULE},
+                          after=lambda: sum(len(h._forward_hooks) for h in m.modules()) == hooks and all(
+                              v.equal(state[k]) for k, v in m.state_dict().items()))
 
 
 @pytest.mark.parametrize("code", list(CASES))
