@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from massive_lens.core.criterion import Criterion, massive_mask, median_scale
+from massive_lens.core.few_massive import few_massive
 
 
 def _by_median(x: torch.Tensor, criterion: Criterion) -> torch.Tensor:
@@ -37,3 +38,36 @@ def test_the_boundary_of_the_ratio_is_exact():
     x[0, 1, 0] = torch.nextafter(torch.tensor(1000.0), torch.tensor(2000.0))
     assert massive_mask(x, Criterion()).nonzero().tolist() == [[0, 1, 0]]
     assert torch.equal(massive_mask(x, Criterion()), _by_median(x, Criterion()))
+
+
+def test_mask_equals_the_medians_in_float64_with_thresholds_float32_cannot_hold(monkeypatch):
+    """Thresholds rounded as the median's path rounds them; a row with more candidates than
+    ``MAX_CANDIDATES`` leaves the mask to the median."""
+    gen = torch.Generator().manual_seed(1)
+    decided = 0
+    for trial in range(300):
+        x = torch.randn(2, 6, 24, generator=gen).abs() * 0.3
+        for _ in range(int(torch.randint(0, 12, (1,), generator=gen))):
+            i = [int(torch.randint(0, s, (1,), generator=gen)) for s in x.shape]
+            x[i[0], i[1], i[2]] = float(torch.rand(1, generator=gen)) * 400
+        x = x.double() if trial % 2 else x
+        for criterion in (Criterion(abs_threshold=100.3, ratio_threshold=1000.1),
+                          Criterion(abs_threshold=0.1, ratio_threshold=1.7)):
+            fast = few_massive(x, criterion)
+            decided += fast is not None
+            exact = criterion.passes(x, median_scale(x, criterion)[0])  # in x's own dtype
+            assert fast is None or torch.equal(fast, exact), (trial, criterion)
+    assert decided > 500
+    monkeypatch.setattr("massive_lens.core.few_massive.MAX_CANDIDATES", 2)
+    x = torch.ones(1, 4, 8)
+    x[0, :3, 0] = 5000.0
+    assert few_massive(x, Criterion()) is None
+    assert torch.equal(massive_mask(x, Criterion()), _by_median(x, Criterion()))
+
+
+def test_the_boundary_is_exact_in_float64_for_a_ratio_float32_cannot_hold():
+    x = torch.full((1, 4, 8), 0.3, dtype=torch.float64)
+    at = torch.tensor(1000.1, dtype=torch.float64) * 0.3  # the threshold as the median's path computes it
+    x[0, 0, 0], x[0, 1, 0] = at, torch.nextafter(at, at * 2)
+    criterion = Criterion(abs_threshold=100, ratio_threshold=1000.1)
+    assert few_massive(x, criterion).nonzero().tolist() == [[0, 1, 0]]

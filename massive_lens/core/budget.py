@@ -26,11 +26,27 @@ MAX_BATCH = 8  # sequences a pass when the logits budget allows more
 LOSS_CHUNK_BYTES = 8 * 2**20  # the float32 log-probabilities one step of a loss may hold
 
 
+def each_module(*trees: torch.nn.Module | None) -> list[torch.nn.Module]:
+    """Every module under ``trees``, each once, in ``Module.modules()``'s order (a plain walk of
+    ``_modules``: several times faster on a bridge's thousands of modules)."""
+    seen: set[int] = set()
+    stack, out = list(reversed(trees)), []
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append(module)
+        stack.extend(reversed(module._modules.values()))
+    return out
+
+
 def weight_bytes(model: Any) -> int:
     """Bytes of the model's parameters and buffers (each tensor once, tied weights too)."""
     seen, total = set(), 0
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.device.type == "meta" or tensor.data_ptr() in seen:
+    modules = each_module(model)
+    for tensor in (t for kind in ("_parameters", "_buffers") for m in modules for t in getattr(m, kind).values()):
+        if tensor is None or tensor.device.type == "meta" or tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
