@@ -19,7 +19,7 @@ from massive_lens import find_massive, perplexity, sink_census, tiny_model
 from massive_lens.core.corpora import sequences
 from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
-from massive_lens.interventions import SinkDependence, force_self_attention, sink_dependence
+from massive_lens.interventions import SinkDependence, dependence, force_self_attention, sink_dependence
 from massive_lens.report import write_report
 
 LAYER, HEAD = 1, 2
@@ -181,13 +181,38 @@ def _docstrings(node):
 
 def test_the_sinks_found_in_the_untouched_pass_or_in_their_own_give_the_same_table(model, monkeypatch):
     """The sinks are found in the untouched pass (the candidate columns held), in a pass of their own where
-    the held columns would pass HOLD_BYTES, and read again where a sink is not among the candidates: one table."""
+    the held columns would pass their budget (_holds), and read again where a sink is not among the candidates:
+    one table."""
     tokens = sequences(ModelView(model), TEXT, 24, 4)[:, 1:]
     kw = dict(threshold=0.0, max_heads=1, progress=False)
     want = sink_dependence(model, tokens, **kw).to_frame()
-    monkeypatch.setattr("massive_lens.interventions.dependence.HOLD_BYTES", 0)
+    monkeypatch.setattr("massive_lens.interventions.dependence._holds", lambda *args: False)
     pd.testing.assert_frame_equal(sink_dependence(model, tokens, **kw).to_frame(), want)
     monkeypatch.undo()
     monkeypatch.setattr("massive_lens.interventions.dependence.candidate_columns",
                         lambda view, batch: torch.zeros(0, dtype=torch.long))
     pd.testing.assert_frame_equal(sink_dependence(model, tokens, **kw).to_frame(), want)
+
+
+def test_the_held_columns_may_take_half_the_logits_a_plain_forward_would_hold(model, monkeypatch):
+    """Past HOLD_BYTES the candidate columns are still held (one pass) while they take at most half the batch's
+    float32 logits, which the loss at the head never makes; beyond, or where the loss reads the full logits,
+    the sinks are found in a pass of their own."""
+    view = ModelView(model)
+    batch = view.full_batch(sequences(view, TEXT, 24, 2))
+    per_column = dependence.attention_layers(view).__len__() * batch.mask.numel() * view.cfg.n_heads * 4
+    half_logits = batch.mask.numel() * view.cfg.d_vocab * 4 // 2
+    fits = half_logits // per_column
+    assert 1 <= fits < batch.mask.shape[1]
+    monkeypatch.setattr(dependence, "HOLD_BYTES", 0)
+    scorer = dependence.NextTokenLoss(view)
+    assert dependence._holds(view, batch, fits, scorer) and not dependence._holds(view, batch, fits + 1, scorer)
+    scorer.exact = False
+    assert not dependence._holds(view, batch, 1, scorer)
+    own_passes, sinks_of = [], dependence.sinks_of
+    monkeypatch.setattr(dependence, "sinks_of", lambda *a: own_passes.append(1) or sinks_of(*a))
+    for n_columns, passes in ((fits, 0), (fits + 1, 1)):
+        monkeypatch.setattr(dependence, "candidate_columns", lambda view, batch, n=n_columns: torch.arange(n))
+        own_passes.clear()
+        sink_dependence(model, batch.tokens, heads=[], progress=False)
+        assert len(own_passes) == passes, n_columns

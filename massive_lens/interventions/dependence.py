@@ -121,8 +121,9 @@ class SinkDependence(Result):
 
 
 # the sinks are found in the untouched pass itself where every layer's attention on the candidate columns, held
-# until the pass has judged them, takes at most this many bytes (128 tokens: ~18 MB on the default model); beyond,
-# in a pass of their own, as before, and the memory stays linear in the length
+# until the pass has judged them, takes at most this many bytes (128 tokens: ~18 MB on the default model), or half
+# the batch's float32 logits, which a plain forward holds and the loss at the head never makes (2,048 tokens: 283 of
+# 805 MB on the default model); beyond, in a pass of their own, and the memory stays linear in the length
 HOLD_BYTES = 1 << 26
 
 
@@ -190,8 +191,7 @@ def _untouched(view: ModelView, batch: Batch, rule: SinkRule, tally: _Tally, sco
     found in the same forward where the held columns fit :data:`HOLD_BYTES`, else in a pass of their own."""
     path = choose_path(view, "auto", batch)
     candidates = candidate_columns(view, batch)
-    held = len(attention_layers(view)) * batch.mask.numel() * view.cfg.n_heads * len(candidates) * 4
-    given = sinks_of(view, batch, rule) if held > HOLD_BYTES else None
+    given = None if _holds(view, batch, len(candidates), scorer) else sinks_of(view, batch, rule)
     out = None
     while out is None:  # again only where the loss's first check, in this forward, took the head's slices inexact
         evidence = SinkEvidence(batch.mask, view.n_layers, rule) if given is None else None
@@ -207,6 +207,14 @@ def _untouched(view: ModelView, batch: Batch, rule: SinkRule, tally: _Tally, sco
     if int(sinks.mask[:, tally.cols].sum()) < int(sinks.mask.sum()):  # a sink outside the candidates: read again
         attention_pass(view, batch, tally.take, path=path, columns=tally.read(_columns(sinks)), want=("v", "z_read"))
     return sinks
+
+
+def _holds(view: ModelView, batch: Batch, n_columns: int, scorer: NextTokenLoss) -> bool:
+    """Whether every layer's attention on ``n_columns`` key columns may be held until the pass ends: at most
+    :data:`HOLD_BYTES`, or half the batch's float32 logits where the loss is not taken from them."""
+    held = len(attention_layers(view)) * batch.mask.numel() * view.cfg.n_heads * n_columns * 4
+    logits = batch.mask.numel() * int(getattr(view.cfg, "d_vocab", 0) or 0) * 4 if scorer.exact is not False else 0
+    return held <= max(HOLD_BYTES, logits // 2)
 
 
 def _columns(sinks: SinkSet) -> Tensor:
