@@ -3,7 +3,8 @@ forward pass, on one model, for each length (one fresh interpreter per length).
 
 Memory is the peak resident memory an analysis adds above the loaded model (the high-water
 mark is reset before each analysis and the allocator trimmed, as in :mod:`benchmarks.harness`).
-Time is one call's process CPU time (all threads) after one warm-up call at 32 tokens: on
+Time is one call's process CPU time (all threads) after one warm-up call at 32 tokens (with
+``--repeats``, the median of that many calls a row, the rows called in turn): on
 a shared machine it is less sensitive to the load than wall time, which is kept in the JSON;
 the plain forward of the same run is the yardstick. ``plain_forward x2``
 and ``find_massive x2`` read two sequences of the length: memory should stay flat in the
@@ -13,12 +14,14 @@ number of sequences for the analyses that reduce inside their hooks.
         --figure docs/img/length.png
     python -m benchmarks.length --length 512    # one length in this process (prints JSON)
     python -m benchmarks.length --lengths 2048 --fresh --only "plain_forward (SDPA),sink_kv"  # a process a row
+    python -m benchmarks.length --lengths 4096 --repeats 3 --only "plain_forward (SDPA),sink_kv"  # medians of 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -48,14 +51,15 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
                 model(tokens)
         return call
 
-    def sdpa_forward() -> None:  # the yardstick of the LSE path: the model on transformers' own SDPA
+    def sdpa_forward(tokens: torch.Tensor = one) -> None:  # the LSE path's yardstick: transformers' own SDPA
         with lse_run(ModelView(model), implementation="sdpa"), torch.no_grad():
-            model(one)
+            model(tokens)
 
     return {
         "plain_forward": forward(one),
-        "plain_forward (SDPA)": sdpa_forward,
+        "plain_forward (SDPA)": lambda: sdpa_forward(one),
         "plain_forward x2": forward(two),
+        "plain_forward x2 (SDPA)": lambda: sdpa_forward(two),
         "find_massive": lambda: ml.find_massive(model, one),
         "find_massive x2": lambda: ml.find_massive(model, two),
         "scan_corpus": lambda: ml.scan_corpus(model, one, seq_len=one.shape[1], batch_size=1, max_tokens=None,
@@ -82,7 +86,7 @@ def analyses(model: Any, one: torch.Tensor, two: torch.Tensor, hooks: Any) -> di
     }
 
 
-def run_length(model_name: str, length: int, only: list[str] | None = None) -> list[dict[str, Any]]:
+def run_length(model_name: str, length: int, only: list[str] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
     from massive_lens.core.corpora import token_batches
     from massive_lens.core.model_view import ModelView
     from massive_lens.interventions import calibrate, fix_sink_term
@@ -95,18 +99,21 @@ def run_length(model_name: str, length: int, only: list[str] | None = None) -> l
     hooks = fix_sink_term(model, "mean", calibration=calib)
     calls = analyses(model, tokens[:1], tokens[:2], hooks)
     small = analyses(model, tokens[:1, :32], tokens[:2, :32], hooks)
-    rows = []
-    for name, call in calls.items():
-        if only and name not in only:
-            continue
+    names = [name for name in calls if not only or name in only]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for name in names:
         small[name]()  # warm-up: lazy imports and state, at 32 tokens
-        resident_mb()  # collect and trim what the warm-up freed
-        cpu, wall = time.process_time(), time.perf_counter()
-        peak = peak_memory_of(call)
-        rows.append({"model": view.name, "analysis": name, "length": length, "seconds": time.perf_counter() - wall,
-                     "cpu_seconds": time.process_time() - cpu, "peak_mb": peak})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    return rows
+    for _ in range(repeats):  # the rows in turn, so that a slow spell of the machine falls on each alike
+        for name in names:
+            resident_mb()  # collect and trim what the warm-up or the row before freed
+            cpu, wall = time.process_time(), time.perf_counter()
+            peak = peak_memory_of(calls[name])
+            runs[name].append({"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
+                               "peak_mb": peak})
+            print(json.dumps({"analysis": name, **runs[name][-1]}), file=sys.stderr, flush=True)
+    return [{"model": view.name, "analysis": name, "length": length, "repeats": repeats,
+             **{key: statistics.median(run[key] for run in runs[name]) for key in runs[name][0]},
+             "cpu_runs": [run["cpu_seconds"] for run in runs[name]]} for name in names]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -175,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated analyses (default: all)")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     parser.add_argument("--figure", default=None, help="draw the figure into this PNG")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="calls of each row, in turn, in one process: the median time and memory (default 1)")
     parser.add_argument("--fresh", action="store_true",
                         help="each analysis of --only in a process of its own (a row's peak then owes nothing to "
                              "what the rows before it left in the process)")
@@ -182,12 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     only = args.only.split(",") if args.only else None
     if args.fresh and not only:
         parser.error("--fresh needs --only: the analyses to run, each in a process of its own")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.length:
-        print(json.dumps(run_length(args.model, args.length, only)))
+        print(json.dumps(run_length(args.model, args.length, only, args.repeats)))
         return 0
     rows = []
     for length in map(int, args.lengths.split(",")):
-        cmd = [sys.executable, "-m", "benchmarks.length", "--model", args.model, "--length", str(length)]
+        cmd = [sys.executable, "-m", "benchmarks.length", "--model", args.model, "--length", str(length),
+               "--repeats", str(args.repeats)]
         for part in [[name] for name in only] if args.fresh else [only] if only else [None]:
             out = subprocess.run(cmd + (["--only", ",".join(part)] if part else []), capture_output=True, text=True,
                                  check=False, cwd=ROOT)
