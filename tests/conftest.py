@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import deps_first
+import jaxtyping._decorator as jaxtyping_decorator
 import pytest
 from xdist.scheduler import LoadFileScheduling
 
@@ -44,11 +45,67 @@ def _runs_tests(config) -> bool:
                                                   and not config.getvalue("collectonly"))
 
 
+# jaxtyping's import hook (pyproject's --jaxtyping-packages) decorates every function of the package, those defined
+# inside another function too, each time that one runs: a hook closure made per layer and per pass was decorated
+# anew each time (~0.3 ms: two stand-in functions with its signature, compiled, then wrapped by beartype), 5,000 to
+# 20,000 times in a file of analyses. The stand-ins and their checks depend only on the name, the signature and the
+# typechecker, so one made for a signature serves each later function of the same one (the call's own arguments are
+# still checked at every call). Signatures with a default other than None, a bool, a number or a string (which
+# would keep it alive) or an unhashable annotation are made afresh as before.
+_PLAIN_DEFAULTS = (type(None), bool, int, float, str, bytes)
+STAND_INS: dict[tuple, object] = {}  # (name, qualname, module, output, signature) -> what jaxtyping made for it
+CHECKED: dict[tuple[int, int], tuple[object, object, object]] = {}  # ids -> (typechecker, stand-in, checked one)
+
+
+def _stand_in_key(name, qualname, module, signature, output) -> tuple | None:
+    """What a stand-in depends on (defaults by type and value: 1 and True differ), or None where it is not kept."""
+    params = tuple(signature.parameters.values())
+    if not all(p.default is p.empty or type(p.default) in _PLAIN_DEFAULTS for p in params):
+        return None
+    key = (name, qualname, module, output, signature.return_annotation,
+           tuple((p.name, p.kind, p.annotation, type(p.default), p.default) for p in params))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _share_stand_ins() -> None:
+    """Make jaxtyping build and check one stand-in per signature (see :data:`STAND_INS`)."""
+    make, apply = jaxtyping_decorator._make_fn_with_signature, jaxtyping_decorator._apply_typechecker
+    if getattr(make, "shared", False):
+        return
+    kept: dict[int, object] = {}  # id -> each stand-in in STAND_INS (alive there, so its id stays its own)
+
+    def make_once(name, qualname, module, signature, output):
+        key = _stand_in_key(name, qualname, module, signature, output)
+        if key is None:
+            return make(name, qualname, module, signature, output)
+        if key not in STAND_INS:
+            STAND_INS[key] = made = make(name, qualname, module, signature, output)
+            fn = made[0] if output else made
+            kept[id(fn)] = fn
+        return STAND_INS[key]
+
+    def apply_once(typechecker, fn):
+        if kept.get(id(fn)) is not fn:
+            return apply(typechecker, fn)
+        key = (id(typechecker), id(fn))
+        if key not in CHECKED:
+            CHECKED[key] = (typechecker, fn, apply(typechecker, fn))  # the typechecker kept alive: its id stays
+        return CHECKED[key][2]
+
+    make_once.shared = True
+    jaxtyping_decorator._make_fn_with_signature, jaxtyping_decorator._apply_typechecker = make_once, apply_once
+
+
 def pytest_configure(config):
-    """In a process that runs tests: torch's threads, then the package's libraries before the package
-    (``deps_first``), then the package."""
+    """In a process that runs tests: torch's threads, jaxtyping's stand-ins shared (:func:`_share_stand_ins`),
+    then the package's libraries before the package (``deps_first``), then the package."""
     if not _runs_tests(config):
         return
+    _share_stand_ins()
     import torch
 
     if _WORKERS > 1:

@@ -16,9 +16,12 @@ import math
 import shutil
 from pathlib import Path
 
+import beartype
+import jaxtyping
 import numpy as np
 import pytest
 import torch
+from conftest import STAND_INS
 from helpers import untouched, untyped_errors
 
 from massive_lens import MassiveLensError, find_massive, load, perplexity, scan_corpus, tiny_model, trace_origin
@@ -152,6 +155,42 @@ def test_refused_with_a_clear_error(untyped, code):
     kind, message, as_found = untyped[code]
     assert kind == "MassiveLensError" and CASES[code] in message, (kind, message)
     assert as_found, "the model was left changed"
+
+
+def _typed_inner(kind: str, default: float | int = 1.0):
+    """A function made anew at each call, as the package's hook closures are, type-checked as the tests' import hook
+    does (``conftest._share_stand_ins`` shares its checks between functions of one signature)."""
+    if kind == "int":
+        @jaxtyping.jaxtyped(typechecker=beartype.beartype)
+        def inner(x: int, scale: float = default) -> int:
+            return x if x >= 0 else "negative"
+    else:
+        @jaxtyping.jaxtyped(typechecker=beartype.beartype)
+        def inner(x: str, scale: float = default) -> int:
+            return len(x)
+    return inner
+
+
+def test_the_type_checks_hold_for_a_function_made_again_and_again():
+    """Each function made from one definition is checked, its arguments and its return, with the check made once;
+    another annotation or another default (1 is no 1.0) under the same name gets its own."""
+    def made() -> int:  # the stand-ins made so far for _typed_inner's function
+        return sum(key[1] == "_typed_inner.<locals>.inner" for key in STAND_INS)
+
+    first, again = _typed_inner("int"), _typed_inner("int")
+    assert made() == 2  # the parameters' stand-in and the return's, made once for both functions
+    for fn in (first, again):
+        assert fn(3) == 3
+        with pytest.raises(jaxtyping.TypeCheckError):
+            fn("3")
+        with pytest.raises(jaxtyping.TypeCheckError):
+            fn(-1)  # returns a string
+    other = _typed_inner("str")
+    assert other("abc") == 3 and made() == 4
+    with pytest.raises(jaxtyping.TypeCheckError):
+        other(3)
+    _typed_inner("int", default=1)
+    assert made() == 6
 
 
 def test_hooks_none_means_no_hooks(model):
