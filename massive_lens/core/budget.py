@@ -44,8 +44,12 @@ def each_module(*trees: torch.nn.Module | None) -> list[torch.nn.Module]:
 def weight_bytes(model: Any) -> int:
     """Bytes of the model's parameters and buffers (each tensor once, tied weights too)."""
     seen, total = set(), 0
-    modules = each_module(model)
-    for tensor in (t for kind in ("_parameters", "_buffers") for m in modules for t in getattr(m, kind).values()):
+    if isinstance(model, torch.nn.Module):
+        modules = each_module(model)
+        tensors = (t for kind in ("_parameters", "_buffers") for m in modules for t in getattr(m, kind).values())
+    else:  # a wrapper (an nnsight model): its own parameters() and buffers()
+        tensors = (*model.parameters(), *model.buffers())
+    for tensor in tensors:
         if tensor is None or tensor.device.type == "meta" or tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
