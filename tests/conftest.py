@@ -12,7 +12,6 @@ from collections import Counter
 from pathlib import Path
 
 import deps_first
-import jaxtyping._decorator as jaxtyping_decorator
 import pytest
 from xdist.scheduler import LoadFileScheduling
 
@@ -73,7 +72,12 @@ def _stand_in_key(name, qualname, module, signature, output) -> tuple | None:
 
 def _share_stand_ins() -> None:
     """Make jaxtyping build and check one stand-in per signature (see :data:`STAND_INS`)."""
-    make, apply = jaxtyping_decorator._make_fn_with_signature, jaxtyping_decorator._apply_typechecker
+    try:  # jaxtyping's private helpers: where a release renames them, the stand-ins are made as jaxtyping makes them
+        from jaxtyping import _decorator as jaxtyping_decorator
+
+        make, apply = jaxtyping_decorator._make_fn_with_signature, jaxtyping_decorator._apply_typechecker
+    except (ImportError, AttributeError):
+        return
     if getattr(make, "shared", False):
         return
     kept: dict[int, object] = {}  # id -> each stand-in in STAND_INS (alive there, so its id stays its own)
