@@ -32,7 +32,8 @@ def few_massive(mag: Float[Tensor, "batch pos d_model"], criterion: Any) -> Tens
     values above ``abs_threshold`` the massive ones are the largest few: the first that fails, found by
     a galloping search from the largest down (a count each, in NumPy: torch's comparison of a
     73,728-value row costs ten times as much on one thread), bounds the mask (``mag > it``)."""
-    if criterion.median_over != "hidden_state" or mag.device.type != "cpu" or not mag.numel():
+    if criterion.median_over != "hidden_state" or mag.device.type != "cpu" or not mag.numel() or \
+            mag.dtype not in (torch.float32, torch.float64):
         return None
     rows = mag.detach().flatten(1).numpy()
     k = (rows.shape[1] - 1) // 2

@@ -188,7 +188,7 @@ def _untouched(view: ModelView, batch: Batch, rule: SinkRule, tally: _Tally, sco
                base: list[Tensor]) -> SinkSet:
     """The untouched pass of one chunk: its loss (appended to ``base``), each layer read into ``tally``
     on the path :func:`~massive_lens.core.attention_pass.choose_path` takes, and its sinks (returned),
-    found in the same forward where the held columns fit :data:`HOLD_BYTES`, else in a pass of their own."""
+    found in the same forward where the held columns fit their budget (:func:`_holds`), else in a pass of their own."""
     path = choose_path(view, "auto", batch)
     candidates = candidate_columns(view, batch)
     given = None if _holds(view, batch, len(candidates), scorer) else sinks_of(view, batch, rule)
