@@ -13,6 +13,11 @@ from pathlib import Path
 
 import deps_first
 import pytest
+
+try:  # jaxtyping's private helpers, which _share_stand_ins wraps (light: no torch, no package)
+    from jaxtyping import _decorator as jaxtyping_decorator
+except ImportError:
+    jaxtyping_decorator = None
 from xdist.scheduler import LoadFileScheduling
 
 # pytest-xdist's controller process (make test, make check) runs no test: it only hands them out, and the
@@ -72,11 +77,9 @@ def _stand_in_key(name, qualname, module, signature, output) -> tuple | None:
 
 def _share_stand_ins() -> None:
     """Make jaxtyping build and check one stand-in per signature (see :data:`STAND_INS`)."""
-    try:  # jaxtyping's private helpers: where a release renames them, the stand-ins are made as jaxtyping makes them
-        from jaxtyping import _decorator as jaxtyping_decorator
-
-        make, apply = jaxtyping_decorator._make_fn_with_signature, jaxtyping_decorator._apply_typechecker
-    except (ImportError, AttributeError):
+    make = getattr(jaxtyping_decorator, "_make_fn_with_signature", None)
+    apply = getattr(jaxtyping_decorator, "_apply_typechecker", None)
+    if make is None or apply is None:  # a release renamed them: the stand-ins are made as jaxtyping makes them
         return
     if getattr(make, "shared", False):
         return

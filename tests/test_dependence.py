@@ -209,6 +209,8 @@ def test_the_held_columns_may_take_half_the_logits_a_plain_forward_would_hold(mo
     assert dependence._holds(view, batch, fits, scorer) and not dependence._holds(view, batch, fits + 1, scorer)
     scorer.exact = False
     assert not dependence._holds(view, batch, 1, scorer)
+    capped = ModelView(tiny_model("gemma3", final_logit_softcapping=30.0))  # its loss reads the full logits
+    assert not dependence._holds(capped, capped.full_batch(batch.tokens), 1, dependence.NextTokenLoss(capped))
     own_passes, sinks_of = [], dependence.sinks_of
     monkeypatch.setattr(dependence, "sinks_of", lambda *a: own_passes.append(1) or sinks_of(*a))
     for n_columns, passes in ((fits, 0), (fits + 1, 1)):

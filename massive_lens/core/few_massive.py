@@ -47,21 +47,22 @@ def few_massive(mag: Float[Tensor, "batch pos d_model"], criterion: Any) -> Tens
         if len(values) > MAX_CANDIDATES:
             return None
         values = np.unique(values)[::-1]  # distinct, largest first
-        scaled = ratio * row if len(values) else None
-
-        def fails(i: int, scaled: Any = scaled, values: Any = values) -> bool:
-            return int(np.count_nonzero(scaled < values[i])) < k + 1
-
-        lo, step = 0, 1  # values[:lo] pass; gallop to a failing one, then halve the bracket
-        hi = len(values)
-        while lo < hi:
-            probe = min(lo + step - 1, hi - 1)
-            if fails(probe):
-                hi = probe
-                break
-            lo, step = probe + 1, step * 2
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fails(mid) else (mid + 1, hi)
-        bounds.append(values[lo] if lo < len(values) else criterion.abs_threshold)
+        failing = _first_failing(values, ratio * row, k) if len(values) else 0
+        bounds.append(values[failing] if failing < len(values) else criterion.abs_threshold)
     return torch.from_numpy(rows > np.array(bounds, dtype=rows.dtype)[:, None]).view(mag.shape)
+
+
+def _first_failing(values: Any, scaled: Any, k: int) -> int:
+    """The index of the first of ``values`` (distinct, largest first) that fewer than ``k + 1`` entries of
+    ``scaled`` fall below (``len(values)``: none), by galloping from the largest, then halving the bracket."""
+    lo, hi, step = 0, len(values), 1  # values[:lo] pass
+    while lo < hi:
+        probe = min(lo + step - 1, hi - 1)
+        if np.count_nonzero(scaled < values[probe]) < k + 1:
+            hi = probe
+            break
+        lo, step = probe + 1, step * 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if np.count_nonzero(scaled < values[mid]) < k + 1 else (mid + 1, hi)
+    return lo

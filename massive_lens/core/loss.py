@@ -333,6 +333,15 @@ class NextTokenLoss:
         return out
 
     @property
+    def may_slice(self) -> bool:
+        """Whether the head may run slice by slice (no full logits): False once a check found it inexact, and,
+        before any, for a model without a head of its own or with a final soft cap (:meth:`check`'s early
+        answers, no forward run)."""
+        if self.exact is not None:
+            return self.exact
+        return self.head is not None and not _soft_capped(self.model)
+
+    @property
     def step(self) -> int:
         """Positions the head runs on at a time (:func:`head_positions`, for the weights as first asked)."""
         if self._step is None:

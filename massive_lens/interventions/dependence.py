@@ -213,7 +213,7 @@ def _holds(view: ModelView, batch: Batch, n_columns: int, scorer: NextTokenLoss)
     """Whether every layer's attention on ``n_columns`` key columns may be held until the pass ends: at most
     :data:`HOLD_BYTES`, or half the batch's float32 logits where the loss is not taken from them."""
     held = len(attention_layers(view)) * batch.mask.numel() * view.cfg.n_heads * n_columns * 4
-    logits = batch.mask.numel() * int(getattr(view.cfg, "d_vocab", 0) or 0) * 4 if scorer.exact is not False else 0
+    logits = batch.mask.numel() * int(getattr(view.cfg, "d_vocab", 0) or 0) * 4 if scorer.may_slice else 0
     return held <= max(HOLD_BYTES, logits // 2)
 
 
