@@ -71,3 +71,18 @@ def test_the_boundary_is_exact_in_float64_for_a_ratio_float32_cannot_hold():
     x[0, 0, 0], x[0, 1, 0] = at, torch.nextafter(at, at * 2)
     criterion = Criterion(abs_threshold=100, ratio_threshold=1000.1)
     assert few_massive(x, criterion).nonzero().tolist() == [[0, 1, 0]]
+
+
+def test_the_boundary_of_abs_threshold_float32_cannot_hold():
+    """Entries on either side of an ``abs_threshold`` float32 rounds down (100.1) or up (100.3): the float32
+    neighbours of the threshold, compared as the rule compares them (in the magnitudes' dtype)."""
+    for threshold in (100.1, 100.3, 100.0):
+        t = torch.tensor(threshold, dtype=torch.float64)
+        below = t.float() if t.float().double() <= t else torch.nextafter(t.float(), torch.tensor(0.0))
+        above = torch.nextafter(below, torch.tensor(1e9))
+        x = torch.full((1, 4, 8), 0.01)
+        x[0, 0, 0], x[0, 1, 1], x[0, 2, 2] = below, above, torch.nextafter(above, torch.tensor(1e9))
+        criterion = Criterion(abs_threshold=threshold, ratio_threshold=1.5)
+        exact = _by_median(x, criterion)
+        assert exact[0, 2, 2] and not exact[0, 0, 0], threshold
+        assert torch.equal(few_massive(x, criterion), exact), threshold

@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from massive_lens.attention.output_weights import output_weights
+from massive_lens.attention.output_weights import head_gram, output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_pass, choose_path
 from massive_lens.core.criterion import SinkEvidence
@@ -187,8 +187,10 @@ class _Rows:
                                    "pos, head, d_head] z and one pattern per head of W_O (multi-head latent attention "
                                    "is not read)")
         r = self.valid.to(z.device).float()
-        W_O = self.weights[layer].to(z)  # [h d m]: ||z_h W_O[h]|| from W_O[h]'s Gram matrix, z_h W_O[h] never built
-        out = ((z.transpose(1, 2) @ (W_O @ W_O.transpose(1, 2))) * z.transpose(1, 2)).sum(-1)
+        # [h d d]: ||z_h W_O[h]|| from W_O[h]'s Gram matrix (kept between calls on the same weights), z_h W_O[h]
+        # never built
+        gram = head_gram(self.weights[layer], z, self.view.block(layer).attn)
+        out = ((z.transpose(1, 2) @ gram) * z.transpose(1, 2)).sum(-1)
         out = out.clamp(min=0).sqrt().transpose(1, 2)  # [b q h]
         out = torch.einsum("bqh,bq->bh", out, r) / r.sum(1, keepdim=True).clamp(min=1)
         ratio = out / out.mean(1, keepdim=True).clamp(min=1e-12)

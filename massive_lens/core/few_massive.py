@@ -11,6 +11,7 @@ state's ``|x|`` and a value ``c``, ``fl(ratio * m) < c`` exactly when enough ent
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -37,19 +38,30 @@ def few_massive(mag: Float[Tensor, "batch pos d_model"], criterion: Any) -> Tens
         return None
     rows = mag.detach().flatten(1).numpy()
     k = (rows.shape[1] - 1) // 2
-    ratio, floor = np.asarray(criterion.ratio_threshold, dtype=rows.dtype), np.float64(criterion.abs_threshold)
-    bounds = []
-    for row in rows:  # per sequence (its own median)
+    ratio, floor = np.asarray(criterion.ratio_threshold, dtype=rows.dtype), _below(criterion.abs_threshold, rows.dtype)
+    out = np.zeros(rows.shape, dtype=bool)
+    for row, hit in zip(rows, out, strict=True):  # per sequence (its own median)
         top = row.max()
         if top != top:  # NaN (ranked above every number): the median's path
             return None
-        values = row[row > floor] if top > floor else row[:0]  # compared in float64, as the threshold is given
-        if len(values) > MAX_CANDIDATES:
+        over = np.flatnonzero(row > floor) if top > floor else np.zeros(0, dtype=np.intp)  # > abs_threshold
+        if len(over) > MAX_CANDIDATES:
             return None
-        values = np.unique(values)[::-1]  # distinct, largest first
+        found = row[over]
+        values = np.unique(found)[::-1]  # distinct, largest first
         failing = _first_failing(values, ratio * row, k) if len(values) else 0
-        bounds.append(values[failing] if failing < len(values) else criterion.abs_threshold)
-    return torch.from_numpy(rows > np.array(bounds, dtype=rows.dtype)[:, None]).view(mag.shape)
+        bound = values[failing] if failing < len(values) else np.asarray(criterion.abs_threshold, dtype=rows.dtype)
+        hit[over[found > bound]] = True  # every entry above the bound is above the floor
+    return torch.from_numpy(out).view(mag.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _below(threshold: float | int, dtype: Any) -> Any:
+    """The largest ``dtype`` value at or under ``threshold``: ``x > it`` exactly when ``x > threshold`` (a
+    float64 comparison, which costs NumPy a copy of the row), for every ``x`` of ``dtype``."""
+    with np.errstate(over="ignore"):
+        value = np.asarray(threshold, dtype=dtype)
+    return np.nextafter(value, dtype.type(-np.inf)) if float(value) > threshold else value
 
 
 def _first_failing(values: Any, scaled: Any, k: int) -> int:

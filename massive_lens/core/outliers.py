@@ -55,6 +55,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from massive_lens.core import sparse_bool
+
 OUTLIER_DIM_SHARE = 0.5  # a dim massive at >= half of a sequence's real tokens at one layer is an outlier dimension ...
 OUTLIER_DIM_MIN_TOKENS = 4  # ... if that is at least 4 tokens (BOS and a delimiter in a 3-token text are not one)
 CHANNEL_SHARE = 0.1  # a dim at >= a tenth of its massive entries' median at most tokens is a channel, not a token
@@ -106,7 +108,7 @@ def channel_dims(mag: Float[Tensor, "batch pos d_model"], massive: Bool[Tensor, 
     >>> channel_dims(mag, massive).tolist()  # dim 0 spikes once on a channel at 300; dim 1 stands out
     [True, False]
     """
-    dims = massive.flatten(0, 1).any(0).nonzero().flatten()
+    dims = sparse_bool.any_along(massive.flatten(0, 1), 0).nonzero().flatten()
     out = torch.zeros(mag.shape[-1], dtype=torch.bool)
     if not len(dims):
         return out
@@ -162,7 +164,7 @@ class OutlierTally:
         dims that are outlier dimensions at this layer, per sequence (:func:`outlier_dims`),
         and, given the magnitudes ``mag`` (``|x|``), in every sequence the channels large at
         most of the batch's tokens (:func:`channel_dims`)."""
-        count = massive.sum(1)
+        count = sparse_bool.count(massive, 1)
         flags = outlier_dims(count, _n_tokens(massive, valid))
         if mag is not None:
             flags = flags | channel_dims(mag, massive, valid).to(flags.device)[None, :]

@@ -16,6 +16,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from massive_lens.core import sparse_bool
 from massive_lens.core.criterion import Criterion, median_scale
 from massive_lens.core.outliers import SCOPES, OutlierTally
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
@@ -61,11 +62,11 @@ class ResidualReducer:
         massive = self.criterion.passes(mag, scale)
         if padded:
             massive &= valid[..., None]
-        count, n_tokens = massive.sum(1), valid.sum(1)
+        count, n_tokens = sparse_bool.count(massive, 1), valid.sum(1)
         self.outlier[layer] = self.tally.add(layer, massive, valid, mag).cpu()  # mag: channels too (issue 48)
         self.share[layer] = (count / n_tokens.clamp(min=1)[:, None]).float().cpu()
         if self.want_entries:
-            idx = massive.nonzero()
+            idx = sparse_bool.nonzero(massive)
             if len(idx):
                 b, p, d = idx.unbind(1)
                 ratio = mag[b, p, d] / scale.expand_as(mag)[b, p, d]
