@@ -1,5 +1,6 @@
-"""W_O's per-head Gram matrix is kept between calls (attention/output_weights.head_gram): a weight edited
-in place between two calls, by any route, must give the new answer, the one computed with nothing kept."""
+"""W_O's per-head Gram matrix is kept between calls (attention/output_weights.head_gram, through
+core/weight_cache.derived): a weight edited in place between two calls, by any route, must give the new
+answer, the one computed with nothing kept."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-import massive_lens.attention.output_weights as module
+import massive_lens.core.weight_cache as module
 from massive_lens import tiny_model
 from massive_lens.attention import decompose_attention
 from massive_lens.attention.output_weights import head_gram, output_weights
@@ -50,7 +51,7 @@ def test_an_edit_between_two_calls_gives_the_new_answer(edit, monkeypatch):
     try:
         EDITS[edit](view.block(layer).attn.W_O)
         again = decompose_attention(model, TEXT, sinks=[0])
-        monkeypatch.setattr(module, "_GRAMS", WeakIdKeyDictionary())  # nothing kept
+        monkeypatch.setattr(module, "_KEPT", WeakIdKeyDictionary())  # nothing kept
         fresh = decompose_attention(model, TEXT, sinks=[0])
     finally:
         param.data = saved

@@ -48,6 +48,7 @@ from massive_lens.core.pass_reader import attention_layers
 from massive_lens.core.render import ensure_axes
 from massive_lens.core.results import Result
 from massive_lens.core.tokens import TOKEN_KINDS, Batch
+from massive_lens.core.weight_cache import derived
 from massive_lens.errors import MassiveLensError
 
 LEVELS = ("primary", "secondary", "transient")
@@ -195,7 +196,9 @@ class _Tally:
         for layer in range(view.n_layers):
             w = view.mlp_w_out(layer)
             if w is not None:
-                self.w_out_norm[layer] = _row_norms(w.detach().float())
+                # kept between calls while the weights are unchanged (a read of the weights instead of two)
+                self.w_out_norm[layer] = derived(w, view.block(layer).mlp, "row_norms",
+                                                 lambda weight: _row_norms(weight.detach().float()))
 
     def hooks(self) -> list[tuple[str, Any]]:
         out = []

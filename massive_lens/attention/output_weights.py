@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+import torch  # noqa: F401  (the examples)
 from jaxtyping import Float
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from massive_lens.core.model_view import ModelView
+from massive_lens.core.weight_cache import derived
 from massive_lens.errors import MassiveLensError
 
 
@@ -56,46 +56,14 @@ def check_shapes(view: ModelView, layer: int, pattern: tuple[int, ...], v: Tenso
             f"W_O {tuple(W_O.shape)} [head, d_head, d_model] (e.g. latent or compressed attention)")
 
 
-# per owner of the weights (a layer's attention module), per dtype and device the Gram matrix is wanted in:
-# (the weights' stamp, the Gram matrix); an entry goes with its owner
-_GRAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_PROBES: dict[tuple, tuple[Tensor, Tensor]] = {}  # the fingerprint's random vectors, per shape, dtype and device
-
-
 def head_gram(W_O: Float[Tensor, "head d_head d_model"], like: Tensor, owner: Any
               ) -> Float[Tensor, "head d_head d_head"]:
     """``W_O[h] @ W_O[h].T`` per head, of ``W_O`` in ``like``'s dtype and device (bitwise the product
-    taken now), kept with ``owner`` (an object that lives as long as the weights: the layer's attention
-    module) while the weights are unchanged: the same memory, offset, strides, dtype and device, not
-    edited in place (the version counter ``W_O`` shares with its parameter: ``copy_``, ``mul_`` under
-    ``no_grad``), and with the same fingerprint, a random bilinear form of the weights, which sees an edit
-    made through ``weight.data`` (no version counted) unless it moves the form by less than its float32
-    rounding (then the Gram matrix moves by less than its own rounding, about sqrt(d_model) float32 steps)."""
-    target = W_O.to(like)
-    stamp = (W_O.data_ptr(), W_O.shape, W_O.stride(), W_O.dtype, W_O.device, W_O._version,
-             _fingerprint(W_O))
-    try:
-        kept = _GRAMS.setdefault(owner, {})
-    except TypeError:  # an owner that cannot be referred to weakly: nothing kept
-        kept = {}
-    got = kept.get((target.dtype, target.device))
-    if got is not None and got[0] == stamp:
-        return got[1]
-    gram = target @ target.transpose(-1, -2)
-    kept[(target.dtype, target.device)] = (stamp, gram)
-    return gram
+    taken now), kept with ``owner`` (the layer's attention module) while the weights are unchanged
+    (:func:`~massive_lens.core.weight_cache.derived`)."""
 
+    def gram(weights: Tensor) -> Tensor:
+        target = weights.to(like)
+        return target @ target.transpose(-1, -2)
 
-def _fingerprint(W_O: Tensor) -> float:
-    """``s . (W r)`` for ``W`` = ``W_O`` as ``[head * d_head, d_model]`` (float32 at least) and fixed random
-    ``r``, ``s``: a few microseconds, no copy of the weights; NaN weights give NaN (never equal: no reuse)."""
-    W = W_O.flatten(0, 1)
-    if W.dtype in (torch.float16, torch.bfloat16):
-        W = W.float()
-    key = (tuple(W.shape), W.dtype, W.device)
-    if key not in _PROBES:
-        gen = torch.Generator().manual_seed(0)
-        _PROBES[key] = tuple(torch.randn(n, generator=gen, dtype=torch.float64).to(W.device, W.dtype)
-                             for n in (W.shape[1], W.shape[0]))
-    r, s = _PROBES[key]
-    return float(s @ (W @ r))
+    return derived(W_O, owner, ("head_gram", like.dtype, like.device), gram)

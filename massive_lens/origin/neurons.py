@@ -19,6 +19,7 @@ from torch import Tensor
 
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.stats import rel_error
+from massive_lens.core.weight_cache import derived
 from massive_lens.origin.blocks import block_plan
 from massive_lens.origin.capture import Capture
 from massive_lens.origin.experts import CHECK_TOL, SHARED, UnitTerms, input_columns, unit_terms
@@ -125,10 +126,18 @@ def named(neurons: pd.DataFrame | list[dict[str, Any]], event: dict[str, Any], *
 def _hf_names(model: Any) -> dict[tuple[int, int], tuple[str, tuple[int, ...]]]:
     """``(data_ptr, numel)`` -> (name, shape) of the Hugging Face parameters (the first name of a shared one;
     empty without ``original_model``): one scan for every :func:`hf_param` of a trace."""
-    original, names = getattr(model, "original_model", None), {}
-    for name, param in original.named_parameters() if original is not None else ():
-        names.setdefault((param.data_ptr(), param.numel()), (name.replace("._original_component", ""),
-                                                              tuple(param.shape)))
+    names: dict[tuple[int, int], tuple[str, tuple[int, ...]]] = {}
+    stack, seen = [("", getattr(model, "original_model", None))], set()
+    while stack:  # named_parameters()' order (modules first to last, each once), a plain walk: ~5x faster
+        prefix, module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        for name, param in module._parameters.items():
+            if param is not None:
+                names.setdefault((param.data_ptr(), param.numel()), ((prefix + name).replace(
+                    "._original_component", ""), tuple(param.shape)))
+        stack.extend(reversed([(f"{prefix}{name}.", child) for name, child in module._modules.items()]))
     return names
 
 
@@ -159,7 +168,8 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
         mags = mags.T if mags.T.is_contiguous() else mags.contiguous()  # the stored order: no copy
         if "hf_names" not in seen:
             seen["hf_names"] = _hf_names(view.model)
-        seen[layer] = (*hf_param(view.model, layer, weight, seen["hf_names"]), *_mean_std(mags), EntryRanks(mags))
+        stats = derived(weight, view.block(layer).mlp, "entry_mean_std", lambda _: _mean_std(mags))  # kept
+        seen[layer] = (*hf_param(view.model, layer, weight, seen["hf_names"]), *stats, EntryRanks(mags))
     name, transposed, mean, std, ranks = seen[layer]
     rows = []
     for n in neurons:
