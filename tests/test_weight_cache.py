@@ -60,3 +60,15 @@ def test_an_edited_w_out_gives_the_answer_computed_with_nothing_kept(analysis, m
             w.data.copy_(s)
     pd.testing.assert_frame_equal(edited, fresh, check_exact=True)
     assert not edited.equals(before)  # the edit shows
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_names_are_named_parameters_first_names(family):
+    from massive_lens.origin.neurons import _hf_names
+
+    model = tiny_model(family)
+    want: dict = {}
+    for name, param in model.original_model.named_parameters():
+        want.setdefault((param.data_ptr(), param.numel()), (name.replace("._original_component", ""),
+                                                            tuple(param.shape)))
+    assert _hf_names(model) == want and list(_hf_names(model)) == list(want)
