@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Bool
@@ -203,18 +204,33 @@ def _layer_rows(part: _Partial, columns: Tensor, sink: Tensor, real: Tensor) -> 
     return [[part.layer, h, h // group, *cols[h]] for h in range(heads)]
 
 
-def _band_rows(layer: int, q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int, float]) -> list[list[Any]]:
-    dim, base = rotary
-    half = dim // 2
+def _band_amplitudes(q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int, float]) -> Tensor:
+    """``[2, head, half]``: the largest query and key amplitude of each rotary pair over the real positions."""
+    dim, half = rotary[0], rotary[0] // 2
     group = q.shape[2] // k.shape[2]
     amp = []
     for x, repeat in ((q, 1), (k, group)):
         x = x.detach().float()
         a = (x[..., :half].pow(2) + x[..., half:dim].pow(2)).sqrt()  # [b p head half]
         amp.append(a[real].amax(0).repeat_interleave(repeat, dim=0))  # [head half]
-    freq = (base ** (-2 * torch.arange(half, dtype=torch.float64) / dim)).tolist()
-    q_max, k_max = amp[0].double().cpu().tolist(), amp[1].double().cpu().tolist()
-    return [[layer, h, i, freq[i], q_max[h][i], k_max[h][i]] for h in range(q.shape[2]) for i in range(half)]
+    return torch.stack(amp).cpu()
+
+
+def _band_frame(bands: dict[int, Tensor], rotary: tuple[int, float] | None) -> pd.DataFrame:
+    """:data:`BAND_COLUMNS`, one row per layer, head and rotary pair (in that order), from each layer's
+    :func:`_band_amplitudes`."""
+    if rotary is None or not bands:
+        empty = pd.DataFrame([], columns=BAND_COLUMNS)
+        return empty.astype({"layer": int, "head": int, "band": int})
+    dim, base = rotary
+    layers = sorted(bands)
+    amp = torch.stack([bands[layer] for layer in layers], 1).double()  # [2 layer head half]
+    n_layers, heads, half = amp.shape[1:]
+    at = np.indices((n_layers, heads, half)).reshape(3, -1)
+    freq = (base ** (-2 * torch.arange(half, dtype=torch.float64) / dim)).numpy()
+    return pd.DataFrame({"layer": np.asarray(layers, dtype=np.int64)[at[0]], "head": at[1].astype(np.int64),
+                         "band": at[2].astype(np.int64), "frequency": freq[at[2]],
+                         "q_max": amp[0].flatten().numpy(), "k_max": amp[1].flatten().numpy()})
 
 
 class _Reduce:
@@ -226,7 +242,7 @@ class _Reduce:
                  rotary: tuple[int, float] | None, n_layers: int):
         self.view, self.sink, self.real, self.columns, self.rotary = view, sink, real, columns, rotary
         self.rows: list[list[Any]] = []
-        self.bands: list[list[Any]] = []
+        self.bands: dict[int, Tensor] = {}  # layer -> its _band_amplitudes
         self.kept: list[_Partial | PassLayer] = []
         self.n_layers = n_layers
         self.buffers: dict[str, Tensor] = {}
@@ -262,7 +278,7 @@ class _Reduce:
                                    "not read)")
         real, columns = self.real.to(q.device), self.columns.to(q.device)
         if self.rotary is not None:
-            self.bands.extend(_band_rows(at.layer, q, k, real, self.rotary))
+            self.bands[at.layer] = _band_amplitudes(q, k, real, self.rotary)
         if self.sink is not None:
             self.rows.extend(_layer_rows(_partial(at, columns, real), columns, self.sink.to(q.device), real))
         elif self.whole:  # short: the layer as handed over, reduced on the sinks' columns only once known
@@ -353,7 +369,6 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
             return sink_kv(model, text, sinks=found, layers=layers, attention=path)
     frame = pd.DataFrame(reduce.rows, columns=COLUMNS)
     frame[["layer", "head", "kv_head"]] = frame[["layer", "head", "kv_head"]].astype(int)
-    band_frame = pd.DataFrame(reduce.bands, columns=BAND_COLUMNS)
-    band_frame[["layer", "head", "band"]] = band_frame[["layer", "head", "band"]].astype(int)
+    band_frame = _band_frame(reduce.bands, rotary)
     return SinkKV(frame=frame, bands=band_frame, model_name=view.name, sink_source=found.source,
                   rotary=rotary is not None, sinks=found)
