@@ -65,15 +65,16 @@ SCOPES = ("token", "outlier_dim")  # the two scopes of a massive entry, token-sp
 
 def token_specific(massive: Bool[Tensor, "batch pos d_model"], valid: Bool[Tensor, "batch pos"] | None = None
                    ) -> Bool[Tensor, "batch pos d_model"]:
-    """``massive`` without the entries of this layer's own outlier dimensions (:func:`outlier_dims`):
-    the one-layer form, for a caller that sees a single layer (an edit inside a forward pass,
-    a candidate search). Over a run, :class:`OutlierTally` decides.
+    """``massive`` without the entries of this layer's own outlier dimensions (:func:`outlier_dims`;
+    ``massive`` itself, not a copy, where there are none): the one-layer form, for a caller that sees a
+    single layer (an edit inside a forward pass, a candidate search). Over a run, :class:`OutlierTally` decides.
 
     >>> m = torch.zeros(1, 6, 3, dtype=torch.bool); m[0, :, 1] = True; m[0, 0, 2] = True
     >>> token_specific(m).nonzero().tolist()
     [[0, 0, 2]]
     """
-    return massive & ~outlier_dims(massive.sum(1), _n_tokens(massive, valid))[:, None, :]
+    flags = outlier_dims(sparse_bool.count(massive, 1), _n_tokens(massive, valid))
+    return massive & ~flags[:, None, :] if bool(flags.any()) else massive  # (itself where no dim is one)
 
 
 def _n_tokens(massive: Tensor, valid: Tensor | None) -> Tensor:

@@ -32,6 +32,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from massive_lens.core import sparse_bool
 from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
 from massive_lens.core.criterion import Criterion
 from massive_lens.core.model_view import ModelView
@@ -328,7 +329,7 @@ def candidates(mag: Float[Tensor, "batch pos d_model"], scale: Tensor, loose: Cr
     """
     if loose is None:
         return torch.ones(mag.shape[:2], dtype=torch.bool, device=mag.device)
-    return token_specific(loose.passes(mag, scale)).any(-1)
+    return sparse_bool.any_along(token_specific(loose.passes(mag, scale)), -1)
 
 
 def refill(view: ModelView, batch: Batch, cap: Capture, needed: list[tuple[int, int]]) -> None:
