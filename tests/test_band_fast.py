@@ -38,3 +38,14 @@ def test_a_nan_in_the_band_counts_as_no_attention():
     assert bool(torch.isfinite(mass).all())
     clean, _ = att.band(torch.ones(1, 40, dtype=torch.bool))
     torch.testing.assert_close(mass[:, 0], clean[:, 0])  # the other heads are untouched
+
+
+def test_the_kept_band_masks_answer_each_mask_and_are_never_shared_out():
+    att, pattern = _attention(150, seed=3)
+    masks = [torch.ones(1, 150, dtype=torch.bool), torch.arange(150)[None] >= 40, torch.arange(150)[None] < 100]
+    for valid in [masks[0], masks[0], masks[1], masks[0], masks[2], masks[1], masks[2]]:  # kept, then asked
+        mass, count = att.band(valid)
+        ref_mass, ref_count = key_attention(pattern, valid)
+        torch.testing.assert_close(count, ref_count)
+        torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-6)
+        count.fill_(-1)  # the caller's own: the next call is unchanged

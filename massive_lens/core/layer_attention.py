@@ -145,28 +145,29 @@ class LayerAttention:
         :func:`~massive_lens.core.criterion.key_attention` of the pattern, from a band of
         ``SINK_QUERIES`` diagonals (linear in the length)."""
         b, h, n, d = self.q.shape
-        dev, w, blk = self.q.device, SINK_QUERIES, BAND_BLOCK
+        dev, w, blk, kv = self.q.device, SINK_QUERIES, BAND_BLOCK, self.k.shape[1]
         nb = -(-n // blk)
         q = torch.nn.functional.pad(self.q.float(), (0, 0, 0, nb * blk + w - n))
         lse = torch.nn.functional.pad(self.lse.float(), (0, nb * blk + w - n), value=float("inf"))
-        k = torch.nn.functional.pad(self.k.float(), (0, 0, 0, nb * blk - n)).repeat_interleave(self.group, 1)
-        qw = q.unfold(2, blk + w, blk)  # [b h nb d blk+w]: each key block's queries
-        scores = torch.einsum("bhnds,bhnkd->bhnsk", qw, k.reshape(b, h, nb, blk, d)).mul_(self.scale)
+        k = torch.nn.functional.pad(self.k.float(), (0, 0, 0, nb * blk - n))
+        # [b kv group nb d blk+w]: each key block's queries, the query heads of a kv head together (no copy of k)
+        qw = q.unfold(2, blk + w, blk).reshape(b, kv, self.group, nb, d, blk + w)
+        scores = torch.einsum("bgrnds,bgnkd->bgrnsk", qw, k.reshape(b, kv, nb, blk, d)).mul_(self.scale)
+        band, count, outside = _band_mask(valid, n, dev)  # [b 1 1 nb s k], [b pos], the entries out of the band
+        lse = lse.unfold(2, blk + w, blk).reshape(b, kv, self.group, nb, blk + w, 1)
+        if self.mask is None and self.causal:  # every key of the band is before its query: no bias, one select
+            p = (scores - lse).exp_().masked_fill_(outside, 0.0)  # one buffer, written in place
+            mass = p.sum(4).reshape(b, h, nb * blk)[..., :n]
+            if bool(torch.isfinite(mass).all()):  # else a NaN or inf reached the band: the entries' own rule
+                return mass / count.clamp(min=1)[:, None], count.clone()  # the caller's own count
         qi = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk + w, device=dev))[:, :, None]
         ki = (torch.arange(nb, device=dev)[:, None] * blk + torch.arange(blk, device=dev))[:, None, :]
-        real = torch.nn.functional.pad(valid.to(dev, torch.float32), (0, nb * blk + w - n))
-        band = ((qi > ki) & (qi <= ki + w) & (qi < n)).float()[None] * real[:, qi[..., 0]][..., None]  # [b nb s k]
-        count = band.sum(2).reshape(b, nb * blk)[:, :n]
-        lse = lse.unfold(2, blk + w, blk)[..., None]
-        if self.mask is None and self.causal:  # every key of the band is before its query: no bias, one select
-            p = (scores - lse).exp_().masked_fill_(band[:, None] == 0, 0.0)  # one buffer, written in place
-            mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
-            if bool(torch.isfinite(mass).all()):  # else a NaN or inf reached the band: the entries' own rule
-                return mass / count.clamp(min=1)[:, None], count
-        scores = scores + self._bias(qi.clamp(max=n - 1), ki.clamp(max=n - 1))
-        p = _softmax_entries(scores, lse) * band[:, None]
-        mass = p.sum(3).reshape(b, h, nb * blk)[..., :n]
-        return mass / count.clamp(min=1)[:, None], count
+        bias = self._bias(qi.clamp(max=n - 1), ki.clamp(max=n - 1))  # [b|1 h|1 nb s k] or [nb s k]
+        if bias.ndim == 5:
+            bias = bias.reshape(bias.shape[0], kv if bias.shape[1] == h else 1, -1, *bias.shape[2:])
+        p = _softmax_entries(scores + bias, lse) * band
+        mass = p.sum(4).reshape(b, h, nb * blk)[..., :n]
+        return mass / count.clamp(min=1)[:, None], count.clone()
 
     def _bias(self, qi: Tensor, ki: Tensor) -> Tensor:
         """The mask's additive bias at query positions ``qi`` and key positions ``ki``
@@ -177,6 +178,32 @@ class LayerAttention:
             return torch.where(ki <= qi, 0.0, float("-inf")).to(self.q.device)
         m = self.mask[:, :, qi, ki]  # [batch|1 head|1 ...]
         return torch.where(m, 0.0, float("-inf")) if m.dtype == torch.bool else m.float()
+
+
+_BANDS: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # the last two passes' band masks (read only)
+
+
+def _band_mask(valid: Tensor, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """:meth:`LayerAttention.band`'s blocks as a float mask ``[batch 1 1 block query key]`` (query within
+    ``SINK_QUERIES`` after the key, real, in the text), each key's count of such queries ``[batch pos]``, and
+    the mask's complement (bool): the same at every layer of a pass, kept for the last two (batch, length,
+    device, real positions) asked, never written to."""
+    key = (n, str(device), valid.cpu().numpy().tobytes(), tuple(valid.shape))
+    got = _BANDS.get(key)
+    if got is not None:
+        return got
+    w, blk, b = SINK_QUERIES, BAND_BLOCK, valid.shape[0]
+    nb = -(-n // blk)
+    qi = (torch.arange(nb, device=device)[:, None] * blk + torch.arange(blk + w, device=device))[:, :, None]
+    ki = (torch.arange(nb, device=device)[:, None] * blk + torch.arange(blk, device=device))[:, None, :]
+    real = torch.nn.functional.pad(valid.to(device, torch.float32), (0, nb * blk + w - n))
+    band = ((qi > ki) & (qi <= ki + w) & (qi < n)).float()[None] * real[:, qi[..., 0]][..., None]  # [b nb s k]
+    count = band.sum(2).reshape(b, nb * blk)[:, :n]
+    band = band[:, None, None]
+    if len(_BANDS) >= 2:  # (clear and set: each one step, safe beside another thread's call)
+        _BANDS.clear()
+    _BANDS[key] = (band, count, band == 0)
+    return _BANDS[key]
 
 
 def _softmax_entries(scores: Tensor, lse: Tensor) -> Tensor:
