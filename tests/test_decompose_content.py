@@ -24,7 +24,6 @@ def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks, hold, m
 
     if hold == "check rows":
         monkeypatch.setattr(module, "HOLD_OUTPUT_BYTES", 0)
-        monkeypatch.setattr(module, "HOLD_OUTPUT_SHARE", 0)
     view = ModelView(tiny)
     batch = view.tokenize(TEXT)
     n = batch.tokens.shape[1]
@@ -43,24 +42,3 @@ def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks, hold, m
         expected = torch.einsum("bqhd,hdm->bqm", z_content, W_O)
         scale = float(expected.abs().max())
         assert float((result.content[i] - expected).abs().max()) <= 1e-5 * scale, layer
-
-
-def test_the_output_is_held_whole_within_a_share_of_the_weights(monkeypatch):
-    """Above HOLD_OUTPUT_BYTES the output is still held whole up to HOLD_OUTPUT_SHARE of the model's weights
-    (asked only then), its check rows above that."""
-    import massive_lens.attention.decompose as module
-
-    W_O = torch.zeros(2, 4, 8)
-    need = 3 * 2 * 16 * 8 * 4  # [layer batch pos d_model] float32
-    monkeypatch.setattr(module, "HOLD_OUTPUT_BYTES", need - 1)
-    asked = []
-
-    def weights(n):
-        return lambda: asked.append(n) or n
-
-    share = module.HOLD_OUTPUT_SHARE
-    assert module._Terms((0, 1, 2), (2, 16), W_O, hold=True, weights=weights(need / share)).whole
-    assert not module._Terms((0, 1, 2), (2, 16), W_O, hold=True, weights=weights(need / share - 4)).whole
-    monkeypatch.setattr(module, "HOLD_OUTPUT_BYTES", need)
-    assert module._Terms((0, 1, 2), (2, 16), W_O, hold=True, weights=weights(0)).whole
-    assert asked == [need / share, need / share - 4]  # within HOLD_OUTPUT_BYTES the weights are not counted

@@ -32,7 +32,7 @@ from massive_lens.attention.constancy import constancy, reductions
 from massive_lens.attention.output_weights import check_shapes, head_gram, output_weights
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_output_hook, attention_pass, choose_path
-from massive_lens.core.budget import trim_allocator, weight_bytes
+from massive_lens.core.budget import trim_allocator
 from massive_lens.core.charts import sink_content_axes
 from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.lse import EAGER, path_text
@@ -144,8 +144,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     # the key columns kept per layer: the given sinks' or, when the sinks are found in this same pass,
     # every position that could turn out to be one (see candidate_columns)
     columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
-    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None,
-                   weights=lambda: weight_bytes(model))
+    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
     trim = _trim_each_layer(batch, terms.sink.shape[-1])
     if given is not None:
         terms.plan(given.mask[:, columns], batch.mask, given.mask)
@@ -195,8 +194,7 @@ class _Terms:
     CPU, one allocation each (no copy at the end). While the pass finds the sinks, every layer's
     heads' outputs ``z``, attention on the kept columns and attention output are held in one buffer
     each (not one per layer, so that the pass's transients do not fragment around them). Where a
-    term's buffer is within the budget (``HOLD_OUTPUT_BYTES``, or ``HOLD_OUTPUT_SHARE`` of the model's weights
-    (``weights``: their bytes), whichever is more) the output is held whole in ``content``, which
+    term's buffer is at most ``HOLD_OUTPUT_BYTES`` the output is held whole in ``content``, which
     the layer's content term (the output less the sink term and ``b_O``) replaces once it is split,
     and ``z`` in ``sink``'s memory, which the sink term replaces; above it (a long text, where a
     third buffer held through the forward would raise its peak) only the check rows of the output
@@ -204,13 +202,11 @@ class _Terms:
     row. Where ``z``'s heads do not fill ``d_model`` (heads x d_head != d_model) nothing is shared.
     Either way the result costs no memory beyond what the pass held."""
 
-    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, hold: bool,
-                 weights: Callable[[], int] = lambda: 0):
+    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, hold: bool):
         self.index = {layer: i for i, layer in enumerate(layers)}
         heads, d_head, d_model = W_O.shape
         size = (len(layers), *shape, d_model)
-        need = math.prod(size) * W_O.element_size()  # the output held at every row: within the budget?
-        self.whole = need <= HOLD_OUTPUT_BYTES or need <= HOLD_OUTPUT_SHARE * weights()
+        self.whole = math.prod(size) * W_O.element_size() <= HOLD_OUTPUT_BYTES  # the output held at every row
         self._z = torch.empty(len(layers), *shape, heads, d_head, dtype=W_O.dtype) if hold else None
         shared = self._z.view(size) if hold and heads * d_head == d_model else None  # z's memory, once split
         self.content = shared if shared is not None and not self.whole else torch.empty(size, dtype=W_O.dtype)
@@ -335,12 +331,8 @@ def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, o
 
 
 # a term's buffer ([layer, batch, pos, d_model]) up to which, when the sinks are found in the pass, the attention
-# output is held whole (its content term then costs no product: at 2,048 tokens on SmolLM2 the product through W_O
-# at every row was ~8% of the pass); above it the output's check rows only. The buffer is written during the
-# forward (the sink term's, unwritten until the split, takes no memory then), so it counts against the peak: held up
-# to HOLD_OUTPUT_BYTES, or up to HOLD_OUTPUT_SHARE of the model's weights, whichever is more
+# output is held whole (its content term then costs no product); above it the output's check rows only
 HOLD_OUTPUT_BYTES = 32 << 20
-HOLD_OUTPUT_SHARE = 0.5
 
 # a layer's term ([batch, pos, d_model] float32) from which the freed transients are handed back every
 # TRIM_EVERY layers and after the split; below it never: each trim costs the next layer's page faults (at 128
