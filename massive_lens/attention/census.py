@@ -197,7 +197,7 @@ class _Tally:
             w = view.mlp_w_out(layer)
             if w is not None:
                 # kept between calls while the weights are unchanged (a read of the weights instead of two)
-                self.w_out_norm[layer] = derived(w, view.block(layer).mlp, "row_norms",
+                self.w_out_norm[layer] = derived(w, None, "row_norms",
                                                  lambda weight: _row_norms(weight.detach().float()))
 
     def hooks(self) -> list[tuple[str, Any]]:

@@ -38,6 +38,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from massive_lens.core import sparse_bool
+from massive_lens.core.band_masks import key_blocks
 from massive_lens.core.few_massive import few_massive
 from massive_lens.core.median import lower_median
 from massive_lens.core.outliers import (  # noqa: F401  (the rule's names, importable from the criterion too)
@@ -281,39 +282,11 @@ def key_attention(
     ([1.0, 0.0, 0.0], [2.0, 1.0, 0.0])
     """
     n = pattern.shape[-1]
-    blocks, count = _key_bands(pattern.shape[0], n, pattern.device, valid)
+    blocks, count = key_blocks(pattern.shape[0], n, pattern.device, valid, span=SINK_QUERIES, block=KEY_BLOCK)
     mass = torch.empty(*pattern.shape[:2], n, device=pattern.device)
     for k0, k1, q1, band in blocks:  # a block of keys and the queries that see them
         mass[..., k0:k1] = (pattern[:, :, k0:q1, k0:k1].float() * band[:, None]).sum(2)  # 20x faster than einsum
     return mass / count.clamp(min=1)[:, None], count.clone()  # the caller's own count: the kept one stays as it is
-
-
-_BANDS: dict[tuple, tuple[list[tuple[int, int, int, Tensor]], Tensor]] = {}  # the last few passes' bands (read only)
-
-
-def _key_bands(batch: int, n: int, device: torch.device, valid: Tensor | None
-               ) -> tuple[list[tuple[int, int, int, Tensor]], Tensor]:
-    """:func:`key_attention`'s blocks ``(k0, k1, q1, band [batch q k])`` (``band``: query ``q`` is real and
-    within ``SINK_QUERIES`` after key ``k``) and each key's query count, the same at every layer of a pass:
-    kept for the last few (batch, length, device, real positions) asked."""
-    key = (batch, n, str(device), None if valid is None else valid.cpu().numpy().tobytes())
-    got = _BANDS.get(key)
-    if got is not None:
-        return got
-    queries = torch.ones(batch, n, device=device) if valid is None else valid.to(device, torch.float32)
-    count = torch.empty(batch, n, device=device)
-    blocks = []
-    for k0 in range(0, n, KEY_BLOCK):
-        k1 = min(k0 + KEY_BLOCK, n)
-        q1 = min(k1 + SINK_QUERIES, n)
-        q, k = torch.arange(k0, q1, device=device)[:, None], torch.arange(k0, k1, device=device)[None]
-        band = ((q > k) & (q <= k + SINK_QUERIES)).to(torch.float32)[None] * queries[:, k0:q1, None]  # [batch q k]
-        count[:, k0:k1] = band.sum(1)
-        blocks.append((k0, k1, q1, band))
-    if len(_BANDS) >= 2:  # (clear and set: each one step, safe beside another thread's call)
-        _BANDS.clear()
-    _BANDS[key] = (blocks, count)
-    return blocks, count
 
 
 class SinkEvidence:

@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from massive_lens.core.band_masks import band_blocks
 from massive_lens.core.criterion import SINK_QUERIES
 
 __all__ = ["BAND_BLOCK", "MAX_BLOCK", "LayerAttention", "rest_lse"]
@@ -153,7 +154,7 @@ class LayerAttention:
         # [b kv group nb d blk+w]: each key block's queries, the query heads of a kv head together (no copy of k)
         qw = q.unfold(2, blk + w, blk).reshape(b, kv, self.group, nb, d, blk + w)
         scores = torch.einsum("bgrnds,bgnkd->bgrnsk", qw, k.reshape(b, kv, nb, blk, d)).mul_(self.scale)
-        band, count, outside = _band_mask(valid, n, dev)  # [b 1 1 nb s k], [b pos], the entries out of the band
+        band, count, outside = band_blocks(valid, n, dev, span=w, block=blk)  # [b 1 1 nb s k], [b pos], its complement
         lse = lse.unfold(2, blk + w, blk).reshape(b, kv, self.group, nb, blk + w, 1)
         if self.mask is None and self.causal:  # every key of the band is before its query: no bias, one select
             p = (scores - lse).exp_().masked_fill_(outside, 0.0)  # one buffer, written in place
@@ -178,32 +179,6 @@ class LayerAttention:
             return torch.where(ki <= qi, 0.0, float("-inf")).to(self.q.device)
         m = self.mask[:, :, qi, ki]  # [batch|1 head|1 ...]
         return torch.where(m, 0.0, float("-inf")) if m.dtype == torch.bool else m.float()
-
-
-_BANDS: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # the last two passes' band masks (read only)
-
-
-def _band_mask(valid: Tensor, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """:meth:`LayerAttention.band`'s blocks as a float mask ``[batch 1 1 block query key]`` (query within
-    ``SINK_QUERIES`` after the key, real, in the text), each key's count of such queries ``[batch pos]``, and
-    the mask's complement (bool): the same at every layer of a pass, kept for the last two (batch, length,
-    device, real positions) asked, never written to."""
-    key = (n, str(device), valid.cpu().numpy().tobytes(), tuple(valid.shape))
-    got = _BANDS.get(key)
-    if got is not None:
-        return got
-    w, blk, b = SINK_QUERIES, BAND_BLOCK, valid.shape[0]
-    nb = -(-n // blk)
-    qi = (torch.arange(nb, device=device)[:, None] * blk + torch.arange(blk + w, device=device))[:, :, None]
-    ki = (torch.arange(nb, device=device)[:, None] * blk + torch.arange(blk, device=device))[:, None, :]
-    real = torch.nn.functional.pad(valid.to(device, torch.float32), (0, nb * blk + w - n))
-    band = ((qi > ki) & (qi <= ki + w) & (qi < n)).float()[None] * real[:, qi[..., 0]][..., None]  # [b nb s k]
-    count = band.sum(2).reshape(b, nb * blk)[:, :n]
-    band = band[:, None, None]
-    if len(_BANDS) >= 2:  # (clear and set: each one step, safe beside another thread's call)
-        _BANDS.clear()
-    _BANDS[key] = (band, count, band == 0)
-    return _BANDS[key]
 
 
 def _softmax_entries(scores: Tensor, lse: Tensor) -> Tensor:

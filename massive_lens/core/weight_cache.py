@@ -32,14 +32,16 @@ _PROBES: dict[tuple, tuple[Tensor, Tensor]] = {}  # the fingerprint's random vec
 
 
 def derived(weight: Tensor, owner: Any, key: Hashable, derive: Callable[[Tensor], Any]) -> Any:
-    """``derive(weight)``, kept with ``owner`` (an object that lives as long as the weight: its module) under
-    ``key`` while the weight is unchanged: the same memory, offset, strides, dtype and device, not edited in
-    place (the version counter a view shares with its parameter: ``copy_``, ``mul_`` under ``no_grad``), and
-    with the same fingerprint, a random bilinear form of the weight, which sees an edit made through
-    ``weight.data`` (no version counted) unless it moves the form by less than its float32 rounding. The kept
-    value is shared between calls: never write to it."""
+    """``derive(weight)``, kept with ``owner`` (an object that lives as long as the weight: its module; None:
+    the parameter the weight is a view of, else the weight itself) under ``key`` while the weight is unchanged:
+    the same memory, offset, strides, dtype and device, not edited in place (the version counter a view shares
+    with its parameter: ``copy_``, ``mul_`` under ``no_grad``), and with the same fingerprint, a random bilinear
+    form of the weight, which sees an edit made through ``weight.data`` (no version counted) unless it moves the
+    form by less than its float32 rounding. The kept value is shared between calls: never write to it."""
     stamp = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.device, weight._version,
              _fingerprint(weight))
+    if owner is None:
+        owner = weight if weight._base is None else weight._base
     try:
         kept = _KEPT.setdefault(owner, {})
     except TypeError:  # an owner that cannot be referred to weakly: nothing kept

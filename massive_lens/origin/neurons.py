@@ -168,7 +168,7 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
         mags = mags.T if mags.T.is_contiguous() else mags.contiguous()  # the stored order: no copy
         if "hf_names" not in seen:
             seen["hf_names"] = _hf_names(view.model)
-        stats = derived(weight, view.block(layer).mlp, "entry_mean_std", lambda _: _mean_std(mags))  # kept
+        stats = derived(weight, None, "entry_mean_std", lambda _: _mean_std(mags))  # kept with the parameter
         seen[layer] = (*hf_param(view.model, layer, weight, seen["hf_names"]), *stats, EntryRanks(mags))
     name, transposed, mean, std, ranks = seen[layer]
     rows = []
