@@ -86,3 +86,17 @@ def test_the_boundary_of_abs_threshold_float32_cannot_hold():
         exact = _by_median(x, criterion)
         assert exact[0, 2, 2] and not exact[0, 0, 0], threshold
         assert torch.equal(few_massive(x, criterion), exact), threshold
+
+
+def test_passes_compares_as_torch_does_with_or_without_grad():
+    """Criterion.passes compares in NumPy on the CPU: the same mask as torch's comparison, in float32 and
+    float64, and torch's own where an input needs grad (NumPy cannot read it)."""
+    gen = torch.Generator().manual_seed(2)
+    criterion = Criterion(abs_threshold=100.3, ratio_threshold=1000.1)
+    for dtype in (torch.float32, torch.float64):
+        mag = (torch.rand(2, 9, 16, generator=gen, dtype=dtype) * 300).abs()
+        scale = torch.rand(2, 1, 1, generator=gen, dtype=dtype) * 0.2
+        want = mag > (criterion.ratio_threshold * scale).clamp(min=criterion.abs_threshold)
+        assert torch.equal(criterion.passes(mag, scale), want)
+        assert torch.equal(criterion.passes(mag.clone().requires_grad_(), scale), want)
+        assert torch.equal(criterion.passes(mag, scale.clone().requires_grad_()), want)

@@ -111,7 +111,7 @@ class Criterion:
             A bool tensor shaped like ``mag``: which entries pass (before any outlier-dimension rule).
         """
         bound = (self.ratio_threshold * scale).clamp(min=self.abs_threshold)  # both, in one comparison
-        if mag.device.type == bound.device.type == "cpu" and not mag.requires_grad and \
+        if mag.device.type == bound.device.type == "cpu" and not (mag.requires_grad or bound.requires_grad) and \
                 mag.dtype == bound.dtype in (torch.float32, torch.float64):  # NumPy's: ~10x faster on one thread
             return torch.from_numpy(np.greater(mag.numpy(), bound.numpy()))
         return mag > bound
