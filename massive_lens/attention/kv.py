@@ -208,12 +208,14 @@ def _band_amplitudes(q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int, floa
     """``[2, head, half]``: the largest query and key amplitude of each rotary pair over the real positions."""
     dim, half = rotary[0], rotary[0] // 2
     group = q.shape[2] // k.shape[2]
+    every = bool(real.all())
     amp = []
     for x, repeat in ((q, 1), (k, group)):
         x = x.detach().float()
-        a = (x[..., :half].pow(2) + x[..., half:dim].pow(2)).sqrt()  # [b p head half]
-        amp.append(a[real].amax(0).repeat_interleave(repeat, dim=0))  # [head half]
-    return torch.stack(amp).cpu()
+        a = x[..., :half].pow(2) + x[..., half:dim].pow(2)  # [b p head half]: squared (sqrt is monotone: taken last)
+        top = a.flatten(0, 1).amax(0) if every else a[real].amax(0)
+        amp.append(top.repeat_interleave(repeat, dim=0))  # [head half]
+    return torch.stack(amp).sqrt().cpu()
 
 
 def _band_frame(bands: dict[int, Tensor], rotary: tuple[int, float] | None) -> pd.DataFrame:
