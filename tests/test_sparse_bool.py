@@ -10,7 +10,7 @@ from massive_lens.core import criterion, sparse_bool
 
 def test_sparse_bool_equals_torch():
     gen = torch.Generator().manual_seed(0)
-    for shape in [(1, 128, 576), (2, 7, 5), (3, 0, 4), (4,), (2, 3, 4, 5)]:
+    for shape in [(1, 100, 300), (2, 7, 5), (3, 0, 4), (4,), (2, 3, 4, 5)]:
         for share in (0.0, 1e-3, 0.01, 0.3, 1.0):
             mask = torch.rand(shape, generator=gen) < share
             for m in (mask, mask.transpose(0, -1)):  # strided too

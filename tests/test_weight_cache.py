@@ -16,6 +16,7 @@ from massive_lens import tiny_model, trace_origin
 from massive_lens.attention import sink_census
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.weight_cache import derived
+from massive_lens.origin.neurons import _hf_names
 
 ROUTES = {
     "through .data": lambda p: p.data[0].mul_(1.5),
@@ -64,8 +65,6 @@ def test_an_edited_w_out_gives_the_answer_computed_with_nothing_kept(analysis, m
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_hf_names_are_named_parameters_first_names(family):
-    from massive_lens.origin.neurons import _hf_names
-
     model = tiny_model(family)
     want: dict = {}
     for name, param in model.original_model.named_parameters():
