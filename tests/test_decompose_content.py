@@ -15,15 +15,19 @@ from massive_lens.core.model_view import ModelView
 TEXT = "The cat sat on the mat. It slept, and then, much later, it woke: the mat was warm. "
 
 
+@pytest.mark.parametrize("split", ["layers together", "one layer at a time"])
 @pytest.mark.parametrize("hold", ["whole", "check rows"])
 @pytest.mark.parametrize("sinks", [None, [0, 5]])
-def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks, hold, monkeypatch):
-    """Found sinks hold the output whole on a short text, its check rows only on a long one (set here
-    by the budget): the content term is the same."""
+def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks, hold, split, monkeypatch):
+    """The output is held whole on a short text, its check rows only on a long one (set here by the
+    budget); the layers are split together on a short text, one at a time on a long one: the content
+    term is the same."""
     import massive_lens.attention.decompose as module
 
     if hold == "check rows":
         monkeypatch.setattr(module, "HOLD_OUTPUT_BYTES", 0)
+    if split == "one layer at a time":
+        monkeypatch.setattr(module, "SPLIT_BYTES", 1)
     view = ModelView(tiny)
     batch = view.tokenize(TEXT)
     n = batch.tokens.shape[1]
@@ -42,3 +46,21 @@ def test_content_is_the_other_keys_through_W_O_at_every_row(tiny, sinks, hold, m
         expected = torch.einsum("bqhd,hdm->bqm", z_content, W_O)
         scale = float(expected.abs().max())
         assert float((result.content[i] - expected).abs().max()) <= 1e-5 * scale, layer
+
+
+def test_layers_split_together_or_one_at_a_time_give_the_same_tables(tiny, monkeypatch):
+    """The split's batching of layers changes no number beyond float32 rounding: terms, errors, statistics."""
+    import massive_lens.attention.decompose as module
+
+    together = decompose_attention(tiny, [TEXT, "Short one."])
+    monkeypatch.setattr(module, "SPLIT_BYTES", 1)
+    alone = decompose_attention(tiny, [TEXT, "Short one."])
+    assert together.layers == alone.layers and len(together.layers) > 1
+    for name in ("sink", "content", "bias"):
+        torch.testing.assert_close(getattr(together, name), getattr(alone, name), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(together.errors.values), torch.tensor(alone.errors.values),
+                               rtol=0.5, atol=1e-6)  # each a rounding error itself
+    numbers = ["norm", "rel_std_pos", "cos_pos", "rel_std_text", "cos_text"]
+    assert together.frame[["layer", "head", "term"]].equals(alone.frame[["layer", "head", "term"]])
+    torch.testing.assert_close(torch.tensor(together.frame[numbers].values), torch.tensor(alone.frame[numbers].values),
+                               rtol=1e-4, atol=1e-5, equal_nan=True)

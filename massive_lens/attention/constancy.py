@@ -18,27 +18,30 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 
-def reductions(x: Float[Tensor, "batch head_index pos dim"], keep: Bool[Tensor, "batch pos"],
-               basis: Float[Tensor, "#batch head_index dim d_model"] | None = None,
-               gram: Float[Tensor, "#batch head_index dim dim"] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One term's sums over the positions that count, per text and head (a few passes over x):
-    the mean vector, the sum of unit vectors, the mean squared norm and the mean norm. With
-    ``basis``, the term's vectors are ``x @ basis`` (e.g. attention on a few sinks times their
-    values), never built: the norms come from the basis's Gram matrix (``gram``, where the caller
-    has it: ``basis @ basis.mT``)."""
+def reductions(x: Float[Tensor, "*batch head_index pos dim"], keep: Bool[Tensor, "*keep_batch pos"],
+               basis: Float[Tensor, "*basis_batch head_index dim d_model"] | None = None,
+               gram: Float[Tensor, "*gram_batch head_index dim dim"] | None = None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One term's sums over the positions that count, per text and head (a few passes over x; any
+    leading dimensions, ``keep`` and the factors broadcast over them): the mean vector, the sum of unit
+    vectors, the mean squared norm and the mean norm. With ``basis``, the term's vectors are ``x @ basis``
+    (e.g. attention on a few sinks times their values), never built: the norms come from the basis's Gram
+    matrix (``gram``, where the caller has it: ``basis @ basis.mT``). With ``gram`` and no basis the
+    norms are those of ``x @ basis`` and the two sums are left for the caller to take through the basis."""
     x = x.contiguous()  # read by three products: one copy, not one each
     w = keep.to(x.dtype)
-    share = w / w.sum(1).clamp(min=1)[:, None]  # [batch pos]
-    if basis is None:
-        norms = torch.linalg.vector_norm(x, dim=-1)  # [batch head pos]
+    share = (w / w.sum(-1, keepdim=True).clamp(min=1)).unsqueeze(-2)  # [*batch 1 pos]
+    if gram is None and basis is not None:
+        gram = basis @ basis.transpose(-1, -2)  # [*batch head dim dim]
+    if gram is None:
+        norms = torch.linalg.vector_norm(x, dim=-1)  # [*batch head pos]
     else:
-        gram = basis @ basis.transpose(-1, -2) if gram is None else gram  # [batch head dim dim]
         norms = ((x @ gram) * x).sum(-1).clamp(min=0).sqrt()
-    # the mean and the sum of unit vectors, [batch head 2 dim]: one product each, then one through the basis
-    sums = torch.stack([share[:, None, :].expand(-1, x.shape[1], -1), w[:, None, :] / norms.clamp(min=1e-12)], 2) @ x
+    # the mean and the sum of unit vectors, [*batch head 2 dim]: one product each, then one through the basis
+    sums = torch.stack([share.expand_as(norms), w.unsqueeze(-2) / norms.clamp(min=1e-12)], -2) @ x
     if basis is not None:
         sums = sums @ basis
-    return sums[:, :, 0], sums[:, :, 1], (norms.pow(2) * share[:, None]).sum(-1), (norms * share[:, None]).sum(-1)
+    return sums[..., 0, :], sums[..., 1, :], (norms.pow(2) * share).sum(-1), (norms * share).sum(-1)
 
 
 def constancy(parts: Sequence[tuple[Tensor, ...]], keep: Bool[Tensor, "batch pos"]) -> Float[Tensor, "term head 5"]:

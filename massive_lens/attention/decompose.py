@@ -144,19 +144,13 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     # the key columns kept per layer: the given sinks' or, when the sinks are found in this same pass,
     # every position that could turn out to be one (see candidate_columns)
     columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
-    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], hold=given is None)
+    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0])
     trim = _trim_each_layer(batch, terms.sink.shape[-1])
-    if given is not None:
-        terms.plan(given.mask[:, columns], batch.mask, given.mask)
 
     def take(at: PassLayer) -> None:
         # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v
         check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
-        parts = (at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)])  # v: the kv heads' values
-        if given is None:
-            terms.hold(at.layer, *parts, at.out)
-        else:
-            _split(view, at.layer, *parts, at.out.detach(), weights[at.layer], terms)
+        terms.hold(at.layer, at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)], at.out)
         trim()  # the layer's transients, freed, handed back: held between them they would fragment
 
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None  # the sink rule reads every layer
@@ -164,17 +158,17 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     attention_pass(view, batch, take, path=path, columns=columns, want=("z", "v", "out"), layers=layers,
                    out_hooks=terms.out_hooks, evidence=evidence,
                    stop_after=None if given is None else view.hook_name(max(layers), "resid_post"))
-    found = given
-    if given is None:
-        found = sinks_from(evidence, view.token_kinds(batch), path)
-        inside = found.mask[:, columns]
-        if int(inside.sum()) < int(found.mask.sum()):  # a sink outside the kept columns: a second pass
-            return decompose_attention(model, text, layers=layers, sinks=found, attention=path)
-        terms.plan(inside, batch.mask, found.mask)
-        for layer in layers:
-            _split(view, layer, *terms.held(layer), weights[layer], terms)
-            trim()
-        terms.drop_held()
+    found = given if given is not None else sinks_from(evidence, view.token_kinds(batch), path)
+    inside = found.mask[:, columns]
+    if int(inside.sum()) < int(found.mask.sum()):  # a sink found outside the kept columns: a second pass
+        return decompose_attention(model, text, layers=layers, sinks=found, attention=path)
+    # every layer split after the pass, several at once (one operation for all of them where it can)
+    terms.plan(inside, batch.mask, found.mask)
+    step = max(1, SPLIT_BYTES // terms.layer_bytes)
+    for start in range(0, len(layers), step):
+        _split(view, layers[start:start + step], *terms.held(start, start + step), weights, terms)
+        trim()
+    terms.drop_held()
     if trim is not _no_trim:  # where the layers' terms are large: small transients are reused
         trim_allocator()
     stats = constancy(terms.parts(), batch.mask & ~found.mask)  # [term head 5]
@@ -184,16 +178,16 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
                                         "rel_std_text", "cos_text"])
     return AttentionDecomposition(
         frame=frame, errors=pd.DataFrame(terms.errors, columns=["layer", "rel_error"]), layers=layers,
-        sink=terms.sink, content=terms.content, bias=terms.bias[:len(terms.errors)],
+        sink=terms.sink, content=terms.content, bias=terms.bias,
         sink_mask=found.mask, sink_source=found.source, model_name=view.name, sinks=found,
         post_norm=post_attention_norm(model), attention=path)
 
 
 class _Terms:
-    """The result, filled layer by layer: ``sink``/``content`` ``[layer batch pos d_model]`` on the
-    CPU, one allocation each (no copy at the end). While the pass finds the sinks, every layer's
-    heads' outputs ``z``, attention on the kept columns and attention output are held in one buffer
-    each (not one per layer, so that the pass's transients do not fragment around them). Where a
+    """The result, filled a few layers at a time after the pass: ``sink``/``content`` ``[layer batch pos
+    d_model]`` on the CPU, one allocation each (no copy at the end). Through the pass (which may be finding
+    the sinks), every layer's heads' outputs ``z``, attention on the kept columns and attention output are
+    held in one buffer each (not one per layer, so that the pass's transients do not fragment around them). Where a
     term's buffer is at most ``HOLD_OUTPUT_BYTES`` the output is held whole in ``content``, which
     the layer's content term (the output less the sink term and ``b_O``) replaces once it is split,
     and ``z`` in ``sink``'s memory, which the sink term replaces; above it (a long text, where a
@@ -202,20 +196,21 @@ class _Terms:
     row. Where ``z``'s heads do not fill ``d_model`` (heads x d_head != d_model) nothing is shared.
     Either way the result costs no memory beyond what the pass held."""
 
-    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, hold: bool):
+    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor):
         self.index = {layer: i for i, layer in enumerate(layers)}
         heads, d_head, d_model = W_O.shape
         size = (len(layers), *shape, d_model)
         self.whole = math.prod(size) * W_O.element_size() <= HOLD_OUTPUT_BYTES  # the output held at every row
-        self._z = torch.empty(len(layers), *shape, heads, d_head, dtype=W_O.dtype) if hold else None
-        shared = self._z.view(size) if hold and heads * d_head == d_model else None  # z's memory, once split
+        self._z = torch.empty(len(layers), *shape, heads, d_head, dtype=W_O.dtype)
+        shared = self._z.view(size) if heads * d_head == d_model else None  # z's memory, once split
         self.content = shared if shared is not None and not self.whole else torch.empty(size, dtype=W_O.dtype)
         self.sink = shared if shared is not None and self.whole else torch.empty(size, dtype=W_O.dtype)
         self._rows: Tensor | None = None  # the output's check rows, where it is not held whole
         self._pattern: Tensor | None = None
         self._v: Tensor | None = None  # the kept columns' values
-        self.bias = torch.empty(len(layers), d_model, dtype=W_O.dtype)  # b_O per layer, in the order split
-        self.stats: list[tuple[int, str]] = []  # (layer, term) of each constancy sum kept (see keep)
+        self.bias = torch.empty(len(layers), d_model, dtype=W_O.dtype)  # b_O per layer
+        self.layer_bytes = math.prod(size[1:]) * W_O.element_size()  # a layer's term
+        self.stats = [(layer, term) for layer in layers for term in _TERMS]  # of each constancy sum kept (keep)
         self._sums: tuple[Tensor, ...] = ()
         self.errors: list[tuple[int, float]] = []
         self.out_hooks: dict[int, str] = {}  # where each layer's attention output is read
@@ -234,24 +229,26 @@ class _Terms:
         self._v[i].copy_(v.detach())
         (self.content if self.whole else self._rows)[i].copy_(out)
 
-    def held(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``z``, the attention on the kept columns, their values and the output (or its check rows)."""
-        i = self.index[layer]
-        return self._z[i], self._pattern[i], self._v[i], (self.content if self.whole else self._rows)[i]
+    def held(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Layers ``start:stop`` (in :attr:`index`' order): ``z``, the attention on the kept columns, their
+        values and the output (or its check rows)."""
+        return tuple(x[start:stop] for x in (self._z, self._pattern, self._v,
+                                             self.content if self.whole else self._rows))
 
     def drop_held(self) -> None:
         """Free what was held for the split once every layer is split."""
         self._pattern = self._v = self._rows = None
 
-    def keep(self, layer: int, term: str, parts: tuple[Tensor, ...]) -> None:
-        """Keep one term's constancy sums (:func:`reductions`), in one buffer per sum for every layer and
-        term (no small allocation per layer between the split's transients, which glibc could not give back)."""
+    def keep(self, start: int, *terms: tuple[Tensor, ...]) -> None:
+        """Keep the constancy sums (:func:`reductions`, each ``[layer ...]``) of the layers from ``start``, per
+        term (sink, content), in one buffer per sum for every layer and term (no small allocation per layer
+        between the split's transients, which glibc could not give back)."""
         if not self._sums:
-            self._sums = tuple(torch.empty(2 * len(self.index), *x.shape, dtype=x.dtype, device=x.device)
-                               for x in parts)
-        for buffer, x in zip(self._sums, parts, strict=True):
-            buffer[len(self.stats)].copy_(x)
-        self.stats.append((layer, term))
+            self._sums = tuple(torch.empty(len(_TERMS) * len(self.index), *x.shape[1:], dtype=x.dtype,
+                                           device=x.device) for x in terms[0])
+        for t, parts in enumerate(terms):
+            for buffer, x in zip(self._sums, parts, strict=True):
+                buffer[len(_TERMS) * start + t:len(_TERMS) * (start + len(x)):len(_TERMS)].copy_(x)
 
     def parts(self) -> list[tuple[Tensor, ...]]:
         """The kept constancy sums, one tuple per :attr:`stats` entry."""
@@ -271,64 +268,81 @@ class _Terms:
         return self._on[device]
 
 
-def _split(view: ModelView, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor,
-           weights: tuple[Tensor, Tensor | None], terms: _Terms) -> None:
-    """One layer's terms from the heads' outputs ``z [batch query head d_head]``, the attention on
-    the kept key columns ``pattern [batch head query col]`` and their values ``v [batch col kv_head
-    d_head]`` (which columns are sinks: :meth:`_Terms.plan`). The sink term is each sink's value
-    through ``W_O``, weighted; the content term is the rest, the attention output ``out [batch query
-    d_model]`` less the sink term and ``b_O`` (its per-head statistics from the other keys' share of the
+def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v: Tensor, out: Tensor,
+           weights: dict[int, tuple[Tensor, Tensor | None]], terms: _Terms) -> None:
+    """Consecutive layers' terms at once, from the heads' outputs ``z [layer batch query head d_head]``, the
+    attention on the kept key columns ``pattern [layer batch head query col]`` and their values ``v [layer
+    batch col kv_head d_head]`` (which columns are sinks: :meth:`_Terms.plan`). The sink term is each sink's
+    value through ``W_O``, weighted; the content term is the rest, the attention output ``out [layer batch
+    query d_model]`` less the sink term and ``b_O`` (its per-head statistics from the other keys' share of the
     heads' outputs, through ``W_O``); summed over heads (the per-head terms are read only through their
-    factors; where ``out`` holds only the check rows, the content term is ``z_content W_O`` at every
-    row). The reconstruction error recorded is ``||sink + z_content W_O + b_O - attn_out|| /
-    ||attn_out||`` on the real positions of :func:`check_rows`: where it is small the output is the
-    heads' outputs through ``W_O`` plus ``b_O`` and the content term is theirs. What it catches, an
-    output that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows at every row."""
-    W_O, b_O = weights
-    device = z.device
-    gram = head_gram(W_O, z, view.block(layer).attn)[None]  # kept between calls on the same weights
-    W_O = W_O.to(z)
+    factors; where ``out`` holds only the check rows, the content term is ``z_content W_O`` at every row). The
+    reconstruction error recorded is ``||sink + z_content W_O + b_O - attn_out|| / ||attn_out||`` on the real
+    positions of :func:`check_rows`: where it is small the output is the heads' outputs through ``W_O`` plus
+    ``b_O`` and the content term is theirs. What it catches, an output that is not ``z W_O + b_O`` (a gate or
+    a norm after the heads), shows at every row. Everything but the products with each layer's ``W_O`` is
+    one operation for all the layers (an operation costs about the same for one layer or thirty at 128
+    tokens)."""
+    device, first = z.device, terms.index[layers[0]]
+    W_Os = [weights[layer][0].to(z) for layer in layers]
     used, keys, valid, keep, rows = terms.on(device)
-    at_sinks = pattern.to(device)[..., used] * keys[:, None, None, :].to(pattern.dtype)  # [batch head query sink]
-    group = z.shape[2] // v.shape[2]  # query heads per kv head
-    v = v.to(device)[:, used].transpose(1, 2).repeat_interleave(group, dim=1)  # [batch head sink d_head]
-    sink_values = v @ W_O[None]  # [batch head sink d_model]: each sink's value through W_O
-    sink = at_sinks.transpose(1, 2).flatten(2) @ sink_values.flatten(1, 2)  # [batch query d_model], summed over heads
-    z_content = z - (at_sinks @ v).transpose(1, 2)  # the heads' outputs from the other keys
-    # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows):
-    # its constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
-    stats = {"sink": reductions(at_sinks, keep, basis=sink_values),
-             "content": reductions(z_content.transpose(1, 2), keep, basis=W_O[None], gram=gram)}
-    bias = torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if b_O is None else b_O.to(z)
-    every = len(rows) == z.shape[1]  # every row checked: no gather
-    whole = out.shape[1] == z.shape[1]  # else ``out`` holds the check rows only
+    at_sinks = pattern.to(device)[..., used] * keys[:, None, None, :].to(pattern.dtype)  # [layer batch head query sink]
+    group = z.shape[3] // v.shape[3]  # query heads per kv head
+    v = v.to(device)[:, :, used].transpose(2, 3).repeat_interleave(group, dim=2)  # [layer batch head sink d_head]
+    z_content = z.transpose(2, 3) - at_sinks @ v  # [layer batch head query d_head]: from the other keys
+    # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows): its
+    # constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
+    gram = torch.stack([head_gram(W_O, z, view.block(layer).attn) for W_O, layer in zip(W_Os, layers, strict=True)])
+    content = reductions(z_content, keep, gram=gram[:, None])  # coefficients: through W_O below
+    every = len(rows) == z.shape[2]  # every row checked: no gather
+    whole = out.shape[2] == z.shape[2]  # else ``out`` holds the check rows only
+    # through each layer's W_O: the sinks' values and the content sums, and the content term on the check rows
+    # (the product the model's own output projection computes) or, where out holds only those, at every row
+    left = torch.cat([v, torch.stack(content[:2], 3)], 3)  # [layer batch head sink+2 d_head]
+    projected = left.new_empty(*left.shape[:-1], W_Os[0].shape[-1])
+    target = terms.content[first:first + len(layers)]  # z is not read after z_content: the terms may overwrite it
+    same = target.dtype == z.dtype and target.device == device
+    through = target if not whole and same else z_content.new_empty(*z.shape[:2], len(rows) if whole else z.shape[2],
+                                                                         W_Os[0].shape[-1])
+    for i, W_O in enumerate(W_Os):
+        torch.matmul(left[i], W_O, out=projected[i])
+        rows_i = z_content[i] if every or not whole else z_content[i][:, :, rows]
+        torch.matmul(rows_i.transpose(1, 2).flatten(2), W_O.flatten(0, 1), out=through[i])
+    n_sinks = v.shape[3]
+    sink_values = projected[..., :n_sinks, :]  # [layer batch head sink d_model]: each sink's value through W_O
+    sink = at_sinks.transpose(2, 3).flatten(3) @ sink_values.flatten(2, 3)  # [layer batch query d_model]
+    stats = (reductions(at_sinks, keep, basis=sink_values),
+             (projected[..., n_sinks, :], projected[..., n_sinks + 1, :], *content[2:]))
+    bias = torch.stack([torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if weights[layer][1] is None
+                        else weights[layer][1].to(z) for W_O, layer in zip(W_Os, layers, strict=True)])
     out, on = out.to(device), valid if every else valid[:, rows]
-    seen = out if every or not whole else out[:, rows]
-    # the check: on its rows the content term is also taken through W_O (z_content W_O, the product the
-    # model's own output projection computes), and sink + that + b_O is compared with the output
-    if whole:  # through W_O on the check rows only
-        content, through = None, (z_content if every else z_content[:, rows]).flatten(2) @ W_O.flatten(0, 1)
-    else:  # the output held on the check rows only (a long text): the content term through W_O at every row
-        content = z_content.flatten(2) @ W_O.flatten(0, 1)
-        through = content[:, rows]
-    rebuilt = (sink if every else sink[:, rows]) + through
-    rebuilt = rebuilt.add_(bias).to(out.dtype).sub_(seen)
+    seen = out if every or not whole else out[:, :, rows]
+    rebuilt = (sink if every else sink[:, :, rows]) + (through if whole else through[:, :, rows])
+    rebuilt = rebuilt.add_(bias[:, None, None]).to(out.dtype).sub_(seen)
     if not bool(on.all()):
         rebuilt, seen = rebuilt * on[..., None], seen * on[..., None]
-    err = float(rebuilt.norm()) / max(float(seen.norm()), 1e-12)
-    _check_error(view, layer, err, out.dtype, terms.out_hooks[layer])
-    terms.errors.append((layer, err))
-    for name, parts in stats.items():
-        terms.keep(layer, name, parts)
-    i = terms.index[layer]  # z and out are not read after this point: the terms may be written over them
-    target = terms.content[i]
-    if content is None and out.dtype == target.dtype and out.device == target.device:
-        torch.sub(out, sink, out=target).sub_(bias)  # the output less the sink term and b_O (in place where held)
+    misses, sizes = (x.flatten(1).norm(dim=1).tolist() for x in (rebuilt, seen))
+    for layer, miss, size in zip(layers, misses, sizes, strict=True):
+        err = miss / max(size, 1e-12)
+        _check_error(view, layer, err, out.dtype, terms.out_hooks[layer])
+        terms.errors.append((layer, err))
+    terms.keep(first, *stats)
+    if not whole:  # the output held on the check rows only (a long text): the content term through W_O
+        if through is not target:
+            target.copy_(through)
+    elif out.dtype == target.dtype and out.device == target.device:
+        torch.sub(out, sink, out=target).sub_(bias[:, None, None])  # the output less sink and b_O (in place if held)
     else:
-        target.copy_(out - sink.to(out.dtype) - bias.to(out.dtype) if content is None else content)
-    terms.sink[i].copy_(sink)
-    terms.bias[len(terms.errors) - 1].copy_(bias)
+        target.copy_(out - sink.to(out.dtype) - bias[:, None, None].to(out.dtype))
+    terms.sink[first:first + len(layers)].copy_(sink)
+    terms.bias[first:first + len(layers)].copy_(bias)
 
+
+_TERMS = ("sink", "content")
+
+# the layers' terms ([layer, batch, pos, d_model]) split at once (the split's transients are a few times that):
+# every layer of SmolLM2 at 128 tokens, one at a time from about 1,000 tokens
+SPLIT_BYTES = 8 << 20
 
 # a term's buffer ([layer, batch, pos, d_model]) up to which, when the sinks are found in the pass, the attention
 # output is held whole (its content term then costs no product); above it the output's check rows only
