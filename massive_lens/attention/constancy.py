@@ -36,7 +36,7 @@ def reductions(x: Float[Tensor, "*batch head_index pos dim"], keep: Bool[Tensor,
     if gram is None:
         norms = torch.linalg.vector_norm(x, dim=-1)  # [*batch head pos]
     else:
-        norms = ((x @ gram) * x).sum(-1).clamp(min=0).sqrt()
+        norms = (x @ gram).mul_(x).sum(-1).clamp(min=0).sqrt()
     # the mean and the sum of unit vectors, [*batch head 2 dim]: one product each, then one through the basis
     sums = torch.stack([share.expand_as(norms), w.unsqueeze(-2) / norms.clamp(min=1e-12)], -2) @ x
     if basis is not None:

@@ -289,7 +289,7 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
     at_sinks = pattern.to(device)[..., used] * keys[:, None, None, :].to(pattern.dtype)  # [layer batch head query sink]
     group = z.shape[3] // v.shape[3]  # query heads per kv head
     v = v.to(device)[:, :, used].transpose(2, 3).repeat_interleave(group, dim=2)  # [layer batch head sink d_head]
-    z_content = z.transpose(2, 3) - at_sinks @ v  # [layer batch head query d_head]: from the other keys
+    z_content = (at_sinks @ v).neg_().add_(z.transpose(2, 3))  # [layer batch head query d_head]: the other keys'
     # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows): its
     # constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
     gram = torch.stack([head_gram(W_O, z, view.block(layer).attn) for W_O, layer in zip(W_Os, layers, strict=True)])
@@ -310,7 +310,9 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
         torch.matmul(rows_i.transpose(1, 2).flatten(2), W_O.flatten(0, 1), out=through[i])
     n_sinks = v.shape[3]
     sink_values = projected[..., :n_sinks, :]  # [layer batch head sink d_model]: each sink's value through W_O
-    sink = at_sinks.transpose(2, 3).flatten(3) @ sink_values.flatten(2, 3)  # [layer batch query d_model]
+    held = terms.sink[first:first + len(layers)]  # z's memory where the output is held whole: z is read no more
+    sink = held if held.dtype == z.dtype and held.device == device else None
+    sink = torch.matmul(at_sinks.transpose(2, 3).flatten(3), sink_values.flatten(2, 3), out=sink)  # [.. query d_model]
     stats = (reductions(at_sinks, keep, basis=sink_values),
              (projected[..., n_sinks, :], projected[..., n_sinks + 1, :], *content[2:]))
     bias = torch.stack([torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if weights[layer][1] is None
@@ -334,7 +336,8 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
         torch.sub(out, sink, out=target).sub_(bias[:, None, None])  # the output less sink and b_O (in place if held)
     else:
         target.copy_(out - sink.to(out.dtype) - bias[:, None, None].to(out.dtype))
-    terms.sink[first:first + len(layers)].copy_(sink)
+    if sink is not held:
+        held.copy_(sink)
     terms.bias[first:first + len(layers)].copy_(bias)
 
 
@@ -342,7 +345,7 @@ _TERMS = ("sink", "content")
 
 # the layers' terms ([layer, batch, pos, d_model]) split at once (the split's transients are a few times that):
 # every layer of SmolLM2 at 128 tokens, one at a time from about 1,000 tokens
-SPLIT_BYTES = 8 << 20
+SPLIT_BYTES = 4 << 20
 
 # a term's buffer ([layer, batch, pos, d_model]) up to which, when the sinks are found in the pass, the attention
 # output is held whole (its content term then costs no product); above it the output's check rows only
