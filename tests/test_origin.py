@@ -218,6 +218,8 @@ def test_entry_ranks_match_counting_every_entry():
     values = [40.0, -40.0, 2.5, 3.0, 0.0, -0.01, 1.7, 100.0, *m.flatten()[::997].tolist()]
     assert [ranks.rank(v) for v in values] == [int((flat > abs(v)).sum()) + 1 for v in values]
     assert 0 < len(ranks.tail) < flat.numel() // 20 and any(abs(v) < ranks.floor for v in values)  # both ways
+    wide = EntryRanks(m.double())  # counted by torch (NumPy's count reads float32 on the CPU)
+    assert wide.array is None and [wide.rank(v) for v in values] == [ranks.rank(v) for v in values]
 
 
 def _frames(trace) -> dict:
