@@ -178,3 +178,20 @@ def test_the_tally_judges_again_after_each_added_layer():
     every[0, :, 1] = True  # dim 1 on every token of layer 1: an outlier dimension
     tally.add(1, every)
     assert bool(tally.at(0)[1]) and bool(tally.at(1)[1])
+
+
+def test_the_tally_gives_the_same_flags_with_the_callers_count_and_no_mask():
+    """The reducer hands the tally its per-dim count and no mask where every position is real: the flags and the
+    run's scopes are those of the tally counting for itself with an all-True mask."""
+    gen = torch.Generator().manual_seed(0)
+    mag = torch.rand(2, 40, 16, generator=gen)
+    mag[:, :, 3] += 300.0  # a channel, large at every token
+    mag[0, 5, 3], mag[1, 0, 7], mag[:, :30, 9] = 5000.0, 900.0, 700.0  # a spike on it; a token; a spread dim
+    massive = mag > 500.0
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    mine, theirs = OutlierTally(), OutlierTally()
+    for layer in range(3):
+        got = mine.add(layer, massive, None, mag, massive.sum(1))
+        assert torch.equal(got, theirs.add(layer, massive, valid, mag))
+        assert got[:, 9].all() and not got[:, 7].any()
+    assert all(torch.equal(mine.at(layer), theirs.at(layer)) for layer in range(3))

@@ -97,24 +97,30 @@ def outlier_dims(count: Int[Tensor, "batch d_model"], n_tokens: Int[Tensor, " ba
 
 
 def channel_dims(mag: Float[Tensor, "batch pos d_model"], massive: Bool[Tensor, "batch pos d_model"],
-                 valid: Bool[Tensor, "batch pos"] | None = None) -> Bool[Tensor, " d_model"]:
+                 valid: Bool[Tensor, "batch pos"] | None = None, count: Int[Tensor, "batch d_model"] | None = None
+                 ) -> Bool[Tensor, " d_model"]:
     """Which dims massive somewhere at this layer are *channels* large at most of the batch's
     tokens: ``|value| >= CHANNEL_SHARE`` x the median ``|value|`` of the dim's massive entries
     at >= ``OUTLIER_DIM_SHARE`` of the real tokens of every sequence together (and at least
     ``OUTLIER_DIM_MIN_TOKENS`` of them). Their massive entries are the channel's tail, not
-    tokens that stand out (see the module docstring). ``mag`` is ``|x|``.
+    tokens that stand out (see the module docstring). ``mag`` is ``|x|``; ``count``: ``massive``'s
+    entries per dim, where the caller has them.
 
     >>> mag = torch.full((1, 8, 2), 0.5); mag[0, :, 0] = 300.0; mag[0, 2, 0] = 2000.0; mag[0, 0, 1] = 5000.0
     >>> massive = mag > 1000
     >>> channel_dims(mag, massive).tolist()  # dim 0 spikes once on a channel at 300; dim 1 stands out
     [True, False]
     """
-    dims = sparse_bool.any_along(massive.flatten(0, 1), 0).nonzero().flatten()
+    dims = (sparse_bool.any_along(massive.flatten(0, 1), 0) if count is None else count.any(0)).nonzero().flatten()
     out = torch.zeros(mag.shape[-1], dtype=torch.bool)
     if not len(dims):
         return out
-    real = torch.ones(mag.shape[:2], dtype=torch.bool, device=mag.device) if valid is None else valid.to(mag.device)
-    x, hit = mag[..., dims][real], massive[..., dims][real]  # [n_tokens k]
+    x, hit = mag[..., dims], massive[..., dims]
+    if valid is None:  # every position real: no gather
+        x, hit = x.flatten(0, 1), hit.flatten(0, 1)  # [n_tokens k]
+    else:
+        real = valid.to(mag.device)
+        x, hit = x[real], hit[real]
     spikes = x.masked_fill(~hit, float("nan")).nanmedian(0).values  # the median massive |value| of each dim
     large = (x >= CHANNEL_SHARE * spikes).sum(0)
     out[dims.cpu()] = ((large >= OUTLIER_DIM_SHARE * len(x)) & (large >= OUTLIER_DIM_MIN_TOKENS)).cpu()
@@ -160,15 +166,16 @@ class OutlierTally:
 
     def add(self, layer: int, massive: Bool[Tensor, "batch pos d_model"],
             valid: Bool[Tensor, "batch pos"] | None = None,
-            mag: Float[Tensor, "batch pos d_model"] | None = None) -> Bool[Tensor, "batch d_model"]:
-        """Count one layer's massive entries (all of them, pads already left out); returns the
-        dims that are outlier dimensions at this layer, per sequence (:func:`outlier_dims`),
-        and, given the magnitudes ``mag`` (``|x|``), in every sequence the channels large at
-        most of the batch's tokens (:func:`channel_dims`)."""
-        count = sparse_bool.count(massive, 1)
+            mag: Float[Tensor, "batch pos d_model"] | None = None,
+            count: Int[Tensor, "batch d_model"] | None = None) -> Bool[Tensor, "batch d_model"]:
+        """Count one layer's massive entries (all of them, pads already left out; ``count``: that count
+        per dim where the caller has it); returns the dims that are outlier dimensions at this layer,
+        per sequence (:func:`outlier_dims`), and, given the magnitudes ``mag`` (``|x|``), in every
+        sequence the channels large at most of the batch's tokens (:func:`channel_dims`)."""
+        count = sparse_bool.count(massive, 1) if count is None else count
         flags = outlier_dims(count, _n_tokens(massive, valid))
         if mag is not None:
-            flags = flags | channel_dims(mag, massive, valid).to(flags.device)[None, :]
+            flags = flags | channel_dims(mag, massive, valid, count).to(flags.device)[None, :]
         for table, now in ((self.outlier, flags.any(0)), (self.spread, (count >= OUTLIER_DIM_MIN_TOKENS).any(0))):
             now = now.cpu()
             table[layer] = table[layer] | now if layer in table else now

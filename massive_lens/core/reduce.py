@@ -63,7 +63,8 @@ class ResidualReducer:
         if padded:
             massive &= valid[..., None]
         count, n_tokens = sparse_bool.count(massive, 1), valid.sum(1)
-        self.outlier[layer] = self.tally.add(layer, massive, valid, mag).cpu()  # mag: channels too (issue 48)
+        self.outlier[layer] = self.tally.add(layer, massive, valid if padded else None, mag,  # mag: channels too
+                                             count).cpu()
         self.share[layer] = (count / n_tokens.clamp(min=1)[:, None]).float().cpu()
         if self.want_entries:
             idx = sparse_bool.nonzero(massive)
