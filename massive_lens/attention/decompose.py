@@ -201,7 +201,7 @@ class _Terms:
         heads, d_head, d_model = W_O.shape
         size = (len(layers), *shape, d_model)
         self.whole = math.prod(size) * W_O.element_size() <= HOLD_OUTPUT_BYTES  # the output held at every row
-        self._z = torch.empty(len(layers), *shape, heads, d_head, dtype=W_O.dtype)
+        self._z = torch.empty(len(layers), shape[0], heads, shape[1], d_head, dtype=W_O.dtype)  # per head: as made
         shared = self._z.view(size) if heads * d_head == d_model else None  # z's memory, once split
         self.content = shared if shared is not None and not self.whole else torch.empty(size, dtype=W_O.dtype)
         self.sink = shared if shared is not None and self.whole else torch.empty(size, dtype=W_O.dtype)
@@ -224,7 +224,7 @@ class _Terms:
             self._pattern, self._v = (torch.empty(len(self.index), *x.shape, dtype=x.dtype) for x in (pattern, v))
             self._rows = None if self.whole else torch.empty(len(self.index), *out.shape, dtype=out.dtype)
         i = self.index[layer]
-        self._z[i].copy_(z.detach())
+        self._z[i].copy_(z.detach().transpose(1, 2))  # the pattern applied to v is made per head
         self._pattern[i].copy_(pattern.detach())
         self._v[i].copy_(v.detach())
         (self.content if self.whole else self._rows)[i].copy_(out)
@@ -270,7 +270,7 @@ class _Terms:
 
 def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v: Tensor, out: Tensor,
            weights: dict[int, tuple[Tensor, Tensor | None]], terms: _Terms) -> None:
-    """Consecutive layers' terms at once, from the heads' outputs ``z [layer batch query head d_head]``, the
+    """Consecutive layers' terms at once, from the heads' outputs ``z [layer batch head query d_head]``, the
     attention on the kept key columns ``pattern [layer batch head query col]`` and their values ``v [layer
     batch col kv_head d_head]`` (which columns are sinks: :meth:`_Terms.plan`). The sink term is each sink's
     value through ``W_O``, weighted; the content term is the rest, the attention output ``out [layer batch
@@ -287,22 +287,23 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
     W_Os = [weights[layer][0].to(z) for layer in layers]
     used, keys, valid, keep, rows = terms.on(device)
     at_sinks = pattern.to(device)[..., used] * keys[:, None, None, :].to(pattern.dtype)  # [layer batch head query sink]
-    group = z.shape[3] // v.shape[3]  # query heads per kv head
+    group = z.shape[2] // v.shape[3]  # query heads per kv head
     v = v.to(device)[:, :, used].transpose(2, 3).repeat_interleave(group, dim=2)  # [layer batch head sink d_head]
-    z_content = (at_sinks @ v).neg_().add_(z.transpose(2, 3))  # [layer batch head query d_head]: the other keys'
+    z_content = (at_sinks @ v).neg_().add_(z)  # [layer batch head query d_head]: the other keys'
     # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows): its
     # constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
     gram = torch.stack([head_gram(W_O, z, view.block(layer).attn) for W_O, layer in zip(W_Os, layers, strict=True)])
     content = reductions(z_content, keep, gram=gram[:, None])  # coefficients: through W_O below
-    every = len(rows) == z.shape[2]  # every row checked: no gather
-    whole = out.shape[2] == z.shape[2]  # else ``out`` holds the check rows only
+    n = z.shape[3]  # query positions
+    every = len(rows) == n  # every row checked: no gather
+    whole = out.shape[2] == n  # else ``out`` holds the check rows only
     # through each layer's W_O: the sinks' values and the content sums, and the content term on the check rows
     # (the product the model's own output projection computes) or, where out holds only those, at every row
     left = torch.cat([v, torch.stack(content[:2], 3)], 3)  # [layer batch head sink+2 d_head]
     projected = left.new_empty(*left.shape[:-1], W_Os[0].shape[-1])
     target = terms.content[first:first + len(layers)]  # z is not read after z_content: the terms may overwrite it
     same = target.dtype == z.dtype and target.device == device
-    through = target if not whole and same else z_content.new_empty(*z.shape[:2], len(rows) if whole else z.shape[2],
+    through = target if not whole and same else z_content.new_empty(z.shape[0], z.shape[1], len(rows) if whole else n,
                                                                          W_Os[0].shape[-1])
     for i, W_O in enumerate(W_Os):
         torch.matmul(left[i], W_O, out=projected[i])
