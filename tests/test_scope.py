@@ -248,3 +248,20 @@ def test_a_rebirth_can_be_the_birth():
     kinds = event_kinds([(0.0, 300.0), (300.0, 40.0), (40.0, 10_000.0), (10_000.0, 4_000.0)], 10_000.0)
     assert kinds == ["write", "erasure", "birth", "erasure"]
     assert _verbs(pd.DataFrame(dict(kind=kinds))) == ["written by", "cut", "born in", "cut"]
+
+
+@pytest.mark.parametrize("share", [0.5, 0.3, 1 / 3, 0.7])
+def test_outlier_rule_bound_is_the_float32_comparison(share, monkeypatch):
+    """outlier_dims compares counts with one integer bound per sequence: the same flags as comparing the count,
+    as float32, with the share of the real tokens (float32) and with the minimum, at every count and length."""
+    import torch
+
+    import massive_lens.core.outliers as module
+
+    monkeypatch.setattr(module, "OUTLIER_DIM_SHARE", share)
+    n = torch.arange(0, 5000, 7)
+    count = torch.arange(0, 5000)[None].expand(len(n), -1)
+    as_float = count.float()
+    expected = (as_float >= share * n.float()[:, None]) & (as_float >= OUTLIER_DIM_MIN_TOKENS)
+    assert torch.equal(outlier_dims(count, n), expected)
+    assert torch.equal(outlier_dims(count[:1], n[50:51]), expected[50:51])  # one sequence: one comparison

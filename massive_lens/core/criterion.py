@@ -325,7 +325,7 @@ class SinkEvidence:
         :func:`massive_mask`): which of them are token-specific, and so mark positions, is
         decided over the run by :attr:`outliers` when the sinks are asked for."""
         massive = massive.cpu() if self.all_valid else massive.cpu() & self.valid[..., None]
-        flags = self.outliers.add(layer, massive, self.valid)
+        flags = self.outliers.add(layer, massive, None if self.all_valid else self.valid)
         idx = sparse_bool.nonzero(massive)
         if bool(flags.any()):  # this layer's outlier dims never count
             idx = idx[~flags[idx[:, 0], idx[:, 2]]]

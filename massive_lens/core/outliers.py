@@ -51,6 +51,9 @@ single layer (an edit inside a forward pass, a candidate search).
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -91,9 +94,12 @@ def outlier_dims(count: Int[Tensor, "batch d_model"], n_tokens: Int[Tensor, " ba
     >>> outlier_dims(torch.tensor([[9, 1, 3]]), torch.tensor([10])).tolist()
     [[True, False, False]]
     """
-    count = count.float()
-    n = n_tokens.to(count.device, torch.float32)[:, None]
-    return (count >= OUTLIER_DIM_SHARE * n) & (count >= OUTLIER_DIM_MIN_TOKENS)
+    # the least count that passes both, per sequence: the share's product rounded as float32 (as it is compared)
+    need = [max(math.ceil(np.float32(OUTLIER_DIM_SHARE) * np.float32(n)), OUTLIER_DIM_MIN_TOKENS)
+            for n in n_tokens.tolist()]
+    if len(set(need)) == 1:  # one bound for every sequence: one comparison
+        return count >= need[0]
+    return count >= torch.tensor(need, device=count.device)[:, None]
 
 
 def channel_dims(mag: Float[Tensor, "batch pos d_model"], massive: Bool[Tensor, "batch pos d_model"],
