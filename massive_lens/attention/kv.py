@@ -129,79 +129,86 @@ def _rotary(view: ModelView) -> tuple[int, float] | None:
 
 def _norm_stats(norms: Tensor, group: int, sink: Bool[Tensor, "batch pos"], other: Bool[Tensor, "batch pos"]
                 ) -> tuple[Tensor, Tensor]:
-    """Per query head (``group`` of them read each kv head of ``norms [batch pos kv_head]``): mean norm at the
-    sinks, median norm at the other positions."""
-    n = norms.repeat_interleave(group, dim=-1)  # [batch pos head]
-    return n[sink].mean(0), n[other].median(0).values
+    """Per layer and query head (``group`` of them read each kv head of ``norms [layer batch pos kv_head]``):
+    mean norm at the sinks, median norm at the other positions."""
+    n = norms.repeat_interleave(group, dim=-1)  # [layer batch pos head]
+    return n[:, sink].mean(1), n[:, other].median(1).values
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Partial:
-    """One layer reduced against every key column that could be a sink (``columns``), before the sinks are
-    known: what :func:`_layer_rows` needs of it once they are, a few numbers per position or per column except
-    the attention on the columns, which the sink term needs per query."""
+    """Layers reduced against every key column that could be a sink (``columns``), before the sinks are
+    known: what :func:`_layer_rows` needs of them once they are, a few numbers per position or per column
+    except the attention on the columns, which the sink term needs per query. Each tensor has the layers
+    first."""
 
-    layer: int
+    layers: list[int]
     group: int  # query heads per kv head
-    k_norm: Tensor  # [b pos kv_head] float32
+    k_norm: Tensor  # [layer b pos kv_head] float32
     v_norm: Tensor
-    k_col: Tensor  # [b col kv_head d] float32: the keys, values and queries at the columns
+    k_col: Tensor  # [layer b col kv_head d] float32: the keys, values and queries at the columns
     v_col: Tensor
-    q_col: Tensor  # [b col head d]
-    q_rest: Tensor  # [head d] float64: the sum of the queries at the real positions that are not columns
-    s1: Tensor  # [b head col] float64: the sums of the logits q . k_col, and their squares, over those queries
-    s2: Tensor  # after the column
-    cols: Tensor  # [b head q col]: the attention on the columns
+    q_col: Tensor  # [layer b col head d]
+    q_rest: Tensor  # [layer head d] float64: the sum of the queries at the real positions that are not columns
+    s1: Tensor  # [layer b head col] float64: the sums of the logits q . k_col, and their squares, over those
+    s2: Tensor  # queries after the column
+    cols: Tensor  # [layer b head q col]: the attention on the columns
 
 
-def _partial(at: PassLayer, columns: Tensor, real: Tensor) -> _Partial:
-    """What the pass handed over for one layer, reduced against every one of ``columns`` [col]."""
-    q, k, v = at.q.detach().float(), at.k.detach().float(), at.v.detach().float()
-    group = q.shape[2] // k.shape[2]
+def _partial(layers: list[int], q: Tensor, k: Tensor, v: Tensor, cols: Tensor, columns: Tensor, real: Tensor
+             ) -> _Partial:
+    """Layers' queries, keys and values ``[layer b pos head d]`` and attention on the columns, reduced against
+    every one of ``columns`` [col], all layers in each operation."""
+    q, k, v = q.detach().float(), k.detach().float(), v.detach().float()
+    group = q.shape[3] // k.shape[3]
     rest = real.clone()
     rest[:, columns] = False  # real queries that are not columns: never sinks, whichever columns are
-    k_col = k[:, columns]
-    pos = torch.arange(q.shape[1], device=q.device)
+    k_col = k[:, :, columns]
+    pos = torch.arange(q.shape[2], device=q.device)
     after = (rest[:, :, None] & (pos[:, None] > columns[None])[None]).float()  # [b q col]
-    logits = torch.einsum("bqhd,bchd->bhqc", q, k_col.repeat_interleave(group, dim=2)) * after[:, None]
-    return _Partial(layer=at.layer, group=group, k_norm=k.norm(dim=-1), v_norm=v.norm(dim=-1), k_col=k_col,
-                    v_col=v[:, columns], q_col=q[:, columns], q_rest=q[rest].sum(0, dtype=torch.float64),
-                    s1=logits.sum(2, dtype=torch.float64), s2=logits.pow(2).sum(2, dtype=torch.float64),
-                    cols=at.cols.detach())
+    logits = torch.einsum("lbqhd,lbchd->lbhqc", q, k_col.repeat_interleave(group, dim=3)) * after[:, None]
+    q_col = q[:, :, columns]
+    if bool(real.all()):  # every position real: the sum over all of them less the columns' (no gather of the rest)
+        q_rest = q.sum((1, 2), dtype=torch.float64) - q_col.sum((1, 2), dtype=torch.float64)
+    else:
+        q_rest = q[:, rest].sum(1, dtype=torch.float64)
+    return _Partial(layers=layers, group=group, k_norm=k.norm(dim=-1), v_norm=v.norm(dim=-1), k_col=k_col,
+                    v_col=v[:, :, columns], q_col=q_col, q_rest=q_rest, s1=logits.sum(3, dtype=torch.float64),
+                    s2=logits.pow(2).sum(3, dtype=torch.float64), cols=cols.detach())
 
 
 def _layer_rows(part: _Partial, columns: Tensor, sink: Tensor, real: Tensor) -> list[list[Any]]:
-    """One layer's rows from its :class:`_Partial` against ``columns``, now that the sinks (``sink [batch pos]``,
-    every one among the columns) are known."""
-    group, heads = part.group, part.q_col.shape[2]
+    """The layers' rows from their :class:`_Partial` against ``columns``, now that the sinks (``sink [batch
+    pos]``, every one among the columns) are known: every layer in each operation."""
+    group, heads = part.group, part.q_col.shape[3]
     other = real & ~sink
     k_sink, k_med = _norm_stats(part.k_norm, group, sink, other)
     v_sink, v_med = _norm_stats(part.v_norm, group, sink, other)
     col_other = other[:, columns]  # [b col]: columns that are real non-sink queries
-    mean_q = ((part.q_rest + part.q_col[col_other].sum(0, dtype=torch.float64)) / other.sum().clamp(min=1)).float()
+    mean_q = ((part.q_rest + part.q_col[:, col_other].sum(1, dtype=torch.float64)) / other.sum().clamp(min=1)).float()
     key = sink[:, columns].any(0).nonzero()[:, 0].to(columns.device)  # the columns that are sinks somewhere
     on, key_pos = sink[:, columns[key]], columns[key]  # [b key]: which of them are sinks in each sequence
-    k_col = part.k_col[:, key].repeat_interleave(group, dim=2)  # [b key head d]
-    cos = torch.nn.functional.cosine_similarity(k_col[on], mean_q[None], dim=-1).mean(0)
+    k_col = part.k_col[:, :, key].repeat_interleave(group, dim=3)  # [layer b key head d]
+    cos = torch.nn.functional.cosine_similarity(k_col[:, on], mean_q[:, None], dim=-1).mean(1)
     # the logits of the real non-sink queries after a sink on it: the other queries' sums, plus the columns' own
     rest = real.clone()
     rest[:, columns] = False
     later = torch.arange(real.shape[1], device=real.device)[:, None] > key_pos[None]  # [q key]
     n_rest = (rest[:, :, None] & later[None]).sum(1)  # [b key]: the other queries after each
     pairs = (col_other[:, :, None] & (columns[:, None] > key_pos[None])[None] & on[:, None, :]).float()  # [b col key]
-    logits = torch.einsum("bqhd,bchd->bhqc", part.q_col, k_col) * pairs[:, None]  # [b h col key]
+    logits = torch.einsum("lbqhd,lbchd->lbhqc", part.q_col, k_col) * pairs[:, None]  # [layer b h col key]
     n = ((n_rest * on).sum() + pairs.sum()).clamp(min=1)
-    s1 = ((part.s1[..., key] * on[:, None]).sum((0, 2)) + logits.sum((0, 2, 3), dtype=torch.float64)) / n
-    s2 = ((part.s2[..., key] * on[:, None]).sum((0, 2)) + logits.pow(2).sum((0, 2, 3), dtype=torch.float64)) / n
-    p = part.cols[..., key].float() * on[:, None, None, :].float()  # [b h q key]: the attention on the sinks
+    s1 = ((part.s1[..., key] * on[:, None]).sum((1, 3)) + logits.sum((1, 3, 4), dtype=torch.float64)) / n
+    s2 = ((part.s2[..., key] * on[:, None]).sum((1, 3)) + logits.pow(2).sum((1, 3, 4), dtype=torch.float64)) / n
+    p = part.cols[..., key].float() * on[:, None, None, :].float()  # [layer b h q key]: the attention on the sinks
     queries = (other & (sink.long().cumsum(1) > 0)).float()  # non-sink queries that can see a sink
-    mass = torch.einsum("bhqc,bq->h", p, queries) / queries.sum().clamp(min=1)
-    term = torch.einsum("bhqc,bchd->bqhd", p, part.v_col[:, key].repeat_interleave(group, dim=2)).norm(dim=-1)
-    term = torch.einsum("bqh,bq->h", term, queries) / queries.sum().clamp(min=1)
+    mass = torch.einsum("lbhqc,bq->lh", p, queries) / queries.sum().clamp(min=1)
+    term = torch.einsum("lbhqc,lbchd->lbqhd", p, part.v_col[:, :, key].repeat_interleave(group, dim=3)).norm(dim=-1)
+    term = torch.einsum("lbqh,bq->lh", term, queries) / queries.sum().clamp(min=1)
     share = (s1 ** 2 / s2.clamp(min=1e-30)).float()
     cols = torch.stack([k_sink, k_med, k_sink / k_med.clamp(min=1e-12), cos, share, v_sink,
-                        v_med, v_sink / v_med.clamp(min=1e-12), mass, mass * v_sink, term], 1).double().cpu().tolist()
-    return [[part.layer, h, h // group, *cols[h]] for h in range(heads)]
+                        v_med, v_sink / v_med.clamp(min=1e-12), mass, mass * v_sink, term], -1).double().cpu().tolist()
+    return [[layer, h, h // group, *cols[i][h]] for i, layer in enumerate(part.layers) for h in range(heads)]
 
 
 def _band_amplitudes(q: Tensor, k: Tensor, real: Tensor, rotary: tuple[int, float]) -> Tensor:
@@ -236,38 +243,22 @@ def _band_frame(bands: dict[int, Tensor], rotary: tuple[int, float] | None) -> p
 
 
 class _Reduce:
-    """Each layer reduced against the key ``columns`` as the attention pass hands it over (:func:`_partial`):
-    its rows at once where the sinks are known (``sink``), else once :meth:`finish` has them (the layers kept
-    whole where they fit :data:`WHOLE_BYTES`, else reduced against every candidate column)."""
+    """Each layer as the attention pass hands it over, held in one buffer per kind for every layer (allocated at
+    the first: no long-lived allocation lands between a later layer's activations, where glibc's heap would keep
+    them; the peak at 4,096 tokens on SmolLM2 was 1.44x the SDPA forward's with a copy per layer): reduced against
+    the key ``columns`` (:func:`_partial`), or, where the sinks are still to be found and the layers' queries, keys
+    and values fit :data:`WHOLE_BYTES`, as read (reduced on the sinks' columns only once they are known). Once the
+    sinks are (:meth:`finish`), the rows of every layer at once."""
 
-    def __init__(self, view: ModelView, sink: Tensor | None, real: Tensor, columns: Tensor,
-                 rotary: tuple[int, float] | None, n_layers: int):
-        self.view, self.sink, self.real, self.columns, self.rotary = view, sink, real, columns, rotary
-        self.rows: list[list[Any]] = []
+    def __init__(self, view: ModelView, real: Tensor, columns: Tensor, rotary: tuple[int, float] | None,
+                 n_layers: int, whole: bool):
+        self.view, self.real, self.columns, self.rotary = view, real, columns, rotary
         self.bands: dict[int, Tensor] = {}  # layer -> its _band_amplitudes
-        self.kept: list[_Partial | PassLayer] = []
-        self.n_layers = n_layers
+        self.n_layers, self.whole = n_layers, whole
+        self.layers: list[int] = []  # in the buffers' order
         self.buffers: dict[str, Tensor] = {}
-        # sinks to find: the layers kept whole where they take at most WHOLE_BYTES (q, k, v, float32), else each
-        # reduced against every candidate column (:meth:`keep`)
-        width = getattr(view.cfg, "n_heads", 1) * getattr(view.cfg, "d_head", getattr(view.cfg, "d_model", 1))
-        self.whole = sink is None and n_layers * real.numel() * 4 * 3 * width <= WHOLE_BYTES
-
-    def keep(self, part: _Partial) -> None:
-        """Keep ``part`` in buffers allocated once for every layer, at the first: no long-lived allocation lands
-        between a later layer's activations, where glibc's heap would keep them (the peak at 4,096 tokens on
-        SmolLM2 was 1.44x the SDPA forward's with a copy per layer)."""
-        fields = {f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.name not in ("layer", "group")}
-        if not self.buffers:
-            self.buffers = {name: x.new_empty((self.n_layers, *x.shape)) for name, x in fields.items()}
-        slot = len(self.kept)
-        if slot >= self.n_layers or any(self.buffers[name].shape[1:] != x.shape or self.buffers[name].device != x.device
-                                        for name, x in fields.items()):  # another device, as in a split model
-            self.kept.append(part)
-            return
-        for name, x in fields.items():
-            self.buffers[name][slot].copy_(x)
-        self.kept.append(dataclasses.replace(part, **{name: self.buffers[name][slot] for name in fields}))
+        self.apart: list[tuple[int, dict[str, Tensor]]] = []  # layers that do not fit the buffers (another device)
+        self.group = 1
 
     def add(self, at: PassLayer) -> None:
         q, k, v = at.q, at.k, at.v
@@ -281,28 +272,48 @@ class _Reduce:
         real, columns = self.real.to(q.device), self.columns.to(q.device)
         if self.rotary is not None:
             self.bands[at.layer] = _band_amplitudes(q, k, real, self.rotary)
-        if self.sink is not None:
-            self.rows.extend(_layer_rows(_partial(at, columns, real), columns, self.sink.to(q.device), real))
-        elif self.whole:  # short: the layer as handed over, reduced on the sinks' columns only once known
-            self.kept.append(dataclasses.replace(at, q=q.detach(), k=k.detach(), v=v.detach(), cols=at.cols.detach()))
-        else:
-            self.keep(_partial(at, columns, real))
+        read = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "cols": at.cols.detach()}
+        if not self.whole:  # reduced now against every column (the layers as read would not fit)
+            part = _partial([at.layer], *(x[None] for x in read.values()), columns, real)
+            read = {f.name: getattr(part, f.name)[0] for f in dataclasses.fields(part) if f.name not in _NOT_HELD}
+        self.group = q.shape[2] // k.shape[2]
+        self._hold(at.layer, read)
 
-    def finish(self, sink: Tensor) -> bool:
-        """The kept layers' rows, now that the sinks are known; False where a sink is not among the columns."""
-        if int(torch.isin(self.columns, sink.any(0).nonzero()[:, 0]).sum()) != int(sink.any(0).sum()):
-            return False
+    def _hold(self, layer: int, fields: dict[str, Tensor]) -> None:
+        if not self.buffers:
+            self.buffers = {name: x.new_empty((self.n_layers, *x.shape)) for name, x in fields.items()}
+        if len(self.layers) >= self.n_layers or any(self.buffers[name].shape[1:] != x.shape or
+                                                    self.buffers[name].device != x.device
+                                                    for name, x in fields.items()):  # another device: a split model
+            self.apart.append((layer, {name: x.clone() for name, x in fields.items()}))
+            return
+        for name, x in fields.items():
+            self.buffers[name][len(self.layers)].copy_(x)
+        self.layers.append(layer)
+
+    def finish(self, sink: Tensor) -> list[list[Any]] | None:
+        """Every layer's rows, now that the sinks are known; None where a sink is not among the columns."""
         on = torch.isin(self.columns, sink.any(0).nonzero()[:, 0])
-        for part in self.kept:
-            dev = part.cols.device
+        if int(on.sum()) != int(sink.any(0).sum()):
+            return None
+        held = [(self.layers, {name: x[:len(self.layers)] for name, x in self.buffers.items()})] if self.layers else []
+        rows = []
+        for layers, fields in held + [([layer], {name: x[None] for name, x in f.items()}) for layer, f in self.apart]:
+            dev = fields["cols"].device
             columns, real = self.columns.to(dev), self.real.to(dev)
-            if isinstance(part, PassLayer):  # kept whole: reduced as the sinks given would be
+            if self.whole:  # kept as read: reduced as the sinks given would be
                 columns = columns[on.to(dev)]
-                part = _partial(dataclasses.replace(part, cols=part.cols[..., on.to(dev)]), columns, real)
-            self.rows.extend(_layer_rows(part, columns, sink.to(dev), real))
-        self.kept.clear()
+                part = _partial(layers, fields["q"], fields["k"], fields["v"], fields["cols"][..., on.to(dev)],
+                                columns, real)
+            else:
+                part = _Partial(layers=layers, group=self.group, **fields)
+            rows += _layer_rows(part, columns, sink.to(dev), real)
         self.buffers.clear()
-        return True
+        self.apart.clear()
+        return sorted(rows, key=lambda row: row[0])  # by layer (a layer on another device was held apart)
+
+
+_NOT_HELD = ("layers", "group")
 
 
 def _others(found: SinkSet, real: Tensor) -> Tensor:
@@ -356,7 +367,10 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     # the key columns read: every sink, in some sequence (or every position that could be one)
     columns = candidate_columns(view, batch) if sink is None else sink.any(0).nonzero()[:, 0]
     evidence = SinkEvidence(batch.mask, view.n_layers) if sink is None else None
-    reduce = _Reduce(view, sink, batch.mask, columns, rotary, len(chosen))
+    # the layers kept as read where the sinks are to be found and their q, k, v (float32) fit WHOLE_BYTES
+    width = getattr(view.cfg, "n_heads", 1) * getattr(view.cfg, "d_head", getattr(view.cfg, "d_model", 1))
+    whole = sink is None and len(chosen) * batch.mask.numel() * 4 * 3 * width <= WHOLE_BYTES
+    reduce = _Reduce(view, batch.mask, columns, rotary, len(chosen), whole)
     reader = attention_reading(view, reduce.add, path=path, batch=batch, columns=columns, want=("q", "k", "v"),
                                layers=chosen, evidence=evidence)
     with reader:
@@ -367,9 +381,11 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
                                f"{sorted(set(chosen) - reader.done)}; sink_kv cannot read them")
     if evidence is not None:
         found = sinks_from(evidence, view.token_kinds(batch), path)
-        if not reduce.finish(_others(found, batch.mask)):  # a sink outside the columns read: a second pass
-            return sink_kv(model, text, sinks=found, layers=layers, attention=path)
-    frame = pd.DataFrame(reduce.rows, columns=COLUMNS)
+        sink = _others(found, batch.mask)
+    rows = reduce.finish(sink)
+    if rows is None:  # a sink found outside the columns read: a second pass
+        return sink_kv(model, text, sinks=found, layers=layers, attention=path)
+    frame = pd.DataFrame(rows, columns=COLUMNS)
     frame[["layer", "head", "kv_head"]] = frame[["layer", "head", "kv_head"]].astype(int)
     band_frame = _band_frame(reduce.bands, rotary)
     return SinkKV(frame=frame, bands=band_frame, model_name=view.name, sink_source=found.source,
