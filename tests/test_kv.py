@@ -228,3 +228,26 @@ def test_sinks_found_reduce_like_sinks_given(monkeypatch, family, attention, who
             assert found.sink_source == "planted" and found.sinks.mask.equal(given.sinks.mask)
             _agree(found.to_frame(), given.to_frame(), 1e-6)
             assert found.bands.equals(given.bands)
+
+
+@pytest.mark.parametrize("sinks", [None, [0, 2]])
+def test_a_layer_held_apart_gives_the_same_rows(monkeypatch, sinks):
+    """A layer that does not fit the buffers (on another device, in a model split over several) is held apart and
+    reduced on its own: the table is the one every layer in the buffers gives, in the layers' order."""
+    import massive_lens.attention.kv as kv_module
+
+    model = tiny_model("llama")
+    texts = ["Hello there, world. The cat sat on the mat.", "A deer feeds."]
+    together = sink_kv(model, texts, sinks=sinks)
+    hold = kv_module._Reduce._hold
+
+    def every_other_apart(self, layer, fields):
+        if layer % 2:  # as the device check sends it
+            self.apart.append((layer, {name: x.clone() for name, x in fields.items()}))
+        else:
+            hold(self, layer, fields)
+
+    monkeypatch.setattr(kv_module._Reduce, "_hold", every_other_apart)
+    apart = sink_kv(model, texts, sinks=sinks)
+    assert apart.to_frame()["layer"].tolist() == together.to_frame()["layer"].tolist()
+    _agree(apart.to_frame(), together.to_frame(), 1e-6)
