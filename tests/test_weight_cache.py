@@ -16,7 +16,7 @@ from massive_lens import tiny_model, trace_origin
 from massive_lens.attention import sink_census
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.weight_cache import derived
-from massive_lens.origin.neurons import _hf_names
+from massive_lens.origin.neurons import _hf_names, hf_param, w_out
 
 ROUTES = {
     "through .data": lambda p: p.data[0].mul_(1.5),
@@ -71,3 +71,23 @@ def test_hf_names_are_named_parameters_first_names(family):
         want.setdefault((param.data_ptr(), param.numel()), (name.replace("._original_component", ""),
                                                             tuple(param.shape)))
     assert _hf_names(model) == want and list(_hf_names(model)) == list(want)
+
+
+def test_hf_names_kept_follow_a_replaced_parameter():
+    """The kept names are checked where used: a parameter replaced after they were read (new storage) is found
+    under its name again, not given the TL name, and the name of a parameter that moved is not given to another."""
+    model = tiny_model("llama")
+    view = ModelView(model)
+    before = hf_param(model, 1, w_out(view, 1))  # the names kept now
+    assert before[0].endswith("layers.1.mlp.down_proj.weight")
+    weight = w_out(view, 1)
+    mlp = next(module for module in model.original_model.modules()
+               if isinstance(getattr(module, "weight", None), torch.Tensor)
+               and module.weight.data_ptr() == weight.data_ptr())
+    old = mlp.weight
+    try:
+        mlp.weight = torch.nn.Parameter(old.detach().clone())  # new storage: a key the kept names do not have
+        assert hf_param(model, 1, w_out(view, 1)) == before
+        assert hf_param(model, 1, old) == ("blocks.1.mlp.W_out", False)  # its old storage: no longer a parameter
+    finally:
+        mlp.weight = old

@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.stats import rel_error
@@ -123,32 +124,63 @@ def named(neurons: pd.DataFrame | list[dict[str, Any]], event: dict[str, Any], *
     return [(int(r["expert"]), int(r["neuron"])) for r in rows] if experts else []
 
 
-def _hf_names(model: Any) -> dict[tuple[int, int], tuple[str, tuple[int, ...]]]:
+def _hf_names(model: Any, fresh: bool = False) -> dict[tuple[int, int], tuple[str, tuple[int, ...]]]:
     """``(data_ptr, numel)`` -> (name, shape) of the Hugging Face parameters (the first name of a shared one;
-    empty without ``original_model``): one scan for every :func:`hf_param` of a trace."""
+    empty without ``original_model``): one scan, kept with the Hugging Face model (``fresh``: scanned again)
+    and checked where it is used (:func:`hf_param`)."""
+    hf = getattr(model, "original_model", None)
+    if hf is None:
+        return {}
+    kept = None if fresh else _NAMES.get(hf)
+    if kept is None:
+        kept = _NAMES[hf] = _scan(hf)
+    return kept[0]
+
+
+def _scan(hf: Any) -> tuple[dict[tuple[int, int], tuple[str, tuple[int, ...]]], dict[tuple[int, int], str]]:
+    """:func:`_hf_names`' map, and each parameter's path as ``get_parameter`` reads it."""
     names: dict[tuple[int, int], tuple[str, tuple[int, ...]]] = {}
-    stack, seen = [("", getattr(model, "original_model", None))], set()
+    paths: dict[tuple[int, int], str] = {}
+    stack, seen = [("", hf)], set()
     while stack:  # named_parameters()' order (modules first to last, each once), a plain walk: ~5x faster
         prefix, module = stack.pop()
-        if module is None or id(module) in seen:
+        if id(module) in seen:
             continue
         seen.add(id(module))
         for name, param in module._parameters.items():
-            if param is not None:
-                names.setdefault((param.data_ptr(), param.numel()), ((prefix + name).replace(
-                    "._original_component", ""), tuple(param.shape)))
-        stack.extend(reversed([(f"{prefix}{name}.", child) for name, child in module._modules.items()]))
-    return names
+            if param is not None and (key := (param.data_ptr(), param.numel())) not in names:
+                names[key] = ((prefix + name).replace("._original_component", ""), tuple(param.shape))
+                paths[key] = prefix + name
+        stack.extend(reversed([(f"{prefix}{name}.", child) for name, child in module._modules.items()
+                               if child is not None]))
+    return names, paths
+
+
+def _still_there(model: Any, key: tuple[int, int]) -> bool:
+    """Whether the kept path of the parameter ``key`` names still holds that storage (the model may have changed
+    since its names were scanned)."""
+    try:
+        param = model.original_model.get_parameter(_NAMES[model.original_model][1][key])
+    except (AttributeError, KeyError):
+        return False
+    return (param.data_ptr(), param.numel()) == key
 
 
 def hf_param(model: Any, layer: int, weight: Tensor, names: dict | None = None) -> tuple[str, bool]:
     """Name of the Hugging Face parameter behind ``W_out`` and whether it is stored transposed
     (``down_proj.weight[dim, neuron]``), found by shared storage (in ``names``, ``_hf_names``'s
-    map, read now if None); TL naming otherwise."""
-    found = (_hf_names(model) if names is None else names).get((weight.data_ptr(), weight.numel()))
+    map, read now if None; scanned again where the kept map misses or no longer holds); TL naming otherwise."""
+    key = (weight.data_ptr(), weight.numel())
+    found = (_hf_names(model) if names is None else names).get(key)
+    if getattr(model, "original_model", None) is not None and (found is None or not _still_there(model, key)):
+        found = _hf_names(model, fresh=True).get(key)
     if found is not None:
         return found[0], found[1] != tuple(weight.shape)
     return ModelView.block_param(layer, "mlp.W_out"), False
+
+
+# per Hugging Face model: _scan's names and paths (checked where used: hf_param)
+_NAMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: Sequence[Unit],
