@@ -82,7 +82,7 @@ class HookRunner:
         if not all_real:
             kwargs["attention_mask"] = batch.mask.to(self.input_device).long()
         hooks = list(fwd_hooks)
-        seen: list[tuple[str, Tensor]] = []  # (hook name, all finite?) in firing order
+        seen: list[tuple[str, Tensor]] = []  # (hook name, its float32 sum or a finite flag) in firing order
         if check_finite:
             mask = None if all_real else batch.mask.to(self.input_device)
             hooks = [(name, _finite_checked(fn, mask, seen)) for name, fn in hooks]
@@ -116,7 +116,14 @@ class HookRunner:
     def _raise_if_nonfinite(self, seen: list[tuple[str, Tensor]], cause: BaseException | None = None) -> None:
         if not seen:
             return
-        ok = torch.stack([flag.to(seen[0][1].device) for _, flag in seen]).cpu()  # one sync per pass
+        device = seen[0][1].device
+        sums = [i for i, (_, got) in enumerate(seen) if got.is_floating_point()]  # a sum: finite where all is
+        ok = torch.ones(len(seen), dtype=torch.bool)
+        if sums:
+            ok[sums] = torch.isfinite(torch.stack([seen[i][1].to(device) for i in sums])).cpu()  # one sync per pass
+        if len(sums) < len(seen):
+            flags = [i for i, (_, got) in enumerate(seen) if not got.is_floating_point()]
+            ok[flags] = torch.stack([seen[i][1].to(device) for i in flags]).cpu()
         if bool(ok.all()):
             return
         raise self.overflow_error(seen[int((~ok).nonzero()[0])][0]) from cause
@@ -187,8 +194,8 @@ def _finite_checked(fn: Any, mask: Any, seen: list[tuple[str, Tensor]]) -> Any:
                 part = x.transpose(1, 2)[mask]  # [batch, head, query, key]: real queries
             if name.endswith("attn_scores"):
                 ok = ~(torch.isnan(part).any() | torch.isposinf(part).any())
-            else:  # one reduction: a NaN or an inf anywhere makes the float32 sum non-finite
-                ok = torch.isfinite(part.sum(dtype=torch.float32))
+            else:  # one reduction: a NaN or an inf anywhere makes the float32 sum non-finite (judged after the pass)
+                ok = part.sum(dtype=torch.float32)
             seen.append((name, ok))
         return fn(x, hook=hook)
 
