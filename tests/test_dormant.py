@@ -13,6 +13,7 @@ from test_census import N_LAYERS, _tokens, plant_secondary
 
 from massive_lens import tiny_model
 from massive_lens.attention.dormant import dormant_heads
+from massive_lens.core.model_view import ModelView
 from massive_lens.errors import MassiveLensError
 from massive_lens.interventions.heads import zero_dormant_heads
 
@@ -104,3 +105,15 @@ def test_shares_and_random_control(planted):
     assert all(len(d) == len(expected) for d in drawn) and len({tuple(d) for d in drawn}) > 1
     with pytest.raises(MassiveLensError, match="share"):
         zero_dormant_heads(model, share=0.0)
+
+
+def test_an_empty_sink_mask_gives_no_sink_mass():
+    """Sinks given as an all-False mask: no head puts attention on a sink (every mass 0, no dormant head), a table
+    for every layer and head rather than an error out of the empty columns."""
+    model = tiny_model("llama")
+    text = ["Hello there, my friend.", "Bye now!"]
+    n = len(ModelView(model).tokenize(text).tokens[0])
+    result = dormant_heads(model, text, sinks=torch.zeros(2, n, dtype=torch.bool))
+    frame = result.to_frame()
+    assert len(frame) == 2 * model.cfg.n_layers * model.cfg.n_heads
+    assert (frame["sink_mass"] == 0).all() and not frame["dormant"].any() and (frame["out_norm"] > 0).all()

@@ -154,12 +154,11 @@ def dormant_heads(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sink
     sink = found.mask & batch.mask
     if not bool(sink[:, columns].sum() == sink.sum()):  # a sink outside the columns read: a second pass
         return dormant_heads(model, text, sinks=found, sink_share=sink_share, norm_ratio=norm_ratio, attention=path)
-    rows = reader.rows(sink)
-    if len(rows) != view.n_layers:
+    if len(reader.layers) != view.n_layers:
         raise MassiveLensError(f"{view.name}: the pattern and z hooks did not fire in every layer; dormant_heads "
                                "cannot read the heads' outputs")
-    frame = pd.DataFrame(torch.cat(rows).numpy(), columns=["seq", "layer", "head", "sink_mass", "out_norm",
-                                                           "norm_ratio"])
+    frame = pd.DataFrame(reader.rows(sink).numpy(), columns=["seq", "layer", "head", "sink_mass", "out_norm",
+                                                             "norm_ratio"])
     frame[["seq", "layer", "head"]] = frame[["seq", "layer", "head"]].astype(int)
     frame["dormant"] = (frame["sink_mass"] > sink_share) & (frame["norm_ratio"] < norm_ratio)
     frame = frame.sort_values(["seq", "layer", "head"], ignore_index=True)
@@ -201,23 +200,25 @@ class _Rows:
         after = later[:, :, cols + 1].transpose(2, 3)  # [b h col j]: over the queries after column j
         self.layers[layer] = (after.cpu(), p[:, :, cols].cpu(), out.cpu(), ratio.cpu())
 
-    def rows(self, sink: Tensor) -> list[Tensor]:
-        """One row per sequence and head of each layer: the mean attention the real non-sink queries
-        after the first sink give the sinks (``sink [batch pos]``, all within the columns)."""
-        keys = sink[:, self.columns].float()  # [b col]
-        first = keys.argmax(1) if len(self.columns) else torch.zeros(len(sink), dtype=torch.long)  # the first sink
-        later = torch.arange(len(self.columns))[None, :] > first[:, None]  # [b col]: the columns after it
-        pos = torch.arange(sink.shape[1])[None, :]
-        start = self.columns[first] if len(self.columns) else first
-        n_queries = (self.valid & ~sink & (pos > start[:, None])).sum(1).float()  # [b]
-        rows = []
-        for layer in sorted(self.layers):
-            after, among, out, ratio = self.layers[layer]
-            from_first = after[torch.arange(len(first)), :, :, first]  # [b h col]: queries after the first sink
-            from_sinks = torch.einsum("bhic,bi->bhc", among, keys * later)  # the later sinks' own queries
-            mass = torch.einsum("bhc,bc->bh", from_first - from_sinks, keys) / n_queries.clamp(min=1)[:, None] \
-                if len(self.columns) else torch.zeros(out.shape)  # no sink at all (a given empty mask)
-            b, h = torch.meshgrid(torch.arange(out.shape[0]), torch.arange(out.shape[1]), indexing="ij")
-            rows.append(torch.stack([b.flatten().float(), torch.full((b.numel(),), float(layer)), h.flatten().float(),
-                                     mass.flatten(), out.flatten(), ratio.flatten()], 1))
-        return rows
+    def rows(self, sink: Tensor) -> Tensor:
+        """One row per layer, sequence and head (in that order): the mean attention the real non-sink queries
+        after the first sink give the sinks (``sink [batch pos]``, all within the columns), every layer at once."""
+        layers = sorted(self.layers)
+        after, among, out, ratio = (torch.stack(x) for x in zip(*(self.layers[layer] for layer in layers),
+                                                                  strict=True))  # [layer b h ...]
+        n_layers, n_seq, heads = out.shape
+        if len(self.columns):
+            keys = sink[:, self.columns].float()  # [b col]
+            first = keys.argmax(1)  # the first sink (the first column where there is none)
+            later = torch.arange(len(self.columns))[None, :] > first[:, None]  # [b col]: the columns after it
+            pos = torch.arange(sink.shape[1])[None, :]
+            n_queries = (self.valid & ~sink & (pos > self.columns[first][:, None])).sum(1).float()  # [b]
+            from_first = after.permute(0, 1, 4, 2, 3)[:, torch.arange(n_seq), first]  # [layer b h col]: after it
+            from_sinks = torch.einsum("lbhic,bi->lbhc", among, keys * later)  # the later sinks' own queries
+            mass = torch.einsum("lbhc,bc->lbh", from_first - from_sinks, keys) / n_queries.clamp(min=1)[:, None]
+        else:  # no sink at all (a given empty mask): no attention on one
+            mass = torch.zeros(out.shape)
+        layer, seq, head = torch.meshgrid(torch.tensor(layers, dtype=torch.float32), torch.arange(n_seq).float(),
+                                          torch.arange(heads).float(), indexing="ij")
+        return torch.stack([seq.flatten(), layer.flatten(), head.flatten(), mass.flatten(), out.flatten(),
+                            ratio.flatten()], 1)
