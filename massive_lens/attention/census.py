@@ -239,7 +239,7 @@ class _Tally:
         self.mid[layer] = resid.detach().float().norm(dim=-1).cpu()
 
     def _post(self, act: Tensor, hook: Any, *, layer: int) -> None:
-        score = act.detach().float().abs() * self.w_out_norm[layer].to(act.device)
+        score = act.detach().float().abs().mul_(self.w_out_norm[layer].to(act.device))  # abs's copy, scaled in place
         self.neuron[layer] = score.argmax(-1).cpu()
 
     def _post_resid(self, resid: Tensor, hook: Any, *, layer: int) -> None:
