@@ -251,3 +251,17 @@ def test_a_layer_held_apart_gives_the_same_rows(monkeypatch, sinks):
     apart = sink_kv(model, texts, sinks=sinks)
     assert apart.to_frame()["layer"].tolist() == together.to_frame()["layer"].tolist()
     _agree(apart.to_frame(), together.to_frame(), 1e-6)
+
+
+@pytest.mark.parametrize("sinks", [None, [0, 2]])
+def test_layers_tabled_one_at_a_time_give_the_same_rows(monkeypatch, sinks):
+    """At length the held layers are tabled a few at a time (ROWS_BYTES): the table is the one all at once gives."""
+    import massive_lens.attention.kv as kv_module
+
+    model = tiny_model("llama")
+    texts = ["Hello there, world. The cat sat on the mat.", "A deer feeds."]
+    together = sink_kv(model, texts, sinks=sinks)
+    monkeypatch.setattr(kv_module, "ROWS_BYTES", 1)
+    alone = sink_kv(model, texts, sinks=sinks)
+    assert alone.to_frame()["layer"].tolist() == together.to_frame()["layer"].tolist()
+    _agree(alone.to_frame(), together.to_frame(), 1e-6)

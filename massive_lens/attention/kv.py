@@ -59,6 +59,9 @@ BAND_COLUMNS = ["layer", "head", "band", "frequency", "q_max", "k_max"]
 # sinks found in the same pass: where the layers read (q, k, v; float32) take at most this many bytes they are
 # kept whole until the sinks are known (the cheaper at short lengths: the reduction on the sinks' columns only)
 WHOLE_BYTES = 2 ** 27
+# the layers tabled at once once the sinks are known: their sink terms per query and head ([layer, batch, pos, head,
+# d_head] float32) within this many bytes (every layer of SmolLM2 at 128 tokens; three at 2,048)
+ROWS_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,7 +261,7 @@ class _Reduce:
         self.layers: list[int] = []  # in the buffers' order
         self.buffers: dict[str, Tensor] = {}
         self.apart: list[tuple[int, dict[str, Tensor]]] = []  # layers that do not fit the buffers (another device)
-        self.group = 1
+        self.group, self.term_bytes = 1, 1
 
     def add(self, at: PassLayer) -> None:
         q, k, v = at.q, at.k, at.v
@@ -277,6 +280,7 @@ class _Reduce:
             part = _partial([at.layer], *(x[None] for x in read.values()), columns, real)
             read = {f.name: getattr(part, f.name)[0] for f in dataclasses.fields(part) if f.name not in _NOT_HELD}
         self.group = q.shape[2] // k.shape[2]
+        self.term_bytes = q[..., 0, 0].numel() * q.shape[2] * v.shape[3] * 4  # a layer's sink terms, per query head
         self._hold(at.layer, read)
 
     def _hold(self, layer: int, fields: dict[str, Tensor]) -> None:
@@ -296,7 +300,9 @@ class _Reduce:
         on = torch.isin(self.columns, sink.any(0).nonzero()[:, 0])
         if int(on.sum()) != int(sink.any(0).sum()):
             return None
-        held = [(self.layers, {name: x[:len(self.layers)] for name, x in self.buffers.items()})] if self.layers else []
+        step = max(1, ROWS_BYTES // self.term_bytes)  # the held layers tabled at once
+        held = [(self.layers[i:i + step], {name: x[i:min(i + step, len(self.layers))] for name, x in
+                                           self.buffers.items()}) for i in range(0, len(self.layers), step)]
         rows = []
         for layers, fields in held + [([layer], {name: x[None] for name, x in f.items()}) for layer, f in self.apart]:
             dev = fields["cols"].device
