@@ -144,7 +144,9 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     # the key columns kept per layer: the given sinks' or, when the sinks are found in this same pass,
     # every position that could turn out to be one (see candidate_columns)
     columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
-    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0])
+    # sinks given: the output held whole at any length (z in the sink term's memory, as the split in the pass
+    # held its two terms); found: whole up to HOLD_OUTPUT_BYTES (see _Terms)
+    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], whole=given is not None)
     trim = _trim_each_layer(batch, terms.sink.shape[-1])
 
     def take(at: PassLayer) -> None:
@@ -185,22 +187,20 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
 
 class _Terms:
     """The result, filled a few layers at a time after the pass: ``sink``/``content`` ``[layer batch pos
-    d_model]`` on the CPU, one allocation each (no copy at the end). Through the pass (which may be finding
-    the sinks), every layer's heads' outputs ``z``, attention on the kept columns and attention output are
-    held in one buffer each (not one per layer, so that the pass's transients do not fragment around them). Where a
-    term's buffer is at most ``HOLD_OUTPUT_BYTES`` the output is held whole in ``content``, which
-    the layer's content term (the output less the sink term and ``b_O``) replaces once it is split,
-    and ``z`` in ``sink``'s memory, which the sink term replaces; above it (a long text, where a
-    third buffer held through the forward would raise its peak) only the check rows of the output
-    are held, ``z`` in ``content``'s memory, and the content term is taken through ``W_O`` at every
-    row. Where ``z``'s heads do not fill ``d_model`` (heads x d_head != d_model) nothing is shared.
-    Either way the result costs no memory beyond what the pass held."""
+    d_model]`` on the CPU, one allocation each. Through the pass, every layer's heads' outputs ``z``, attention
+    on the kept columns and attention output are held in one buffer each (not one per layer: the pass's
+    transients would fragment around them). With ``whole`` (sinks given) or terms of at most
+    ``HOLD_OUTPUT_BYTES``, the output is held whole in ``content`` (the content term, the output less the sink
+    term and ``b_O``, replaces it) and ``z`` in ``sink``'s memory; else (finding the sinks on a long text, where
+    a third buffer held through the forward would raise its peak) the output's check rows only, ``z`` in
+    ``content``'s memory, and the content term is taken through ``W_O`` at every row. Where heads x d_head !=
+    d_model nothing is shared."""
 
-    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor):
+    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, whole: bool = False):
         self.index = {layer: i for i, layer in enumerate(layers)}
         heads, d_head, d_model = W_O.shape
         size = (len(layers), *shape, d_model)
-        self.whole = math.prod(size) * W_O.element_size() <= HOLD_OUTPUT_BYTES  # the output held at every row
+        self.whole = whole or math.prod(size) * W_O.element_size() <= HOLD_OUTPUT_BYTES  # the output at every row
         self._z = torch.empty(len(layers), shape[0], heads, shape[1], d_head, dtype=W_O.dtype)  # per head: as made
         shared = self._z.view(size) if heads * d_head == d_model else None  # z's memory, once split
         self.content = shared if shared is not None and not self.whole else torch.empty(size, dtype=W_O.dtype)
