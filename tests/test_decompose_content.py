@@ -64,3 +64,16 @@ def test_layers_split_together_or_one_at_a_time_give_the_same_tables(tiny, monke
     assert together.frame[["layer", "head", "term"]].equals(alone.frame[["layer", "head", "term"]])
     torch.testing.assert_close(torch.tensor(together.frame[numbers].values), torch.tensor(alone.frame[numbers].values),
                                rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32])  # heads x d_head below and above d_model
+@pytest.mark.parametrize("hold", ["whole", "check rows"])
+@pytest.mark.parametrize("sinks", [None, [0, 5]])
+def test_heads_that_do_not_fill_d_model_split_alike(head_dim, sinks, hold, monkeypatch):
+    """z is held inside each layer's term where heads x d_head fits d_model, apart where it does not: the
+    content term is the other keys through W_O at every row either way (the check above, on such a model)."""
+    from massive_lens import tiny_model
+
+    model = tiny_model("llama", head_dim=head_dim)
+    assert model.cfg.n_heads * model.cfg.d_head != model.cfg.d_model
+    test_content_is_the_other_keys_through_W_O_at_every_row(model, sinks, hold, "layers together", monkeypatch)

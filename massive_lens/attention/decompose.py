@@ -193,18 +193,21 @@ class _Terms:
     ``HOLD_OUTPUT_BYTES``, the output is held whole in ``content`` (the content term, the output less the sink
     term and ``b_O``, replaces it) and ``z`` in ``sink``'s memory; else (finding the sinks on a long text, where
     a third buffer held through the forward would raise its peak) the output's check rows only, ``z`` in
-    ``content``'s memory, and the content term is taken through ``W_O`` at every row. Where heads x d_head !=
-    d_model nothing is shared."""
+    ``content``'s memory, and the content term is taken through ``W_O`` at every row. ``z`` takes the first part
+    of each layer's term (heads x d_head <= d_model), else a buffer of its own."""
 
     def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, whole: bool = False):
         self.index = {layer: i for i, layer in enumerate(layers)}
         heads, d_head, d_model = W_O.shape
         size = (len(layers), *shape, d_model)
         self.whole = whole or math.prod(size) * W_O.element_size() <= HOLD_OUTPUT_BYTES  # the output at every row
-        self._z = torch.empty(len(layers), shape[0], heads, shape[1], d_head, dtype=W_O.dtype)  # per head: as made
-        shared = self._z.view(size) if heads * d_head == d_model else None  # z's memory, once split
-        self.content = shared if shared is not None and not self.whole else torch.empty(size, dtype=W_O.dtype)
-        self.sink = shared if shared is not None and self.whole else torch.empty(size, dtype=W_O.dtype)
+        self.content, self.sink = (torch.empty(size, dtype=W_O.dtype) for _ in range(2))
+        z_size = (len(layers), shape[0], heads, shape[1], d_head)  # per head, as the pattern applied to v is made
+        if heads * d_head <= d_model:  # z in the first part of each layer's term that replaces it once split
+            host = (self.sink if self.whole else self.content).view(len(layers), -1)
+            self._z = host[:, :math.prod(z_size[1:])].view(z_size)
+        else:
+            self._z = torch.empty(z_size, dtype=W_O.dtype)
         self._rows: Tensor | None = None  # the output's check rows, where it is not held whole
         self._pattern: Tensor | None = None
         self._v: Tensor | None = None  # the kept columns' values
@@ -280,9 +283,8 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
     reconstruction error recorded is ``||sink + z_content W_O + b_O - attn_out|| / ||attn_out||`` on the real
     positions of :func:`check_rows`: where it is small the output is the heads' outputs through ``W_O`` plus
     ``b_O`` and the content term is theirs. What it catches, an output that is not ``z W_O + b_O`` (a gate or
-    a norm after the heads), shows at every row. Everything but the products with each layer's ``W_O`` is
-    one operation for all the layers (an operation costs about the same for one layer or thirty at 128
-    tokens)."""
+    a norm after the heads), shows at every row. All but the products with each layer's ``W_O``: one operation
+    for all the layers."""
     device, first = z.device, terms.index[layers[0]]
     W_Os = [weights[layer][0].to(z) for layer in layers]
     used, keys, valid, keep, rows = terms.on(device)
