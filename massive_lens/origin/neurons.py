@@ -166,12 +166,12 @@ def _still_there(model: Any, key: tuple[int, int]) -> bool:
     return (param.data_ptr(), param.numel()) == key
 
 
-def hf_param(model: Any, layer: int, weight: Tensor, names: dict | None = None) -> tuple[str, bool]:
+def hf_param(model: Any, layer: int, weight: Tensor) -> tuple[str, bool]:
     """Name of the Hugging Face parameter behind ``W_out`` and whether it is stored transposed
-    (``down_proj.weight[dim, neuron]``), found by shared storage (in ``names``, ``_hf_names``'s
-    map, read now if None; scanned again where the kept map misses or no longer holds); TL naming otherwise."""
+    (``down_proj.weight[dim, neuron]``), found by shared storage (in ``_hf_names``' kept map, scanned
+    again where it misses or no longer holds); TL naming otherwise."""
     key = (weight.data_ptr(), weight.numel())
-    found = (_hf_names(model) if names is None else names).get(key)
+    found = _hf_names(model).get(key)
     if getattr(model, "original_model", None) is not None and (found is None or not _still_there(model, key)):
         found = _hf_names(model, fresh=True).get(key)
     if found is not None:
@@ -188,7 +188,7 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
     """``W_out[neuron, dim]`` of each named neuron (an expert's down weight, by expert), with
     its z-score and rank among the matrix's entries and its Hugging Face name and index.
     ``seen`` (a dict kept by the caller for one trace) holds each layer's matrix statistics, so
-    several births in one layer read its ``W_out`` once, and the parameters' names (read once)."""
+    several births in one layer read its ``W_out`` once."""
     if not neurons:
         return []
     if isinstance(neurons[0], tuple):
@@ -198,11 +198,9 @@ def super_weight_rows(view: ModelView, pos: int, dim: int, layer: int, neurons: 
     if layer not in seen:
         mags = weight.detach().float()
         mags = mags.T if mags.T.is_contiguous() else mags.contiguous()  # the stored order: no copy
-        if "hf_names" not in seen:
-            seen["hf_names"] = _hf_names(view.model)
         stats = derived(weight, None, "entry_mean_std", lambda _: _mean_std(mags))  # kept with the parameter
         ranks = EntryRanks(mags, view.block(layer).mlp)  # its tail kept with the MLP
-        seen[layer] = (*hf_param(view.model, layer, weight, seen["hf_names"]), *stats, ranks)
+        seen[layer] = (*hf_param(view.model, layer, weight), *stats, ranks)
     name, transposed, mean, std, ranks = seen[layer]
     rows = []
     for n in neurons:
