@@ -182,6 +182,15 @@ class OutlierTally:
         flags = outlier_dims(count, _n_tokens(massive, valid))
         if mag is not None:
             flags = flags | channel_dims(mag, massive, valid, count).to(flags.device)[None, :]
+        return self._record(layer, flags, count)
+
+    def add_counts(self, layer: int, count: Int[Tensor, "batch d_model"], n_tokens: Int[Tensor, " batch"]
+                   ) -> Bool[Tensor, "batch d_model"]:
+        """:meth:`add` from the layer's count of massive entries per dim and real tokens per sequence (no
+        channel test: no magnitudes)."""
+        return self._record(layer, outlier_dims(count, n_tokens), count)
+
+    def _record(self, layer: int, flags: Tensor, count: Tensor) -> Tensor:
         for table, now in ((self.outlier, flags.any(0)), (self.spread, (count >= OUTLIER_DIM_MIN_TOKENS).any(0))):
             now = now.cpu()
             table[layer] = table[layer] | now if layer in table else now
