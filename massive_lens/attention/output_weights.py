@@ -78,13 +78,13 @@ def output_miss(z: Float[Tensor, "batch query head d_head"], out: Float[Tensor, 
     positions (``real [batch row 1]``; None: all): where the first is small next to the second the output is
     the heads' outputs ``z`` through ``W_O`` plus ``b_O``, and any split of ``z`` rebuilds it."""
     seen = out.detach()[:, rows]
-    rebuilt = z.detach()[:, rows].flatten(2) @ W_O.to(z).flatten(0, 1)
-    if b_O is not None:
-        rebuilt += b_O.to(rebuilt)
-    miss = rebuilt.to(seen.dtype).sub_(seen)
+    heads = z.detach()[:, rows].reshape(-1, W_O.shape[0] * W_O.shape[1])  # [batch x row, head x d_head]
+    W = W_O.to(z).flatten(0, 1)
+    rebuilt = heads @ W if b_O is None else torch.addmm(b_O.to(z), heads, W)
+    both = torch.stack([rebuilt.view(seen.shape).to(seen.dtype).sub_(seen), seen])  # [2 batch row d_model]
     if real is not None:
-        miss, seen = miss * real, seen * real
-    return torch.stack([miss.norm(), seen.norm()])
+        both *= real
+    return torch.linalg.vector_norm(both.flatten(1), dim=1)
 
 
 # query rows (evenly spaced) on which each layer's heads' outputs through W_O are checked against the attention
