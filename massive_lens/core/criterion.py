@@ -337,20 +337,18 @@ class SinkEvidence:
 
     def add_resid(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> None:
         """Count the massive entries of ``layer``'s residual stream (see :meth:`add_massive`)."""
-        self._add_entries(layer, massive_entries(resid, self._every, self.valid), resid.shape[-1])
+        self._add_entries(layer, massive_entries(resid, self._every, self.valid), tuple(resid.shape))
 
     def add_massive(self, layer: int, massive: Bool[Tensor, "batch pos d_model"]) -> None:
         """Count ``layer``'s massive entries (every one, found by the caller with
         :func:`massive_mask`): which of them are token-specific, and so mark positions, is
         decided over the run by :attr:`outliers` when the sinks are asked for."""
         massive = massive.cpu() if self.all_valid else massive.cpu() & self.valid[..., None]
-        self._add_entries(layer, sparse_bool.nonzero(massive), massive.shape[-1])
+        self._add_entries(layer, sparse_bool.nonzero(massive), tuple(massive.shape))
 
-    def _add_entries(self, layer: int, idx: Int[Tensor, "n 3"], d_model: int) -> None:
+    def _add_entries(self, layer: int, idx: Int[Tensor, "n 3"], shape: tuple[int, int, int]) -> None:
         """:meth:`add_massive` from the massive entries' indices (real positions only)."""
-        count = torch.zeros(len(self.valid), d_model, dtype=torch.long)
-        count.index_put_((idx[:, 0], idx[:, 2]), torch.ones(len(idx), dtype=torch.long), accumulate=True)
-        flags = self.outliers.add_counts(layer, count, self._n_tokens)
+        flags = self.outliers.add_entries(layer, idx, shape, self._n_tokens)
         if bool(flags.any()):  # this layer's outlier dims never count
             idx = idx[~flags[idx[:, 0], idx[:, 2]]]
         self._entries.append((layer, idx))
