@@ -79,7 +79,7 @@ class AttentionDecomposition(Result):
     @property
     def reconstruction_error(self) -> float:
         """Largest relative error ||z W_O + b_O - attn_out|| / ||attn_out|| over the layers, the heads'
-        outputs z (the pattern applied to the values) through W_O, on up to ``CHECK_ROWS`` (32) evenly spaced
+        outputs z (the pattern applied to the values) through W_O, on up to ``CHECK_ROWS`` (8) evenly spaced
         query positions: sink + content is z split in two (the sink keys' share and the others'), each through
         W_O. The content term is the output less the sink term and b_O (finding the sinks on a long text: the
         other keys' share of z through W_O)."""
