@@ -159,11 +159,10 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
 
     def take(at: PassLayer) -> None:
         # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v;
-        # what reads W_O (its Gram matrix's check, the output's) while the layer's own product left it in cache
+        # the output's check while the layer's own product left W_O in cache
         W_O, b_O = weights[at.layer]
         check_shapes(view, at.layer, at.shape, at.v, W_O, at.out)
         terms.check(at.layer, at.z, at.out, W_O, b_O, batch.mask)
-        terms.grams[terms.index[at.layer]] = head_gram(W_O, terms.sink, view.block(at.layer).attn)
         terms.hold(at.layer, at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)], at.out)
         trim()  # the layer's transients, freed, handed back: held between them they would fragment
 
@@ -206,9 +205,8 @@ class _Terms:
     term and ``b_O``, replaces it) and ``z`` in ``sink``'s memory; else (finding the sinks on a long text, where
     a third buffer held through the forward would raise its peak) the output is not held, ``z`` is in
     ``content``'s memory, and the content term is taken through ``W_O`` at every row. ``z`` takes the first part
-    of each layer's term (heads x d_head <= d_model), else a buffer of its own. What reads ``W_O`` per layer
-    (:meth:`check`, its Gram matrix in :attr:`grams`) is taken in the pass, where the layer's own output
-    projection has just read it."""
+    of each layer's term (heads x d_head <= d_model), else a buffer of its own. The output's check (:meth:`check`)
+    is taken in the pass, where the layer's own output projection has just read ``W_O``."""
 
     def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, whole: bool = False,
                  all_real: bool = True):
@@ -231,8 +229,8 @@ class _Terms:
         self.stats = [(layer, term) for layer in layers for term in _TERMS]  # of each constancy sum kept (keep)
         self._sums: tuple[Tensor, ...] = ()
         self.errors: list[tuple[int, float]] = []
-        self.grams: list[Tensor | None] = [None] * len(layers)  # W_O's per-head Gram matrix, per layer (head_gram)
-        self._misses: list[Tensor | None] = [None] * len(layers)  # per layer ||z W_O + b_O - out||, ||out|| (check)
+        # per layer ||z W_O + b_O - out|| and ||out|| (check): one buffer, no small allocation left between the pass's
+        self._misses = torch.empty(len(layers), 2)
         self._rows_on: dict[torch.device, tuple[Tensor, Tensor]] = {}  # check rows and their real positions
         self.out_hooks: dict[int, str] = {}  # where each layer's attention output is read
         self._plan: tuple[Tensor, ...] = ()  # see plan
@@ -326,7 +324,7 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
     z_content = (at_sinks @ v).neg_().add_(z)  # [layer batch head query d_head]: the other keys'
     # per head, each term is a few coefficients times a basis (the sinks' values through W_O; W_O's rows): its
     # constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
-    gram = torch.stack(terms.grams[first:first + len(layers)]).to(device)
+    gram = torch.stack([head_gram(W_O, z, view.block(layer).attn) for W_O, layer in zip(W_Os, layers, strict=True)])
     content = reductions(z_content, keep, gram=gram[:, None])  # coefficients: through W_O below
     whole = out is not None
     # through each layer's W_O: the sinks' values and the content sums and, where the output is not held, the
