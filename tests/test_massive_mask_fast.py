@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from massive_lens.core.criterion import Criterion, SinkEvidence, massive_entries, massive_mask, median_scale
+from massive_lens.core.criterion import Criterion, massive_mask, median_scale
 from massive_lens.core.few_massive import few_massive
 
 
@@ -100,47 +100,3 @@ def test_passes_compares_as_torch_does_with_or_without_grad():
         assert torch.equal(criterion.passes(mag, scale), want)
         assert torch.equal(criterion.passes(mag.clone().requires_grad_(), scale), want)
         assert torch.equal(criterion.passes(mag, scale.clone().requires_grad_()), want)
-
-
-def test_entries_are_the_masks_true_entries():
-    """massive_entries (the indices without the mask where it can) gives the mask's true entries, in order,
-    with pads, NaN, ties and many passing entries (the mask's own path) alike."""
-    gen = torch.Generator().manual_seed(1)
-    for trial in range(300):
-        b, n, d = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (4, 12, 30))
-        x = torch.randn(b, n, d, generator=gen)
-        for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
-            i = [int(torch.randint(0, s, (1,), generator=gen)) for s in (b, n, d)]
-            x[i[0], i[1], i[2]] = float(torch.randint(40, 3000, (1,), generator=gen)) * (1 if trial % 2 else -1)
-        if trial % 5 == 0:
-            x[..., 0] = 900.0
-        if trial % 7 == 0:
-            x[0, 0, 0] = float("nan")
-        valid = torch.rand(b, n, generator=gen) > 0.2 if trial % 3 == 0 else None
-        for outliers in ("include", "exclude"):
-            criterion = Criterion(abs_threshold=float(torch.randint(0, 200, (1,), generator=gen)),
-                                  ratio_threshold=float(torch.randint(1, 1500, (1,), generator=gen)),
-                                  outliers=outliers)
-            want = massive_mask(x, criterion, valid).nonzero()
-            assert torch.equal(massive_entries(x, criterion, valid), want), (trial, criterion)
-
-
-def test_evidence_from_the_residual_equals_evidence_from_its_mask():
-    """SinkEvidence.add_resid (indices only) counts what add_massive counts from the mask: the same sinks, the
-    same massive layers and the same outlier dimensions."""
-    gen = torch.Generator().manual_seed(2)
-    valid = torch.ones(2, 24, dtype=torch.bool)
-    valid[1, 20:] = False
-    for mask_valid in (torch.ones_like(valid), valid):
-        by_resid, by_mask = SinkEvidence(mask_valid, 6), SinkEvidence(mask_valid, 6)
-        for layer in range(6):
-            x = torch.randn(2, 24, 16, generator=gen)
-            x[:, 0, 3] = 4000.0 + layer  # a sink
-            x[:, :, 5] = 2000.0 if layer % 2 else 1.0  # an outlier dimension at every other layer
-            x[1, 7, 9] = 3000.0 if layer > 2 else 1.0  # a late one
-            by_resid.add_resid(layer, x)
-            by_mask.add_massive(layer, massive_mask(x, Criterion(), mask_valid))
-        assert torch.equal(by_resid.mask(), by_mask.mask())
-        assert torch.equal(by_resid.massive_layers, by_mask.massive_layers)
-        assert torch.equal(by_resid.outliers.dims, by_mask.outliers.dims)
-        assert by_resid.outliers.dims[5] and by_resid.mask()[:, 0].all()

@@ -195,23 +195,3 @@ def test_the_tally_gives_the_same_flags_with_the_callers_count_and_no_mask():
         assert torch.equal(got, theirs.add(layer, massive, valid, mag))
         assert got[:, 9].all() and not got[:, 7].any()
     assert all(torch.equal(mine.at(layer), theirs.at(layer)) for layer in range(3))
-
-
-def test_the_tally_from_entries_equals_the_tally_from_the_mask():
-    """add_entries (the entries' indices; a layer of fewer than OUTLIER_DIM_MIN_TOKENS entries takes no count) flags
-    the dims add flags from the mask, layer by layer and over the run."""
-    gen = torch.Generator().manual_seed(3)
-    by_mask, by_entries = OutlierTally(), OutlierTally()
-    for layer in range(40):
-        massive = torch.zeros(2, 12, 5, dtype=torch.bool)
-        n = int(torch.randint(0, 3 * OUTLIER_DIM_MIN_TOKENS, (1,), generator=gen))
-        massive.view(-1)[torch.randperm(massive.numel(), generator=gen)[:n]] = True
-        if layer % 4 == 0:
-            massive[:, :, 1] = True  # an outlier dimension here
-        elif layer % 4 == 1:
-            massive[0, :OUTLIER_DIM_MIN_TOKENS, 1] = True  # spread, under the share
-        valid = torch.ones(2, 12, dtype=torch.bool)
-        got = by_entries.add_entries(layer, massive.nonzero(), tuple(massive.shape), valid.sum(1))
-        assert torch.equal(got, by_mask.add(layer, massive, valid)), layer
-    assert torch.equal(by_entries.dims, by_mask.dims) and bool(by_mask.dims[1])
-    assert all(torch.equal(by_entries.at(layer), by_mask.at(layer)) for layer in range(40))

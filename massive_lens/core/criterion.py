@@ -39,7 +39,7 @@ from torch import Tensor
 
 from massive_lens.core import sparse_bool
 from massive_lens.core.band_masks import key_blocks
-from massive_lens.core.few_massive import few_massive, few_massive_entries
+from massive_lens.core.few_massive import few_massive
 from massive_lens.core.median import lower_median
 from massive_lens.core.outliers import (  # noqa: F401  (the rule's names, importable from the criterion too)
     OUTLIER_DIM_MIN_TOKENS,
@@ -191,24 +191,6 @@ def massive_mask(
     return token_specific(massive, valid) if criterion.outliers == "exclude" else massive
 
 
-def massive_entries(
-    resid: Float[Tensor, "batch pos d_model"], criterion: Criterion, valid: Bool[Tensor, "batch pos"] | None = None,
-) -> Int[Tensor, "n 3"]:
-    """:func:`massive_mask`'s true entries ``(seq, pos, dim)`` on the CPU, in row-major order, without
-    the mask where none is needed (whole hidden states of few massive entries: their indices only).
-
-    >>> x = torch.ones(2, 2, 4); x[1, 1, 0] = -900.0
-    >>> massive_entries(x, Criterion(ratio_threshold=100)).tolist()
-    [[1, 1, 0]]
-    """
-    every = valid is None or bool(valid.all())
-    flat = few_massive_entries(resid.abs().float(), criterion) \
-        if every and criterion.outliers == "include" else None
-    if flat is None:
-        return sparse_bool.nonzero(massive_mask(resid, criterion, valid).cpu())
-    return torch.from_numpy(np.stack(np.unravel_index(flat, tuple(resid.shape)), 1).astype(np.int64, copy=False))
-
-
 def first_token_mass(
     pattern: Float[Tensor, "batch head_index query_pos key_pos"], valid: Bool[Tensor, "batch pos"] | None = None,
 ) -> Float[Tensor, " head_index"]:
@@ -324,7 +306,6 @@ class SinkEvidence:
     def __init__(self, valid: Bool[Tensor, "batch pos"], n_layers: int, rule: SinkRule | None = None,
                  criterion: Criterion | None = None, outliers: OutlierTally | None = None):
         self.valid, self.n_layers = valid.cpu(), n_layers
-        self._n_tokens = self.valid.sum(1)  # real tokens per sequence
         self.all_valid = bool(self.valid.all())  # no pads: nothing to mask
         self.rule, self.criterion = as_rule(rule), as_criterion(criterion)
         self.outliers = outliers or OutlierTally()  # the run's outlier dimensions (shared by a caller's batches)
@@ -337,18 +318,15 @@ class SinkEvidence:
 
     def add_resid(self, layer: int, resid: Float[Tensor, "batch pos d_model"]) -> None:
         """Count the massive entries of ``layer``'s residual stream (see :meth:`add_massive`)."""
-        self._add_entries(layer, massive_entries(resid, self._every, self.valid), tuple(resid.shape))
+        self.add_massive(layer, massive_mask(resid, self._every, self.valid))
 
     def add_massive(self, layer: int, massive: Bool[Tensor, "batch pos d_model"]) -> None:
         """Count ``layer``'s massive entries (every one, found by the caller with
         :func:`massive_mask`): which of them are token-specific, and so mark positions, is
         decided over the run by :attr:`outliers` when the sinks are asked for."""
         massive = massive.cpu() if self.all_valid else massive.cpu() & self.valid[..., None]
-        self._add_entries(layer, sparse_bool.nonzero(massive), tuple(massive.shape))
-
-    def _add_entries(self, layer: int, idx: Int[Tensor, "n 3"], shape: tuple[int, int, int]) -> None:
-        """:meth:`add_massive` from the massive entries' indices (real positions only)."""
-        flags = self.outliers.add_entries(layer, idx, shape, self._n_tokens)
+        flags = self.outliers.add(layer, massive, None if self.all_valid else self.valid)
+        idx = sparse_bool.nonzero(massive)
         if bool(flags.any()):  # this layer's outlier dims never count
             idx = idx[~flags[idx[:, 0], idx[:, 2]]]
         self._entries.append((layer, idx))

@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-__all__ = ["MAX_CANDIDATES", "few_massive", "few_massive_entries"]
+__all__ = ["MAX_CANDIDATES", "few_massive"]
 
 
 MAX_CANDIDATES = 4096  # values above abs_threshold a row may have for few_massive to rank them (more: the median)
@@ -27,32 +27,20 @@ MAX_CANDIDATES = 4096  # values above abs_threshold a row may have for few_massi
 
 def few_massive(mag: Float[Tensor, "batch pos d_model"], criterion: Any) -> Tensor | None:
     """``criterion.passes(mag, median)`` (``criterion`` a :class:`~massive_lens.core.criterion.Criterion`)
-    over whole hidden states without pads, without the median (None: take it): :func:`few_massive_entries`
-    as a mask."""
-    entries = few_massive_entries(mag, criterion)
-    if entries is None:
-        return None
-    out = np.zeros(mag.numel(), dtype=bool)
-    out[entries] = True
-    return torch.from_numpy(out).view(mag.shape)
-
-
-def few_massive_entries(mag: Float[Tensor, "batch pos d_model"], criterion: Any) -> Any | None:
-    """The flat indices (row-major in ``mag``, ascending, a NumPy array) of the entries where
-    ``criterion.passes(mag, median)`` over whole hidden states without pads, or None (take the median).
-    ``fl(ratio * m) < c`` for the lower median ``m`` (the ``k``-th smallest of ``n``, ``k = (n - 1) // 2``)
-    exactly when at least ``k + 1`` entries ``x`` have ``fl(ratio * x) < c`` (rounding is monotone), so of
-    the distinct values above ``abs_threshold`` the massive ones are the largest few: the first that fails,
-    found by a galloping search from the largest down (a count each, in NumPy: torch's comparison of a
-    73,728-value row costs ten times as much on one thread), bounds them (``mag > it``)."""
+    over whole hidden states without pads, without the median (None: take it). ``fl(ratio * m) < c``
+    for the lower median ``m`` (the ``k``-th smallest of ``n``, ``k = (n - 1) // 2``) exactly when at
+    least ``k + 1`` entries ``x`` have ``fl(ratio * x) < c`` (rounding is monotone), so of the distinct
+    values above ``abs_threshold`` the massive ones are the largest few: the first that fails, found by
+    a galloping search from the largest down (a count each, in NumPy: torch's comparison of a
+    73,728-value row costs ten times as much on one thread), bounds the mask (``mag > it``)."""
     if criterion.median_over != "hidden_state" or mag.device.type != "cpu" or not mag.numel() or \
             mag.dtype not in (torch.float32, torch.float64):
         return None
     rows = mag.detach().flatten(1).numpy()
     k = (rows.shape[1] - 1) // 2
     ratio, floor = np.asarray(criterion.ratio_threshold, dtype=rows.dtype), _below(criterion.abs_threshold, rows.dtype)
-    hits = []
-    for i, row in enumerate(rows):  # per sequence (its own median)
+    out = np.zeros(rows.shape, dtype=bool)
+    for row, hit in zip(rows, out, strict=True):  # per sequence (its own median)
         top = row.max()
         if top != top:  # NaN (ranked above every number): the median's path
             return None
@@ -63,8 +51,8 @@ def few_massive_entries(mag: Float[Tensor, "batch pos d_model"], criterion: Any)
         values = np.unique(found)[::-1]  # distinct, largest first
         failing = _first_failing(values, ratio * row, k) if len(values) else 0
         bound = values[failing] if failing < len(values) else np.asarray(criterion.abs_threshold, dtype=rows.dtype)
-        hits.append(over[found > bound] + i * rows.shape[1])  # every entry above the bound is above the floor
-    return np.concatenate(hits)
+        hit[over[found > bound]] = True  # every entry above the bound is above the floor
+    return torch.from_numpy(out).view(mag.shape)
 
 
 @functools.lru_cache(maxsize=64)

@@ -182,24 +182,7 @@ class OutlierTally:
         flags = outlier_dims(count, _n_tokens(massive, valid))
         if mag is not None:
             flags = flags | channel_dims(mag, massive, valid, count).to(flags.device)[None, :]
-        return self._record(layer, flags, count)
-
-    def add_entries(self, layer: int, idx: Int[Tensor, "n 3"], shape: tuple[int, int, int],
-                    n_tokens: Int[Tensor, " batch"]) -> Bool[Tensor, "batch d_model"]:
-        """:meth:`add` from the layer's massive entries ``idx`` ``(seq, pos, dim)`` of a ``[batch pos d_model]``
-        state and the real tokens per sequence (no channel test: no magnitudes). Fewer entries than
-        ``OUTLIER_DIM_MIN_TOKENS`` make no dim an outlier dimension or spread: no count is taken."""
-        if len(idx) < OUTLIER_DIM_MIN_TOKENS:
-            none = torch.zeros(shape[0], shape[2], dtype=torch.bool)
-            return self._record(layer, none, None)
-        count = torch.zeros(shape[0], shape[2], dtype=torch.long)
-        count.index_put_((idx[:, 0], idx[:, 2]), torch.ones(len(idx), dtype=torch.long), accumulate=True)
-        return self._record(layer, outlier_dims(count, n_tokens), count)
-
-    def _record(self, layer: int, flags: Tensor, count: Tensor | None) -> Tensor:
-        """Add ``layer``'s outlier dimensions (``flags``) and spread dims (from ``count``; None: none)."""
-        spread = flags[0] if count is None else (count >= OUTLIER_DIM_MIN_TOKENS).any(0)  # (all-False flags: none)
-        for table, now in ((self.outlier, flags.any(0)), (self.spread, spread)):
+        for table, now in ((self.outlier, flags.any(0)), (self.spread, (count >= OUTLIER_DIM_MIN_TOKENS).any(0))):
             now = now.cpu()
             table[layer] = table[layer] | now if layer in table else now
         self._scope = None

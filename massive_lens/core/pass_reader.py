@@ -225,8 +225,8 @@ class PassReader:
         z_read, heads = got.get("z_read"), pattern.shape[1]
         if z_read is not None and z_read.shape[2] != heads and z_read[0, 0].numel() % heads == 0:
             z_read = z_read.reshape(*z_read.shape[:2], heads, -1)  # per query head, as the LSE path reads hook_z
-        if "z" in self.want and v is not None:  # the pattern applied to the values
-            z = _applied(pattern, v)
+        if "z" in self.want and v is not None:  # the pattern applied to the values: one value head per query head
+            z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2))
         cols = self.columns_at(layer, pattern.shape[0], pattern.shape[-1])
         self._hand(self.make(layer=layer, shape=tuple(pattern.shape), band=band if self.band else None,
                              cols=None if cols is None else pattern.index_select(-1, cols.to(pattern.device)),
@@ -348,12 +348,3 @@ def _add_pattern(pattern: Tensor, hook: Any, *, reader: PassReader) -> None:
 
 def _add_resid(resid: Tensor, hook: Any, *, evidence: SinkEvidence, layer: int) -> None:
     evidence.add_resid(layer, resid)
-
-
-def _applied(pattern: Tensor, v: Tensor) -> Tensor:
-    """``pattern [batch head query key]`` applied to ``v [batch key kv_head d_head]``, each value head read by
-    its group of consecutive query heads: ``z [batch query head d_head]`` (a view of ``[batch head query
-    d_head]``), one product per value head (no copy of the values per query head)."""
-    (batch, heads, queries, keys), groups = pattern.shape, v.shape[2]
-    grouped = pattern.reshape(batch, groups, heads // groups * queries, keys) @ v.transpose(1, 2)
-    return grouped.view(batch, heads, queries, -1).transpose(1, 2)
