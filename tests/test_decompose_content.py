@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from massive_lens.attention import decompose_attention
-from massive_lens.attention.decompose import CHECK_ROWS, check_rows
+from massive_lens.attention.output_weights import CHECK_ROWS, check_rows
 from massive_lens.core.model_view import ModelView
 
 TEXT = "The cat sat on the mat. It slept, and then, much later, it woke: the mat was warm. "

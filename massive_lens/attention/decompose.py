@@ -29,7 +29,14 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from massive_lens.attention.constancy import constancy, reductions
-from massive_lens.attention.output_weights import check_shapes, head_gram, output_weights
+from massive_lens.attention.output_weights import (
+    check_error,
+    check_rows,
+    check_shapes,
+    head_gram,
+    output_miss,
+    output_weights,
+)
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_output_hook, attention_pass, choose_path
 from massive_lens.core.budget import trim_allocator
@@ -38,7 +45,6 @@ from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.lse import EAGER, path_text
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.results import Result
-from massive_lens.errors import MassiveLensError
 
 _EXCLUDED = "constancy statistics exclude the sink query positions (a sink attends to itself)"
 
@@ -72,10 +78,11 @@ class AttentionDecomposition(Result):
 
     @property
     def reconstruction_error(self) -> float:
-        """Largest relative error ||sink + content + b_O - attn_out|| / ||attn_out|| over the layers, the
-        content term taken through W_O (the heads' outputs from the non-sink keys), measured on up to
-        ``CHECK_ROWS`` (32) evenly spaced query positions; elsewhere the content term is the output less
-        the sink term and b_O (finding the sinks on a long text: the heads' outputs through W_O)."""
+        """Largest relative error ||z W_O + b_O - attn_out|| / ||attn_out|| over the layers, the heads'
+        outputs z (the pattern applied to the values) through W_O, on up to ``CHECK_ROWS`` (8) evenly spaced
+        query positions: sink + content is z split in two (the sink keys' share and the others'), each through
+        W_O. The content term is the output less the sink term and b_O (finding the sinks on a long text: the
+        other keys' share of z through W_O)."""
         return float(self.errors["rel_error"].max())
 
     def to_frame(self) -> pd.DataFrame:
@@ -146,12 +153,16 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     columns = candidate_columns(view, batch) if given is None else given.mask.any(0).nonzero()[:, 0]
     # sinks given: the output held whole at any length (z in the sink term's memory, as the split in the pass
     # held its two terms); found: whole up to HOLD_OUTPUT_BYTES (see _Terms)
-    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], whole=given is not None)
+    terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], whole=given is not None,
+                   all_real=bool(batch.mask.all()))
     trim = _trim_each_layer(batch, terms.sink.shape[-1])
 
     def take(at: PassLayer) -> None:
-        # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v
-        check_shapes(view, at.layer, at.shape, at.v, weights[at.layer][0], at.out)
+        # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v;
+        # the output's check while the layer's own product left W_O in cache
+        W_O, b_O = weights[at.layer]
+        check_shapes(view, at.layer, at.shape, at.v, W_O, at.out)
+        terms.check(at.layer, at.z, at.out, W_O, b_O, batch.mask)
         terms.hold(at.layer, at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)], at.out)
         trim()  # the layer's transients, freed, handed back: held between them they would fragment
 
@@ -192,11 +203,14 @@ class _Terms:
     transients would fragment around them). With ``whole`` (sinks given) or terms of at most
     ``HOLD_OUTPUT_BYTES``, the output is held whole in ``content`` (the content term, the output less the sink
     term and ``b_O``, replaces it) and ``z`` in ``sink``'s memory; else (finding the sinks on a long text, where
-    a third buffer held through the forward would raise its peak) the output's check rows only, ``z`` in
+    a third buffer held through the forward would raise its peak) the output is not held, ``z`` is in
     ``content``'s memory, and the content term is taken through ``W_O`` at every row. ``z`` takes the first part
-    of each layer's term (heads x d_head <= d_model), else a buffer of its own."""
+    of each layer's term (heads x d_head <= d_model), else a buffer of its own. The output's check (:meth:`check`)
+    is taken in the pass, where the layer's own output projection has just read ``W_O``."""
 
-    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, whole: bool = False):
+    def __init__(self, layers: tuple[int, ...], shape: tuple[int, int], W_O: Tensor, whole: bool = False,
+                 all_real: bool = True):
+        self.all_real = all_real  # no pads: the check masks nothing
         self.index = {layer: i for i, layer in enumerate(layers)}
         heads, d_head, d_model = W_O.shape
         size = (len(layers), *shape, d_model)
@@ -208,7 +222,6 @@ class _Terms:
             self._z = host[:, :math.prod(z_size[1:])].view(z_size)
         else:
             self._z = torch.empty(z_size, dtype=W_O.dtype)
-        self._rows: Tensor | None = None  # the output's check rows, where it is not held whole
         self._pattern: Tensor | None = None
         self._v: Tensor | None = None  # the kept columns' values
         self.bias = torch.empty(len(layers), d_model, dtype=W_O.dtype)  # b_O per layer
@@ -216,31 +229,50 @@ class _Terms:
         self.stats = [(layer, term) for layer in layers for term in _TERMS]  # of each constancy sum kept (keep)
         self._sums: tuple[Tensor, ...] = ()
         self.errors: list[tuple[int, float]] = []
+        # per layer ||z W_O + b_O - out|| and ||out|| (check): one buffer, no small allocation left between the pass's
+        self._misses = torch.empty(len(layers), 2)
+        self._rows_on: dict[torch.device, tuple[Tensor, Tensor]] = {}  # check rows and their real positions
         self.out_hooks: dict[int, str] = {}  # where each layer's attention output is read
         self._plan: tuple[Tensor, ...] = ()  # see plan
         self._on: dict[torch.device, tuple[Tensor, ...]] = {}
 
     def hold(self, layer: int, z: Tensor, pattern: Tensor, v: Tensor, out: Tensor) -> None:
         # one buffer per kind for every layer: no small allocation lands between the pass's transients
-        out = out.detach() if self.whole else out.detach()[:, check_rows(out.shape[1], out.device)]
         if self._pattern is None:
             self._pattern, self._v = (torch.empty(len(self.index), *x.shape, dtype=x.dtype) for x in (pattern, v))
-            self._rows = None if self.whole else torch.empty(len(self.index), *out.shape, dtype=out.dtype)
         i = self.index[layer]
         self._z[i].copy_(z.detach().transpose(1, 2))  # the pattern applied to v is made per head
         self._pattern[i].copy_(pattern.detach())
         self._v[i].copy_(v.detach())
-        (self.content if self.whole else self._rows)[i].copy_(out)
+        if self.whole:
+            self.content[i].copy_(out.detach())
 
-    def held(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def check(self, layer: int, z: Tensor, out: Tensor, W_O: Tensor, b_O: Tensor | None, valid: Tensor) -> None:
+        """The reconstruction check of ``layer`` (:func:`check_rows`; judged by :meth:`error`): ``z [batch query
+        head d_head]`` through ``W_O`` plus ``b_O`` against the output ``out [batch query d_model]`` on the check
+        rows' real positions. Where it is small the output is the heads' outputs through ``W_O`` plus ``b_O``,
+        and sink + content + ``b_O`` (the heads' outputs split in two, each through ``W_O``) rebuilds it."""
+        if z.device not in self._rows_on:
+            rows = check_rows(z.shape[1], z.device)
+            self._rows_on[z.device] = rows, valid.to(z.device)[:, rows, None]
+        rows, on = self._rows_on[z.device]
+        self._misses[self.index[layer]] = output_miss(z, out, W_O, b_O, rows, None if self.all_real else on)
+        self.out_dtype = out.dtype
+
+    def error(self, layer: int) -> float:
+        """:meth:`check`'s relative error of ``layer``."""
+        miss, size = self._misses[self.index[layer]].tolist()
+        return miss / max(size, 1e-12)
+
+    def held(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Layers ``start:stop`` (in :attr:`index`' order): ``z``, the attention on the kept columns, their
-        values and the output (or its check rows)."""
-        return tuple(x[start:stop] for x in (self._z, self._pattern, self._v,
-                                             self.content if self.whole else self._rows))
+        values and the output (None where it is not held)."""
+        return (*(x[start:stop] for x in (self._z, self._pattern, self._v)),
+                self.content[start:stop] if self.whole else None)
 
     def drop_held(self) -> None:
         """Free what was held for the split once every layer is split."""
-        self._pattern = self._v = self._rows = None
+        self._pattern = self._v = None
 
     def keep(self, start: int, *terms: tuple[Tensor, ...]) -> None:
         """Keep the constancy sums (:func:`reductions`, each ``[layer ...]``) of the layers from ``start``, per
@@ -259,19 +291,19 @@ class _Terms:
 
     def plan(self, keys: Tensor, valid: Tensor, sinks: Tensor) -> None:
         """What every layer's split shares: the kept columns that are a sink in some sequence, which
-        of them are each sequence's sinks (``keys [batch col]``), the real positions and those the
-        statistics count (not a sink)."""
+        of them are each sequence's sinks (``keys [batch col]``) and the positions the statistics count
+        (real, not a sink)."""
         used = keys.any(0).nonzero()[:, 0]
-        self._plan, self._on = (used, keys[:, used], valid, valid & ~sinks), {}
+        self._plan, self._on = (used, keys[:, used], valid & ~sinks), {}
 
     def on(self, device: torch.device) -> tuple[Tensor, ...]:
-        """:meth:`plan`'s tensors and :func:`check_rows` on ``device``."""
+        """:meth:`plan`'s tensors on ``device``."""
         if device not in self._on:
-            self._on[device] = (*(t.to(device) for t in self._plan), check_rows(self._plan[2].shape[1], device))
+            self._on[device] = tuple(t.to(device) for t in self._plan)
         return self._on[device]
 
 
-def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v: Tensor, out: Tensor,
+def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v: Tensor, out: Tensor | None,
            weights: dict[int, tuple[Tensor, Tensor | None]], terms: _Terms) -> None:
     """Consecutive layers' terms at once, from the heads' outputs ``z [layer batch head query d_head]``, the
     attention on the kept key columns ``pattern [layer batch head query col]`` and their values ``v [layer
@@ -279,15 +311,13 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
     value through ``W_O``, weighted; the content term is the rest, the attention output ``out [layer batch
     query d_model]`` less the sink term and ``b_O`` (its per-head statistics from the other keys' share of the
     heads' outputs, through ``W_O``); summed over heads (the per-head terms are read only through their
-    factors; where ``out`` holds only the check rows, the content term is ``z_content W_O`` at every row). The
-    reconstruction error recorded is ``||sink + z_content W_O + b_O - attn_out|| / ||attn_out||`` on the real
-    positions of :func:`check_rows`: where it is small the output is the heads' outputs through ``W_O`` plus
-    ``b_O`` and the content term is theirs. What it catches, an output that is not ``z W_O + b_O`` (a gate or
-    a norm after the heads), shows at every row. All but the products with each layer's ``W_O``: one operation
-    for all the layers."""
+    factors; where ``out`` is None, the content term is ``z_content W_O`` at every row). Each layer's
+    reconstruction error (:meth:`_Terms.check`, taken in the pass) is judged here: what it catches, an output
+    that is not ``z W_O + b_O`` (a gate or a norm after the heads), shows at every row. All but the products
+    with each layer's ``W_O``: one operation for all the layers."""
     device, first = z.device, terms.index[layers[0]]
     W_Os = [weights[layer][0].to(z) for layer in layers]
-    used, keys, valid, keep, rows = terms.on(device)
+    used, keys, keep = terms.on(device)
     at_sinks = pattern.to(device)[..., used] * keys[:, None, None, :].to(pattern.dtype)  # [layer batch head query sink]
     group = z.shape[2] // v.shape[3]  # query heads per kv head
     v = v.to(device)[:, :, used].transpose(2, 3).repeat_interleave(group, dim=2)  # [layer batch head sink d_head]
@@ -296,21 +326,18 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
     # constancy sums are read from those factors, the per-head vectors [batch, pos, d_model] never built
     gram = torch.stack([head_gram(W_O, z, view.block(layer).attn) for W_O, layer in zip(W_Os, layers, strict=True)])
     content = reductions(z_content, keep, gram=gram[:, None])  # coefficients: through W_O below
-    n = z.shape[3]  # query positions
-    every = len(rows) == n  # every row checked: no gather
-    whole = out.shape[2] == n  # else ``out`` holds the check rows only
-    # through each layer's W_O: the sinks' values and the content sums, and the content term on the check rows
-    # (the product the model's own output projection computes) or, where out holds only those, at every row
+    whole = out is not None
+    # through each layer's W_O: the sinks' values and the content sums and, where the output is not held, the
+    # content term at every row
     left = torch.cat([v, torch.stack(content[:2], 3)], 3)  # [layer batch head sink+2 d_head]
     projected = left.new_empty(*left.shape[:-1], W_Os[0].shape[-1])
     target = terms.content[first:first + len(layers)]  # z is not read after z_content: the terms may overwrite it
     same = target.dtype == z.dtype and target.device == device
-    through = target if not whole and same else z_content.new_empty(z.shape[0], z.shape[1], len(rows) if whole else n,
-                                                                         W_Os[0].shape[-1])
+    through = None if whole else target if same else z_content.new_empty(*z.shape[:2], z.shape[3], W_Os[0].shape[-1])
     for i, W_O in enumerate(W_Os):
         torch.matmul(left[i], W_O, out=projected[i])
-        rows_i = z_content[i] if every or not whole else z_content[i][:, :, rows]
-        torch.matmul(rows_i.transpose(1, 2).flatten(2), W_O.flatten(0, 1), out=through[i])
+        if through is not None:
+            torch.matmul(z_content[i].transpose(1, 2).flatten(2), W_O.flatten(0, 1), out=through[i])
     n_sinks = v.shape[3]
     sink_values = projected[..., :n_sinks, :]  # [layer batch head sink d_model]: each sink's value through W_O
     held = terms.sink[first:first + len(layers)]  # z's memory where the output is held whole: z is read no more
@@ -320,25 +347,18 @@ def _split(view: ModelView, layers: Sequence[int], z: Tensor, pattern: Tensor, v
              (projected[..., n_sinks, :], projected[..., n_sinks + 1, :], *content[2:]))
     bias = torch.stack([torch.zeros(W_O.shape[-1], dtype=z.dtype, device=device) if weights[layer][1] is None
                         else weights[layer][1].to(z) for W_O, layer in zip(W_Os, layers, strict=True)])
-    out, on = out.to(device), valid if every else valid[:, rows]
-    seen = out if every or not whole else out[:, :, rows]
-    rebuilt = (sink if every else sink[:, :, rows]) + (through if whole else through[:, :, rows])
-    rebuilt = rebuilt.add_(bias[:, None, None]).to(out.dtype).sub_(seen)
-    if not bool(on.all()):
-        rebuilt, seen = rebuilt * on[..., None], seen * on[..., None]
-    misses, sizes = (x.flatten(1).norm(dim=1).tolist() for x in (rebuilt, seen))
-    for layer, miss, size in zip(layers, misses, sizes, strict=True):
-        err = miss / max(size, 1e-12)
-        _check_error(view, layer, err, out.dtype, terms.out_hooks[layer])
+    for layer in layers:
+        err = terms.error(layer)
+        check_error(view, layer, err, terms.out_dtype, terms.out_hooks[layer])
         terms.errors.append((layer, err))
     terms.keep(first, *stats)
-    if not whole:  # the output held on the check rows only (a long text): the content term through W_O
+    if not whole:  # the output not held (a long text): the content term through W_O
         if through is not target:
             target.copy_(through)
-    elif out.dtype == target.dtype and out.device == target.device:
+    elif out.dtype == target.dtype and out.device == device:
         torch.sub(out, sink, out=target).sub_(bias[:, None, None])  # the output less sink and b_O (in place if held)
     else:
-        target.copy_(out - sink.to(out.dtype) - bias[:, None, None].to(out.dtype))
+        target.copy_(out.to(device) - sink.to(out.dtype) - bias[:, None, None].to(out.dtype))
     if sink is not held:
         held.copy_(sink)
     terms.bias[first:first + len(layers)].copy_(bias)
@@ -351,7 +371,7 @@ _TERMS = ("sink", "content")
 SPLIT_BYTES = 4 << 20
 
 # a term's buffer ([layer, batch, pos, d_model]) up to which, when the sinks are found in the pass, the attention
-# output is held whole (its content term then costs no product); above it the output's check rows only
+# output is held whole (its content term then costs no product); above it not at all
 HOLD_OUTPUT_BYTES = 32 << 20
 
 # a layer's term ([batch, pos, d_model] float32) from which the freed transients are handed back every
@@ -376,31 +396,3 @@ def _trim_each_layer(batch: Any, d_model: int) -> Callable[[], None]:
 
 def _no_trim() -> None:
     """Nothing: the layer's transients are small and reused by the next layer."""
-
-
-# query rows (evenly spaced) on which each layer's split is checked against the attention output: what
-# the check catches (an output that is not z W_O + b_O) shows at every row, and these rows are the only
-# ones where the content term is also taken through W_O (elsewhere it is the output less sink and b_O)
-CHECK_ROWS = 32
-
-
-def check_rows(n: int, device: torch.device | str) -> Tensor:
-    """Up to ``CHECK_ROWS`` evenly spaced query positions of ``n``, first and last included."""
-    return torch.linspace(0, n - 1, min(n, CHECK_ROWS), device=device).round().long().unique()
-
-# relative error of sink + content + b_O above which a decomposition is refused, by dtype
-RECONSTRUCTION_TOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
-RECONSTRUCTION_TOL_FLOAT32 = 1e-3
-
-
-def _check_error(view: ModelView, layer: int, err: float, dtype: torch.dtype, hook: str) -> None:
-    """Refuse a decomposition that does not reconstruct the attention output."""
-    tol = RECONSTRUCTION_TOL.get(dtype, RECONSTRUCTION_TOL_FLOAT32)
-    if not math.isfinite(err):  # NaN or inf reached the layer: an overflow, not a wrong split
-        raise view.overflow_error(view.hook_name(layer, hook))
-    if not err <= tol:
-        raise MassiveLensError(
-            f"{view.name}: sink + content + b_O misses the attention output of layer {layer} by {err:.1e} "
-            f"(relative, above {tol:g}): this attention's output is not pattern @ v @ W_O + b_O (e.g. a norm "
-            "between the heads and W_O, or a pattern hook that is not the pattern applied), so "
-            "decompose_attention cannot split it")

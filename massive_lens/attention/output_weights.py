@@ -1,5 +1,6 @@
 """A layer's output projection as the attention analyses read it: ``W_O [head d_head d_model]`` and
 ``b_O`` (:func:`output_weights`), the shapes a per-head split of the output needs (:func:`check_shapes`),
+the check that the output is the heads' outputs through them (:func:`output_miss`, :func:`check_error`)
 and ``W_O``'s per-head Gram matrix, kept between calls while the weights stay what they were
 (:func:`head_gram`): it costs about as much as a 21-token forward of the layer's output projection
 on SmolLM2 (~0.9 ms a layer on one CPU thread) and is the same in every call on the same weights.
@@ -15,9 +16,10 @@ on SmolLM2 (~0.9 ms a layer on one CPU thread) and is the same in every call on 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import torch  # noqa: F401  (the examples)
+import torch
 from jaxtyping import Float
 from torch import Tensor
 
@@ -67,3 +69,47 @@ def head_gram(W_O: Float[Tensor, "head d_head d_model"], like: Tensor, owner: An
         return target @ target.transpose(-1, -2)
 
     return derived(W_O, owner, ("head_gram", like.dtype, like.device), gram)
+
+
+def output_miss(z: Float[Tensor, "batch query head d_head"], out: Float[Tensor, "batch query d_model"],
+                W_O: Float[Tensor, "head d_head d_model"], b_O: Tensor | None, rows: Tensor,
+                real: Tensor | None = None) -> Float[Tensor, "2"]:
+    """``||z W_O + b_O - out||`` and ``||out||`` on the query ``rows`` (:func:`check_rows`), at their real
+    positions (``real [batch row 1]``; None: all): where the first is small next to the second the output is
+    the heads' outputs ``z`` through ``W_O`` plus ``b_O``, and any split of ``z`` rebuilds it."""
+    seen = out.detach()[:, rows]
+    heads = z.detach()[:, rows].reshape(-1, W_O.shape[0] * W_O.shape[1])  # [batch x row, head x d_head]
+    W = W_O.to(z).flatten(0, 1)
+    rebuilt = heads @ W if b_O is None else torch.addmm(b_O.to(z), heads, W)
+    both = torch.stack([rebuilt.view(seen.shape).to(seen.dtype).sub_(seen), seen])  # [2 batch row d_model]
+    if real is not None:
+        both *= real
+    return torch.linalg.vector_norm(both.flatten(1), dim=1)
+
+
+# query rows (evenly spaced) on which each layer's heads' outputs through W_O are checked against the attention
+# output (output_miss): what the check catches (an output that is not z W_O + b_O) shows at every row
+CHECK_ROWS = 8
+
+
+def check_rows(n: int, device: torch.device | str) -> Tensor:
+    """Up to ``CHECK_ROWS`` evenly spaced query positions of ``n``, first and last included."""
+    return torch.linspace(0, n - 1, min(n, CHECK_ROWS), device=device).round().long().unique()
+
+
+# relative error of sink + content + b_O above which a decomposition is refused, by dtype
+RECONSTRUCTION_TOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
+RECONSTRUCTION_TOL_FLOAT32 = 1e-3
+
+
+def check_error(view: ModelView, layer: int, err: float, dtype: torch.dtype, hook: str) -> None:
+    """Refuse a decomposition that does not reconstruct the attention output."""
+    tol = RECONSTRUCTION_TOL.get(dtype, RECONSTRUCTION_TOL_FLOAT32)
+    if not math.isfinite(err):  # NaN or inf reached the layer: an overflow, not a wrong split
+        raise view.overflow_error(view.hook_name(layer, hook))
+    if not err <= tol:
+        raise MassiveLensError(
+            f"{view.name}: sink + content + b_O misses the attention output of layer {layer} by {err:.1e} "
+            f"(relative, above {tol:g}): this attention's output is not pattern @ v @ W_O + b_O (e.g. a norm "
+            "between the heads and W_O, or a pattern hook that is not the pattern applied), so "
+            "decompose_attention cannot split it")
