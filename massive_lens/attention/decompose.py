@@ -17,9 +17,8 @@ True
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ from massive_lens.attention.output_weights import (
 )
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, post_attention_norm, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_output_hook, attention_pass, choose_path
-from massive_lens.core.budget import trim_allocator
+from massive_lens.core.budget import LayerTrim
 from massive_lens.core.charts import sink_content_axes
 from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.lse import EAGER, path_text
@@ -155,7 +154,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
     # held its two terms); found: whole up to HOLD_OUTPUT_BYTES (see _Terms)
     terms = _Terms(layers, tuple(batch.tokens.shape), next(iter(weights.values()))[0], whole=given is not None,
                    all_real=bool(batch.mask.all()))
-    trim = _trim_each_layer(batch, terms.sink.shape[-1])
+    trim = LayerTrim(batch.mask.numel(), terms.sink.shape[-1], TRIM_EVERY)
 
     def take(at: PassLayer) -> None:
         # the heads' outputs z (the pattern applied to v, or the kernel's), the attention on the kept columns, v;
@@ -182,8 +181,7 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         _split(view, layers[start:start + step], *terms.held(start, start + step), weights, terms)
         trim()
     terms.drop_held()
-    if trim is not _no_trim:  # where the layers' terms are large: small transients are reused
-        trim_allocator()
+    trim.now()
     stats = constancy(terms.parts(), batch.mask & ~found.mask)  # [term head 5]
     rows = [(layer, h, term, *vals) for (layer, term), per_head in zip(terms.stats, stats.tolist(), strict=True)
             for h, vals in enumerate(per_head)]
@@ -374,25 +372,9 @@ SPLIT_BYTES = 4 << 20
 # output is held whole (its content term then costs no product); above it not at all
 HOLD_OUTPUT_BYTES = 32 << 20
 
-# a layer's term ([batch, pos, d_model] float32) from which the freed transients are handed back every
-# TRIM_EVERY layers and after the split; below it never: each trim costs the next layer's page faults (at 128
-# tokens on SmolLM2, per-layer trims took a third of a plain forward's CPU time), and small transients are reused.
+# every TRIM_EVERY layers at length (core.budget.LayerTrim) and after the split, the freed transients handed back.
 # At 2,048 tokens (one thread, docs/benchmarks.md round 4): every layer 1.18x the SDPA forward's time, 0.85x its
 # memory; every third 1.14x, 0.89x; never 1.09x, 1.54x (freed transients between held buffers stay resident).
 # Round 5, what is held in one buffer per kind (_Terms), benchmarks.length: every 5th layer 1.05x, 0.90x; every 10th
 # 1.05-1.12x, 0.99-1.13x (memory over the goal); every 3rd 1.08-1.13x, 0.86-0.96x
-TRIM_BYTES = 2 << 20
 TRIM_EVERY = 5
-
-
-def _trim_each_layer(batch: Any, d_model: int) -> Callable[[], None]:
-    """Every ``TRIM_EVERY``-th call :func:`~massive_lens.core.budget.trim_allocator` where a layer's terms
-    reach ``TRIM_BYTES``, else nothing."""
-    if batch.mask.numel() * d_model * 4 < TRIM_BYTES:
-        return _no_trim
-    calls = itertools.count(1)
-    return lambda: trim_allocator() if next(calls) % TRIM_EVERY == 0 else None
-
-
-def _no_trim() -> None:
-    """Nothing: the layer's transients are small and reused by the next layer."""

@@ -24,6 +24,10 @@ _LIBC: Any = None
 LOGITS_SHARE = 0.05  # one pass's logits stay under this share of the weights' bytes
 MAX_BATCH = 8  # sequences a pass when the logits budget allows more
 LOSS_CHUNK_BYTES = 8 * 2**20  # the float32 log-probabilities one step of a loss may hold
+# a layer's activation ([batch, pos, width] float32) from which an analysis that holds something of every layer
+# across a pass hands the freed transients back every few layers (:func:`layer_trim`); below it never (each trim
+# costs the next layer's page faults, and small transients are reused)
+TRIM_BYTES = 2 << 20
 
 
 def each_module(*trees: torch.nn.Module | None) -> list[torch.nn.Module]:
@@ -103,3 +107,34 @@ def trim_allocator() -> None:
             _LIBC = False
     if _LIBC:
         _LIBC(0)
+
+
+class LayerTrim:
+    """For a pass that holds something of each layer until it ends: call it once per layer, and it
+    calls :func:`trim_allocator` every ``every``-th time where a layer's ``[positions, width]`` float32
+    reaches :data:`TRIM_BYTES` (``active``; ``every`` 0: never); below it nothing (each trim costs the next layer's page
+    faults, and small transients are reused). :meth:`now` trims at once where active.
+
+    glibc keeps a layer's freed transients (under its mmap threshold, up to 32 MB) for reuse, and the
+    rows held at each layer land between them, so at length they pile up as resident memory nothing
+    uses (docs/benchmarks.md, issue 50 rounds 4, 5 and 12).
+
+    >>> trim = LayerTrim(4096, 576, every=5)
+    >>> trim.active, LayerTrim(128, 576, every=5).active
+    (True, False)
+    >>> [trim() for _ in range(5)] == [None] * 5
+    True
+    """
+
+    def __init__(self, positions: int, width: int, every: int):
+        self.active, self.every, self.calls = every > 0 and positions * width * 4 >= TRIM_BYTES, every, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.active and self.calls % self.every == 0:
+            trim_allocator()
+
+    def now(self) -> None:
+        """Trim at once, where active."""
+        if self.active:
+            trim_allocator()
