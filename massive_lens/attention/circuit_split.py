@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
-from massive_lens.core.budget import LayerTrim
 from massive_lens.core.criterion import Criterion, massive_mask
 from massive_lens.core.layer_attention import rest_lse
 from massive_lens.core.model_view import ModelView
@@ -42,11 +41,6 @@ TOL = 1e-4  # relative, float32: what "exact" means here
 # scores use them, the scores and the pattern on the sink's column, the content keys' log-sum-exp, and
 # the rotary cos/sin (on the kernel: its module's inputs; the eager path where they lack them, core.lse.lse_rotary)
 WANTS = ("q", "k", "scores", "rest_lse", "rotary")
-# the forward's freed transients handed back every TRIM_EVERY layers at length (core.budget.LayerTrim; glibc keeps
-# them resident under the small rows kept at each layer): at 4,096 tokens on SmolLM2 (one thread,
-# docs/benchmarks.md issue 50 round 5) never 1.51x the SDPA forward's memory, every third layer 0.64x, at
-# 0.94x/0.96x its time
-TRIM_EVERY = 3
 
 
 @dataclass
@@ -111,7 +105,6 @@ class CircuitCapture:
         self.path = choose_path(view, "auto", batch, want=WANTS)
         self.buffers: dict[str, Tensor] = {}  # what is kept of every layer, allocated once (see :meth:`kept`)
         self.rotary: list[tuple[Tensor, Tensor, Any]] = []  # each distinct (cos, sin) read, and its copy
-        self.trim = LayerTrim(batch.mask.numel(), view.cfg.n_heads * view.cfg.d_head, TRIM_EVERY)  # a layer's q
 
     def run(self, forward: Callable[[list[tuple[str, Any]]], Any]) -> Any:
         """``forward(hooks)`` (one forward of the capture's batch with ``hooks``) under the capture's
@@ -140,7 +133,6 @@ class CircuitCapture:
                 seen = tuple(x.detach().float().clone() for x in at.rotary)
                 self.rotary.append((*at.rotary, seen))
             keep.cos, keep.sin = seen
-        self.trim()
 
     def kept(self, name: str, layer: int, x: Tensor) -> Tensor:
         """A float32 copy of ``x`` in this layer's slice of one buffer for every layer, allocated at the

@@ -163,7 +163,6 @@ def decompose_attention(model: Any, text: str | Sequence[str] | Tensor, *, layer
         check_shapes(view, at.layer, at.shape, at.v, W_O, at.out)
         terms.check(at.layer, at.z, at.out, W_O, b_O, batch.mask)
         terms.hold(at.layer, at.z, at.cols.to(at.z.dtype), at.v[:, columns.to(at.v.device)], at.out)
-        trim()  # the layer's transients, freed, handed back: held between them they would fragment
 
     evidence = SinkEvidence(batch.mask, view.n_layers) if given is None else None  # the sink rule reads every layer
     terms.out_hooks = {i: attention_output_hook(view, i, path) for i in layers}  # as the pass reads them
@@ -372,7 +371,8 @@ SPLIT_BYTES = 4 << 20
 # output is held whole (its content term then costs no product); above it not at all
 HOLD_OUTPUT_BYTES = 32 << 20
 
-# every TRIM_EVERY layers at length (core.budget.LayerTrim) and after the split, the freed transients handed back.
+# every TRIM_EVERY layers at length (in the pass, core.pass_reader's; in the split, core.budget.LayerTrim) and
+# after the split, the freed transients handed back.
 # At 2,048 tokens (one thread, docs/benchmarks.md round 4): every layer 1.18x the SDPA forward's time, 0.85x its
 # memory; every third 1.14x, 0.89x; never 1.09x, 1.54x (freed transients between held buffers stay resident).
 # Round 5, what is held in one buffer per kind (_Terms), benchmarks.length: every 5th layer 1.05x, 0.90x; every 10th

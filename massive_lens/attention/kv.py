@@ -47,7 +47,6 @@ from torch import Tensor
 
 from massive_lens.attention.sinks import Sinks, SinkSet, candidate_columns, sink_mask, sinks_from
 from massive_lens.core.attention_pass import PassLayer, attention_reading, choose_path
-from massive_lens.core.budget import LayerTrim
 from massive_lens.core.criterion import SinkEvidence
 from massive_lens.core.model_view import ModelView
 from massive_lens.core.render import ensure_axes
@@ -63,9 +62,6 @@ WHOLE_BYTES = 2 ** 27
 # the layers tabled at once once the sinks are known: their sink terms per query and head ([layer, batch, pos, head,
 # d_head] float32) within this many bytes (every layer of SmolLM2 at 128 tokens; three at 2,048)
 ROWS_BYTES = 16 << 20
-# while the sinks are found in the pass, the freed transients handed back every TRIM_EVERY layers at length
-# (core.budget.LayerTrim): the attention on every candidate column, held per query, lands between them
-TRIM_EVERY = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,8 +254,8 @@ class _Reduce:
     sinks are (:meth:`finish`), the rows of every layer at once."""
 
     def __init__(self, view: ModelView, real: Tensor, columns: Tensor, rotary: tuple[int, float] | None,
-                 n_layers: int, whole: bool, trim: LayerTrim):
-        self.view, self.real, self.columns, self.rotary, self.trim = view, real, columns, rotary, trim
+                 n_layers: int, whole: bool):
+        self.view, self.real, self.columns, self.rotary = view, real, columns, rotary
         self.bands: dict[int, Tensor] = {}  # layer -> its _band_amplitudes
         self.n_layers, self.whole = n_layers, whole
         self.layers: list[int] = []  # in the buffers' order
@@ -286,7 +282,6 @@ class _Reduce:
         self.group = q.shape[2] // k.shape[2]
         self.term_bytes = q[..., 0, 0].numel() * q.shape[2] * v.shape[3] * 4  # a layer's sink terms, per query head
         self._hold(at.layer, read)
-        self.trim()
 
     def _hold(self, layer: int, fields: dict[str, Tensor]) -> None:
         if not self.buffers:
@@ -381,8 +376,7 @@ def sink_kv(model: Any, text: str | Sequence[str] | Tensor, *, sinks: Sinks = No
     # the layers kept as read where the sinks are to be found and their q, k, v (float32) fit WHOLE_BYTES
     width = getattr(view.cfg, "n_heads", 1) * getattr(view.cfg, "d_head", getattr(view.cfg, "d_model", 1))
     whole = sink is None and len(chosen) * batch.mask.numel() * 4 * 3 * width <= WHOLE_BYTES
-    trim = LayerTrim(batch.mask.numel(), view.cfg.d_model, TRIM_EVERY if sink is None else 0)  # given: few held
-    reduce = _Reduce(view, batch.mask, columns, rotary, len(chosen), whole, trim)
+    reduce = _Reduce(view, batch.mask, columns, rotary, len(chosen), whole)
     reader = attention_reading(view, reduce.add, path=path, batch=batch, columns=columns, want=("q", "k", "v"),
                                layers=chosen, evidence=evidence)
     with reader:

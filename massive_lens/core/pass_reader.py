@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from massive_lens.core.budget import LayerTrim
 from massive_lens.core.criterion import SinkEvidence, key_attention
 from massive_lens.core.gather import LayerGather
 from massive_lens.core.layer_attention import LayerAttention, rest_lse
@@ -33,6 +34,12 @@ from massive_lens.errors import MassiveLensError
 
 __all__ = ["AttentionEdit", "PassReader", "attention_layers", "edit_hooks", "missing_attention", "positions_first",
            "rotates"]
+
+# at length, glibc's freed transients handed back every TRIM_EVERY layers of a pass (core.budget.LayerTrim): what an
+# analysis keeps of each layer lands between them, and they pile up as resident memory nothing uses. At 8,192
+# tokens on SmolLM2 (docs/benchmarks.md issue 50 round 12) trace_origin's peak read 2,959-3,352 MB without (769 MB
+# held: glibc's mmap threshold pinned), 1,339-1,484 MB with one every 5th layer, against an SDPA forward's 2,095 MB
+TRIM_EVERY = 5
 
 
 def attention_layers(view: ModelView) -> list[int]:
@@ -129,6 +136,8 @@ class PassReader:
         self.kernel: contextlib.ExitStack | None = None
         self.gathers: dict[int, LayerGather] = {}  # eager: each read layer's gather
         self.rotary: dict[int, dict[str, Tensor]] = {}  # eager: each layer's rotary cos/sin of this forward
+        # every TRIM_EVERY layers handed over, at length (an unknown batch: never)
+        self.trim = LayerTrim(0 if batch is None else batch.mask.numel(), view.d_model, TRIM_EVERY)
         own = self.lse_hooks(out_hooks) if path == LSE else self.eager_hooks(out_hooks)
         self.hooks: list[tuple[str, Any]] = [*edit_hooks(view, edits or {}),
                                              *(self.resid_hooks() if evidence_resid else []), *own]
@@ -340,6 +349,7 @@ class PassReader:
         self.done.add(at.layer)
         if self.on_layer is not None:
             self.on_layer(at)
+        self.trim()
 
 
 def _add_pattern(pattern: Tensor, hook: Any, *, reader: PassReader) -> None:
