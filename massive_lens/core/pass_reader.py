@@ -136,8 +136,7 @@ class PassReader:
         self.kernel: contextlib.ExitStack | None = None
         self.gathers: dict[int, LayerGather] = {}  # eager: each read layer's gather
         self.rotary: dict[int, dict[str, Tensor]] = {}  # eager: each layer's rotary cos/sin of this forward
-        # every TRIM_EVERY layers handed over, at length (an unknown batch: never)
-        self.trim = LayerTrim(0 if batch is None else batch.mask.numel(), view.d_model, TRIM_EVERY)
+        self.trim: LayerTrim | None = None  # every TRIM_EVERY layers handed over, at length (sized at the first)
         own = self.lse_hooks(out_hooks) if path == LSE else self.eager_hooks(out_hooks)
         self.hooks: list[tuple[str, Any]] = [*edit_hooks(view, edits or {}),
                                              *(self.resid_hooks() if evidence_resid else []), *own]
@@ -349,6 +348,8 @@ class PassReader:
         self.done.add(at.layer)
         if self.on_layer is not None:
             self.on_layer(at)
+        if self.trim is None:  # the pattern's batch x query positions, a layer's [.., d_model] float32
+            self.trim = LayerTrim(at.shape[0] * at.shape[2], self.view.d_model, TRIM_EVERY)
         self.trim()
 
 
