@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers import untouched
 
+import massive_lens.core.attention_pass as attention_pass
 import massive_lens.core.budget as budget
 import massive_lens.core.pass_reader as pass_reader
 from massive_lens import decompose_attention, sink_attention, tiny_model, trace_origin
@@ -56,8 +57,6 @@ ANALYSES = {
 def test_the_pass_trims_every_layer_at_length(monkeypatch, analysis, attention):
     """With TRIM_BYTES this text's layer (TRIM_EVERY 1), each pass an analysis runs trims once per
     attention layer it hands over, on either path; a short text never trims."""
-    import massive_lens.core.attention_pass as attention_pass
-
     handed = []
 
     class Counted(budget.LayerTrim):
@@ -66,7 +65,8 @@ def test_the_pass_trims_every_layer_at_length(monkeypatch, analysis, attention):
             super().__call__()
 
     model = tiny_model("llama")
-    n_layers = ModelView(model).n_layers
+    view = ModelView(model)
+    n_layers, layer_bytes = view.n_layers, view.tokenize(TEXT).mask.numel() * view.d_model * 4
     monkeypatch.setattr(pass_reader, "LayerTrim", Counted)
     monkeypatch.setattr(pass_reader, "TRIM_EVERY", 1)
     monkeypatch.setattr(attention_pass, "LSE_FROM", 0 if attention == "lse" else 10 ** 9)
@@ -74,6 +74,6 @@ def test_the_pass_trims_every_layer_at_length(monkeypatch, analysis, attention):
         ANALYSES[analysis](model, n_layers)
         assert handed and not any(handed)  # a short text: handed over, never trimmed
         handed.clear()
-        monkeypatch.setattr(budget, "TRIM_BYTES", 44 * 64 * 4)  # a 44-token layer's float32 at d_model 64 and more
+        monkeypatch.setattr(budget, "TRIM_BYTES", layer_bytes)  # this text's layer reaches it
         ANALYSES[analysis](model, n_layers)
     assert handed and all(handed) and len(handed) % n_layers == 0

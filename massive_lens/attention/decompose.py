@@ -371,9 +371,9 @@ SPLIT_BYTES = 4 << 20
 # output is held whole (its content term then costs no product); above it not at all
 HOLD_OUTPUT_BYTES = 32 << 20
 
-# every TRIM_EVERY layers at length (in the pass, core.pass_reader's; in the split, core.budget.LayerTrim) and
-# after the split, the freed transients handed back.
-# At 2,048 tokens (one thread, docs/benchmarks.md round 4): every layer 1.18x the SDPA forward's time, 0.85x its
+# the split's freed transients handed back every TRIM_EVERY layers at length (core.budget.LayerTrim) and once after
+# it (the pass trims its own layers, core.pass_reader.TRIM_EVERY). Measured when this module trimmed in the pass:
+# at 2,048 tokens (one thread, docs/benchmarks.md round 4) every layer 1.18x the SDPA forward's time, 0.85x its
 # memory; every third 1.14x, 0.89x; never 1.09x, 1.54x (freed transients between held buffers stay resident).
 # Round 5, what is held in one buffer per kind (_Terms), benchmarks.length: every 5th layer 1.05x, 0.90x; every 10th
 # 1.05-1.12x, 0.99-1.13x (memory over the goal); every 3rd 1.08-1.13x, 0.86-0.96x

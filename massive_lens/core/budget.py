@@ -24,9 +24,9 @@ _LIBC: Any = None
 LOGITS_SHARE = 0.05  # one pass's logits stay under this share of the weights' bytes
 MAX_BATCH = 8  # sequences a pass when the logits budget allows more
 LOSS_CHUNK_BYTES = 8 * 2**20  # the float32 log-probabilities one step of a loss may hold
-# a layer's activation ([batch, pos, width] float32) from which an analysis that holds something of every layer
-# across a pass hands the freed transients back every few layers (:func:`layer_trim`); below it never (each trim
-# costs the next layer's page faults, and small transients are reused)
+# a layer's activation ([batch, pos, width] float32) from which a pass hands the freed transients back every few
+# layers (:class:`LayerTrim`); below it never (each trim costs the next layer's page faults, and small transients
+# are reused)
 TRIM_BYTES = 2 << 20
 
 
