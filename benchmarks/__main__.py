@@ -10,6 +10,7 @@ import os
 import platform
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, from {', '.join(AREAS)}")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated model names for load_model (default: {','.join(MODELS)})")
-    parser.add_argument("--write", default=None, help="write the table into this Markdown file")
+    parser.add_argument("--write", default=None, help="update the table in this Markdown file: the rows measured "
+                        "replace theirs; the other rows and everything after the table stay")
     parser.add_argument("--dtype", default=None, help="load the models in this dtype (e.g. bfloat16; default float32)")
     parser.add_argument("--device", default=None, help="load the models on this device (e.g. cuda)")
     parser.add_argument("--no-memory", action="store_true", help="time only: skip the per-case memory subprocesses")
@@ -116,19 +118,20 @@ def main(argv: list[str] | None = None) -> int:
             failed.append("train")
             print(f"benchmark area 'train' failed:\n{traceback.format_exc()}", file=sys.stderr)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    header = (f"Measured with `python -m benchmarks --write docs/benchmarks.md` on {os.cpu_count()} CPU "
+    command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
+    header = (f"Last updated with `{command}` on {os.cpu_count()} CPU "
               f"cores ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads, load "
               f"average {load:.1f} at the end; models: {', '.join(names) or 'none'} ({args.dtype or 'float32'}"
               f"{', on ' + args.device if args.device else ''}; on a large model the "
               f"cases read fewer sequences, see the detail column). Each ratio is the median time of the case over "
-              f"the median time of its baseline, interleaved in one run, on the same model.")
+              f"the median time of its baseline, interleaved in one run, on the same model. Rows of other areas "
+              f"and models are from earlier runs (their detail column says when, where it says).")
     if failed:
         header += f"\n\n**Failed areas (see the log): {', '.join(failed)}.**"
     table = harness.to_markdown(rows, header)
     print(table)
-    if args.write:
-        with open(args.write, "w") as handle:
-            handle.write("# Benchmarks\n\n" + table)
+    if args.write:  # the rows measured replace theirs; the file's notes and other rows stay
+        harness.write_table(Path(args.write), rows, header)
     return 1 if failed else 0
 
 

@@ -16,7 +16,7 @@ round takes seconds on a CPU for any model size. Ratios compare a case with its 
 the same model and batch, so they stay comparable across models.
 
     python -m benchmarks                       # prints the table
-    python -m benchmarks --write docs/benchmarks.md
+    python -m benchmarks --write docs/benchmarks.md  # the rows measured replace theirs there (write_table)
     python -m benchmarks --models default --areas origin --repeats 1
 """
 
@@ -123,3 +123,32 @@ def to_markdown(rows: list[Row], header: str) -> str:
         goal = "-" if r.goal is None else f"{r.goal:g}"
         lines.append(f"| {r.model or '-'} | {r.area} | {r.name} | {r.ratio:.2f} | {goal} | {r.verdict} | {r.detail} |")
     return "\n".join(lines) + "\n"
+
+
+
+TABLE_HEAD = "| model | area | measurement | ratio | goal (ratio <=) | verdict | detail |"
+
+
+def write_table(path: Path, rows: list[Row], header: str) -> None:
+    """Write the table into ``path``: a new file holds a title and the table; an existing one keeps its
+    title and everything after its table (the notes and the issues' sections), and every row of an area or
+    model not measured this time; a row measured again (the same model, area and measurement) is replaced
+    where it stood, a new one appended. What stood between the title and the table is this run's header."""
+    fresh = to_markdown(rows, header).splitlines()
+    lines = path.read_text().splitlines() if path.exists() else ["# Benchmarks"]
+    if path.exists() and TABLE_HEAD not in lines:
+        raise SystemExit(f"{path} has no benchmark table to update; write to a new file instead")
+    head = lines.index(TABLE_HEAD) if TABLE_HEAD in lines else len(lines)
+    end = head + 2
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    new = {_key(line): line for line in fresh[fresh.index(TABLE_HEAD) + 2:]}
+    kept = [new.pop(_key(line), line) for line in lines[head + 2:end]]
+    title = lines[:1] if lines[0].startswith("# ") else []
+    table = [*fresh[:fresh.index(TABLE_HEAD) + 2], *kept, *new.values()]
+    path.write_text("\n".join([*title, *([""] if title else []), *table, *lines[end:]]) + "\n")
+
+
+def _key(line: str) -> tuple[str, ...]:
+    """A table row's model, area and measurement."""
+    return tuple(cell.strip() for cell in line.strip().strip("|").split("|")[:3])
