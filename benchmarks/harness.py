@@ -116,17 +116,15 @@ def memory_in_subprocess(area: str, case: str, model: str = "default") -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+TABLE_HEAD = "| model | area | measurement | ratio | goal (ratio <=) | verdict | detail |"
+
+
 def to_markdown(rows: list[Row], header: str) -> str:
-    lines = [header, "", "| model | area | measurement | ratio | goal (ratio <=) | verdict | detail |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [header, "", TABLE_HEAD, "|---|---|---|---|---|---|---|"]
     for r in rows:
         goal = "-" if r.goal is None else f"{r.goal:g}"
         lines.append(f"| {r.model or '-'} | {r.area} | {r.name} | {r.ratio:.2f} | {goal} | {r.verdict} | {r.detail} |")
     return "\n".join(lines) + "\n"
-
-
-
-TABLE_HEAD = "| model | area | measurement | ratio | goal (ratio <=) | verdict | detail |"
 
 
 def write_table(path: Path, rows: list[Row], header: str) -> None:
@@ -135,18 +133,20 @@ def write_table(path: Path, rows: list[Row], header: str) -> None:
     model not measured this time; a row measured again (the same model, area and measurement) is replaced
     where it stood, a new one appended. What stood between the title and the table is this run's header."""
     fresh = to_markdown(rows, header).splitlines()
-    lines = path.read_text().splitlines() if path.exists() else ["# Benchmarks"]
-    if path.exists() and TABLE_HEAD not in lines:
+    if not path.exists():
+        path.write_text("# Benchmarks\n\n" + "\n".join(fresh) + "\n")
+        return
+    lines = path.read_text().splitlines()
+    if TABLE_HEAD not in lines:
         raise SystemExit(f"{path} has no benchmark table to update; write to a new file instead")
-    head = lines.index(TABLE_HEAD) if TABLE_HEAD in lines else len(lines)
-    end = head + 2
+    head, body = lines.index(TABLE_HEAD) + 2, fresh.index(TABLE_HEAD) + 2  # the first row of each
+    end = head
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
-    new = {_key(line): line for line in fresh[fresh.index(TABLE_HEAD) + 2:]}
-    kept = [new.pop(_key(line), line) for line in lines[head + 2:end]]
-    title = lines[:1] if lines[0].startswith("# ") else []
-    table = [*fresh[:fresh.index(TABLE_HEAD) + 2], *kept, *new.values()]
-    path.write_text("\n".join([*title, *([""] if title else []), *table, *lines[end:]]) + "\n")
+    new = {_key(line): line for line in fresh[body:]}
+    kept = [new.pop(_key(line), line) for line in lines[head:end]]
+    title = [lines[0], ""] if lines[0].startswith("# ") else []
+    path.write_text("\n".join([*title, *fresh[:body], *kept, *new.values(), *lines[end:]]) + "\n")
 
 
 def _key(line: str) -> tuple[str, ...]:
